@@ -1,0 +1,23 @@
+//! Compiles the kubelet protos in `proto/` with protox (pure Rust), so building needs no protoc.
+
+use std::path::PathBuf;
+
+const PROTOS: &[&str] = &[
+    "k8s.io/kubelet/pkg/apis/dra/v1/api.proto",
+    "k8s.io/kubelet/pkg/apis/dra/v1beta1/api.proto",
+    "k8s.io/kubelet/pkg/apis/pluginregistration/v1/api.proto",
+    "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto",
+];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={}", root.join(proto).display());
+    }
+    let fds = protox::compile(PROTOS, [&root])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(fds)?;
+    Ok(())
+}

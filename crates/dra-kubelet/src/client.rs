@@ -1,0 +1,26 @@
+//! Dialing a plugin's Unix sockets the way the kubelet does: for tests and tools.
+
+use std::path::{Path, PathBuf};
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+
+pub use crate::proto::dra_v1::dra_plugin_client::DraPluginClient as DraPluginV1Client;
+pub use crate::proto::dra_v1beta1::dra_plugin_client::DraPluginClient as DraPluginV1beta1Client;
+pub use crate::proto::pluginregistration::registration_client::RegistrationClient;
+
+/// Opens a gRPC channel to the Unix socket at `path`.
+///
+/// # Errors
+/// The transport error when the socket cannot be reached.
+pub async fn connect(path: impl AsRef<Path>) -> Result<Channel, tonic::transport::Error> {
+    let path: PathBuf = path.as_ref().to_owned();
+    // The URI is ignored by the connector; tonic requires a syntactically valid one.
+    Endpoint::from_static("http://[::]:50051")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+        }))
+        .await
+}

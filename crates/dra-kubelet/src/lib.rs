@@ -1,0 +1,32 @@
+//! The kubelet-facing side of a DRA driver: plugin registration and the DRAPlugin gRPC service
+//! (v1 and v1beta1) over Unix sockets, generic over a [`Driver`]. Knows nothing about GPUs.
+//!
+//! Shape, as the kubelet sees it (KEP-4381 "DRA: structured parameters", kubelet plugin watcher):
+//! - `<registrar-dir>/<driver>-reg.sock` serves `pluginregistration.Registration`; `GetInfo`
+//!   answers type `DRAPlugin`, the driver name, the DRA socket path and the supported service
+//!   versions (`v1.DRAPlugin`, then `v1beta1.DRAPlugin`).
+//! - `<plugin-dir>/dra.sock` serves `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin` and its v1beta1 twin.
+//!
+//! Per-claim results at the RPC boundary: a bad claim yields an error entry for that claim and
+//! never fails the whole RPC.
+
+pub mod client;
+mod convert;
+mod driver;
+pub mod proto;
+mod registration;
+mod server;
+mod service;
+
+pub use driver::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
+pub use registration::RegistrationStatus;
+pub use server::{PluginServer, PluginSockets, ServeError};
+pub use service::{DraPluginV1, DraPluginV1beta1};
+
+/// The plugin type the kubelet's plugin watcher routes to its DRA manager
+/// (k8s.io/kubelet/pkg/apis/pluginregistration/v1/constants.go).
+pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
+
+/// The gRPC service versions we serve, in order of preference, as advertised in `GetInfo`.
+/// The kubelet picks the first one it supports (pkg/kubelet/cm/dra/plugin, Kubernetes 1.34+).
+pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];

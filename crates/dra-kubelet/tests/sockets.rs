@@ -1,0 +1,247 @@
+//! The public API over real Unix sockets: we act as the kubelet against a recording driver.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dra_kubelet::client::{DraPluginV1Client, DraPluginV1beta1Client, RegistrationClient, connect};
+use dra_kubelet::proto::{dra_v1, dra_v1beta1, pluginregistration};
+use dra_kubelet::{
+    ClaimRef, Driver, PluginServer, PluginSockets, PrepareResult, PreparedDevice,
+    RegistrationStatus, UnprepareResult,
+};
+
+/// Prepares any claim whose name does not start with "bad"; records every call.
+#[derive(Default)]
+struct Recorder {
+    calls: Mutex<Vec<(&'static str, Vec<ClaimRef>)>>,
+}
+
+impl Driver for Recorder {
+    type Error = String;
+
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult<String>> {
+        self.calls.lock().unwrap().push(("prepare", claims.clone()));
+        claims
+            .into_iter()
+            .map(|c| {
+                let r = if c.name.starts_with("bad") {
+                    Err(format!(
+                        "claim {}/{}: not allocated to us",
+                        c.namespace, c.name
+                    ))
+                } else {
+                    Ok(vec![PreparedDevice {
+                        request_names: vec!["gpu".into()],
+                        pool_name: "node-a".into(),
+                        device_name: "gpu-0".into(),
+                        cdi_device_ids: vec![format!("example.com/claim={}-gpu-0", c.uid)],
+                        share_id: None,
+                    }])
+                };
+                (c.uid, r)
+            })
+            .collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, UnprepareResult<String>> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(("unprepare", claims.clone()));
+        claims.into_iter().map(|c| (c.uid, Ok(()))).collect()
+    }
+}
+
+struct Running {
+    _dir: tempfile::TempDir,
+    sockets: PluginSockets,
+    driver: Arc<Recorder>,
+    status: tokio::sync::watch::Receiver<RegistrationStatus>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), dra_kubelet::ServeError>>,
+}
+
+async fn start() -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    let sockets = PluginSockets {
+        plugin_dir: dir.path().join("plugins/example.com"),
+        registrar_dir: dir.path().join("plugins_registry"),
+    };
+    let driver = Arc::new(Recorder::default());
+    let server = PluginServer::new("example.com", sockets.clone(), Arc::clone(&driver));
+    let status = server.registration_status();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve(async {
+        let _ = stopped.await;
+    }));
+    let reg = sockets.registration_socket("example.com");
+    for _ in 0..100 {
+        if reg.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Running {
+        _dir: dir,
+        sockets,
+        driver,
+        status,
+        stop,
+        task,
+    }
+}
+
+fn v1_claim(ns: &str, name: &str, uid: &str) -> dra_v1::Claim {
+    dra_v1::Claim {
+        namespace: ns.into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+#[tokio::test]
+async fn registration_advertises_both_dra_versions_and_the_dra_socket() {
+    let r = start().await;
+    let mut reg = RegistrationClient::new(
+        connect(r.sockets.registration_socket("example.com"))
+            .await
+            .unwrap(),
+    );
+    let info = reg
+        .get_info(pluginregistration::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, "example.com");
+    assert_eq!(info.endpoint, r.sockets.dra_socket().to_string_lossy());
+    assert_eq!(
+        info.supported_versions,
+        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    );
+
+    reg.notify_registration_status(pluginregistration::RegistrationStatus {
+        plugin_registered: false,
+        error: "version skew".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        *r.status.borrow(),
+        RegistrationStatus::Failed("version skew".into())
+    );
+}
+
+#[tokio::test]
+async fn one_bad_claim_gets_an_error_entry_and_the_others_are_prepared() {
+    let r = start().await;
+    let mut dra = DraPluginV1Client::new(connect(r.sockets.dra_socket()).await.unwrap());
+    let resp = dra
+        .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+            claims: vec![
+                v1_claim("ns", "good", "uid-1"),
+                v1_claim("ns", "bad-claim", "uid-2"),
+                v1_claim("", "no-namespace", "uid-3"),
+                v1_claim("ns", "good", "uid-1"),
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims.len(), 3);
+    let good = &resp.claims["uid-1"];
+    assert_eq!(good.error, "");
+    assert_eq!(
+        good.devices[0].cdi_device_ids,
+        ["example.com/claim=uid-1-gpu-0"]
+    );
+    assert!(resp.claims["uid-2"].error.contains("not allocated"));
+    assert!(resp.claims["uid-3"].error.contains("`namespace`"));
+    // The invalid claim never reached the driver, and the repeated one was passed once.
+    let calls = r.driver.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(
+        calls[0]
+            .1
+            .iter()
+            .map(|c| c.uid.as_str())
+            .collect::<Vec<_>>(),
+        ["uid-1", "uid-2"]
+    );
+}
+
+#[tokio::test]
+async fn v1beta1_prepare_and_unprepare_reach_the_same_driver() {
+    let r = start().await;
+    let mut dra = DraPluginV1beta1Client::new(connect(r.sockets.dra_socket()).await.unwrap());
+    let claim = dra_v1beta1::Claim {
+        namespace: "ns".into(),
+        name: "c".into(),
+        uid: "uid-9".into(),
+    };
+    let resp = dra
+        .node_prepare_resources(dra_v1beta1::NodePrepareResourcesRequest {
+            claims: vec![claim.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims["uid-9"].devices[0].device_name, "gpu-0");
+    let resp = dra
+        .node_unprepare_resources(dra_v1beta1::NodeUnprepareResourcesRequest {
+            claims: vec![claim],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims["uid-9"].error, "");
+    let kinds: Vec<_> = r.driver.calls.lock().unwrap().iter().map(|c| c.0).collect();
+    assert_eq!(kinds, ["prepare", "unprepare"]);
+}
+
+#[tokio::test]
+async fn shutdown_removes_both_socket_files() {
+    let r = start().await;
+    let (dra, reg) = (
+        r.sockets.dra_socket(),
+        r.sockets.registration_socket("example.com"),
+    );
+    assert!(dra.exists() && reg.exists());
+    r.stop.send(()).unwrap();
+    r.task.await.unwrap().unwrap();
+    assert!(!dra.exists(), "dra.sock left behind");
+    assert!(!reg.exists(), "registration socket left behind");
+}
+
+#[tokio::test]
+async fn a_stale_socket_file_from_a_crashed_run_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let sockets = PluginSockets {
+        plugin_dir: dir.path().join("p"),
+        registrar_dir: dir.path().join("r"),
+    };
+    std::fs::create_dir_all(&sockets.plugin_dir).unwrap();
+    std::fs::write(sockets.dra_socket(), b"stale").unwrap();
+    let server = PluginServer::new(
+        "example.com",
+        sockets.clone(),
+        Arc::new(Recorder::default()),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve(async {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut dra = DraPluginV1Client::new(connect(sockets.dra_socket()).await.unwrap());
+    let resp = dra
+        .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
+            claims: vec![v1_claim("ns", "c", "u")],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.claims["u"].error, "");
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+}

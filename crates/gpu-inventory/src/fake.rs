@@ -1,0 +1,255 @@
+//! A deterministic fake GPU backend read from a topology file, with call recording and fault
+//! injection for tests.
+//!
+//! Topology file (YAML), one entry per NVML answer:
+//! ```yaml
+//! system: {driverVersion: "570.124.06", cudaDriverVersion: 12080}
+//! gpus:
+//!   - {index: 0, minor: 0, uuid: GPU-..., name: NVIDIA H100 80GB HBM3, brand: Nvidia,
+//!      architecture: Hopper, cudaComputeCapabilityMajor: 9, cudaComputeCapabilityMinor: 0,
+//!      memoryTotalBytes: 85520809984, multiprocessorCount: 132,
+//!      pciBusId: "00000000:18:00.0", numaNode: 0,
+//!      nvlinks: [{links: 5, remotePciBusId: "00000000:05:00.0", remoteDeviceType: switch}]}
+//! ```
+//! See `examples/topologies/` for complete files.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{BackendError, GpuBackend, RawGpu, SystemInfo};
+
+/// The contents of a topology file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Topology {
+    /// Node-wide driver facts.
+    pub system: SystemInfo,
+    /// Full GPUs in NVML enumeration order.
+    pub gpus: Vec<RawGpu>,
+}
+
+/// A topology file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    /// The file could not be read.
+    #[error("reading topology file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The YAML does not match the topology schema.
+    #[error("parsing topology {origin}: {source}")]
+    Parse {
+        /// The file, or `<inline>`.
+        origin: String,
+        /// The cause, with line and column.
+        source: serde_yaml_ng::Error,
+    },
+    /// The topology is inconsistent.
+    #[error("topology {origin}: {problem}")]
+    Invalid {
+        /// The file, or `<inline>`.
+        origin: String,
+        /// What is wrong, naming the GPU and field.
+        problem: String,
+    },
+}
+
+impl Topology {
+    /// Reads and validates a topology file.
+    ///
+    /// # Errors
+    /// [`TopologyError`] naming the file and, for bad content, the GPU and field.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TopologyError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| TopologyError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates topology YAML; `origin` names it in errors.
+    ///
+    /// # Errors
+    /// [`TopologyError::Parse`] or [`TopologyError::Invalid`].
+    pub fn parse(yaml: &str, origin: &str) -> Result<Self, TopologyError> {
+        let topology: Self =
+            serde_yaml_ng::from_str(yaml).map_err(|source| TopologyError::Parse {
+                origin: origin.to_owned(),
+                source,
+            })?;
+        topology
+            .validate()
+            .map_err(|problem| TopologyError::Invalid {
+                origin: origin.to_owned(),
+                problem,
+            })?;
+        Ok(topology)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let mut uuids = BTreeSet::new();
+        let mut minors = BTreeSet::new();
+        let mut buses = BTreeSet::new();
+        for (i, gpu) in self.gpus.iter().enumerate() {
+            if usize::try_from(gpu.index).ok() != Some(i) {
+                return Err(format!(
+                    "gpus[{i}].index is {}, expected {i} (NVML enumeration order)",
+                    gpu.index
+                ));
+            }
+            if !uuids.insert(&gpu.uuid) {
+                return Err(format!("gpus[{i}].uuid {} is not unique", gpu.uuid));
+            }
+            if !minors.insert(gpu.minor) {
+                return Err(format!("gpus[{i}].minor {} is not unique", gpu.minor));
+            }
+            if !buses.insert(&gpu.pci_bus_id) {
+                return Err(format!(
+                    "gpus[{i}].pciBusId {} is not unique",
+                    gpu.pci_bus_id
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves NVML queries from a [`Topology`]; records each query and can fail chosen ones.
+#[derive(Debug)]
+pub struct FakeBackend {
+    topology: Topology,
+    calls: Mutex<Vec<String>>,
+    failing_gpus: Mutex<BTreeSet<u32>>,
+}
+
+impl FakeBackend {
+    /// A backend answering from `topology`.
+    pub fn new(topology: Topology) -> Self {
+        Self {
+            topology,
+            calls: Mutex::new(Vec::new()),
+            failing_gpus: Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    /// The topology served.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// Makes every later query for the GPU at `index` fail with [`BackendError::Injected`].
+    pub fn fail_gpu(&self, index: u32) {
+        lock(&self.failing_gpus).insert(index);
+    }
+
+    /// The queries served so far, e.g. `["system", "device_count", "gpu(0)"]`.
+    pub fn calls(&self) -> Vec<String> {
+        lock(&self.calls).clone()
+    }
+
+    fn record(&self, call: String) {
+        lock(&self.calls).push(call);
+    }
+}
+
+/// A poisoned lock only means another test thread panicked; the data is still usable.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl GpuBackend for FakeBackend {
+    fn system(&self) -> Result<SystemInfo, BackendError> {
+        self.record("system".into());
+        Ok(self.topology.system.clone())
+    }
+
+    fn device_count(&self) -> Result<u32, BackendError> {
+        self.record("device_count".into());
+        // validate() guarantees index == position, so the count fits the index type.
+        Ok(u32::try_from(self.topology.gpus.len()).unwrap_or(u32::MAX))
+    }
+
+    fn gpu(&self, index: u32) -> Result<RawGpu, BackendError> {
+        self.record(format!("gpu({index})"));
+        if lock(&self.failing_gpus).contains(&index) {
+            return Err(BackendError::Injected { call: "gpu", index });
+        }
+        self.topology
+            .gpus
+            .get(index as usize)
+            .cloned()
+            .ok_or_else(|| BackendError::Query {
+                call: "nvmlDeviceGetHandleByIndex_v2",
+                index,
+                message: "Invalid Argument".into(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ONE_GPU: &str = r#"
+system: {driverVersion: "570.124.06", cudaDriverVersion: 12080}
+gpus:
+  - {index: 0, minor: 0, uuid: GPU-a, name: NVIDIA H100 80GB HBM3, brand: Nvidia,
+     architecture: Hopper, cudaComputeCapabilityMajor: 9, cudaComputeCapabilityMinor: 0,
+     memoryTotalBytes: 85520809984, multiprocessorCount: 132, pciBusId: "00000000:18:00.0",
+     numaNode: 0}
+"#;
+
+    #[test]
+    fn a_topology_is_served_query_by_query_and_recorded() {
+        let fake = FakeBackend::new(Topology::parse(ONE_GPU, "t").expect("valid"));
+        assert_eq!(fake.device_count().expect("count"), 1);
+        assert_eq!(fake.gpu(0).expect("gpu").uuid, "GPU-a");
+        assert!(fake.gpu(1).is_err());
+        assert_eq!(fake.calls(), ["device_count", "gpu(0)", "gpu(1)"]);
+    }
+
+    #[test]
+    fn an_injected_fault_fails_only_that_gpu() {
+        let fake = FakeBackend::new(Topology::parse(ONE_GPU, "t").expect("valid"));
+        fake.fail_gpu(0);
+        assert!(matches!(
+            fake.gpu(0),
+            Err(BackendError::Injected { index: 0, .. })
+        ));
+        assert!(fake.system().is_ok());
+    }
+
+    #[test]
+    fn bad_topologies_name_the_gpu_and_field() {
+        let cases = [
+            (ONE_GPU.replace("index: 0", "index: 3"), "gpus[0].index"),
+            (
+                ONE_GPU.replace("numaNode: 0", "numaNode: 0, colour: red"),
+                "colour",
+            ),
+            (
+                format!(
+                    "{ONE_GPU}{}",
+                    r#"  - {index: 1, minor: 1, uuid: GPU-a, name: x, brand: Nvidia, architecture: Hopper,
+     cudaComputeCapabilityMajor: 9, cudaComputeCapabilityMinor: 0, memoryTotalBytes: 1,
+     multiprocessorCount: 1, pciBusId: "00000000:19:00.0", numaNode: 0}
+"#
+                ),
+                "gpus[1].uuid GPU-a is not unique",
+            ),
+        ];
+        for (yaml, needle) in cases {
+            let err = Topology::parse(&yaml, "bad.yaml")
+                .expect_err("must fail")
+                .to_string();
+            assert!(err.contains(needle) && err.contains("bad.yaml"), "{err}");
+        }
+    }
+}

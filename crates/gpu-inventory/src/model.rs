@@ -1,0 +1,278 @@
+//! The device model: discovered GPUs with normalized values, and their ResourceSlice form.
+//!
+//! Attribute vocabulary follows NVIDIA's DRA driver (k8s-dra-driver-gpu), so a claim written for
+//! it selects the same GPUs here when the driver name is the same: `type`, `uuid`, `productName`,
+//! `brand`, `architecture`, `cudaComputeCapability`, `driverVersion`, `cudaDriverVersion`,
+//! `index`, `minor`; plus the standard `resource.kubernetes.io/pciBusID`
+//! (k8s.io/dynamic-resource-allocation/deviceattribute) and `resource.kubernetes.io/numaNode`.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use crate::backend::{BackendError, GpuBackend, RawGpu};
+
+/// Prefix of the attributes Kubernetes standardizes across drivers.
+pub const STANDARD_PREFIX: &str = "resource.kubernetes.io/";
+
+/// Discovery failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// The backend failed.
+    #[error("querying the GPU backend")]
+    Backend(#[from] BackendError),
+    /// A value NVML returned cannot be published as its attribute type.
+    #[error("GPU {uuid}: field {field} value {value:?} {problem}")]
+    BadValue {
+        /// The GPU (or `system` for node-wide values).
+        uuid: String,
+        /// The attribute or NVML field.
+        field: &'static str,
+        /// The value as NVML gave it.
+        value: String,
+        /// Why it is unusable.
+        problem: &'static str,
+    },
+}
+
+/// Everything discovered on one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inventory {
+    /// Full GPUs, in NVML enumeration order.
+    pub gpus: Vec<Gpu>,
+}
+
+/// One full GPU with values normalized for publication.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    /// Device name within the pool (a DNS label), e.g. `gpu-0`.
+    pub name: String,
+    /// NVML's answers.
+    pub raw: RawGpu,
+    /// Kernel driver version as semver, leading zeros removed: `570.124.06` becomes `570.124.6`.
+    pub driver_version: String,
+    /// CUDA driver version as semver, e.g. `12.8.0`.
+    pub cuda_driver_version: String,
+    /// PCI bus ID in extended BDF form `dddd:bb:dd.f` (lowercase), when the domain fits 4 hex digits.
+    pub pci_bus_id: Option<String>,
+}
+
+/// Queries `backend` for every GPU and normalizes the answers.
+///
+/// # Errors
+/// [`DiscoveryError`] when a query fails or a value cannot be published.
+pub fn discover(backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
+    let system = backend.system()?;
+    let driver_version =
+        semver_from_dotted(&system.driver_version).ok_or_else(|| DiscoveryError::BadValue {
+            uuid: "system".into(),
+            field: "driverVersion",
+            value: system.driver_version.clone(),
+            problem: "is not a dotted numeric version",
+        })?;
+    let cuda = system.cuda_driver_version;
+    if cuda <= 0 {
+        return Err(DiscoveryError::BadValue {
+            uuid: "system".into(),
+            field: "cudaDriverVersion",
+            value: cuda.to_string(),
+            problem: "must be positive",
+        });
+    }
+    let cuda_driver_version = format!("{}.{}.0", cuda / 1000, (cuda % 1000) / 10);
+    let gpus = (0..backend.device_count()?)
+        .map(|i| {
+            let raw = backend.gpu(i)?;
+            Ok(Gpu {
+                name: format!("gpu-{}", raw.index),
+                pci_bus_id: standard_pci_bus_id(&raw.pci_bus_id),
+                driver_version: driver_version.clone(),
+                cuda_driver_version: cuda_driver_version.clone(),
+                raw,
+            })
+        })
+        .collect::<Result<Vec<_>, DiscoveryError>>()?;
+    Ok(Inventory { gpus })
+}
+
+/// `570.124.06` -> `570.124.6`, `575.51` -> `575.51.0`. `None` unless 1-3 numeric parts.
+pub fn semver_from_dotted(v: &str) -> Option<String> {
+    let parts: Vec<u64> = v
+        .trim()
+        .split('.')
+        .map(|p| {
+            if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
+                None
+            } else {
+                p.parse().ok()
+            }
+        })
+        .collect::<Option<_>>()?;
+    match parts.as_slice() {
+        [a] => Some(format!("{a}.0.0")),
+        [a, b] => Some(format!("{a}.{b}.0")),
+        [a, b, c] => Some(format!("{a}.{b}.{c}")),
+        _ => None,
+    }
+}
+
+/// NVML's `00000000:18:00.0` -> `0000:18:00.0`, the form upstream's `GetPCIBusIDAttribute`
+/// accepts (deviceattribute/pci_linux.go). `None` when the domain needs more than 4 hex digits.
+pub fn standard_pci_bus_id(nvml: &str) -> Option<String> {
+    let lower = nvml.trim().to_ascii_lowercase();
+    let (domain, rest) = lower.split_once(':')?;
+    let domain = u32::from_str_radix(domain, 16).ok()?;
+    let id = format!("{domain:04x}:{rest}");
+    let b = id.as_bytes();
+    let hex = |r: std::ops::Range<usize>| {
+        b.get(r)
+            .is_some_and(|s| s.iter().all(u8::is_ascii_hexdigit))
+    };
+    let well_formed = b.len() == 12
+        && hex(0..4)
+        && b[4] == b':'
+        && hex(5..7)
+        && b[7] == b':'
+        && hex(8..10)
+        && b[10] == b'.'
+        && hex(11..12);
+    well_formed.then_some(id)
+}
+
+/// Bytes as the canonical Kubernetes quantity the API server would store: the largest binary
+/// suffix that divides exactly (`81559Mi`), else a plain integer.
+pub fn bytes_quantity(bytes: u64) -> Quantity {
+    const SUFFIXES: [&str; 6] = ["Ei", "Pi", "Ti", "Gi", "Mi", "Ki"];
+    for (i, suffix) in SUFFIXES.iter().enumerate() {
+        let unit = 1u64 << (10 * (6 - i));
+        if bytes != 0 && bytes.is_multiple_of(unit) {
+            return Quantity(format!("{}{suffix}", bytes / unit));
+        }
+    }
+    Quantity(bytes.to_string())
+}
+
+fn string(v: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(v.into()),
+        ..Default::default()
+    }
+}
+
+fn int(v: impl Into<i64>) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(v.into()),
+        ..Default::default()
+    }
+}
+
+fn version(v: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute {
+        version: Some(v.into()),
+        ..Default::default()
+    }
+}
+
+impl Gpu {
+    /// The `resource.k8s.io/v1` Device published for this GPU. Bare attribute names belong to
+    /// the driver's domain. Capacities: `memory` (bytes), `multiprocessors` (count).
+    pub fn device(&self) -> Device {
+        let r = &self.raw;
+        let mut attributes = BTreeMap::from([
+            ("type".to_owned(), string("gpu")),
+            ("uuid".to_owned(), string(&r.uuid)),
+            ("productName".to_owned(), string(&r.name)),
+            ("brand".to_owned(), string(&r.brand)),
+            ("architecture".to_owned(), string(&r.architecture)),
+            (
+                "cudaComputeCapability".to_owned(),
+                version(format!(
+                    "{}.{}.0",
+                    r.cuda_compute_capability_major, r.cuda_compute_capability_minor
+                )),
+            ),
+            ("driverVersion".to_owned(), version(&self.driver_version)),
+            (
+                "cudaDriverVersion".to_owned(),
+                version(&self.cuda_driver_version),
+            ),
+            ("index".to_owned(), int(r.index)),
+            ("minor".to_owned(), int(r.minor)),
+        ]);
+        if let Some(bus) = &self.pci_bus_id {
+            attributes.insert(format!("{STANDARD_PREFIX}pciBusID"), string(bus));
+        }
+        if let Some(numa) = r.numa_node {
+            attributes.insert(format!("{STANDARD_PREFIX}numaNode"), int(numa));
+        }
+        let capacity = BTreeMap::from([
+            (
+                "memory".to_owned(),
+                DeviceCapacity {
+                    value: bytes_quantity(r.memory_total_bytes),
+                    ..Default::default()
+                },
+            ),
+            (
+                "multiprocessors".to_owned(),
+                DeviceCapacity {
+                    value: Quantity(r.multiprocessor_count.to_string()),
+                    ..Default::default()
+                },
+            ),
+        ]);
+        Device {
+            name: self.name.clone(),
+            attributes: Some(attributes),
+            capacity: Some(capacity),
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvidia_driver_versions_become_valid_semver() {
+        for (input, want) in [
+            ("570.124.06", Some("570.124.6")),
+            ("550.54.15", Some("550.54.15")),
+            ("575.51", Some("575.51.0")),
+            ("580", Some("580.0.0")),
+            ("1.2.3.4", None),
+            ("570.x.1", None),
+            ("", None),
+            ("-1.0.0", None),
+        ] {
+            assert_eq!(semver_from_dotted(input).as_deref(), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn pci_bus_ids_take_the_standard_four_digit_domain_form() {
+        for (input, want) in [
+            ("00000000:18:00.0", Some("0000:18:00.0")),
+            ("00000001:DB:00.0", Some("0001:db:00.0")),
+            ("00010000:01:00.0", None),
+            ("garbage", None),
+        ] {
+            assert_eq!(standard_pci_bus_id(input).as_deref(), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn memory_quantities_are_canonical() {
+        for (bytes, want) in [
+            (85_520_809_984, "81559Mi"),
+            (80 << 30, "80Gi"),
+            (1024, "1Ki"),
+            (1000, "1000"),
+            (0, "0"),
+        ] {
+            assert_eq!(bytes_quantity(bytes).0, want, "{bytes}");
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! CDI spec files: one per prepared claim, under the CDI root the container runtime watches.
+//!
+//! Format: the Container Device Interface spec (github.com/cncf-tags/container-device-interface,
+//! SPEC.md), version [`CDI_VERSION`]. Kind `<vendor>/claim` where the vendor is the driver name;
+//! device names `<claim-uid>-<device>`; so the fully qualified ID the kubelet hands to the runtime
+//! is `<driver>/claim=<claim-uid>-<device>`, unique per claim and never reused for other content.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::fsutil::write_atomic;
+
+/// The CDI spec version we write: the oldest that has every field we use.
+pub const CDI_VERSION: &str = "0.6.0";
+
+/// A CDI spec (the subset we write).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Spec {
+    /// CDI spec version.
+    pub cdi_version: String,
+    /// `vendor/class`.
+    pub kind: String,
+    /// Devices of this spec.
+    pub devices: Vec<CdiDevice>,
+    /// Edits applied when any device of this spec is injected.
+    #[serde(default, skip_serializing_if = "ContainerEdits::is_empty")]
+    pub container_edits: ContainerEdits,
+}
+
+/// One CDI device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CdiDevice {
+    /// Name within the kind.
+    pub name: String,
+    /// Edits applied when this device is injected.
+    pub container_edits: ContainerEdits,
+}
+
+/// Container edits (the subset we write).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerEdits {
+    /// `NAME=value` environment variables.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    /// Device nodes to create in the container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<DeviceNode>,
+}
+
+impl ContainerEdits {
+    fn is_empty(&self) -> bool {
+        self.env.is_empty() && self.device_nodes.is_empty()
+    }
+}
+
+/// A device node, by its path on the host (and in the container).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceNode {
+    /// e.g. `/dev/nvidia0`.
+    pub path: String,
+}
+
+/// Writing or removing a spec failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CdiError {
+    /// The spec file could not be written.
+    #[error("writing CDI spec {path}: {source}")]
+    Write {
+        /// The spec file.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+    /// The spec file could not be removed.
+    #[error("removing CDI spec {path}: {source}")]
+    Remove {
+        /// The spec file.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+}
+
+/// Writes claim specs for one driver under one CDI root.
+#[derive(Debug, Clone)]
+pub struct CdiWriter {
+    root: PathBuf,
+    vendor: String,
+}
+
+impl CdiWriter {
+    /// Specs of `driver_name` under `root` (the runtime's CDI dir, default `/var/run/cdi`).
+    pub fn new(root: impl Into<PathBuf>, driver_name: &str) -> Self {
+        Self {
+            root: root.into(),
+            vendor: driver_name.to_owned(),
+        }
+    }
+
+    /// `<vendor>/claim`.
+    pub fn kind(&self) -> String {
+        format!("{}/claim", self.vendor)
+    }
+
+    /// The CDI device name of `device` in claim `claim_uid`.
+    pub fn device_name(claim_uid: &str, device: &str) -> String {
+        format!("{claim_uid}-{device}")
+    }
+
+    /// The fully qualified CDI device ID, `<vendor>/claim=<claim-uid>-<device>`.
+    pub fn device_id(&self, claim_uid: &str, device: &str) -> String {
+        format!("{}={}", self.kind(), Self::device_name(claim_uid, device))
+    }
+
+    /// `<root>/<vendor>-claim_<claim-uid>.json`.
+    pub fn spec_path(&self, claim_uid: &str) -> PathBuf {
+        self.root
+            .join(format!("{}-claim_{claim_uid}.json", self.vendor))
+    }
+
+    /// Writes `spec` for the claim atomically (a runtime never reads half a file) and returns
+    /// its path.
+    ///
+    /// # Errors
+    /// [`CdiError::Write`].
+    pub fn write(&self, claim_uid: &str, spec: &Spec) -> Result<PathBuf, CdiError> {
+        let path = self.spec_path(claim_uid);
+        let write_err = |source| CdiError::Write {
+            path: path.clone(),
+            source,
+        };
+        let mut bytes = serde_json::to_vec_pretty(spec).map_err(|e| write_err(e.into()))?;
+        bytes.push(b'\n');
+        std::fs::create_dir_all(&self.root).map_err(write_err)?;
+        write_atomic(&path, &bytes).map_err(write_err)?;
+        Ok(path)
+    }
+
+    /// Removes the claim's spec; a missing file is success.
+    ///
+    /// # Errors
+    /// [`CdiError::Remove`].
+    pub fn remove(&self, claim_uid: &str) -> Result<(), CdiError> {
+        let path = self.spec_path(claim_uid);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(CdiError::Remove { path, source }),
+        }
+    }
+
+    /// The CDI root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_paths_and_kind_follow_the_driver_name() {
+        let w = CdiWriter::new("/var/run/cdi", "gpu.drust.dev");
+        assert_eq!(w.kind(), "gpu.drust.dev/claim");
+        assert_eq!(w.device_id("u-1", "gpu-0"), "gpu.drust.dev/claim=u-1-gpu-0");
+        assert_eq!(
+            w.spec_path("u-1"),
+            PathBuf::from("/var/run/cdi/gpu.drust.dev-claim_u-1.json")
+        );
+    }
+
+    #[test]
+    fn write_then_remove_leaves_nothing_and_removing_twice_is_fine() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = CdiWriter::new(dir.path().join("cdi"), "d.example");
+        let spec = Spec {
+            cdi_version: CDI_VERSION.into(),
+            kind: w.kind(),
+            devices: vec![],
+            container_edits: ContainerEdits::default(),
+        };
+        let path = w.write("u", &spec).expect("write");
+        let back: Spec =
+            serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("parse");
+        assert_eq!(back, spec);
+        w.remove("u").expect("remove");
+        w.remove("u").expect("remove again");
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("cdi"))
+                .expect("dir")
+                .count(),
+            0
+        );
+    }
+}

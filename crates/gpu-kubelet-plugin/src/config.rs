@@ -1,0 +1,74 @@
+//! The node plugin's configuration: every host path is a field, defaulting to the kubelet's.
+
+use std::path::PathBuf;
+
+use dra_kubelet::PluginSockets;
+
+/// The default DRA driver name.
+pub const DEFAULT_DRIVER_NAME: &str = "gpu.drust.dev";
+
+/// Where GPUs come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// NVML, from this library (`None`: `libnvidia-ml.so.1` on the library path).
+    Nvml {
+        /// Library to load.
+        library: Option<PathBuf>,
+    },
+    /// A fake topology file (see `examples/topologies/`).
+    Fake {
+        /// The topology file.
+        topology: PathBuf,
+    },
+}
+
+/// How `--dry-run` prints slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OutputFormat {
+    /// Multi-document YAML, one ResourceSlice per document.
+    #[default]
+    Yaml,
+    /// A JSON array of ResourceSlice objects.
+    Json,
+}
+
+/// Everything `run` needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// DRA driver name, e.g. `gpu.drust.dev`; also the CDI vendor.
+    pub driver_name: String,
+    /// This node's name; the pool's name.
+    pub node_name: String,
+    /// Kubeconfig file; in-cluster configuration when `None`.
+    pub kubeconfig: Option<PathBuf>,
+    /// The GPU backend.
+    pub backend: Backend,
+    /// sysfs root, for values NVML lacks (default `/sys`).
+    pub sysfs_root: PathBuf,
+    /// Kubelet socket locations.
+    pub sockets: PluginSockets,
+    /// The CDI spec directory (default `/var/run/cdi`).
+    pub cdi_root: PathBuf,
+    /// The checkpoint file (default `<plugin-dir>/checkpoint.json`).
+    pub checkpoint_path: PathBuf,
+    /// Print the slices and exit, contacting no API server.
+    pub dry_run: Option<OutputFormat>,
+}
+
+impl Config {
+    /// Defaults for `driver_name` on `node_name`, with the fake topology or NVML backend.
+    pub fn new(driver_name: &str, node_name: &str, backend: Backend) -> Self {
+        let sockets = PluginSockets::kubelet_defaults(driver_name);
+        Self {
+            driver_name: driver_name.to_owned(),
+            node_name: node_name.to_owned(),
+            kubeconfig: None,
+            backend,
+            sysfs_root: PathBuf::from("/sys"),
+            checkpoint_path: sockets.plugin_dir.join("checkpoint.json"),
+            sockets,
+            cdi_root: PathBuf::from("/var/run/cdi"),
+            dry_run: None,
+        }
+    }
+}

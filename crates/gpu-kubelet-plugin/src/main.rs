@@ -1,0 +1,117 @@
+//! `gpu-kubelet-plugin`: the drust node plugin binary. Flags in, [`gpu_kubelet_plugin::run`] out.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+use gpu_kubelet_plugin::{Backend, Config, DEFAULT_DRIVER_NAME, OutputFormat};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    Yaml,
+    Json,
+}
+
+/// Publishes this node's NVIDIA GPUs as DRA ResourceSlices and prepares claims for the kubelet.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// DRA driver name (also the CDI vendor).
+    #[arg(long, env = "DRIVER_NAME", default_value = DEFAULT_DRIVER_NAME)]
+    driver_name: String,
+    /// This node's name (the pool name). Required unless --dry-run.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Use a fake GPU topology file instead of NVML (see examples/topologies/).
+    #[arg(long)]
+    fake_topology: Option<PathBuf>,
+    /// NVML library to load.
+    #[arg(long)]
+    nvml_library: Option<PathBuf>,
+    /// Directory of the DRA socket dra.sock [default: /var/lib/kubelet/plugins/<driver>].
+    #[arg(long)]
+    plugin_dir: Option<PathBuf>,
+    /// The kubelet's plugin registration directory.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins_registry")]
+    registrar_dir: PathBuf,
+    /// CDI spec directory.
+    #[arg(long, default_value = "/var/run/cdi")]
+    cdi_root: PathBuf,
+    /// Checkpoint file [default: <plugin-dir>/checkpoint.json].
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// sysfs root.
+    #[arg(long, default_value = "/sys")]
+    sysfs_root: PathBuf,
+    /// Print the ResourceSlices this node would publish and exit; contacts no API server.
+    #[arg(long)]
+    dry_run: bool,
+    /// Output format of --dry-run.
+    #[arg(short = 'o', long, value_enum, default_value = "yaml")]
+    output: Format,
+}
+
+impl Args {
+    fn into_config(self) -> anyhow::Result<Config> {
+        let node_name = match (self.node_name, self.dry_run) {
+            (Some(n), _) => n,
+            (None, true) => "dry-run-node".to_owned(),
+            (None, false) => anyhow::bail!("--node-name (or NODE_NAME) is required"),
+        };
+        let backend = match self.fake_topology {
+            Some(topology) => Backend::Fake { topology },
+            None => Backend::Nvml {
+                library: self.nvml_library,
+            },
+        };
+        let mut config = Config::new(&self.driver_name, &node_name, backend);
+        if let Some(dir) = self.plugin_dir {
+            config.checkpoint_path = dir.join("checkpoint.json");
+            config.sockets.plugin_dir = dir;
+        }
+        if let Some(path) = self.checkpoint {
+            config.checkpoint_path = path;
+        }
+        config.sockets.registrar_dir = self.registrar_dir;
+        config.cdi_root = self.cdi_root;
+        config.sysfs_root = self.sysfs_root;
+        config.kubeconfig = self.kubeconfig;
+        config.dry_run = self.dry_run.then_some(match self.output {
+            Format::Yaml => OutputFormat::Yaml,
+            Format::Json => OutputFormat::Json,
+        });
+        Ok(config)
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = tokio::signal::ctrl_c() => {},
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = args.into_config()?;
+    gpu_kubelet_plugin::run(config, shutdown_signal()).await?;
+    Ok(())
+}
