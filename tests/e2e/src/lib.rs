@@ -26,6 +26,10 @@
 //! kubeconfigs, etcd data, one log file per component) and prints where it is.
 
 mod controlplane;
+pub mod kubelet;
+pub mod manifests;
+pub mod plugin;
+pub mod wait;
 
 pub use controlplane::{
     Component, ControlPlane, ControlPlaneOptions, Error, KEEP_ENV, StartTimings,

@@ -1,0 +1,88 @@
+//! Applying the repository's YAML manifests (`deploy/`, `examples/`) to a control plane, as
+//! `kubectl apply --server-side` would.
+
+use std::path::{Path, PathBuf};
+
+use kube::api::{Api, DynamicObject, Patch, PatchParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{Scope, pinned_kind};
+use serde::Deserialize as _;
+
+/// A manifest could not be applied.
+#[derive(Debug, thiserror::Error)]
+#[error("applying {path} (document {document}): {problem}")]
+pub struct ManifestError {
+    /// The file.
+    pub path: PathBuf,
+    /// Index of the YAML document in the file.
+    pub document: usize,
+    /// What went wrong, naming the object.
+    pub problem: String,
+}
+
+/// The repository root (for `deploy/` and `examples/`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A path relative to the repository root.
+pub fn repo_path(relative: &str) -> PathBuf {
+    repo_root().join(relative)
+}
+
+/// Server-side applies every document of the multi-document YAML file `path` (field manager
+/// `drust-e2e`), in order; returns the applied objects as the server stored them.
+///
+/// # Errors
+/// [`ManifestError`] naming the file, document and object.
+pub async fn apply_file(
+    client: &kube::Client,
+    path: &Path,
+) -> Result<Vec<DynamicObject>, ManifestError> {
+    let err = |document: usize, problem: String| ManifestError {
+        path: path.to_owned(),
+        document,
+        problem,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(0, e.to_string()))?;
+    let mut applied = Vec::new();
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(&text).enumerate() {
+        let value = serde_yaml_ng::Value::deserialize(doc).map_err(|e| err(i, e.to_string()))?;
+        if value.is_null() {
+            continue;
+        }
+        let obj: DynamicObject =
+            serde_yaml_ng::from_value(value).map_err(|e| err(i, e.to_string()))?;
+        let types = obj
+            .types
+            .clone()
+            .ok_or_else(|| err(i, "apiVersion/kind missing".into()))?;
+        let gvk = GroupVersionKind::try_from(&types).map_err(|e| err(i, e.to_string()))?;
+        let name = obj
+            .metadata
+            .name
+            .clone()
+            .ok_or_else(|| err(i, "metadata.name missing".into()))?;
+        let (resource, caps) = pinned_kind(client, &gvk)
+            .await
+            .map_err(|e| err(i, format!("{}: {e}", types.kind)))?;
+        let api: Api<DynamicObject> = match caps.scope {
+            Scope::Namespaced => Api::namespaced_with(
+                client.clone(),
+                obj.metadata.namespace.as_deref().unwrap_or("default"),
+                &resource,
+            ),
+            Scope::Cluster => Api::all_with(client.clone(), &resource),
+        };
+        let stored = api
+            .patch(
+                &name,
+                &PatchParams::apply("drust-e2e").force(),
+                &Patch::Apply(&obj),
+            )
+            .await
+            .map_err(|e| err(i, format!("{} {name}: {e}", types.kind)))?;
+        applied.push(stored);
+    }
+    Ok(applied)
+}

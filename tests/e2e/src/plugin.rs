@@ -1,0 +1,179 @@
+//! The node plugin, run in-process against a control plane with every host path in a temp dir.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use dra_kubelet::PluginSockets;
+use gpu_kubelet_plugin::{Backend, Config};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{Api, ListParams};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::controlplane::ControlPlane;
+
+/// The in-process node plugin failed.
+#[derive(Debug, thiserror::Error)]
+#[error("node plugin: {problem}")]
+pub struct PluginError {
+    /// What happened.
+    pub problem: String,
+}
+
+/// A running node plugin.
+pub struct NodePlugin {
+    config: Config,
+    _dir: tempfile::TempDir,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), gpu_kubelet_plugin::Error>>>,
+}
+
+impl NodePlugin {
+    /// Starts the plugin for `node` with the fake `topology`, driver `driver_name`, talking to
+    /// `cp` with the admin kubeconfig. Plugin dir, registrar dir, CDI root and checkpoint live
+    /// in a fresh temp dir.
+    ///
+    /// # Errors
+    /// [`PluginError`] when the temp dir cannot be created.
+    pub fn start(
+        cp: &ControlPlane,
+        driver_name: &str,
+        node: &str,
+        topology: &Path,
+    ) -> Result<Self, PluginError> {
+        let dir = tempfile::Builder::new()
+            .prefix("drust-plugin-")
+            .tempdir()
+            .map_err(|e| PluginError {
+                problem: format!("creating its temp dir: {e}"),
+            })?;
+        let mut config = Config::new(
+            driver_name,
+            node,
+            Backend::Fake {
+                topology: topology.to_owned(),
+            },
+        );
+        config.kubeconfig = Some(cp.kubeconfig_path().to_owned());
+        config.sockets = PluginSockets {
+            plugin_dir: dir.path().join("plugins").join(driver_name),
+            registrar_dir: dir.path().join("plugins_registry"),
+        };
+        config.checkpoint_path = config.sockets.plugin_dir.join("checkpoint.json");
+        config.cdi_root = dir.path().join("cdi");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(gpu_kubelet_plugin::run(config.clone(), async {
+            let _ = stopped.await;
+        }));
+        Ok(Self {
+            config,
+            _dir: dir,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// The plugin's configuration (socket paths, CDI root, checkpoint).
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The DRA socket.
+    pub fn dra_socket(&self) -> PathBuf {
+        self.config.sockets.dra_socket()
+    }
+
+    /// The registration socket.
+    pub fn registration_socket(&self) -> PathBuf {
+        self.config
+            .sockets
+            .registration_socket(&self.config.driver_name)
+    }
+
+    /// Waits until the plugin serves its sockets and its slices are in the API server; returns
+    /// the slices.
+    ///
+    /// # Errors
+    /// [`PluginError`] when the plugin exits or does not get there within `timeout`.
+    pub async fn wait_ready(
+        &mut self,
+        client: &kube::Client,
+        timeout: Duration,
+    ) -> Result<Vec<ResourceSlice>, PluginError> {
+        let api: Api<ResourceSlice> = Api::all(client.clone());
+        let params = ListParams::default().fields(&format!(
+            "spec.nodeName={},spec.driver={}",
+            self.config.node_name, self.config.driver_name
+        ));
+        let start = std::time::Instant::now();
+        loop {
+            if self.task.as_ref().is_some_and(JoinHandle::is_finished) {
+                let outcome = match self.task.take() {
+                    Some(task) => match task.await {
+                        Ok(Ok(())) => "exited".to_owned(),
+                        Ok(Err(e)) => format!("failed: {}", error_chain(&e)),
+                        Err(e) => format!("panicked: {e}"),
+                    },
+                    None => "exited".to_owned(),
+                };
+                return Err(PluginError { problem: outcome });
+            }
+            if self.registration_socket().exists() {
+                let slices = api.list(&params).await.map_err(|e| PluginError {
+                    problem: format!("listing ResourceSlices: {e}"),
+                })?;
+                if !slices.items.is_empty() {
+                    return Ok(slices.items);
+                }
+            }
+            if start.elapsed() > timeout {
+                return Err(PluginError {
+                    problem: format!("not ready after {timeout:?}"),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops the plugin and waits for it.
+    ///
+    /// # Errors
+    /// [`PluginError`] when it had failed.
+    pub async fn stop(mut self) -> Result<(), PluginError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.take() {
+            Some(task) => match task.await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(PluginError {
+                    problem: error_chain(&e),
+                }),
+                Err(e) => Err(PluginError {
+                    problem: e.to_string(),
+                }),
+            },
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for NodePlugin {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// `error: cause: cause` for an error and its sources.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
