@@ -182,7 +182,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     assert_eq!(prepared.devices.len(), 1);
     let device = &prepared.devices[0];
     let cdi_id = format!("{DRIVER}/claim={uid}-{}", allocated.device);
-    assert_eq!(device.cdi_device_ids, [cdi_id.clone()]);
+    assert_eq!(device.cdi_device_ids, vec![cdi_id.clone()]);
     assert_eq!(
         (device.pool_name.as_str(), device.device_name.as_str()),
         (NODE, allocated.device.as_str())
@@ -216,7 +216,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     let beta = kubelet.prepare_v1beta1(&[&claim]).await?;
     assert_eq!(
         beta.claims[&uid].devices[0].cdi_device_ids,
-        [cdi_id.clone()]
+        vec![cdi_id.clone()]
     );
     let mut stale = claim.clone();
     stale.metadata.uid = Some("00000000-0000-0000-0000-000000000000".into());

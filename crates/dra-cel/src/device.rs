@@ -1,0 +1,277 @@
+//! The device a selector sees: the `resource.k8s.io/v1` Device fields of a ResourceSlice, and a
+//! borrowed view of them that evaluation reads without copying attribute maps.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::libs::quantity::Quantity;
+use crate::libs::semver::Semver;
+use crate::value::{Str, Value};
+
+/// A device attribute as in a ResourceSlice: exactly one field is set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DeviceAttribute {
+    /// `int`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub int: Option<i64>,
+    /// `bool`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bool: Option<bool>,
+    /// `string`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub string: Option<String>,
+    /// `version`: a semantic version string.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// `ints` (DRAListTypeAttributes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ints: Option<Vec<i64>>,
+    /// `bools` (DRAListTypeAttributes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bools: Option<Vec<bool>>,
+    /// `strings` (DRAListTypeAttributes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strings: Option<Vec<String>>,
+    /// `versions` (DRAListTypeAttributes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub versions: Option<Vec<String>>,
+}
+
+impl PartialEq for Quantity {
+    fn eq(&self, other: &Self) -> bool {
+        self.compare(other) == std::cmp::Ordering::Equal
+    }
+}
+
+/// A device capacity: a quantity.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceCapacity {
+    /// The capacity, e.g. `80Gi`.
+    pub value: Quantity,
+}
+
+/// The parts of a ResourceSlice device a selector can read.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Device {
+    /// The driver name; the domain of attributes and capacities without one.
+    pub driver: String,
+    /// Attributes by qualified name (`model`, `gpu.nvidia.com/model`).
+    #[serde(default)]
+    pub attributes: BTreeMap<String, DeviceAttribute>,
+    /// Capacities by qualified name.
+    #[serde(default)]
+    pub capacity: BTreeMap<String, DeviceCapacity>,
+    /// `allowMultipleAllocations`; false when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_multiple_allocations: Option<bool>,
+}
+
+/// Why a device cannot be presented to a selector (upstream `DeviceMatches` fails the same way
+/// before evaluating: `k8s.io/dynamic-resource-allocation/cel/compile.go`, `getAttributeValue`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// A version attribute is not a semantic version.
+    #[error("attribute {name}: parse semantic version: {source}")]
+    Version {
+        /// The attribute's qualified name.
+        name: String,
+        /// The parse failure.
+        source: crate::libs::semver::SemverError,
+    },
+    /// An attribute has no value this environment supports.
+    #[error("attribute {name}: unsupported attribute value")]
+    Unsupported {
+        /// The attribute's qualified name.
+        name: String,
+    },
+}
+
+/// A borrowed view of a device for evaluation.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceView<'a> {
+    pub(crate) driver: &'a str,
+    pub(crate) attributes: &'a BTreeMap<String, DeviceAttribute>,
+    pub(crate) capacity: &'a BTreeMap<String, DeviceCapacity>,
+    pub(crate) allow_multiple_allocations: bool,
+    pub(crate) list_attributes: bool,
+}
+
+/// Splits a qualified name into (domain, id), the driver being the default domain
+/// (`parseQualifiedName` in compile.go).
+pub(crate) fn split_name<'a>(name: &'a str, driver: &'a str) -> (&'a str, &'a str) {
+    match name.split_once('/') {
+        Some((d, n)) => (d, n),
+        None => (driver, name),
+    }
+}
+
+impl<'a> DeviceView<'a> {
+    /// Builds the view, checking every attribute converts like upstream does before evaluation.
+    ///
+    /// # Errors
+    /// [`DeviceError`] for an invalid version or a value the environment does not support.
+    pub fn new(device: &'a Device, list_attributes: bool) -> Result<DeviceView<'a>, DeviceError> {
+        for (name, a) in &device.attributes {
+            let list_set = a.ints.is_some()
+                || a.bools.is_some()
+                || a.strings.is_some()
+                || a.versions.is_some();
+            if list_attributes && list_set {
+                if a.ints.is_none() && a.bools.is_none() && a.strings.is_none() {
+                    for v in a.versions.iter().flatten() {
+                        Semver::parse(v).map_err(|source| DeviceError::Version {
+                            name: name.clone(),
+                            source,
+                        })?;
+                    }
+                }
+                continue;
+            }
+            if a.int.is_some() || a.bool.is_some() || a.string.is_some() {
+                continue;
+            }
+            match &a.version {
+                Some(v) => {
+                    Semver::parse(v).map_err(|source| DeviceError::Version {
+                        name: name.clone(),
+                        source,
+                    })?;
+                }
+                None => return Err(DeviceError::Unsupported { name: name.clone() }),
+            }
+        }
+        Ok(DeviceView {
+            driver: &device.driver,
+            attributes: &device.attributes,
+            capacity: &device.capacity,
+            allow_multiple_allocations: device.allow_multiple_allocations.unwrap_or(false),
+            list_attributes,
+        })
+    }
+
+    /// The distinct attribute domains.
+    pub(crate) fn attribute_domains(&self) -> Vec<&'a str> {
+        let mut v: Vec<&'a str> = self
+            .attributes
+            .keys()
+            .map(|k| split_name(k, self.driver).0)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// The distinct capacity domains.
+    pub(crate) fn capacity_domains(&self) -> Vec<&'a str> {
+        let mut v: Vec<&'a str> = self
+            .capacity
+            .keys()
+            .map(|k| split_name(k, self.driver).0)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Attributes of one domain, by id.
+    pub(crate) fn attribute_names<'s>(
+        &'s self,
+        domain: &'s str,
+    ) -> impl Iterator<Item = (&'a str, &'a DeviceAttribute)> + 's {
+        let driver = self.driver;
+        self.attributes.iter().filter_map(move |(k, a)| {
+            let (d, n) = split_name(k, driver);
+            (d == domain).then_some((n, a))
+        })
+    }
+
+    /// Capacities of one domain, by id.
+    pub(crate) fn capacity_names<'s>(
+        &'s self,
+        domain: &'s str,
+    ) -> impl Iterator<Item = (&'a str, &'a Quantity)> + 's {
+        let driver = self.driver;
+        self.capacity.iter().filter_map(move |(k, c)| {
+            let (d, n) = split_name(k, driver);
+            (d == domain).then_some((n, &c.value))
+        })
+    }
+
+    /// One attribute by domain and id.
+    pub(crate) fn attribute(&self, domain: &str, id: &str) -> Option<&'a DeviceAttribute> {
+        // Fast path: the fully qualified key, then the bare id for the driver's domain.
+        let mut found = None;
+        for (k, a) in self.attributes.iter() {
+            let (d, n) = split_name(k, self.driver);
+            if d == domain && n == id {
+                found = Some(a);
+            }
+        }
+        found
+    }
+
+    /// One capacity by domain and id.
+    pub(crate) fn capacity(&self, domain: &str, id: &str) -> Option<&'a Quantity> {
+        let mut found = None;
+        for (k, c) in self.capacity.iter() {
+            let (d, n) = split_name(k, self.driver);
+            if d == domain && n == id {
+                found = Some(&c.value);
+            }
+        }
+        found
+    }
+
+    /// The CEL value of an attribute (versions become semver values).
+    pub(crate) fn attribute_value(&self, a: &'a DeviceAttribute) -> Result<Value<'a>, DeviceError> {
+        if self.list_attributes {
+            if let Some(v) = &a.ints {
+                return Ok(Value::List(std::sync::Arc::new(
+                    v.iter().map(|i| Value::Int(*i)).collect(),
+                )));
+            }
+            if let Some(v) = &a.bools {
+                return Ok(Value::List(std::sync::Arc::new(
+                    v.iter().map(|i| Value::Bool(*i)).collect(),
+                )));
+            }
+            if let Some(v) = &a.strings {
+                return Ok(Value::List(std::sync::Arc::new(
+                    v.iter().map(|s| Value::String(Str::Borrowed(s))).collect(),
+                )));
+            }
+            if let Some(v) = &a.versions {
+                let mut out = Vec::with_capacity(v.len());
+                for s in v {
+                    let sv = Semver::parse(s).map_err(|source| DeviceError::Version {
+                        name: s.clone(),
+                        source,
+                    })?;
+                    out.push(Value::Semver(std::sync::Arc::new(sv)));
+                }
+                return Ok(Value::List(std::sync::Arc::new(out)));
+            }
+        }
+        if let Some(i) = a.int {
+            return Ok(Value::Int(i));
+        }
+        if let Some(b) = a.bool {
+            return Ok(Value::Bool(b));
+        }
+        if let Some(s) = &a.string {
+            return Ok(Value::String(Str::Borrowed(s)));
+        }
+        if let Some(v) = &a.version {
+            let sv = Semver::parse(v).map_err(|source| DeviceError::Version {
+                name: v.clone(),
+                source,
+            })?;
+            return Ok(Value::Semver(std::sync::Arc::new(sv)));
+        }
+        Err(DeviceError::Unsupported {
+            name: String::new(),
+        })
+    }
+}

@@ -1,0 +1,824 @@
+//! Runtime implementations of the declared functions, dispatched on the argument values, and
+//! their runtime cost (cel-go `interpreter/runtimecost.go` `costCall` and the Kubernetes
+//! `library.CostEstimator.CallCost`, `k8s.io/apiserver/pkg/cel/library/cost.go`).
+
+use std::cmp::Ordering;
+use std::sync::Arc;
+
+use crate::eval::{EvalError, compare};
+use crate::libs::quantity::Quantity;
+use crate::libs::semver::Semver;
+use crate::value::{Eq, Str, Value, equals, is_map, map_entries, map_find};
+
+type R<'a> = Result<Value<'a>, EvalError>;
+
+fn rt<T>(msg: impl Into<String>) -> Result<T, EvalError> {
+    Err(EvalError::Runtime(msg.into()))
+}
+
+fn no_overload<T>() -> Result<T, EvalError> {
+    rt("no such overload")
+}
+
+fn s<'a>(v: String) -> Value<'a> {
+    Value::String(Str::Shared(Arc::from(v)))
+}
+
+fn list<'a>(v: Vec<Value<'a>>) -> Value<'a> {
+    Value::List(Arc::new(v))
+}
+
+/// Formats a double like Go's `strconv.FormatFloat(f, 'g', -1, 64)` (what cel-go's
+/// `string(double)` does).
+fn format_double(d: f64) -> String {
+    if d.is_nan() {
+        return "NaN".into();
+    }
+    if d.is_infinite() {
+        return if d > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        };
+    }
+    if d == 0.0 {
+        return if d.is_sign_negative() {
+            "-0".into()
+        } else {
+            "0".into()
+        };
+    }
+    let e = format!("{d:e}");
+    let (mant, exp) = e.split_once('e').unwrap_or((&e, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if !(-4..6).contains(&exp) {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mant}e{sign}{:02}", exp.abs())
+    } else {
+        format!("{d}")
+    }
+}
+
+fn to_int(v: &Value<'_>) -> Result<i64, EvalError> {
+    match v {
+        Value::Int(i) => Ok(*i),
+        Value::Uint(u) => i64::try_from(*u).or_else(|_| rt("integer overflow")),
+        Value::Double(d) => {
+            if d.is_nan() || *d <= -9.223_372_036_854_776e18 || *d >= 9.223_372_036_854_776e18 {
+                rt("integer overflow")
+            } else {
+                Ok(*d as i64)
+            }
+        }
+        Value::String(s) => s
+            .as_str()
+            .parse::<i64>()
+            .or_else(|e| rt(format!("cannot convert string to int: {e}"))),
+        _ => no_overload(),
+    }
+}
+
+fn str_arg<'v, 'a>(v: &'v Value<'a>) -> Result<&'v str, EvalError> {
+    match v {
+        Value::String(s) => Ok(s.as_str()),
+        _ => no_overload(),
+    }
+}
+
+fn int_arg(v: &Value<'_>) -> Result<i64, EvalError> {
+    match v {
+        Value::Int(i) => Ok(*i),
+        _ => no_overload(),
+    }
+}
+
+fn quantity_arg<'v>(v: &'v Value<'_>) -> Result<&'v Quantity, EvalError> {
+    v.quantity().map_or_else(no_overload, Ok)
+}
+
+fn semver_arg<'v>(v: &'v Value<'_>) -> Result<&'v Semver, EvalError> {
+    match v {
+        Value::Semver(s) => Ok(s),
+        _ => no_overload(),
+    }
+}
+
+fn bool_of(e: Eq) -> R<'static> {
+    match e {
+        Eq::True => Ok(Value::Bool(true)),
+        Eq::False => Ok(Value::Bool(false)),
+        Eq::NoOverload => no_overload(),
+    }
+}
+
+fn contains_value(l: &[Value<'_>], v: &Value<'_>) -> R<'static> {
+    let mut err = false;
+    for e in l {
+        match equals(e, v) {
+            Eq::True => return Ok(Value::Bool(true)),
+            Eq::False => {}
+            Eq::NoOverload => err = true,
+        }
+    }
+    if err {
+        no_overload()
+    } else {
+        Ok(Value::Bool(false))
+    }
+}
+
+/// Calls `name` with evaluated arguments (receiver first for member calls).
+pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) -> R<'a> {
+    use Value as V;
+    match (name, a) {
+        ("_==_", [x, y]) => bool_of(equals(x, y)),
+        ("_!=_", [x, y]) => match equals(x, y) {
+            Eq::True => Ok(V::Bool(false)),
+            Eq::False => Ok(V::Bool(true)),
+            Eq::NoOverload => no_overload(),
+        },
+        ("_<_", [x, y]) => Ok(V::Bool(compare(x, y)? == Some(Ordering::Less))),
+        ("_<=_", [x, y]) => Ok(V::Bool(matches!(
+            compare(x, y)?,
+            Some(Ordering::Less | Ordering::Equal)
+        ))),
+        ("_>_", [x, y]) => Ok(V::Bool(compare(x, y)? == Some(Ordering::Greater))),
+        ("_>=_", [x, y]) => Ok(V::Bool(matches!(
+            compare(x, y)?,
+            Some(Ordering::Greater | Ordering::Equal)
+        ))),
+        ("!_", [V::Bool(b)]) => Ok(V::Bool(!b)),
+        ("-_", [V::Int(i)]) => i
+            .checked_neg()
+            .map(V::Int)
+            .map_or_else(|| rt("integer overflow"), Ok),
+        ("-_", [V::Double(d)]) => Ok(V::Double(-d)),
+        ("_+_", [V::Int(x), V::Int(y)]) => x
+            .checked_add(*y)
+            .map(V::Int)
+            .map_or_else(|| rt("integer overflow"), Ok),
+        ("_+_", [V::Uint(x), V::Uint(y)]) => x
+            .checked_add(*y)
+            .map(V::Uint)
+            .map_or_else(|| rt("unsigned integer overflow"), Ok),
+        ("_+_", [V::Double(x), V::Double(y)]) => Ok(V::Double(x + y)),
+        ("_+_", [V::String(x), V::String(y)]) => Ok(s(format!("{}{}", x.as_str(), y.as_str()))),
+        ("_+_", [V::Bytes(x), V::Bytes(y)]) => Ok(V::Bytes(Arc::from([&x[..], &y[..]].concat()))),
+        ("_+_", [V::List(x), V::List(y)]) => {
+            let mut v = Vec::with_capacity(x.len() + y.len());
+            v.extend(x.iter().cloned());
+            v.extend(y.iter().cloned());
+            Ok(list(v))
+        }
+        ("_-_", [V::Int(x), V::Int(y)]) => x
+            .checked_sub(*y)
+            .map(V::Int)
+            .map_or_else(|| rt("integer overflow"), Ok),
+        ("_-_", [V::Uint(x), V::Uint(y)]) => x
+            .checked_sub(*y)
+            .map(V::Uint)
+            .map_or_else(|| rt("unsigned integer overflow"), Ok),
+        ("_-_", [V::Double(x), V::Double(y)]) => Ok(V::Double(x - y)),
+        ("_*_", [V::Int(x), V::Int(y)]) => x
+            .checked_mul(*y)
+            .map(V::Int)
+            .map_or_else(|| rt("integer overflow"), Ok),
+        ("_*_", [V::Uint(x), V::Uint(y)]) => x
+            .checked_mul(*y)
+            .map(V::Uint)
+            .map_or_else(|| rt("unsigned integer overflow"), Ok),
+        ("_*_", [V::Double(x), V::Double(y)]) => Ok(V::Double(x * y)),
+        ("_/_", [V::Int(_), V::Int(0)]) | ("_/_", [V::Uint(_), V::Uint(0)]) => {
+            rt("division by zero")
+        }
+        ("_/_", [V::Int(x), V::Int(y)]) => x
+            .checked_div(*y)
+            .map(V::Int)
+            .map_or_else(|| rt("integer overflow"), Ok),
+        ("_/_", [V::Uint(x), V::Uint(y)]) => Ok(V::Uint(x / y)),
+        ("_/_", [V::Double(x), V::Double(y)]) => Ok(V::Double(x / y)),
+        ("_%_", [V::Int(_), V::Int(0)]) | ("_%_", [V::Uint(_), V::Uint(0)]) => {
+            rt("modulus by zero")
+        }
+        ("_%_", [V::Int(x), V::Int(y)]) => x
+            .checked_rem(*y)
+            .map(V::Int)
+            .map_or_else(|| rt("integer overflow"), Ok),
+        ("_%_", [V::Uint(x), V::Uint(y)]) => Ok(V::Uint(x % y)),
+        ("@in", [v, V::List(l)]) => contains_value(l, v),
+        ("@in", [k, m]) if is_map(m) => {
+            let entries = map_entries(m);
+            Ok(V::Bool(map_find(&entries, k).is_some()))
+        }
+        ("size", [V::String(x)]) => Ok(V::Int(x.as_str().chars().count() as i64)),
+        ("size", [V::Bytes(b)]) => Ok(V::Int(b.len() as i64)),
+        ("size", [V::List(l)]) => Ok(V::Int(l.len() as i64)),
+        ("size", [m]) if is_map(m) => Ok(V::Int(map_entries(m).len() as i64)),
+        ("int", [V::Double(d)]) if d.is_finite() => to_int(&V::Double(d.trunc())).map(V::Int),
+        ("int", [x]) => to_int(x).map(V::Int),
+        ("uint", [V::Uint(u)]) => Ok(V::Uint(*u)),
+        ("uint", [V::Int(i)]) => u64::try_from(*i)
+            .map(V::Uint)
+            .or_else(|_| rt("unsigned integer overflow")),
+        ("uint", [V::Double(d)]) => {
+            if d.is_nan() || *d < 0.0 || *d >= 1.844_674_407_370_955_2e19 {
+                rt("unsigned integer overflow")
+            } else {
+                Ok(V::Uint(*d as u64))
+            }
+        }
+        ("uint", [V::String(x)]) => x
+            .as_str()
+            .parse::<u64>()
+            .map(V::Uint)
+            .or_else(|e| rt(format!("cannot convert string to uint: {e}"))),
+        ("double", [V::Double(d)]) => Ok(V::Double(*d)),
+        ("double", [V::Int(i)]) => Ok(V::Double(*i as f64)),
+        ("double", [V::Uint(u)]) => Ok(V::Double(*u as f64)),
+        ("double", [V::String(x)]) => parse_go_float(x.as_str())
+            .map(V::Double)
+            .map_or_else(|| rt("cannot convert string to double"), Ok),
+        ("string", [V::String(x)]) => Ok(V::String(x.clone())),
+        ("string", [V::Int(i)]) => Ok(s(i.to_string())),
+        ("string", [V::Uint(u)]) => Ok(s(u.to_string())),
+        ("string", [V::Double(d)]) => Ok(s(format_double(*d))),
+        ("string", [V::Bool(b)]) => Ok(s(b.to_string())),
+        ("string", [V::Bytes(b)]) => match std::str::from_utf8(b) {
+            Ok(t) => Ok(s(t.to_string())),
+            Err(_) => rt("invalid UTF-8 in bytes, cannot convert to string"),
+        },
+        ("bytes", [V::Bytes(b)]) => Ok(V::Bytes(b.clone())),
+        ("bytes", [V::String(x)]) => Ok(V::Bytes(Arc::from(x.as_str().as_bytes()))),
+        ("bool", [V::Bool(b)]) => Ok(V::Bool(*b)),
+        ("bool", [V::String(x)]) => match x.as_str() {
+            "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(V::Bool(true)),
+            "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(V::Bool(false)),
+            other => rt(format!(
+                "type conversion error from 'string' to 'bool' for '{other}'"
+            )),
+        },
+        ("dyn", [x]) => Ok(x.clone()),
+        ("type", [x]) => Ok(V::Type(x.type_name())),
+        ("contains", [V::String(x), V::String(y)]) => Ok(V::Bool(x.as_str().contains(y.as_str()))),
+        ("startsWith", [V::String(x), V::String(y)]) => {
+            Ok(V::Bool(x.as_str().starts_with(y.as_str())))
+        }
+        ("endsWith", [V::String(x), V::String(y)]) => Ok(V::Bool(x.as_str().ends_with(y.as_str()))),
+        ("matches", [V::String(x), V::String(re)]) => {
+            let r = crate::libs::regex::compile(re.as_str())
+                .map_err(|e| EvalError::Runtime(e.to_string()))?;
+            Ok(V::Bool(r.is_match(x.as_str())))
+        }
+        ("find", [V::String(x), V::String(re)]) => {
+            let r = crate::libs::regex::compile(re.as_str())
+                .map_err(|e| EvalError::Runtime(e.to_string()))?;
+            Ok(s(r
+                .find(x.as_str())
+                .map(|m| m.as_str().to_string())
+                .unwrap_or_default()))
+        }
+        ("findAll", [V::String(x), V::String(re), rest @ ..]) => {
+            let r = crate::libs::regex::compile(re.as_str())
+                .map_err(|e| EvalError::Runtime(e.to_string()))?;
+            let limit = match rest {
+                [] => -1,
+                [n] => int_arg(n)?,
+                _ => return no_overload(),
+            };
+            if limit == 0 {
+                return Ok(list(Vec::new()));
+            }
+            let all = r.find_iter(x.as_str()).map(|m| s(m.as_str().to_string()));
+            Ok(list(if limit < 0 {
+                all.collect()
+            } else {
+                all.take(usize::try_from(limit).unwrap_or(usize::MAX))
+                    .collect()
+            }))
+        }
+        ("charAt", [V::String(x), V::Int(i)]) => {
+            let chars: Vec<char> = x.as_str().chars().collect();
+            match usize::try_from(*i) {
+                Ok(i) if i < chars.len() => Ok(s(chars[i].to_string())),
+                Ok(i) if i == chars.len() => Ok(s(String::new())),
+                _ => rt(format!("index out of range: {i}")),
+            }
+        }
+        ("indexOf", [V::String(x), V::String(sub), rest @ ..]) => {
+            let chars: Vec<char> = x.as_str().chars().collect();
+            let subc: Vec<char> = sub.as_str().chars().collect();
+            let start = match rest {
+                [] => 0,
+                [n] => int_arg(n)?,
+                _ => return no_overload(),
+            };
+            if start < 0 {
+                return rt(format!("index out of range: {start}"));
+            }
+            if start as usize > chars.len() {
+                return Ok(V::Int(-1));
+            }
+            let start = start as usize;
+            if subc.is_empty() {
+                return Ok(V::Int(start as i64));
+            }
+            let pos = (start..=chars.len().saturating_sub(subc.len()))
+                .find(|&i| i + subc.len() <= chars.len() && chars[i..i + subc.len()] == subc[..]);
+            Ok(V::Int(pos.map_or(-1, |p| p as i64)))
+        }
+        ("lastIndexOf", [V::String(x), V::String(sub), rest @ ..]) => {
+            let chars: Vec<char> = x.as_str().chars().collect();
+            let subc: Vec<char> = sub.as_str().chars().collect();
+            let end = match rest {
+                [] => chars.len() as i64,
+                [n] => int_arg(n)?,
+                _ => return no_overload(),
+            };
+            if end < 0 || end as usize > chars.len() {
+                return rt(format!("index out of range: {end}"));
+            }
+            if subc.is_empty() {
+                return Ok(V::Int(end));
+            }
+            let end = end as usize;
+            let last = end.min(chars.len().saturating_sub(subc.len()));
+            if subc.len() > chars.len() {
+                return Ok(V::Int(-1));
+            }
+            let pos = (0..=last)
+                .rev()
+                .find(|&i| chars[i..i + subc.len()] == subc[..]);
+            Ok(V::Int(pos.map_or(-1, |p| p as i64)))
+        }
+        ("indexOf", [V::List(l), v]) => {
+            for (i, e) in l.iter().enumerate() {
+                if matches!(equals(e, v), Eq::True) {
+                    return Ok(V::Int(i as i64));
+                }
+            }
+            Ok(V::Int(-1))
+        }
+        ("lastIndexOf", [V::List(l), v]) => {
+            for (i, e) in l.iter().enumerate().rev() {
+                if matches!(equals(e, v), Eq::True) {
+                    return Ok(V::Int(i as i64));
+                }
+            }
+            Ok(V::Int(-1))
+        }
+        ("lowerAscii", [V::String(x)]) => Ok(s(x.as_str().to_ascii_lowercase())),
+        ("upperAscii", [V::String(x)]) => Ok(s(x.as_str().to_ascii_uppercase())),
+        ("replace", [V::String(x), V::String(from), V::String(to), rest @ ..]) => {
+            let n = match rest {
+                [] => -1,
+                [n] => int_arg(n)?,
+                _ => return no_overload(),
+            };
+            Ok(s(if n < 0 {
+                x.as_str().replace(from.as_str(), to.as_str())
+            } else {
+                x.as_str()
+                    .replacen(from.as_str(), to.as_str(), usize::try_from(n).unwrap_or(0))
+            }))
+        }
+        ("split", [V::String(x), V::String(sep), rest @ ..]) => {
+            let n = match rest {
+                [] => -1,
+                [n] => int_arg(n)?,
+                _ => return no_overload(),
+            };
+            let (x, sep) = (x.as_str(), sep.as_str());
+            if n == 0 {
+                return Ok(list(Vec::new()));
+            }
+            let parts: Vec<String> = if sep.is_empty() {
+                let chars: Vec<String> = x.chars().map(String::from).collect();
+                if n > 0 && chars.len() > n as usize {
+                    let k = n as usize - 1;
+                    let mut v: Vec<String> = chars[..k].to_vec();
+                    v.push(chars[k..].concat());
+                    v
+                } else {
+                    chars
+                }
+            } else if n < 0 {
+                x.split(sep).map(String::from).collect()
+            } else {
+                x.splitn(n as usize, sep).map(String::from).collect()
+            };
+            Ok(list(parts.into_iter().map(s).collect()))
+        }
+        ("substring", [V::String(x), V::Int(start), rest @ ..]) => {
+            let chars: Vec<char> = x.as_str().chars().collect();
+            let end = match rest {
+                [] => chars.len() as i64,
+                [n] => int_arg(n)?,
+                _ => return no_overload(),
+            };
+            if *start < 0 || *start as usize > chars.len() {
+                return rt(format!("index out of range: {start}"));
+            }
+            if end < 0 || end as usize > chars.len() {
+                return rt(format!("index out of range: {end}"));
+            }
+            if *start > end {
+                return rt(format!(
+                    "invalid substring range. start: {start}, end: {end}"
+                ));
+            }
+            Ok(s(chars[*start as usize..end as usize].iter().collect()))
+        }
+        ("trim", [V::String(x)]) => Ok(s(x.as_str().trim_matches(is_go_space).to_string())),
+        ("join", [V::List(l), rest @ ..]) => {
+            let sep = match rest {
+                [] => "",
+                [V::String(sp)] => sp.as_str(),
+                _ => return no_overload(),
+            };
+            let mut parts = Vec::with_capacity(l.len());
+            for e in l.iter() {
+                parts.push(str_arg(e)?.to_string());
+            }
+            Ok(s(parts.join(sep)))
+        }
+        ("strings.quote", [V::String(x)]) => Ok(s(quote(x.as_str()))),
+        ("slice", [V::List(l), V::Int(a), V::Int(b)]) => {
+            if *a < 0 || *b < 0 {
+                return rt(format!(
+                    "cannot slice(start, end): negative indexes not supported ({a}, {b})"
+                ));
+            }
+            if a > b {
+                return rt(format!(
+                    "cannot slice(start, end): start index must be less than or equal to end index ({a} > {b})"
+                ));
+            }
+            if *b as usize > l.len() {
+                return rt(format!(
+                    "cannot slice(start, end): list is length {}",
+                    l.len()
+                ));
+            }
+            Ok(list(l[*a as usize..*b as usize].to_vec()))
+        }
+        ("flatten", [V::List(l), rest @ ..]) => {
+            let depth = match rest {
+                [] => 1,
+                [n] => int_arg(n)?,
+                _ => return no_overload(),
+            };
+            if depth < 0 {
+                return rt("level must be non-negative");
+            }
+            Ok(list(flatten(l, depth)))
+        }
+        ("lists.range", [V::Int(n)]) => Ok(list((0..(*n).max(0)).map(V::Int).collect())),
+        ("reverse", [V::List(l)]) => Ok(list(l.iter().rev().cloned().collect())),
+        ("distinct", [V::List(l)]) => {
+            let mut out: Vec<Value<'a>> = Vec::new();
+            for e in l.iter() {
+                if !out.iter().any(|o| matches!(equals(o, e), Eq::True)) {
+                    out.push(e.clone());
+                }
+            }
+            Ok(list(out))
+        }
+        ("sort", [V::List(l)]) => {
+            let mut v = l.to_vec();
+            let mut bad = false;
+            v.sort_by(|x, y| match compare(x, y) {
+                Ok(Some(o)) => o,
+                _ => {
+                    bad = true;
+                    Ordering::Equal
+                }
+            });
+            if bad { no_overload() } else { Ok(list(v)) }
+        }
+        ("isSorted", [V::List(l)]) => {
+            for w in l.windows(2) {
+                if compare(&w[0], &w[1])? == Some(Ordering::Greater) {
+                    return Ok(V::Bool(false));
+                }
+            }
+            Ok(V::Bool(true))
+        }
+        ("sum", [V::List(l)]) => {
+            let zero = if overloads.contains(&"list_sum_uint") {
+                V::Uint(0)
+            } else if overloads.contains(&"list_sum_double") {
+                V::Double(0.0)
+            } else {
+                V::Int(0)
+            };
+            let mut acc = match l.first() {
+                Some(_) => None,
+                None => Some(zero),
+            };
+            for e in l.iter() {
+                acc = Some(match acc {
+                    None => e.clone(),
+                    Some(a) => call("_+_", &[], &[a, e.clone()])?,
+                });
+            }
+            Ok(acc.unwrap_or(V::Int(0)))
+        }
+        ("max" | "min", [V::List(l)]) => {
+            let Some(first) = l.first() else {
+                return rt(format!("{name}(list) argument must not be empty"));
+            };
+            let want = if name == "max" {
+                Ordering::Greater
+            } else {
+                Ordering::Less
+            };
+            let mut best = first.clone();
+            for e in l.iter().skip(1) {
+                if compare(e, &best)? == Some(want) {
+                    best = e.clone();
+                }
+            }
+            Ok(best)
+        }
+        ("sets.contains", [V::List(x), V::List(y)]) => {
+            for e in y.iter() {
+                if !matches!(contains_value(x, e), Ok(V::Bool(true))) {
+                    return Ok(V::Bool(false));
+                }
+            }
+            Ok(V::Bool(true))
+        }
+        ("sets.equivalent", [V::List(x), V::List(y)]) => {
+            let a = call(
+                "sets.contains",
+                &[],
+                &[V::List(x.clone()), V::List(y.clone())],
+            )?;
+            let b = call(
+                "sets.contains",
+                &[],
+                &[V::List(y.clone()), V::List(x.clone())],
+            )?;
+            Ok(V::Bool(matches!((a, b), (V::Bool(true), V::Bool(true)))))
+        }
+        ("sets.intersects", [V::List(x), V::List(y)]) => {
+            for e in y.iter() {
+                if matches!(contains_value(x, e), Ok(V::Bool(true))) {
+                    return Ok(V::Bool(true));
+                }
+            }
+            Ok(V::Bool(false))
+        }
+        ("quantity", [V::String(x)]) => Quantity::parse(x.as_str())
+            .map(|q| V::Quantity(Arc::new(q)))
+            .map_err(|e| EvalError::Runtime(e.to_string())),
+        ("isQuantity", [V::String(x)]) => Ok(V::Bool(Quantity::parse(x.as_str()).is_ok())),
+        ("sign", [q]) => Ok(V::Int(quantity_arg(q)?.sign())),
+        ("isGreaterThan", [V::Semver(x), y]) => Ok(V::Bool(x.as_ref() > semver_arg(y)?)),
+        ("isLessThan", [V::Semver(x), y]) => Ok(V::Bool(x.as_ref() < semver_arg(y)?)),
+        ("compareTo", [V::Semver(x), y]) => Ok(V::Int(ord_int(x.as_ref().cmp(semver_arg(y)?)))),
+        ("isGreaterThan", [x, y]) => Ok(V::Bool(
+            quantity_arg(x)?.compare(quantity_arg(y)?) == Ordering::Greater,
+        )),
+        ("isLessThan", [x, y]) => Ok(V::Bool(
+            quantity_arg(x)?.compare(quantity_arg(y)?) == Ordering::Less,
+        )),
+        ("compareTo", [x, y]) => Ok(V::Int(ord_int(quantity_arg(x)?.compare(quantity_arg(y)?)))),
+        ("asApproximateFloat", [q]) => Ok(V::Double(quantity_arg(q)?.as_f64())),
+        ("asInteger", [q]) => quantity_arg(q)?
+            .as_i64()
+            .map(V::Int)
+            .map_or_else(|| rt("cannot convert value to integer"), Ok),
+        ("isInteger", [q]) => Ok(V::Bool(quantity_arg(q)?.as_i64().is_some())),
+        ("add" | "sub", [q, other]) => {
+            let q = quantity_arg(q)?;
+            let o = match other {
+                V::Int(i) => Quantity::from_int(*i),
+                o => quantity_arg(o)?.clone(),
+            };
+            let r = if name == "add" { q.add(&o) } else { q.sub(&o) };
+            r.map(|q| V::Quantity(Arc::new(q)))
+                .map_err(|e| EvalError::Runtime(e.to_string()))
+        }
+        ("semver", [V::String(x), rest @ ..]) => {
+            let normalize = match rest {
+                [] => false,
+                [V::Bool(b)] => *b,
+                _ => return no_overload(),
+            };
+            let r = if normalize {
+                Semver::parse_normalized(x.as_str())
+            } else {
+                Semver::parse(x.as_str())
+            };
+            r.map(|v| V::Semver(Arc::new(v)))
+                .map_err(|e| EvalError::Runtime(e.to_string()))
+        }
+        ("isSemver", [V::String(x), rest @ ..]) => {
+            let normalize = match rest {
+                [] => false,
+                [V::Bool(b)] => *b,
+                _ => return no_overload(),
+            };
+            let r = if normalize {
+                Semver::parse_normalized(x.as_str())
+            } else {
+                Semver::parse(x.as_str())
+            };
+            Ok(V::Bool(r.is_ok()))
+        }
+        ("major", [v]) => Ok(V::Int(
+            i64::try_from(semver_arg(v)?.major).unwrap_or(i64::MAX),
+        )),
+        ("minor", [v]) => Ok(V::Int(
+            i64::try_from(semver_arg(v)?.minor).unwrap_or(i64::MAX),
+        )),
+        ("patch", [v]) => Ok(V::Int(
+            i64::try_from(semver_arg(v)?.patch).unwrap_or(i64::MAX),
+        )),
+        ("optional.of", [x]) => Ok(V::Optional(Some(Arc::new(x.clone())))),
+        ("optional.ofNonZeroValue", [x]) => Ok(V::Optional(if is_zero(x) {
+            None
+        } else {
+            Some(Arc::new(x.clone()))
+        })),
+        ("optional.none", []) => Ok(V::Optional(None)),
+        ("hasValue", [V::Optional(o)]) => Ok(V::Bool(o.is_some())),
+        ("value", [V::Optional(o)]) => match o {
+            Some(v) => Ok((**v).clone()),
+            None => rt("optional.none() dereference"),
+        },
+        ("or", [V::Optional(o), other @ V::Optional(_)]) => Ok(if o.is_some() {
+            V::Optional(o.clone())
+        } else {
+            other.clone()
+        }),
+        ("orValue", [V::Optional(o), other]) => Ok(match o {
+            Some(v) => (**v).clone(),
+            None => other.clone(),
+        }),
+        ("includes", [target, arg]) => match target {
+            V::List(l) => {
+                if l.len() > 48 {
+                    // ResourceSliceMaxAttributeValuesPerDevice.
+                    return rt(
+                        "'includes' function cannot be applied to lists longer than 48 values",
+                    );
+                }
+                Ok(V::Bool(
+                    l.iter().any(|e| matches!(equals(e, arg), Eq::True)),
+                ))
+            }
+            t => Ok(V::Bool(matches!(equals(t, arg), Eq::True))),
+        },
+        (_, args) if args.iter().any(|a| matches!(a, V::Error(_))) => {
+            match args.iter().find_map(|a| match a {
+                V::Error(e) => Some(e.clone()),
+                _ => None,
+            }) {
+                Some(e) => rt(e.to_string()),
+                None => no_overload(),
+            }
+        }
+        _ => no_overload(),
+    }
+}
+
+fn ord_int(o: Ordering) -> i64 {
+    match o {
+        Ordering::Less => -1,
+        Ordering::Equal => 0,
+        Ordering::Greater => 1,
+    }
+}
+
+fn is_go_space(c: char) -> bool {
+    c.is_whitespace() || c == '\u{85}' || c == '\u{a0}'
+}
+
+fn is_zero(v: &Value<'_>) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Int(i) => *i == 0,
+        Value::Uint(u) => *u == 0,
+        Value::Double(d) => *d == 0.0,
+        Value::String(s) => s.as_str().is_empty(),
+        Value::Bytes(b) => b.is_empty(),
+        Value::List(l) => l.is_empty(),
+        Value::Map(m) => m.is_empty(),
+        _ => false,
+    }
+}
+
+fn flatten<'a>(l: &[Value<'a>], depth: i64) -> Vec<Value<'a>> {
+    let mut out = Vec::new();
+    for e in l {
+        match e {
+            Value::List(inner) if depth > 0 => out.extend(flatten(inner, depth - 1)),
+            other => out.push(other.clone()),
+        }
+    }
+    out
+}
+
+fn quote(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '\u{7}' => out.push_str("\\a"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{b}' => out.push_str("\\v"),
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn parse_go_float(s: &str) -> Option<f64> {
+    match s {
+        "Inf" | "+Inf" | "inf" | "+inf" | "Infinity" | "+Infinity" | "infinity" => {
+            Some(f64::INFINITY)
+        }
+        "-Inf" | "-inf" | "-Infinity" | "-infinity" => Some(f64::NEG_INFINITY),
+        "NaN" | "nan" => Some(f64::NAN),
+        _ if s
+            .chars()
+            .any(|c| c.is_ascii_alphabetic() && c != 'e' && c != 'E') =>
+        {
+            None
+        }
+        _ => s.parse().ok(),
+    }
+}
+
+/// Runtime cost of one call, charged after it returns.
+pub(crate) fn call_cost(
+    name: &str,
+    overloads: &[&'static str],
+    a: &[Value<'_>],
+    result: Option<&Value<'_>>,
+) -> u64 {
+    let size = |i: usize| a.get(i).map_or(1, Value::actual_size);
+    let trav = |n: u64| (n as f64 * 0.1).ceil() as u64;
+    match name {
+        // Kubernetes library.CostEstimator.CallCost.
+        "isSorted" | "sum" | "max" | "min" | "indexOf" | "lastIndexOf"
+            if matches!(a.first(), Some(Value::List(_))) =>
+        {
+            size(0)
+        }
+        "url" | "lowerAscii" | "upperAscii" | "substring" | "trim" => trav(size(0)).max(1),
+        "replace" | "split" => {
+            let mut c = trav(size(0));
+            if name == "replace" {
+                c = c.saturating_add(trav(size(2).saturating_mul(size(0))));
+            }
+            c.max(1)
+        }
+        "join" => trav(size(0).saturating_mul(result.map_or(1, Value::actual_size))).max(1),
+        "find" | "findAll" => {
+            let str_cost = trav(size(0).saturating_add(1));
+            let re_cost = (size(1) as f64 * 0.25).ceil() as u64;
+            str_cost.saturating_mul(re_cost).max(1)
+        }
+        "quantity" | "isQuantity" | "semver" | "isSemver" => trav(size(0)).max(1),
+        "sets.contains" | "sets.equivalent" | "sets.intersects" => {
+            size(0).saturating_mul(size(1)).max(1)
+        }
+        "charAt" | "indexOf" | "lastIndexOf" => trav(size(0)).max(1),
+        "strings.quote" => trav(size(0)).max(1),
+        "flatten" | "reverse" | "distinct" | "slice" | "sort" => size(0).max(1),
+        "includes" => size(0).max(1),
+        // cel-go costCall defaults.
+        "startsWith" | "endsWith" | "bytes" => trav(size(0)),
+        "string" if matches!(a.first(), Some(Value::Bytes(_))) => trav(size(0)),
+        "@in" => size(1),
+        "_<_" | "_>_" | "_<=_" | "_>=_"
+            if matches!(a.first(), Some(Value::String(_) | Value::Bytes(_))) =>
+        {
+            trav(size(0).min(size(1)))
+        }
+        "_==_" | "_!=_" => trav(size(0).min(size(1))),
+        "_+_" if matches!(a.first(), Some(Value::String(_) | Value::Bytes(_))) => {
+            trav(size(0).saturating_add(size(1)))
+        }
+        "matches" => {
+            let str_cost = trav(size(0).saturating_add(1));
+            let re_cost = (size(1) as f64 * 0.25).ceil() as u64;
+            str_cost.saturating_mul(re_cost)
+        }
+        "contains" => trav(size(0)).saturating_mul(trav(size(1))),
+        _ => {
+            let _ = overloads;
+            1
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! The Kubernetes DRA CEL environment: compile and evaluate DeviceClass and ResourceClaim
+//! device selectors exactly as kube-scheduler and API validation do.
+//!
+//! Upstream is `k8s.io/dynamic-resource-allocation/cel` v0.36.3 (`compile.go`) on cel-go
+//! v0.26.0 with the Kubernetes base environment (`k8s.io/apiserver/pkg/cel/environment`).
+//! We parse with the `cel` crate and type-check and evaluate our own checked tree.
+//!
+//! ```
+//! use dra_cel::{Compiler, Device, Environment};
+//! let device: Device = serde_json::from_str(
+//!     r#"{"driver": "gpu.nvidia.com", "attributes": {"model": {"string": "A100"}},
+//!         "capacity": {"memory": {"value": "80Gi"}}}"#).unwrap();
+//! let compiled = Compiler::new(Default::default(), Environment::Stored)
+//!     .compile("device.attributes['gpu.nvidia.com'].model == 'A100' && \
+//!               device.capacity['gpu.nvidia.com'].memory.isGreaterThan(quantity('40Gi'))")
+//!     .unwrap();
+//! assert!(compiled.matches(&device).unwrap());
+//! ```
+
+mod cache;
+mod checker;
+mod decls;
+pub mod device;
+mod eval;
+mod functions;
+pub mod libs;
+mod types;
+mod value;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use cache::Cache;
+pub use checker::{CheckError, Features};
+pub use device::{Device, DeviceAttribute, DeviceCapacity, DeviceError, DeviceView};
+pub use eval::EvalError;
+pub use types::Type;
+
+/// Runtime cost limit per evaluation: `resource.k8s.io` `CELSelectorExpressionMaxCost`.
+pub const MAX_COST: u64 = 1_000_000;
+
+/// Maximum expression length in bytes: `CELSelectorExpressionMaxLength` (10 KiB), enforced
+/// by API validation (the [`Environment::New`] environment).
+pub const MAX_EXPRESSION_LENGTH: usize = 10 * 1024;
+
+/// Which upstream environment to compile in (`environment.Type`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Environment {
+    /// `StoredExpressions`: what the scheduler uses for stored selectors; everything declared.
+    #[default]
+    Stored,
+    /// `NewExpressions`: what API validation uses for new selectors; declarations introduced
+    /// after the compatibility version (v1.35 for a v1.36 control plane) are absent, and the
+    /// expression length limit applies.
+    New,
+}
+
+/// Why an expression does not compile.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CompileError {
+    /// Longer than [`MAX_EXPRESSION_LENGTH`] (New environment only).
+    #[error("expression too long: {len} bytes, may not be more than {MAX_EXPRESSION_LENGTH}")]
+    TooLong {
+        /// Length in bytes.
+        len: usize,
+    },
+    /// Syntax error.
+    #[error("compilation failed: {0}")]
+    Parse(String),
+    /// Type-check error.
+    #[error("compilation failed: {0}")]
+    Check(#[from] CheckError),
+    /// The result is not `bool` (or the unknown type).
+    #[error("must evaluate to bool or the unknown type, not {0}")]
+    ResultType(Type),
+}
+
+/// Why a selector could not be evaluated against a device.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MatchError {
+    /// The device cannot be presented (invalid version attribute, unsupported value).
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// Evaluation failed at runtime, ran over its cost limit or past its deadline.
+    #[error(transparent)]
+    Eval(#[from] EvalError),
+    /// The result was not a bool (a dynamic attribute of another type).
+    #[error("CEL result of type {0} could not be converted to bool")]
+    NotBool(&'static str),
+}
+
+/// Compiles selectors for one feature set and environment.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Compiler {
+    features: Features,
+    environment: Environment,
+}
+
+/// A compiled selector: compile once, evaluate against many devices; `Send + Sync`.
+#[derive(Debug)]
+pub struct CompiledExpression {
+    checked: checker::Checked,
+    expression: String,
+    features: Features,
+    cost_limit: u64,
+}
+
+/// Per-evaluation options.
+#[derive(Clone, Copy, Debug)]
+pub struct EvalOptions {
+    /// Runtime cost limit; [`MAX_COST`] by default.
+    pub cost_limit: u64,
+    /// Interrupt evaluation at this instant (checked every 100 comprehension iterations, like
+    /// cel-go's interrupt check frequency).
+    pub deadline: Option<Instant>,
+}
+
+impl Default for EvalOptions {
+    fn default() -> Self {
+        EvalOptions {
+            cost_limit: MAX_COST,
+            deadline: None,
+        }
+    }
+}
+
+impl Compiler {
+    /// A compiler for the given features and environment.
+    pub fn new(features: Features, environment: Environment) -> Compiler {
+        Compiler {
+            features,
+            environment,
+        }
+    }
+
+    /// Parses and type-checks `expression`.
+    ///
+    /// # Errors
+    /// [`CompileError`] for syntax and type errors, a non-bool result, or (New environment) an
+    /// expression longer than [`MAX_EXPRESSION_LENGTH`].
+    pub fn compile(&self, expression: &str) -> Result<CompiledExpression, CompileError> {
+        if self.environment == Environment::New && expression.len() > MAX_EXPRESSION_LENGTH {
+            return Err(CompileError::TooLong {
+                len: expression.len(),
+            });
+        }
+        let parsed = cel::parser::Parser::new()
+            .enable_optional_syntax(true)
+            .parse(expression)
+            .map_err(|e| CompileError::Parse(e.to_string()))?;
+        let env = checker::CheckEnv {
+            features: self.features,
+            // The stored environment declares every versioned option, feature-gated or not.
+            includes: self.environment == Environment::Stored,
+        };
+        let checked = checker::check(env, &parsed)?;
+        fold_conversions(&checked.root)?;
+        let ty = &checked.root.ty;
+        let ok = matches!(ty, Type::Bool | Type::Any)
+            || (self.features.list_type_attributes && *ty == Type::Dyn);
+        if !ok {
+            return Err(CompileError::ResultType(ty.clone()));
+        }
+        Ok(CompiledExpression {
+            checked,
+            expression: expression.to_string(),
+            features: self.features,
+            cost_limit: MAX_COST,
+        })
+    }
+}
+
+impl CompiledExpression {
+    /// The source text.
+    pub fn expression(&self) -> &str {
+        &self.expression
+    }
+
+    /// The checked result type (`bool`, or `any`/`dyn` for a bare attribute).
+    pub fn output_type(&self) -> &Type {
+        &self.checked.root.ty
+    }
+
+    /// Evaluates against a ResourceSlice device with the default options.
+    ///
+    /// # Errors
+    /// [`MatchError`] as [`CompiledExpression::matches_with`].
+    pub fn matches(&self, device: &Device) -> Result<bool, MatchError> {
+        self.matches_with(
+            device,
+            EvalOptions {
+                cost_limit: self.cost_limit,
+                deadline: None,
+            },
+        )
+    }
+
+    /// Evaluates against a ResourceSlice device (`CompilationResult.DeviceMatches`).
+    ///
+    /// # Errors
+    /// [`MatchError::Device`] when an attribute cannot be converted, [`MatchError::Eval`] for
+    /// runtime errors, the cost limit and the deadline, [`MatchError::NotBool`] for a non-bool
+    /// result.
+    pub fn matches_with(&self, device: &Device, options: EvalOptions) -> Result<bool, MatchError> {
+        let view = DeviceView::new(device, self.features.list_type_attributes)?;
+        self.matches_view(&view, options)
+    }
+
+    /// Evaluates against an already built device view.
+    ///
+    /// # Errors
+    /// As [`CompiledExpression::matches_with`], without the device conversion errors.
+    pub fn matches_view(
+        &self,
+        view: &DeviceView<'_>,
+        options: EvalOptions,
+    ) -> Result<bool, MatchError> {
+        let mut ev = eval::Evaluator {
+            device: view,
+            slots: Vec::with_capacity(self.checked.slots),
+            cost: 0,
+            limit: options.cost_limit,
+            deadline: options.deadline,
+            steps: 0,
+        };
+        match ev.eval(&self.checked.root)? {
+            value::Value::Bool(b) => Ok(b),
+            other => Err(MatchError::NotBool(other.type_name())),
+        }
+    }
+}
+
+/// cel-go's planner evaluates type conversions of constants when it builds the program, so a
+/// failing one (`int('x')`) is a compile error there (`interpreter/planner.go`).
+fn fold_conversions(n: &checker::Node) -> Result<(), CompileError> {
+    use checker::Kind;
+    match &n.kind {
+        Kind::Call {
+            name,
+            overloads,
+            args,
+        } => {
+            if matches!(
+                *name,
+                "int" | "uint" | "double" | "string" | "bytes" | "bool"
+            ) && args.len() == 1
+                && let Kind::Const(v) = &args[0].kind
+                && let Err(e) = functions::call(name, overloads, std::slice::from_ref(v))
+            {
+                return Err(CompileError::Parse(format!(
+                    "program instantiation failed: {e}"
+                )));
+            }
+            args.iter().try_for_each(fold_conversions)
+        }
+        Kind::DeviceField(o, _)
+        | Kind::Select { operand: o, .. }
+        | Kind::OptSelect { operand: o, .. } => fold_conversions(o),
+        Kind::And(a, b) | Kind::Or(a, b) => {
+            fold_conversions(a)?;
+            fold_conversions(b)
+        }
+        Kind::Cond(a, b, c) => {
+            fold_conversions(a)?;
+            fold_conversions(b)?;
+            fold_conversions(c)
+        }
+        Kind::List { elems, .. } => elems.iter().try_for_each(fold_conversions),
+        Kind::Map { entries } => entries.iter().try_for_each(|(k, v, _)| {
+            fold_conversions(k)?;
+            fold_conversions(v)
+        }),
+        Kind::Fold(f) => [&f.range, &f.init, &f.cond, &f.step, &f.result]
+            .into_iter()
+            .try_for_each(fold_conversions),
+        Kind::Bind { init, body, .. } => {
+            fold_conversions(init)?;
+            fold_conversions(body)
+        }
+        Kind::Const(_) | Kind::Var(_) | Kind::Device => Ok(()),
+    }
+}
+
+/// Shared handle to a compiled expression, as the [`Cache`] hands it out.
+pub type SharedExpression = Arc<CompiledExpression>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device() -> Device {
+        serde_json::from_str(
+            r#"{"driver": "dra.example.com",
+                "attributes": {"model": {"string": "A100"}, "count": {"int": 3},
+                               "ver": {"version": "1.2.3"}, "other.io/x": {"bool": true}},
+                "capacity": {"memory": {"value": "80Gi"}}}"#,
+        )
+        .unwrap()
+    }
+
+    fn run(expr: &str) -> Result<bool, String> {
+        let c = Compiler::default()
+            .compile(expr)
+            .map_err(|e| format!("compile: {e}"))?;
+        c.matches(&device()).map_err(|e| format!("runtime: {e}"))
+    }
+
+    #[test]
+    fn a_missing_attribute_is_a_runtime_error_not_false() {
+        assert_eq!(
+            run("device.attributes['dra.example.com'].nope"),
+            Err("runtime: no such key: nope".into())
+        );
+        assert_eq!(
+            run("has(device.attributes['dra.example.com'].nope)"),
+            Ok(false)
+        );
+        assert_eq!(
+            run("device.attributes['dra.example.com'].?nope.orValue(false)"),
+            Ok(false)
+        );
+    }
+
+    #[test]
+    fn and_absorbs_an_error_when_the_other_side_is_false() {
+        assert_eq!(
+            run("device.attributes['dra.example.com'].nope == 1 && false"),
+            Ok(false)
+        );
+        assert_eq!(run("true || device.attributes['x'].nope"), Ok(true));
+    }
+
+    #[test]
+    fn an_unknown_domain_is_an_empty_map() {
+        assert_eq!(run("device.attributes['unknown.io'].size() == 0"), Ok(true));
+        assert_eq!(run("device.attributes['other.io'].x"), Ok(true));
+    }
+
+    #[test]
+    fn comparing_a_version_with_a_string_is_a_runtime_error() {
+        assert!(run("device.attributes['dra.example.com'].ver == '1.2.3'").is_err());
+        assert_eq!(
+            run("device.attributes['dra.example.com'].count == '3'"),
+            Ok(false)
+        );
+    }
+
+    #[test]
+    fn ordering_on_quantities_does_not_compile() {
+        let e = run("device.capacity['dra.example.com'].memory < quantity('1Gi')").unwrap_err();
+        assert!(e.starts_with("compile:"), "{e}");
+    }
+
+    #[test]
+    fn a_non_bool_result_does_not_compile() {
+        assert!(run("1").unwrap_err().starts_with("compile:"));
+        assert!(run("dyn(true)").unwrap_err().starts_with("compile:"));
+    }
+
+    #[test]
+    fn an_expensive_comprehension_hits_the_cost_limit() {
+        let e = run("lists.range(1000).all(x, lists.range(1000).all(y, x + y >= 0))").unwrap_err();
+        assert!(e.contains("cost limit"), "{e}");
+    }
+}
