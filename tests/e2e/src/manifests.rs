@@ -22,7 +22,8 @@ pub struct ManifestError {
 
 /// The repository root (for `deploy/` and `examples/`).
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    root.canonicalize().unwrap_or(root)
 }
 
 /// A path relative to the repository root.

@@ -1,0 +1,83 @@
+//! `gpu-kubelet-plugin --dry-run` as a user runs it: the binary, a topology file, stdout.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use k8s_openapi::api::resource::v1::ResourceSlice;
+
+fn repo(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative)
+}
+
+fn dry_run(topology: &str, extra: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+        .args(["--dry-run", "--node-name", "gpu-node-0", "--fake-topology"])
+        .arg(repo(topology))
+        .args(extra)
+        .output()
+        .expect("run gpu-kubelet-plugin");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+/// Compares with `tests/snapshots/<name>`; `UPDATE_SNAPSHOTS=1` rewrites it instead.
+fn assert_snapshot(name: &str, actual: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/snapshots")
+        .join(name);
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(&path, actual).expect("write snapshot");
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).expect("snapshot exists (UPDATE_SNAPSHOTS=1)");
+    assert_eq!(
+        actual, expected,
+        "{name} changed; review and rerun with UPDATE_SNAPSHOTS=1"
+    );
+}
+
+#[test]
+fn dgx_h100_yaml_matches_its_snapshot() {
+    assert_snapshot(
+        "dgx-h100.yaml",
+        &dry_run("examples/topologies/dgx-h100.yaml", &[]),
+    );
+}
+
+#[test]
+fn json_output_is_an_array_of_resource_slices_equal_to_the_yaml() {
+    let json = dry_run("examples/topologies/dgx-h100.yaml", &["-o", "json"]);
+    let from_json: Vec<ResourceSlice> = serde_json::from_str(&json).expect("JSON array");
+    let yaml = dry_run("examples/topologies/dgx-h100.yaml", &[]);
+    let from_yaml: Vec<ResourceSlice> = serde_yaml_ng::Deserializer::from_str(&yaml)
+        .map(|d| serde::Deserialize::deserialize(d).expect("YAML document"))
+        .collect();
+    assert_eq!(from_json, from_yaml);
+    assert_eq!(from_json.len(), 1);
+    assert_eq!(from_json[0].spec.devices.as_ref().map(Vec::len), Some(8));
+    assert!(json.contains("\"apiVersion\": \"resource.k8s.io/v1\""));
+}
+
+#[test]
+fn a_bad_topology_is_a_clear_error_naming_the_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "system: {driverVersion: x}\ngpus: []\n").expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+        .args(["--dry-run", "--fake-topology"])
+        .arg(&bad)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.yaml") && err.contains("cudaDriverVersion"),
+        "{err}"
+    );
+}
