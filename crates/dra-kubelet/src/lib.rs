@@ -20,7 +20,7 @@ mod service;
 
 pub use driver::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
 pub use registration::RegistrationStatus;
-pub use server::{PluginServer, PluginSockets, ServeError};
+pub use server::{PluginServer, PluginSockets, SHUTDOWN_GRACE, ServeError};
 pub use service::{DraPluginV1, DraPluginV1beta1};
 
 /// The plugin type the kubelet's plugin watcher routes to its DRA manager

@@ -17,6 +17,9 @@ use crate::proto::{dra_v1, dra_v1beta1, pluginregistration};
 use crate::registration::{RegistrationService, RegistrationStatus};
 use crate::service::{DraPluginV1, DraPluginV1beta1};
 
+/// How long shutdown waits for connected clients to hang up.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Where the sockets live. Defaults are the kubelet's
 /// (`/var/lib/kubelet/plugins/<driver>` and `/var/lib/kubelet/plugins_registry`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,32 +144,43 @@ impl<D: Driver> PluginServer<D> {
                 ),
             )
             .serve_with_incoming_shutdown(UnixListenerStream::new(reg_listener), stopped(stop_rx));
-        let trigger = async {
-            shutdown.await;
-            // Unregister first: the plugin watcher sees the socket go away.
-            let _ = std::fs::remove_file(&reg_path);
-            stop_tx.send_replace(true);
-            Ok::<(), ServeError>(())
+        let servers = async {
+            tokio::try_join!(
+                async {
+                    dra.await.map_err(|source| ServeError::Serve {
+                        path: dra_path.clone(),
+                        source,
+                    })
+                },
+                async {
+                    registration.await.map_err(|source| ServeError::Serve {
+                        path: reg_path.clone(),
+                        source,
+                    })
+                },
+            )
         };
-
-        let result = tokio::try_join!(
-            async {
-                dra.await.map_err(|source| ServeError::Serve {
-                    path: dra_path.clone(),
-                    source,
-                })
-            },
-            async {
-                registration.await.map_err(|source| ServeError::Serve {
-                    path: reg_path.clone(),
-                    source,
-                })
-            },
-            trigger,
-        );
+        tokio::pin!(servers);
+        let result = tokio::select! {
+            r = &mut servers => r.map(|_| ()),
+            () = shutdown => {
+                // Unregister first: the plugin watcher sees the socket go away.
+                let _ = std::fs::remove_file(&reg_path);
+                stop_tx.send_replace(true);
+                // Graceful shutdown waits for clients to hang up; a kubelet that keeps its
+                // connection open must not keep us from exiting.
+                match tokio::time::timeout(SHUTDOWN_GRACE, &mut servers).await {
+                    Ok(r) => r.map(|_| ()),
+                    Err(_) => {
+                        info!(grace = ?SHUTDOWN_GRACE, "clients still connected; closing");
+                        Ok(())
+                    }
+                }
+            }
+        };
         let _ = std::fs::remove_file(&reg_path);
         let _ = std::fs::remove_file(&dra_path);
-        result.map(|_| ())
+        result
     }
 }
 

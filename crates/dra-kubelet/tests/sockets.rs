@@ -201,15 +201,26 @@ async fn v1beta1_prepare_and_unprepare_reach_the_same_driver() {
 }
 
 #[tokio::test]
-async fn shutdown_removes_both_socket_files() {
+async fn shutdown_removes_both_socket_files_even_with_a_client_still_connected() {
     let r = start().await;
     let (dra, reg) = (
         r.sockets.dra_socket(),
         r.sockets.registration_socket("example.com"),
     );
     assert!(dra.exists() && reg.exists());
+    // A kubelet that keeps its connection open must not hold the plugin up.
+    let mut client = DraPluginV1Client::new(connect(&dra).await.unwrap());
+    client
+        .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest { claims: vec![] })
+        .await
+        .unwrap();
     r.stop.send(()).unwrap();
-    r.task.await.unwrap().unwrap();
+    tokio::time::timeout(dra_kubelet::SHUTDOWN_GRACE + Duration::from_secs(2), r.task)
+        .await
+        .expect("stopped within the grace period")
+        .unwrap()
+        .unwrap();
+    drop(client);
     assert!(!dra.exists(), "dra.sock left behind");
     assert!(!reg.exists(), "registration socket left behind");
 }

@@ -41,9 +41,155 @@ pub struct RawGpu {
     /// NUMA node of the GPU's PCI device (`nvmlDeviceGetNumaNodeId`, else sysfs `numa_node`);
     /// `None` on single-node machines where the kernel reports -1.
     pub numa_node: Option<u32>,
-    /// NVLinks as `(link count, remote)` groups; consumed by NVLink domain discovery.
+    /// PCIe root complex of the GPU in upstream's `pci<domain>:<bus>` form, e.g. `pci0000:17`:
+    /// the first component of the sysfs path `/sys/bus/pci/devices/<bdf>` resolves to
+    /// (k8s.io/dynamic-resource-allocation/deviceattribute, `GetPCIeRootAttributeByPCIBusID`).
+    /// `None` when sysfs has no answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_root: Option<String>,
+    /// Active NVLinks grouped by remote end; consumed by NVLink domain discovery
+    /// ([`crate::nvlink`]). Inactive links are not listed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nvlinks: Vec<NvLinkGroup>,
+    /// Current MIG mode (`nvmlDeviceGetMigMode`, current half).
+    #[serde(default)]
+    pub mig_mode: MigMode,
+    /// GPU instance profiles this GPU supports, with their possible placements
+    /// (`nvmlDeviceGetGpuInstanceProfileInfo` for every profile id,
+    /// `nvmlDeviceGetGpuInstancePossiblePlacements_v2`). Empty unless MIG-capable.
+    /// A topology file may leave it out: the fake backend then serves the built-in table for the
+    /// product ([`crate::mig_tables`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_profiles: Vec<MigProfile>,
+    /// Existing MIG devices (`nvmlDeviceGetMaxMigDeviceCount`,
+    /// `nvmlDeviceGetMigDeviceHandleByIndex`); empty unless MIG mode is enabled.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_devices: Vec<RawMigDevice>,
+    /// Multi-node NVLink fabric membership (`nvmlDeviceGetGpuFabricInfoV`); `None` where the GPU
+    /// is not part of such a fabric or NVML does not support the query.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric: Option<FabricInfo>,
+}
+
+/// MIG mode of a GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum MigMode {
+    /// The GPU cannot do MIG (`nvmlDeviceGetMigMode` answers NOT_SUPPORTED).
+    #[default]
+    Unsupported,
+    /// MIG-capable, currently off: the GPU is used whole.
+    Disabled,
+    /// MIG is on: only MIG devices can run work.
+    Enabled,
+}
+
+/// One GPU instance profile (`nvmlGpuInstanceProfileInfo_t`) and where it can be placed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MigProfile {
+    /// NVML profile id (`NVML_GPU_INSTANCE_PROFILE_*`, e.g. 0 = 1 slice, 9 = 1 slice rev. 2);
+    /// not the id `nvidia-smi mig -lgip` prints.
+    pub id: u32,
+    /// Compute (GPC) slices, the `N` of `Ng.` (`sliceCount`).
+    pub slice_count: u32,
+    /// How many instances of this profile fit on an empty GPU (`instanceCount`).
+    pub instance_count: u32,
+    /// Streaming multiprocessors (`multiprocessorCount`).
+    pub multiprocessor_count: u32,
+    /// Copy engines (`copyEngineCount`).
+    pub copy_engine_count: u32,
+    /// Video decoders (`decoderCount`).
+    pub decoder_count: u32,
+    /// Video encoders (`encoderCount`).
+    pub encoder_count: u32,
+    /// JPEG engines (`jpegCount`).
+    pub jpeg_count: u32,
+    /// Optical flow accelerators (`ofaCount`).
+    pub ofa_count: u32,
+    /// Framebuffer memory in MiB (`memorySizeMB`, which NVML counts in MiB).
+    pub memory_size_mib: u64,
+    /// Possible placements on an empty GPU, in memory slices.
+    pub placements: Vec<MigPlacement>,
+}
+
+/// Where a GPU instance sits: memory slices `start..start + size` (`nvmlGpuInstancePlacement_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigPlacement {
+    /// First memory slice.
+    pub start: u32,
+    /// Number of memory slices.
+    pub size: u32,
+}
+
+/// One existing MIG device: a compute instance inside a GPU instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RawMigDevice {
+    /// `MIG-xxxxxxxx-...` (`nvmlDeviceGetUUID` on the MIG handle).
+    pub uuid: String,
+    /// GPU instance id (`nvmlDeviceGetGpuInstanceId`).
+    pub gpu_instance_id: u32,
+    /// Compute instance id within the GPU instance (`nvmlDeviceGetComputeInstanceId`).
+    #[serde(default)]
+    pub compute_instance_id: u32,
+    /// The GPU instance's profile id (`nvmlGpuInstanceGetInfo`.profileId).
+    pub profile_id: u32,
+    /// The GPU instance's placement (`nvmlGpuInstanceGetInfo`.placement).
+    pub placement: MigPlacement,
+    /// What the MIG handle reports (`nvmlDeviceGetAttributes_v2`, `nvmlDeviceGetMemoryInfo`).
+    /// A topology file may leave it out: the fake then answers with the profile's values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attributes: Option<MigAttributes>,
+}
+
+/// A MIG device's resources as NVML reports them on the MIG handle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MigAttributes {
+    /// Framebuffer bytes (`nvmlDeviceGetMemoryInfo`.total).
+    pub memory_total_bytes: u64,
+    /// Streaming multiprocessors of the compute instance (`multiprocessorCount`).
+    pub multiprocessor_count: u32,
+    /// `sharedCopyEngineCount`.
+    pub copy_engine_count: u32,
+    /// `sharedDecoderCount`.
+    pub decoder_count: u32,
+    /// `sharedEncoderCount`.
+    pub encoder_count: u32,
+    /// `sharedJpegCount`.
+    pub jpeg_count: u32,
+    /// `sharedOfaCount`.
+    pub ofa_count: u32,
+    /// Compute slices of the GPU instance (`gpuInstanceSliceCount`).
+    pub gpu_instance_slice_count: u32,
+    /// Compute slices of this compute instance (`computeInstanceSliceCount`).
+    pub compute_instance_slice_count: u32,
+}
+
+/// A GPU's place in a multi-node NVLink fabric (`nvmlGpuFabricInfo_v3_t`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FabricInfo {
+    /// The fabric's cluster UUID (16 bytes), in canonical 8-4-4-4-12 lowercase hex.
+    pub cluster_uuid: String,
+    /// The clique (set of GPUs that can reach each other over NVLink) within the cluster.
+    pub clique_id: u32,
+    /// Registration state with the fabric manager.
+    pub state: FabricState,
+}
+
+/// `nvmlGpuFabricState_t`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FabricState {
+    /// `NVML_GPU_FABRIC_STATE_NOT_STARTED`.
+    NotStarted,
+    /// `NVML_GPU_FABRIC_STATE_IN_PROGRESS`.
+    InProgress,
+    /// `NVML_GPU_FABRIC_STATE_COMPLETED`: the only state whose clique is trustworthy.
+    Completed,
 }
 
 /// A group of active NVLinks of one GPU that lead to the same remote PCI device

@@ -1,16 +1,23 @@
 //! A deterministic fake GPU backend read from a topology file, with call recording and fault
 //! injection for tests.
 //!
-//! Topology file (YAML), one entry per NVML answer:
+//! Topology file (YAML), one entry per NVML answer ([`RawGpu`] in camelCase):
 //! ```yaml
 //! system: {driverVersion: "570.124.06", cudaDriverVersion: 12080}
 //! gpus:
 //!   - {index: 0, minor: 0, uuid: GPU-..., name: NVIDIA H100 80GB HBM3, brand: Nvidia,
 //!      architecture: Hopper, cudaComputeCapabilityMajor: 9, cudaComputeCapabilityMinor: 0,
 //!      memoryTotalBytes: 85520809984, multiprocessorCount: 132,
-//!      pciBusId: "00000000:18:00.0", numaNode: 0,
-//!      nvlinks: [{links: 5, remotePciBusId: "00000000:05:00.0", remoteDeviceType: switch}]}
+//!      pciBusId: "00000000:18:00.0", numaNode: 0, pcieRoot: "pci0000:17",
+//!      nvlinks: [{links: 5, remotePciBusId: "00000000:05:00.0", remoteDeviceType: switch}],
+//!      migMode: enabled,
+//!      migDevices: [{uuid: MIG-..., gpuInstanceId: 1, profileId: 0,
+//!                    placement: {start: 0, size: 1}}],
+//!      fabric: {clusterUuid: ..., cliqueId: 1, state: completed}}
 //! ```
+//! Where a MIG-capable GPU lists no `migProfiles`, the fake answers the profile queries from the
+//! built-in table of its product ([`crate::mig_tables`]); MIG devices without `attributes` report
+//! their profile's resources, as NVML does for a compute instance spanning its GPU instance.
 //! See `examples/topologies/` for complete files.
 
 use std::collections::BTreeSet;
@@ -19,7 +26,8 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{BackendError, GpuBackend, RawGpu, SystemInfo};
+use crate::backend::{BackendError, GpuBackend, MigAttributes, MigMode, RawGpu, SystemInfo};
+use crate::mig_tables::builtin_profiles;
 
 /// The contents of a topology file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,6 +92,8 @@ impl Topology {
                 origin: origin.to_owned(),
                 source,
             })?;
+        let mut topology = topology;
+        topology.fill_mig_answers();
         topology
             .validate()
             .map_err(|problem| TopologyError::Invalid {
@@ -91,6 +101,34 @@ impl Topology {
                 problem,
             })?;
         Ok(topology)
+    }
+
+    /// Completes what NVML would answer but the file may leave out: built-in profile tables and
+    /// MIG device attributes (see the module docs).
+    fn fill_mig_answers(&mut self) {
+        for gpu in &mut self.gpus {
+            if gpu.mig_mode != MigMode::Unsupported && gpu.mig_profiles.is_empty() {
+                gpu.mig_profiles = builtin_profiles(&gpu.name).unwrap_or_default();
+            }
+            for m in &mut gpu.mig_devices {
+                if m.attributes.is_some() {
+                    continue;
+                }
+                if let Some(p) = gpu.mig_profiles.iter().find(|p| p.id == m.profile_id) {
+                    m.attributes = Some(MigAttributes {
+                        memory_total_bytes: p.memory_size_mib << 20,
+                        multiprocessor_count: p.multiprocessor_count,
+                        copy_engine_count: p.copy_engine_count,
+                        decoder_count: p.decoder_count,
+                        encoder_count: p.encoder_count,
+                        jpeg_count: p.jpeg_count,
+                        ofa_count: p.ofa_count,
+                        gpu_instance_slice_count: p.slice_count,
+                        compute_instance_slice_count: p.slice_count,
+                    });
+                }
+            }
+        }
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -115,6 +153,46 @@ impl Topology {
                     "gpus[{i}].pciBusId {} is not unique",
                     gpu.pci_bus_id
                 ));
+            }
+            if !gpu.mig_devices.is_empty() && gpu.mig_mode != MigMode::Enabled {
+                return Err(format!(
+                    "gpus[{i}].migDevices are listed but migMode is not enabled"
+                ));
+            }
+            let mut used = 0u64;
+            for (j, m) in gpu.mig_devices.iter().enumerate() {
+                let Some(p) = gpu.mig_profiles.iter().find(|p| p.id == m.profile_id) else {
+                    return Err(format!(
+                        "gpus[{i}].migDevices[{j}].profileId {} is not a profile of {}",
+                        m.profile_id, gpu.name
+                    ));
+                };
+                if !p.placements.contains(&m.placement) {
+                    return Err(format!(
+                        "gpus[{i}].migDevices[{j}].placement {:?} is not a placement of profile {}",
+                        m.placement, m.profile_id
+                    ));
+                }
+                if m.placement.start.saturating_add(m.placement.size) > 32 {
+                    return Err(format!(
+                        "gpus[{i}].migDevices[{j}].placement {:?} is beyond 32 memory slices",
+                        m.placement
+                    ));
+                }
+                let mask = ((1u64 << m.placement.size) - 1) << m.placement.start;
+                if used & mask != 0 {
+                    return Err(format!(
+                        "gpus[{i}].migDevices[{j}].placement {:?} overlaps another MIG device",
+                        m.placement
+                    ));
+                }
+                used |= mask;
+                if !uuids.insert(&m.uuid) {
+                    return Err(format!(
+                        "gpus[{i}].migDevices[{j}].uuid {} is not unique",
+                        m.uuid
+                    ));
+                }
             }
         }
         Ok(())

@@ -3,15 +3,22 @@
 //! Attribute vocabulary follows NVIDIA's DRA driver (k8s-dra-driver-gpu), so a claim written for
 //! it selects the same GPUs here when the driver name is the same: `type`, `uuid`, `productName`,
 //! `brand`, `architecture`, `cudaComputeCapability`, `driverVersion`, `cudaDriverVersion`,
-//! `index`, `minor`; plus the standard `resource.kubernetes.io/pciBusID`
-//! (k8s.io/dynamic-resource-allocation/deviceattribute) and `resource.kubernetes.io/numaNode`.
+//! `index`, `minor`; plus the standard `resource.kubernetes.io/pciBusID`,
+//! `resource.kubernetes.io/pcieRoot` (k8s.io/dynamic-resource-allocation/deviceattribute) and
+//! `resource.kubernetes.io/numaNode`, and our topology attributes `nvlinkDomain` ([`crate::nvlink`])
+//! and `nvlinkClique`. The crate docs list the NVML call behind each attribute.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use tracing::warn;
 
-use crate::backend::{BackendError, GpuBackend, RawGpu};
+use crate::backend::{BackendError, FabricState, GpuBackend, MigMode, RawGpu};
+use crate::mig::{self, MigDevice};
+use crate::naming;
+use crate::nvlink::nvlink_domains;
+use crate::slices::Pool;
 
 /// Prefix of the attributes Kubernetes standardizes across drivers.
 pub const STANDARD_PREFIX: &str = "resource.kubernetes.io/";
@@ -34,19 +41,49 @@ pub enum DiscoveryError {
         /// Why it is unusable.
         problem: &'static str,
     },
+    /// Two GPUs would publish the same device name.
+    #[error("GPUs {first} and {second} both map to device name {name}")]
+    DuplicateName {
+        /// The name.
+        name: String,
+        /// One GPU's UUID.
+        first: String,
+        /// The other's.
+        second: String,
+    },
+}
+
+/// How MIG-capable GPUs are published.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MigStrategy {
+    /// GPUs with MIG enabled publish their existing MIG devices instead of themselves; other GPUs
+    /// publish themselves.
+    #[default]
+    Existing,
+    /// KEP-4815 partitionable devices: every GPU with a MIG profile table publishes a counter set,
+    /// itself consuming all of it, and every possible MIG placement consuming its share, so the
+    /// scheduler can choose any valid partition. GPUs without a table publish themselves.
+    Partitionable,
 }
 
 /// Everything discovered on one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Inventory {
-    /// Full GPUs, in NVML enumeration order.
+    /// Full GPUs, in NVML enumeration order (also those with MIG enabled, whose whole-GPU device
+    /// is then not published under [`MigStrategy::Existing`]).
     pub gpus: Vec<Gpu>,
+    /// Existing MIG devices of GPUs with MIG enabled, parent by parent.
+    pub mig_devices: Vec<MigDevice>,
+    /// GPUs NVML enumerates but could not describe (e.g. fallen off the bus), by NVML index, with
+    /// the error. They are left out of the published pool until they answer again.
+    pub unavailable: Vec<(u32, String)>,
 }
 
 /// One full GPU with values normalized for publication.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gpu {
-    /// Device name within the pool (a DNS label), e.g. `gpu-0`.
+    /// Device name within the pool (a DNS label) derived from the PCI bus ID, e.g.
+    /// `gpu-0000-18-00-0` ([`naming::gpu_device_name`]).
     pub name: String,
     /// NVML's answers.
     pub raw: RawGpu,
@@ -56,12 +93,18 @@ pub struct Gpu {
     pub cuda_driver_version: String,
     /// PCI bus ID in extended BDF form `dddd:bb:dd.f` (lowercase), when the domain fits 4 hex digits.
     pub pci_bus_id: Option<String>,
+    /// The NVLink domain ([`crate::nvlink`]); `None` without NVLink peers.
+    pub nvlink_domain: Option<String>,
+    /// `<clusterUuid>.<cliqueId>` of a multi-node NVLink fabric whose registration completed.
+    pub nvlink_clique: Option<String>,
 }
 
-/// Queries `backend` for every GPU and normalizes the answers.
+/// Queries `backend` for every GPU and normalizes the answers. A GPU whose queries fail is
+/// reported in [`Inventory::unavailable`] and left out, so a lost GPU does not take the node's
+/// other GPUs with it.
 ///
 /// # Errors
-/// [`DiscoveryError`] when a query fails or a value cannot be published.
+/// [`DiscoveryError`] when a node-wide query fails or a value cannot be published.
 pub fn discover(backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
     let system = backend.system()?;
     let driver_version =
@@ -81,19 +124,81 @@ pub fn discover(backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
         });
     }
     let cuda_driver_version = format!("{}.{}.0", cuda / 1000, (cuda % 1000) / 10);
-    let gpus = (0..backend.device_count()?)
-        .map(|i| {
-            let raw = backend.gpu(i)?;
-            Ok(Gpu {
-                name: format!("gpu-{}", raw.index),
-                pci_bus_id: standard_pci_bus_id(&raw.pci_bus_id),
-                driver_version: driver_version.clone(),
-                cuda_driver_version: cuda_driver_version.clone(),
-                raw,
-            })
-        })
-        .collect::<Result<Vec<_>, DiscoveryError>>()?;
-    Ok(Inventory { gpus })
+    let mut raws = Vec::new();
+    let mut unavailable = Vec::new();
+    for i in 0..backend.device_count()? {
+        match backend.gpu(i) {
+            Ok(raw) => raws.push(raw),
+            Err(e) => {
+                warn!(index = i, error = %e, "GPU unavailable; leaving it out of the pool");
+                unavailable.push((i, e.to_string()));
+            }
+        }
+    }
+    let domains = nvlink_domains(&raws.iter().collect::<Vec<_>>());
+    let mut names: BTreeMap<String, String> = BTreeMap::new();
+    let mut gpus = Vec::with_capacity(raws.len());
+    for (raw, nvlink_domain) in raws.into_iter().zip(domains) {
+        let name = naming::gpu_device_name(&raw);
+        if let Some(first) = names.insert(name.clone(), raw.uuid.clone()) {
+            return Err(DiscoveryError::DuplicateName {
+                name,
+                first,
+                second: raw.uuid,
+            });
+        }
+        let nvlink_clique = raw.fabric.as_ref().and_then(|f| {
+            (f.state == FabricState::Completed
+                && !f.cluster_uuid.trim_matches(['0', '-']).is_empty())
+            .then(|| format!("{}.{}", f.cluster_uuid, f.clique_id))
+        });
+        gpus.push(Gpu {
+            name,
+            pci_bus_id: standard_pci_bus_id(&raw.pci_bus_id),
+            driver_version: driver_version.clone(),
+            cuda_driver_version: cuda_driver_version.clone(),
+            nvlink_domain,
+            nvlink_clique,
+            raw,
+        });
+    }
+    let mig_devices = gpus
+        .iter()
+        .filter(|g| g.raw.mig_mode == MigMode::Enabled)
+        .flat_map(mig::existing_devices)
+        .collect();
+    Ok(Inventory {
+        gpus,
+        mig_devices,
+        unavailable,
+    })
+}
+
+impl Inventory {
+    /// The devices (and counter sets) this node publishes under `strategy`, in a stable order:
+    /// GPU by GPU in enumeration order, a GPU's MIG devices by profile and placement.
+    pub fn pool(&self, strategy: MigStrategy) -> Pool {
+        let mut pool = Pool::default();
+        for gpu in &self.gpus {
+            let table =
+                !gpu.raw.mig_profiles.is_empty() && gpu.raw.mig_mode != MigMode::Unsupported;
+            match strategy {
+                MigStrategy::Partitionable if table => {
+                    let (counters, devices) = mig::partitionable(gpu);
+                    pool.counter_sets.push(counters);
+                    pool.devices.extend(devices);
+                }
+                _ if gpu.raw.mig_mode == MigMode::Enabled => pool.devices.extend(
+                    self.mig_devices
+                        .iter()
+                        .filter(|m| m.parent == gpu.name)
+                        .map(|m| m.device(gpu)),
+                ),
+                _ => pool.devices.push(gpu.device()),
+            }
+        }
+        pool
+    }
 }
 
 /// `570.124.06` -> `570.124.6`, `575.51` -> `575.51.0`. `None` unless 1-3 numeric parts.
@@ -153,28 +258,88 @@ pub fn bytes_quantity(bytes: u64) -> Quantity {
     Quantity(bytes.to_string())
 }
 
-fn string(v: impl Into<String>) -> DeviceAttribute {
+pub(crate) fn string(v: impl Into<String>) -> DeviceAttribute {
     DeviceAttribute {
         string: Some(v.into()),
         ..Default::default()
     }
 }
 
-fn int(v: impl Into<i64>) -> DeviceAttribute {
+pub(crate) fn int(v: impl Into<i64>) -> DeviceAttribute {
     DeviceAttribute {
         int: Some(v.into()),
         ..Default::default()
     }
 }
 
-fn version(v: impl Into<String>) -> DeviceAttribute {
+pub(crate) fn version(v: impl Into<String>) -> DeviceAttribute {
     DeviceAttribute {
         version: Some(v.into()),
         ..Default::default()
     }
 }
 
+pub(crate) fn capacity(value: Quantity) -> DeviceCapacity {
+    DeviceCapacity {
+        value,
+        ..Default::default()
+    }
+}
+
+pub(crate) fn count(n: u32) -> DeviceCapacity {
+    capacity(Quantity(n.to_string()))
+}
+
 impl Gpu {
+    /// Where the GPU sits: `resource.kubernetes.io/pciBusID`, `pcieRoot` and `numaNode`, each when
+    /// known. MIG devices of the GPU share them.
+    pub fn location_attributes(&self) -> BTreeMap<String, DeviceAttribute> {
+        let mut attributes = BTreeMap::new();
+        if let Some(bus) = &self.pci_bus_id {
+            attributes.insert(format!("{STANDARD_PREFIX}pciBusID"), string(bus));
+        }
+        if let Some(root) = &self.raw.pcie_root {
+            attributes.insert(format!("{STANDARD_PREFIX}pcieRoot"), string(root));
+        }
+        if let Some(numa) = self.raw.numa_node {
+            attributes.insert(format!("{STANDARD_PREFIX}numaNode"), int(numa));
+        }
+        attributes
+    }
+
+    /// The attributes a MIG device inherits from its parent: `productName`, `brand`,
+    /// `architecture`, `cudaComputeCapability`, `driverVersion`, `cudaDriverVersion`, plus
+    /// `parentUUID`, `parentIndex`, `parentMinor` and the location attributes.
+    pub fn parent_attributes(&self) -> BTreeMap<String, DeviceAttribute> {
+        let r = &self.raw;
+        let mut attributes = BTreeMap::from([
+            ("productName".to_owned(), string(&r.name)),
+            ("brand".to_owned(), string(&r.brand)),
+            ("architecture".to_owned(), string(&r.architecture)),
+            (
+                "cudaComputeCapability".to_owned(),
+                version(self.compute_capability()),
+            ),
+            ("driverVersion".to_owned(), version(&self.driver_version)),
+            (
+                "cudaDriverVersion".to_owned(),
+                version(&self.cuda_driver_version),
+            ),
+            ("parentUUID".to_owned(), string(&r.uuid)),
+            ("parentIndex".to_owned(), int(r.index)),
+            ("parentMinor".to_owned(), int(r.minor)),
+        ]);
+        attributes.extend(self.location_attributes());
+        attributes
+    }
+
+    fn compute_capability(&self) -> String {
+        format!(
+            "{}.{}.0",
+            self.raw.cuda_compute_capability_major, self.raw.cuda_compute_capability_minor
+        )
+    }
+
     /// The `resource.k8s.io/v1` Device published for this GPU. Bare attribute names belong to
     /// the driver's domain. Capacities: `memory` (bytes), `multiprocessors` (count).
     pub fn device(&self) -> Device {
@@ -187,10 +352,7 @@ impl Gpu {
             ("architecture".to_owned(), string(&r.architecture)),
             (
                 "cudaComputeCapability".to_owned(),
-                version(format!(
-                    "{}.{}.0",
-                    r.cuda_compute_capability_major, r.cuda_compute_capability_minor
-                )),
+                version(self.compute_capability()),
             ),
             ("driverVersion".to_owned(), version(&self.driver_version)),
             (
@@ -200,32 +362,24 @@ impl Gpu {
             ("index".to_owned(), int(r.index)),
             ("minor".to_owned(), int(r.minor)),
         ]);
-        if let Some(bus) = &self.pci_bus_id {
-            attributes.insert(format!("{STANDARD_PREFIX}pciBusID"), string(bus));
+        attributes.extend(self.location_attributes());
+        if let Some(domain) = &self.nvlink_domain {
+            attributes.insert("nvlinkDomain".to_owned(), string(domain));
         }
-        if let Some(numa) = r.numa_node {
-            attributes.insert(format!("{STANDARD_PREFIX}numaNode"), int(numa));
+        if let Some(clique) = &self.nvlink_clique {
+            attributes.insert("nvlinkClique".to_owned(), string(clique));
         }
-        let capacity = BTreeMap::from([
+        let capacities = BTreeMap::from([
             (
                 "memory".to_owned(),
-                DeviceCapacity {
-                    value: bytes_quantity(r.memory_total_bytes),
-                    ..Default::default()
-                },
+                capacity(bytes_quantity(r.memory_total_bytes)),
             ),
-            (
-                "multiprocessors".to_owned(),
-                DeviceCapacity {
-                    value: Quantity(r.multiprocessor_count.to_string()),
-                    ..Default::default()
-                },
-            ),
+            ("multiprocessors".to_owned(), count(r.multiprocessor_count)),
         ]);
         Device {
             name: self.name.clone(),
             attributes: Some(attributes),
-            capacity: Some(capacity),
+            capacity: Some(capacities),
             ..Default::default()
         }
     }

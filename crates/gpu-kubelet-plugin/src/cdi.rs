@@ -5,24 +5,36 @@
 //! device names `<claim-uid>-<device>`; so the fully qualified ID the kubelet hands to the runtime
 //! is `<driver>/claim=<claim-uid>-<device>`, unique per claim and never reused for other content.
 
+use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::fsutil::write_atomic;
+use crate::storage::{Fs, remove_durably, write_atomic};
+
+/// Spec annotation naming the claim's namespace, so a spec found on disk identifies its claim.
+pub const ANNOTATION_NAMESPACE: &str = "claim.drust.dev/namespace";
+/// Spec annotation naming the claim.
+pub const ANNOTATION_NAME: &str = "claim.drust.dev/name";
+/// Spec annotation with the claim's UID.
+pub const ANNOTATION_UID: &str = "claim.drust.dev/uid";
 
 /// The CDI spec version we write: the oldest that has every field we use.
 pub const CDI_VERSION: &str = "0.6.0";
 
 /// A CDI spec (the subset we write).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Spec {
     /// CDI spec version.
     pub cdi_version: String,
     /// `vendor/class`.
     pub kind: String,
+    /// Spec annotations; ours name the claim ([`ANNOTATION_UID`] and friends).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
     /// Devices of this spec.
     pub devices: Vec<CdiDevice>,
     /// Edits applied when any device of this spec is injected.
@@ -77,6 +89,14 @@ pub enum CdiError {
         /// The cause.
         source: io::Error,
     },
+    /// The spec file could not be read.
+    #[error("reading CDI spec {path}: {source}")]
+    Read {
+        /// The spec file.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
     /// The spec file could not be removed.
     #[error("removing CDI spec {path}: {source}")]
     Remove {
@@ -90,14 +110,16 @@ pub enum CdiError {
 /// Writes claim specs for one driver under one CDI root.
 #[derive(Debug, Clone)]
 pub struct CdiWriter {
+    fs: Arc<dyn Fs>,
     root: PathBuf,
     vendor: String,
 }
 
 impl CdiWriter {
     /// Specs of `driver_name` under `root` (the runtime's CDI dir, default `/var/run/cdi`).
-    pub fn new(root: impl Into<PathBuf>, driver_name: &str) -> Self {
+    pub fn new(fs: Arc<dyn Fs>, root: impl Into<PathBuf>, driver_name: &str) -> Self {
         Self {
+            fs,
             root: root.into(),
             vendor: driver_name.to_owned(),
         }
@@ -137,22 +159,71 @@ impl CdiWriter {
         };
         let mut bytes = serde_json::to_vec_pretty(spec).map_err(|e| write_err(e.into()))?;
         bytes.push(b'\n');
-        std::fs::create_dir_all(&self.root).map_err(write_err)?;
-        write_atomic(&path, &bytes).map_err(write_err)?;
+        self.fs.create_dir_all(&self.root).map_err(write_err)?;
+        write_atomic(self.fs.as_ref(), &path, &bytes).map_err(write_err)?;
         Ok(path)
     }
 
-    /// Removes the claim's spec; a missing file is success.
+    /// Reads the claim's spec; `Ok(None)` when absent or not parseable as a spec (a torn or
+    /// foreign file is treated as absent and will be rewritten or removed).
+    ///
+    /// # Errors
+    /// [`CdiError::Read`] for I/O errors other than absence.
+    pub fn read(&self, claim_uid: &str) -> Result<Option<Spec>, CdiError> {
+        let path = self.spec_path(claim_uid);
+        match self.fs.read(&path) {
+            Ok(bytes) => Ok(serde_json::from_slice(&bytes).ok()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(CdiError::Read { path, source }),
+        }
+    }
+
+    /// Removes the claim's spec durably; a missing file is success.
     ///
     /// # Errors
     /// [`CdiError::Remove`].
     pub fn remove(&self, claim_uid: &str) -> Result<(), CdiError> {
         let path = self.spec_path(claim_uid);
-        match std::fs::remove_file(&path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(CdiError::Remove { path, source }),
-        }
+        remove_durably(self.fs.as_ref(), &path).map_err(|source| CdiError::Remove { path, source })
+    }
+
+    /// The claim UIDs of every claim spec of this vendor under the root, and any temp files a
+    /// crash left behind (`(None, path)`).
+    ///
+    /// # Errors
+    /// [`CdiError::Read`] when the root cannot be listed.
+    pub fn list(&self) -> Result<Vec<(Option<String>, PathBuf)>, CdiError> {
+        let prefix = format!("{}-claim_", self.vendor);
+        let temp_prefix = format!(".{prefix}");
+        let files = self.fs.list(&self.root).map_err(|source| CdiError::Read {
+            path: self.root.clone(),
+            source,
+        })?;
+        Ok(files
+            .into_iter()
+            .filter_map(|path| {
+                let name = path.file_name()?.to_string_lossy().into_owned();
+                if name.starts_with(&temp_prefix) && crate::storage::is_temp_file(&path) {
+                    return Some((None, path));
+                }
+                let uid = name
+                    .strip_prefix(&prefix)?
+                    .strip_suffix(".json")?
+                    .to_owned();
+                Some((Some(uid), path))
+            })
+            .collect())
+    }
+
+    /// Removes a file found by [`CdiWriter::list`].
+    ///
+    /// # Errors
+    /// [`CdiError::Remove`].
+    pub fn remove_path(&self, path: &Path) -> Result<(), CdiError> {
+        remove_durably(self.fs.as_ref(), path).map_err(|source| CdiError::Remove {
+            path: path.to_owned(),
+            source,
+        })
     }
 
     /// The CDI root.
@@ -164,10 +235,11 @@ impl CdiWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::storage::RealFs;
 
     #[test]
     fn ids_paths_and_kind_follow_the_driver_name() {
-        let w = CdiWriter::new("/var/run/cdi", "gpu.drust.dev");
+        let w = CdiWriter::new(Arc::new(RealFs), "/var/run/cdi", "gpu.drust.dev");
         assert_eq!(w.kind(), "gpu.drust.dev/claim");
         assert_eq!(w.device_id("u-1", "gpu-0"), "gpu.drust.dev/claim=u-1-gpu-0");
         assert_eq!(
@@ -179,19 +251,24 @@ mod tests {
     #[test]
     fn write_then_remove_leaves_nothing_and_removing_twice_is_fine() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let w = CdiWriter::new(dir.path().join("cdi"), "d.example");
+        let w = CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), "d.example");
         let spec = Spec {
             cdi_version: CDI_VERSION.into(),
             kind: w.kind(),
-            devices: vec![],
-            container_edits: ContainerEdits::default(),
+            ..Default::default()
         };
         let path = w.write("u", &spec).expect("write");
         let back: Spec =
             serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("parse");
         assert_eq!(back, spec);
+        assert_eq!(
+            w.list().expect("list"),
+            [(Some("u".to_owned()), path.clone())]
+        );
+        assert_eq!(w.read("u").expect("read"), Some(spec));
         w.remove("u").expect("remove");
         w.remove("u").expect("remove again");
+        assert_eq!(w.read("u").expect("read"), None);
         assert_eq!(
             std::fs::read_dir(dir.path().join("cdi"))
                 .expect("dir")

@@ -1,6 +1,7 @@
 //! The node plugin's configuration: every host path is a field, defaulting to the kubelet's.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use dra_kubelet::PluginSockets;
 
@@ -51,6 +52,20 @@ pub struct Config {
     pub cdi_root: PathBuf,
     /// The checkpoint file (default `<plugin-dir>/checkpoint.json`).
     pub checkpoint_path: PathBuf,
+    /// Root under which device nodes (`/dev/nvidia0`, ...) are checked at prepare (default `/`).
+    pub dev_root: PathBuf,
+    /// Root of the driver's `/proc` tables (MIG capability minors; default `/proc`).
+    pub proc_root: PathBuf,
+    /// This boot's ID (default `/proc/sys/kernel/random/boot_id`).
+    pub boot_id_path: PathBuf,
+    /// Deadline of one claim's prepare or unprepare.
+    pub claim_timeout: Duration,
+    /// How often claims that vanished from the API server are unprepared.
+    pub stale_claim_interval: Duration,
+    /// How MIG-capable GPUs are published (existing MIG devices, or partitionable placements).
+    pub mig_strategy: gpu_inventory::MigStrategy,
+    /// How often GPUs are discovered again and the pool republished when it changed.
+    pub rediscovery_interval: Duration,
     /// Print the slices and exit, contacting no API server.
     pub dry_run: Option<OutputFormat>,
 }
@@ -68,6 +83,13 @@ impl Config {
             checkpoint_path: sockets.plugin_dir.join("checkpoint.json"),
             sockets,
             cdi_root: PathBuf::from("/var/run/cdi"),
+            dev_root: PathBuf::from("/"),
+            proc_root: PathBuf::from("/proc"),
+            boot_id_path: PathBuf::from("/proc/sys/kernel/random/boot_id"),
+            claim_timeout: crate::claims::DEFAULT_TIMEOUT,
+            stale_claim_interval: Duration::from_secs(60),
+            mig_strategy: gpu_inventory::MigStrategy::Existing,
+            rediscovery_interval: Duration::from_secs(60),
             dry_run: None,
         }
     }

@@ -6,6 +6,12 @@ use clap::{Parser, ValueEnum};
 use gpu_kubelet_plugin::{Backend, Config, DEFAULT_DRIVER_NAME, OutputFormat};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum MigStrategyArg {
+    Existing,
+    Partitionable,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum Format {
     Yaml,
     Json,
@@ -45,6 +51,28 @@ struct Args {
     /// sysfs root.
     #[arg(long, default_value = "/sys")]
     sysfs_root: PathBuf,
+    /// Root under which device nodes (/dev/nvidia0, ...) are checked at prepare.
+    #[arg(long, default_value = "/")]
+    dev_root: PathBuf,
+    /// Root of the NVIDIA driver's /proc tables (MIG capability minors).
+    #[arg(long, default_value = "/proc")]
+    proc_root: PathBuf,
+    /// File holding this boot's ID.
+    #[arg(long, default_value = "/proc/sys/kernel/random/boot_id")]
+    boot_id_file: PathBuf,
+    /// Deadline of one claim's prepare or unprepare, in seconds (the kubelet waits 45).
+    #[arg(long, default_value_t = 10)]
+    claim_timeout_seconds: u64,
+    /// How often to unprepare claims that vanished from the API server, in seconds.
+    #[arg(long, default_value_t = 60)]
+    stale_claim_interval_seconds: u64,
+    /// How MIG-capable GPUs are published: `existing` MIG devices (GPUs with MIG disabled as
+    /// whole GPUs), or `partitionable`: every possible MIG placement consuming shared counters.
+    #[arg(long, value_enum, default_value = "existing")]
+    mig_strategy: MigStrategyArg,
+    /// How often to discover GPUs again and republish the pool when it changed, in seconds.
+    #[arg(long, default_value_t = 60)]
+    rediscovery_interval_seconds: u64,
     /// Print the ResourceSlices this node would publish and exit; contacts no API server.
     #[arg(long)]
     dry_run: bool,
@@ -77,7 +105,19 @@ impl Args {
         config.sockets.registrar_dir = self.registrar_dir;
         config.cdi_root = self.cdi_root;
         config.sysfs_root = self.sysfs_root;
+        config.dev_root = self.dev_root;
+        config.proc_root = self.proc_root;
+        config.boot_id_path = self.boot_id_file;
+        config.claim_timeout = std::time::Duration::from_secs(self.claim_timeout_seconds);
+        config.stale_claim_interval =
+            std::time::Duration::from_secs(self.stale_claim_interval_seconds.max(1));
         config.kubeconfig = self.kubeconfig;
+        config.mig_strategy = match self.mig_strategy {
+            MigStrategyArg::Existing => gpu_inventory::MigStrategy::Existing,
+            MigStrategyArg::Partitionable => gpu_inventory::MigStrategy::Partitionable,
+        };
+        config.rediscovery_interval =
+            std::time::Duration::from_secs(self.rediscovery_interval_seconds.max(1));
         config.dry_run = self.dry_run.then_some(match self.output {
             Format::Yaml => OutputFormat::Yaml,
             Format::Json => OutputFormat::Json,

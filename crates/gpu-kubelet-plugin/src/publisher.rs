@@ -3,16 +3,20 @@
 //! Generation rule (KEP-4381, k8s.io/api/resource/v1 `ResourcePool.generation`): the scheduler
 //! only trusts slices of a pool's highest generation, so when content changes every slice is
 //! re-applied with `generation + 1` and slices no longer needed are deleted. When the desired
-//! slices equal what the API server holds, nothing is written.
+//! slices equal what the API server holds, nothing is written. Before anything is written the
+//! desired slices are checked against the API server's rules ([`gpu_inventory::validate`]), so a
+//! pool the server would reject (or accept only in part) is never half-published.
 
-use gpu_inventory::slices::{NODE_LABEL, resource_slices};
+use gpu_inventory::Pool;
+use gpu_inventory::slices::{NODE_LABEL, pool_slices};
+use gpu_inventory::validate::{InvalidSlice, validate_pool};
 use k8s_openapi::Resource;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client};
-use tracing::info;
+use tracing::{info, warn};
 
 /// What a publish did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +66,9 @@ pub enum PublishError {
         /// The cause.
         source: kube::Error,
     },
+    /// The desired slices break an API rule; nothing was written.
+    #[error("refusing to publish an invalid pool: {0}")]
+    Invalid(#[from] InvalidSlice),
     /// Deleting a stale slice failed.
     #[error("deleting stale ResourceSlice {name}: {source}")]
     Delete {
@@ -95,11 +102,22 @@ impl SlicePublisher {
         format!("{}/kubelet-plugin", self.driver)
     }
 
-    /// Makes the API server hold exactly `devices` in this node's pool.
+    /// Makes the API server hold exactly `devices` (no counter sets) in this node's pool.
     ///
     /// # Errors
     /// [`PublishError`] naming the object whose read or write failed.
     pub async fn publish(&self, devices: &[Device]) -> Result<PublishOutcome, PublishError> {
+        self.publish_pool(&Pool::from(devices.to_vec())).await
+    }
+
+    /// Makes the API server hold exactly `pool` (devices and counter sets) as this node's pool,
+    /// split into slices as [`pool_slices`] lays them out.
+    ///
+    /// # Errors
+    /// [`PublishError::Invalid`] before any write when a slice would break an API rule;
+    /// otherwise [`PublishError`] naming the object whose read or write failed.
+    pub async fn publish_pool(&self, pool: &Pool) -> Result<PublishOutcome, PublishError> {
+        validate_pool(&pool_slices(&self.driver, &self.node, 1, pool))?;
         let node = Api::<Node>::all(self.client.clone())
             .get(&self.node)
             .await
@@ -136,7 +154,7 @@ impl SlicePublisher {
             .max();
 
         let desired = |generation| {
-            let mut slices = resource_slices(&self.driver, &self.node, generation, devices);
+            let mut slices = pool_slices(&self.driver, &self.node, generation, pool);
             for s in &mut slices {
                 s.metadata.owner_references = Some(vec![owner.clone()]);
             }
@@ -205,4 +223,59 @@ fn same_slices(existing: &[ResourceSlice], desired: &[ResourceSlice]) -> bool {
                         .is_some_and(|n| *n == d.spec.node_name.clone().unwrap_or_default())
             })
         })
+}
+
+/// Re-discovery: every `interval`, calls `discover` (on a blocking thread; NVML calls block) and
+/// republishes when the pool differs from the last one published. Publishing compares with the
+/// API server too, so a slice edited or deleted behind our back is restored at the next tick,
+/// and an unchanged pool writes nothing. Failures are logged and retried at the next tick.
+/// Abort the returned task to stop.
+pub fn spawn_rediscovery<E, F>(
+    publisher: SlicePublisher,
+    interval: std::time::Duration,
+    published: Pool,
+    discover: F,
+) -> tokio::task::JoinHandle<()>
+where
+    E: std::fmt::Display + Send + 'static,
+    F: Fn() -> Result<Pool, E> + Send + Sync + 'static,
+{
+    let discover = std::sync::Arc::new(discover);
+    tokio::spawn(async move {
+        let mut last = published;
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let d = std::sync::Arc::clone(&discover);
+            let pool = match tokio::task::spawn_blocking(move || d()).await {
+                Ok(Ok(pool)) => pool,
+                Ok(Err(e)) => {
+                    warn!(error = %e, "re-discovering GPUs failed; keeping the published pool");
+                    continue;
+                }
+                Err(e) => {
+                    warn!(error = %e, "re-discovery task failed");
+                    continue;
+                }
+            };
+            if pool != last {
+                info!(
+                    devices = pool.devices.len(),
+                    counter_sets = pool.counter_sets.len(),
+                    "GPU inventory changed"
+                );
+            }
+            match publisher.publish_pool(&pool).await {
+                Ok(PublishOutcome::Unchanged { .. }) => {}
+                Ok(outcome) => info!(?outcome, "republished ResourceSlices"),
+                Err(e) => {
+                    warn!(error = %e, "republishing ResourceSlices failed; retrying next tick");
+                    continue;
+                }
+            }
+            last = pool;
+        }
+    })
 }

@@ -42,12 +42,51 @@ fn assert_snapshot(name: &str, actual: &str) {
     );
 }
 
+/// Every topology in `examples/topologies/`, with the MIG strategies worth a snapshot.
+const TOPOLOGIES: &[(&str, &[&str])] = &[
+    ("dgx-h100", &["existing", "partitionable"]),
+    ("dgx-a100-mig", &["existing", "partitionable"]),
+    ("pcie-l40s", &["existing"]),
+    ("paired-nvlink-bridges", &["existing"]),
+    ("gb200-nvl-tray", &["existing"]),
+    ("mixed-a100-l4", &["existing", "partitionable"]),
+];
+
+fn parse_yaml(yaml: &str) -> Vec<ResourceSlice> {
+    serde_yaml_ng::Deserializer::from_str(yaml)
+        .map(|d| serde::Deserialize::deserialize(d).expect("YAML document"))
+        .collect()
+}
+
 #[test]
-fn dgx_h100_yaml_matches_its_snapshot() {
-    assert_snapshot(
-        "dgx-h100.yaml",
-        &dry_run("examples/topologies/dgx-h100.yaml", &[]),
-    );
+fn every_topology_matches_its_snapshot_and_passes_api_validation() {
+    let listed: Vec<String> = std::fs::read_dir(repo("examples/topologies"))
+        .expect("topologies dir")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    for name in &listed {
+        assert!(
+            TOPOLOGIES.iter().any(|(t, _)| format!("{t}.yaml") == *name),
+            "{name} has no snapshot test"
+        );
+    }
+    for (topology, strategies) in TOPOLOGIES {
+        for strategy in *strategies {
+            let yaml = dry_run(
+                &format!("examples/topologies/{topology}.yaml"),
+                &["--mig-strategy", strategy],
+            );
+            let snapshot = match *strategy {
+                "existing" => format!("{topology}.yaml"),
+                other => format!("{topology}-{other}.yaml"),
+            };
+            assert_snapshot(&snapshot, &yaml);
+            let slices = parse_yaml(&yaml);
+            gpu_inventory::validate::validate_pool(&slices)
+                .unwrap_or_else(|e| panic!("{snapshot}: {e}"));
+        }
+    }
 }
 
 #[test]
@@ -55,9 +94,7 @@ fn json_output_is_an_array_of_resource_slices_equal_to_the_yaml() {
     let json = dry_run("examples/topologies/dgx-h100.yaml", &["-o", "json"]);
     let from_json: Vec<ResourceSlice> = serde_json::from_str(&json).expect("JSON array");
     let yaml = dry_run("examples/topologies/dgx-h100.yaml", &[]);
-    let from_yaml: Vec<ResourceSlice> = serde_yaml_ng::Deserializer::from_str(&yaml)
-        .map(|d| serde::Deserialize::deserialize(d).expect("YAML document"))
-        .collect();
+    let from_yaml = parse_yaml(&yaml);
     assert_eq!(from_json, from_yaml);
     assert_eq!(from_json.len(), 1);
     assert_eq!(from_json[0].spec.devices.as_ref().map(Vec::len), Some(8));

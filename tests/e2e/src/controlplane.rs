@@ -16,6 +16,8 @@
 mod credentials;
 mod process;
 
+pub use process::die_with_parent;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io;

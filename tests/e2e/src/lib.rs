@@ -25,6 +25,8 @@
 //! Environment: `DRUST_KEEP_CONTROLPLANE=1` keeps the temporary directory (certificates,
 //! kubeconfigs, etcd data, one log file per component) and prints where it is.
 
+pub mod binary;
+pub mod claims;
 mod controlplane;
 pub mod kubelet;
 pub mod manifests;
@@ -32,5 +34,5 @@ pub mod plugin;
 pub mod wait;
 
 pub use controlplane::{
-    Component, ControlPlane, ControlPlaneOptions, Error, KEEP_ENV, StartTimings,
+    Component, ControlPlane, ControlPlaneOptions, Error, KEEP_ENV, StartTimings, die_with_parent,
 };

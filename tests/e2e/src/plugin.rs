@@ -41,6 +41,21 @@ impl NodePlugin {
         node: &str,
         topology: &Path,
     ) -> Result<Self, PluginError> {
+        Self::start_with(cp, driver_name, node, topology, |_| {})
+    }
+
+    /// [`NodePlugin::start`], letting `configure` adjust the configuration (MIG strategy,
+    /// re-discovery interval, ...) before the plugin runs.
+    ///
+    /// # Errors
+    /// [`PluginError`] when the temp dir cannot be created.
+    pub fn start_with(
+        cp: &ControlPlane,
+        driver_name: &str,
+        node: &str,
+        topology: &Path,
+        configure: impl FnOnce(&mut Config),
+    ) -> Result<Self, PluginError> {
         let dir = tempfile::Builder::new()
             .prefix("drust-plugin-")
             .tempdir()
@@ -61,6 +76,12 @@ impl NodePlugin {
         };
         config.checkpoint_path = config.sockets.plugin_dir.join("checkpoint.json");
         config.cdi_root = dir.path().join("cdi");
+        config.dev_root = dir.path().to_owned();
+        config.proc_root = dir.path().to_owned();
+        config.boot_id_path = dir.path().join("boot_id");
+        let problem = |e: String| PluginError { problem: e };
+        fake_host(dir.path(), topology).map_err(problem)?;
+        configure(&mut config);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(gpu_kubelet_plugin::run(config.clone(), async {
             let _ = stopped.await;
@@ -156,6 +177,54 @@ impl NodePlugin {
             None => Ok(()),
         }
     }
+}
+
+/// Creates what a GPU node has and the fake topology implies: `dev/nvidiactl`,
+/// `dev/nvidia-uvm`, `dev/nvidia-uvm-tools`, `dev/nvidia<minor>` per GPU, for existing MIG
+/// devices the driver's capability table `driver/nvidia-caps/mig-minors` and its
+/// `dev/nvidia-caps/nvidia-cap<m>` nodes, and a `boot_id` file. Use `root` as both the device
+/// root and the proc root.
+///
+/// # Errors
+/// A description of the file that could not be written or the topology that could not be read.
+pub fn fake_host(root: &Path, topology: &Path) -> Result<(), String> {
+    let topology = gpu_inventory::Topology::from_file(topology).map_err(|e| e.to_string())?;
+    let dev = root.join("dev");
+    let mut nodes: Vec<String> = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
+        .map(String::from)
+        .to_vec();
+    nodes.extend(topology.gpus.iter().map(|g| format!("nvidia{}", g.minor)));
+    let mut table = String::from("config 1\nmonitor 2\n");
+    let mut next = 100;
+    for g in &topology.gpus {
+        for m in &g.mig_devices {
+            let gi = format!("gpu{}/gi{}/access", g.minor, m.gpu_instance_id);
+            let ci = format!(
+                "gpu{}/gi{}/ci{}/access",
+                g.minor, m.gpu_instance_id, m.compute_instance_id
+            );
+            for key in [gi, ci] {
+                if !table.contains(&format!("{key} ")) {
+                    table.push_str(&format!("{key} {next}\n"));
+                    nodes.push(format!("nvidia-caps/nvidia-cap{next}"));
+                    next += 1;
+                }
+            }
+        }
+    }
+    let caps = root.join("driver/nvidia-caps");
+    std::fs::create_dir_all(&caps).map_err(|e| format!("{}: {e}", caps.display()))?;
+    std::fs::write(caps.join("mig-minors"), table).map_err(|e| format!("mig-minors: {e}"))?;
+    std::fs::create_dir_all(dev.join("nvidia-caps"))
+        .map_err(|e| format!("{}: {e}", dev.display()))?;
+    for n in nodes {
+        std::fs::write(dev.join(&n), b"").map_err(|e| format!("{n}: {e}"))?;
+    }
+    let boot = root.join("boot_id");
+    if !boot.exists() {
+        std::fs::write(&boot, b"e2e-boot-1\n").map_err(|e| format!("{}: {e}", boot.display()))?;
+    }
+    Ok(())
 }
 
 impl Drop for NodePlugin {

@@ -81,6 +81,14 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         (owner.kind.as_str(), &owner.uid),
         ("Node", &node.metadata.uid.clone().unwrap_or_default())
     );
+    let inventory = gpu_kubelet_plugin::discover(plugin.config())?;
+    let name_of = |uuid: &str| {
+        inventory
+            .gpus
+            .iter()
+            .find(|g| g.raw.uuid == uuid)
+            .map(|g| g.name.clone())
+    };
     let devices = slice.spec.devices.as_ref().context("no devices")?;
     assert_eq!(devices.len(), 8);
     for (device, gpu) in devices.iter().zip(&topology.gpus) {
@@ -88,7 +96,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         let s = |k: &str| attrs.get(k).and_then(|a| a.string.clone());
         let i = |k: &str| attrs.get(k).and_then(|a| a.int);
         let v = |k: &str| attrs.get(k).and_then(|a| a.version.clone());
-        assert_eq!(device.name, format!("gpu-{}", gpu.index));
+        assert_eq!(Some(device.name.clone()), name_of(&gpu.uuid));
         assert_eq!(s("type").as_deref(), Some("gpu"));
         assert_eq!(s("uuid"), Some(gpu.uuid.clone()));
         assert_eq!(s("productName").as_deref(), Some("NVIDIA H100 80GB HBM3"));
@@ -111,7 +119,6 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     // 2. Republishing the same inventory writes nothing.
     let publisher =
         gpu_kubelet_plugin::publisher::SlicePublisher::new(client.clone(), DRIVER, NODE);
-    let inventory = gpu_kubelet_plugin::discover(plugin.config())?;
     let same: Vec<_> = inventory.gpus.iter().map(|g| g.device()).collect();
     let outcome = publisher.publish(&same).await?;
     assert_eq!(
@@ -161,7 +168,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     let gpu = topology
         .gpus
         .iter()
-        .find(|g| format!("gpu-{}", g.index) == allocated.device)
+        .find(|g| name_of(&g.uuid).as_deref() == Some(allocated.device.as_str()))
         .context("allocated device is not in the topology")?;
 
     // 4. Registration, as the kubelet's plugin watcher does it.
@@ -207,10 +214,13 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     );
     let checkpoint: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&plugin.config().checkpoint_path)?)?;
+    let record = &checkpoint["data"]["claims"][&uid];
+    assert_eq!(record["state"], "PrepareCompleted");
     assert_eq!(
-        checkpoint["claims"][&uid]["devices"][0]["deviceName"],
+        record["devices"][0]["deviceName"],
         allocated.device.as_str()
     );
+    assert_eq!(record["devices"][0]["uuid"], gpu.uuid.as_str());
 
     // 6. v1beta1 and a repeated v1 prepare give the same answer; a stale UID fails alone.
     let beta = kubelet.prepare_v1beta1(&[&claim]).await?;
@@ -233,7 +243,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     assert!(!spec_path.exists(), "CDI spec left behind");
     let checkpoint: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&plugin.config().checkpoint_path)?)?;
-    assert_eq!(checkpoint["claims"], serde_json::json!({}));
+    assert_eq!(checkpoint["data"]["claims"], serde_json::json!({}));
     assert_eq!(
         std::fs::read_dir(cdi_root)?.count(),
         0,

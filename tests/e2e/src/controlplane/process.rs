@@ -184,9 +184,9 @@ impl Process {
 }
 
 /// Makes the child get SIGKILL when the spawning thread exits, so a test process killed outright
-/// leaves no control plane behind.
+/// leaves no control plane (or plugin) behind.
 #[allow(unsafe_code)]
-fn die_with_parent(command: &mut Command) {
+pub fn die_with_parent(command: &mut Command) {
     let parent = nix::unistd::getpid();
     // SAFETY: the hook runs in the forked child before exec. It only calls prctl(2) and
     // getppid(2), both async-signal-safe, and allocates nothing (`io::Error::from(Errno)` is the

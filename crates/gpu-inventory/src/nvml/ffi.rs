@@ -1,0 +1,170 @@
+//! NVML calls `nvml-wrapper` 0.13 lacks or gets wrong, made through its loaded function table
+//! (`Nvml::lib`) and raw device handles. Each `unsafe` block calls one NVML function with a
+//! handle NVML gave us and out-pointers to properly sized, zeroed, repr(C) values we own.
+#![allow(unsafe_code)]
+
+use std::mem;
+
+use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try, nvml_try_count};
+use nvml_wrapper::{Device, Nvml};
+use nvml_wrapper_sys::bindings::{
+    NVML_GPU_FABRIC_STATE_COMPLETED, NVML_GPU_FABRIC_STATE_IN_PROGRESS,
+    NVML_GPU_FABRIC_STATE_NOT_STARTED, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t,
+    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU,
+    nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU,
+    nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH, nvmlIntNvLinkDeviceType_t,
+};
+
+use crate::backend::{FabricInfo, FabricState, MigPlacement, NvLinkRemote};
+
+/// `nvmlDeviceGetNvLinkRemoteDeviceType`; `None` for an unknown remote.
+pub(super) fn nvlink_remote_device_type(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    link: u32,
+) -> Result<Option<NvLinkRemote>, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetNvLinkRemoteDeviceType.as_ref())?;
+    let mut kind: nvmlIntNvLinkDeviceType_t = 0;
+    // SAFETY: `device` is a live handle from this `nvml`; `kind` is a valid out-pointer to the
+    // C enum's integer type.
+    nvml_try(unsafe { sym(device.handle(), link, &mut kind) })?;
+    #[allow(non_upper_case_globals)]
+    Ok(match kind {
+        nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU => Some(NvLinkRemote::Gpu),
+        nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU => Some(NvLinkRemote::Ibmnpu),
+        nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH => Some(NvLinkRemote::Switch),
+        _ => None,
+    })
+}
+
+/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` for `profile` on an empty GPU.
+pub(super) fn possible_placements(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    profile: u32,
+) -> Result<Vec<MigPlacement>, NvmlError> {
+    let sym = nvml_sym(
+        nvml.lib()
+            .nvmlDeviceGetGpuInstancePossiblePlacements_v2
+            .as_ref(),
+    )?;
+    let mut count: u32 = 0;
+    // SAFETY: a null placements array with a count pointer asks NVML for the count only.
+    nvml_try_count(unsafe { sym(device.handle(), profile, std::ptr::null_mut(), &mut count) })?;
+    let mut placements: Vec<nvmlGpuInstancePlacement_t> =
+        vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+    // SAFETY: `placements` holds `count` initialized elements; NVML writes at most `count` and
+    // stores how many it wrote back into `count`.
+    nvml_try(unsafe {
+        sym(
+            device.handle(),
+            profile,
+            placements.as_mut_ptr(),
+            &mut count,
+        )
+    })?;
+    placements.truncate(count as usize);
+    Ok(placements
+        .into_iter()
+        .map(|p| MigPlacement {
+            start: p.start,
+            size: p.size,
+        })
+        .collect())
+}
+
+/// The GPU instance behind a MIG device: ids, profile and placement.
+pub(super) struct GpuInstanceInfo {
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+    pub profile_id: u32,
+    pub placement: MigPlacement,
+}
+
+/// `nvmlDeviceGetGpuInstanceId`, `nvmlDeviceGetComputeInstanceId` on the MIG handle, then
+/// `nvmlDeviceGetGpuInstanceById` on the parent and `nvmlGpuInstanceGetInfo`.
+pub(super) fn gpu_instance_info(
+    nvml: &Nvml,
+    parent: &Device<'_>,
+    mig: &Device<'_>,
+) -> Result<GpuInstanceInfo, NvmlError> {
+    let lib = nvml.lib();
+    let gi_id_sym = nvml_sym(lib.nvmlDeviceGetGpuInstanceId.as_ref())?;
+    let ci_id_sym = nvml_sym(lib.nvmlDeviceGetComputeInstanceId.as_ref())?;
+    let by_id_sym = nvml_sym(lib.nvmlDeviceGetGpuInstanceById.as_ref())?;
+    let info_sym = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref())?;
+    let (mut gi, mut ci) = (0u32, 0u32);
+    // SAFETY: `mig` is a live MIG device handle; the ids are valid out-pointers.
+    nvml_try(unsafe { gi_id_sym(mig.handle(), &mut gi) })?;
+    // SAFETY: as above.
+    nvml_try(unsafe { ci_id_sym(mig.handle(), &mut ci) })?;
+    let mut instance: nvmlGpuInstance_t = std::ptr::null_mut();
+    // SAFETY: `parent` is a live GPU handle; `instance` is a valid out-pointer for the handle.
+    nvml_try(unsafe { by_id_sym(parent.handle(), gi, &mut instance) })?;
+    // SAFETY: an all-zero nvmlGpuInstanceInfo_t is a valid value (integers and a null pointer).
+    let mut info: nvmlGpuInstanceInfo_t = unsafe { mem::zeroed() };
+    // SAFETY: `instance` came from NVML just above; `info` is a valid out-pointer.
+    nvml_try(unsafe { info_sym(instance, &mut info) })?;
+    Ok(GpuInstanceInfo {
+        gpu_instance_id: gi,
+        compute_instance_id: ci,
+        profile_id: info.profileId,
+        placement: MigPlacement {
+            start: info.placement.start,
+            size: info.placement.size,
+        },
+    })
+}
+
+/// `nvmlDeviceGetGpuFabricInfoV` (struct version 3); `None` where unsupported, not registered
+/// with a fabric manager, or failed.
+pub(super) fn fabric_info(nvml: &Nvml, device: &Device<'_>) -> Option<FabricInfo> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuFabricInfoV.as_ref()).ok()?;
+    // SAFETY: an all-zero nvmlGpuFabricInfo_v3_t is a valid value (integers and byte arrays).
+    let mut info: nvmlGpuFabricInfo_v3_t = unsafe { mem::zeroed() };
+    // NVML_STRUCT_VERSION(GpuFabricInfo, 3): the struct size with the version in the top byte.
+    let size = u32::try_from(mem::size_of::<nvmlGpuFabricInfo_v3_t>()).ok()?;
+    info.version = size | (3 << 24);
+    // SAFETY: `device` is a live handle; `info` is a valid, versioned out-pointer.
+    nvml_try(unsafe { sym(device.handle(), &mut info) }).ok()?;
+    nvml_try(info.status).ok()?;
+    let state = match u32::from(info.state) {
+        NVML_GPU_FABRIC_STATE_NOT_STARTED => FabricState::NotStarted,
+        NVML_GPU_FABRIC_STATE_IN_PROGRESS => FabricState::InProgress,
+        NVML_GPU_FABRIC_STATE_COMPLETED => FabricState::Completed,
+        _ => return None,
+    };
+    Some(FabricInfo {
+        cluster_uuid: uuid_string(&info.clusterUuid),
+        clique_id: info.cliqueId,
+        state,
+    })
+}
+
+/// 16 bytes as `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+fn uuid_string(b: &[u8; 16]) -> String {
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fabric_cluster_uuids_are_canonical() {
+        let b = [
+            0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 0, 1, 2, 3, 4, 5, 6, 7,
+        ];
+        assert_eq!(
+            super::uuid_string(&b),
+            "12345678-9abc-def0-0001-020304050607"
+        );
+    }
+}

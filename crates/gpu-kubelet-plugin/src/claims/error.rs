@@ -1,0 +1,118 @@
+//! Why one claim could not be prepared or unprepared. Messages name the claim and the field.
+
+use dra_kubelet::ClaimRef;
+
+use crate::cdi::CdiError;
+use crate::checkpoint::CheckpointError;
+use crate::hardware::HardwareError;
+
+/// A per-claim failure, reported to the kubelet for that claim only.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The API server could not be asked.
+    #[error("ResourceClaim {claim}: reading it from the API server: {source}")]
+    Fetch {
+        /// The claim.
+        claim: ClaimRef,
+        /// The cause.
+        source: kube::Error,
+    },
+    /// The claim does not exist.
+    #[error("ResourceClaim {claim}: not found")]
+    NotFound {
+        /// The claim.
+        claim: ClaimRef,
+    },
+    /// The claim was deleted and re-created under the same name.
+    #[error("ResourceClaim {claim}: metadata.uid is {found:?}, the kubelet asked for {}", claim.uid)]
+    UidMismatch {
+        /// The claim as requested.
+        claim: ClaimRef,
+        /// The UID found in the API server.
+        found: String,
+    },
+    /// The claim has no allocation.
+    #[error("ResourceClaim {claim}: status.allocation is not set; the claim is not allocated")]
+    NotAllocated {
+        /// The claim.
+        claim: ClaimRef,
+    },
+    /// The allocation has no results for this driver and node.
+    #[error(
+        "ResourceClaim {claim}: status.allocation.devices.results has no device of driver \
+         {driver} in pool {pool}"
+    )]
+    NotOurs {
+        /// The claim.
+        claim: ClaimRef,
+        /// This driver.
+        driver: String,
+        /// This node's pool.
+        pool: String,
+    },
+    /// An allocated device is not in this node's inventory.
+    #[error(
+        "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
+         not a device of this node"
+    )]
+    UnknownDevice {
+        /// The claim.
+        claim: ClaimRef,
+        /// Index in `results`.
+        index: usize,
+        /// The device name.
+        device: String,
+    },
+    /// An allocated device is prepared for another claim, and neither has admin access.
+    #[error(
+        "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
+         already prepared for claim {holder}; refusing to give one GPU to two claims"
+    )]
+    DeviceInUse {
+        /// The claim.
+        claim: ClaimRef,
+        /// Index in `results`.
+        index: usize,
+        /// The device name.
+        device: String,
+        /// `namespace/name (uid)` of the claim holding it.
+        holder: String,
+    },
+    /// A hardware action failed.
+    #[error("ResourceClaim {claim}: {source}")]
+    Hardware {
+        /// The claim.
+        claim: ClaimRef,
+        /// The cause.
+        source: HardwareError,
+    },
+    /// The CDI spec could not be written or removed.
+    #[error("ResourceClaim {claim}: {source}")]
+    Cdi {
+        /// The claim.
+        claim: ClaimRef,
+        /// The cause.
+        source: CdiError,
+    },
+    /// The checkpoint could not be written.
+    #[error("ResourceClaim {claim}: {source}")]
+    Checkpoint {
+        /// The claim.
+        claim: ClaimRef,
+        /// The cause.
+        source: CheckpointError,
+    },
+    /// The call did not finish within its deadline; what it started is being rolled back.
+    #[error(
+        "ResourceClaim {claim}: {action} did not finish within {timeout_ms} ms; what it started \
+         is being rolled back, retry later"
+    )]
+    Deadline {
+        /// The claim.
+        claim: ClaimRef,
+        /// `prepare` or `unprepare`.
+        action: &'static str,
+        /// The deadline.
+        timeout_ms: u128,
+    },
+}

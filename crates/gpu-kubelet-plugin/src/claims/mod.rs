@@ -1,0 +1,538 @@
+//! The claim controller: prepare and unprepare for the kubelet, crash-safe and concurrent.
+//!
+//! Lifecycle of a claim (each arrow is a durable checkpoint write, see [`crate::checkpoint`]):
+//!
+//! ```text
+//! prepare:   -> PrepareStarted -> hardware, per device -> CDI spec -> PrepareCompleted
+//! unprepare: -> UnprepareStarted -> remove CDI spec -> hardware undo -> (record removed)
+//! ```
+//!
+//! A crash anywhere leaves a record saying what may exist; [`ClaimController::start`] finishes
+//! or rolls back every record that is not `PrepareCompleted`, regenerates missing CDI specs of
+//! completed claims, removes CDI specs no record claims, and drops claims of a previous boot
+//! (the kubelet prepares them again). A damaged checkpoint is set aside and rebuilt from the CDI
+//! specs on disk and the API server, with a Warning event; it never stops the plugin.
+//!
+//! Concurrency: claims lock only their own devices (in name order, so two claims never
+//! deadlock); the checkpoint mutex is held only while a write is in flight; hardware actions run
+//! on blocking threads holding their device's lock. Every call has a deadline; a call that
+//! misses it answers the kubelet with an error and leaves the rollback to a background task that
+//! holds the claim's lock, so a retry waits for a clean state.
+
+mod cluster;
+mod error;
+mod plan;
+mod recovery;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dra_kubelet::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+use tracing::{info, warn};
+
+pub use cluster::{Cluster, KubeCluster};
+pub use error::ClaimError;
+pub use recovery::RecoveryReport;
+
+use crate::cdi::CdiWriter;
+use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, ClaimState};
+use crate::failpoint;
+use crate::hardware::{Hardware, NodeDevice};
+
+/// Default deadline of one prepare or unprepare, well below the kubelet's 45 s.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The controller's fixed settings.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// DRA driver name.
+    pub driver_name: String,
+    /// This node's name, also the pool name.
+    pub node_name: String,
+    /// Deadline of one claim's prepare or unprepare.
+    pub timeout: Duration,
+    /// This boot's ID (`/proc/sys/kernel/random/boot_id`).
+    pub boot_id: String,
+}
+
+/// Prepares and unprepares claims for one driver on one node. Cheap to clone.
+pub struct ClaimController<C, H> {
+    inner: Arc<Inner<C, H>>,
+}
+
+impl<C, H> Clone for ClaimController<C, H> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct Inner<C, H> {
+    cluster: C,
+    hardware: Arc<H>,
+    config: ControllerConfig,
+    devices: BTreeMap<String, NodeDevice>,
+    /// One lock per physical GPU: hardware actions on a GPU never overlap.
+    gpu_locks: BTreeMap<String, Arc<Mutex<()>>>,
+    claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    cdi: CdiWriter,
+    checkpoint_file: CheckpointFile,
+    checkpoint: Mutex<Checkpoint>,
+}
+
+impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+    /// Starts the controller for `devices` (see [`crate::hardware::node_devices`]): loads the checkpoint and reconciles it
+    /// with the CDI specs on disk, the hardware and, if the checkpoint is damaged, the API server.
+    ///
+    /// # Errors
+    /// [`ClaimError`] only when the reconciled state cannot be written back; a damaged or
+    /// unreadable checkpoint is recovered, not an error.
+    pub async fn start(
+        cluster: C,
+        hardware: Arc<H>,
+        config: ControllerConfig,
+        devices: impl IntoIterator<Item = NodeDevice>,
+        cdi: CdiWriter,
+        checkpoint_file: CheckpointFile,
+    ) -> Result<(Self, RecoveryReport), ClaimError> {
+        let devices: BTreeMap<String, NodeDevice> = devices
+            .into_iter()
+            .map(|d| (d.name().to_owned(), d))
+            .collect();
+        let gpu_locks = devices
+            .values()
+            .map(|d| (d.gpu().name.clone(), Arc::default()))
+            .collect();
+        let controller = Self {
+            inner: Arc::new(Inner {
+                cluster,
+                hardware,
+                config,
+                devices,
+                gpu_locks,
+                claim_locks: std::sync::Mutex::default(),
+                cdi,
+                checkpoint_file,
+                checkpoint: Mutex::new(Checkpoint::default()),
+            }),
+        };
+        let report = controller.recover().await?;
+        Ok((controller, report))
+    }
+
+    /// The UIDs of the claims whose prepare completed.
+    pub async fn prepared_claims(&self) -> Vec<String> {
+        self.inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
+            .map(|(uid, _)| uid.clone())
+            .collect()
+    }
+
+    fn claim_lock(&self, uid: &str) -> Arc<Mutex<()>> {
+        let mut locks = self
+            .inner
+            .claim_locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Drop locks nobody holds, so the map stays as small as the set of active claims.
+        locks.retain(|_, l| Arc::strong_count(l) > 1);
+        Arc::clone(locks.entry(uid.to_owned()).or_default())
+    }
+
+    fn ckpt_err(claim: &ClaimRef) -> impl Fn(crate::checkpoint::CheckpointError) -> ClaimError {
+        let claim = claim.clone();
+        move |source| ClaimError::Checkpoint {
+            claim: claim.clone(),
+            source,
+        }
+    }
+
+    /// Applies `change` to a copy of the checkpoint, stores it durably, then makes it current.
+    async fn update<R>(
+        &self,
+        claim: &ClaimRef,
+        change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
+    ) -> Result<R, ClaimError> {
+        let mut current = self.inner.checkpoint.lock().await;
+        let mut next = current.clone();
+        let r = change(&mut next)?;
+        if next != *current {
+            self.inner
+                .checkpoint_file
+                .store(&next)
+                .map_err(Self::ckpt_err(claim))?;
+            *current = next;
+        }
+        Ok(r)
+    }
+
+    /// The devices of `names`, grouped by physical GPU in GPU-name order (the lock order).
+    fn by_gpu<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Vec<(String, Vec<NodeDevice>)> {
+        let mut groups: BTreeMap<String, Vec<NodeDevice>> = BTreeMap::new();
+        for n in names {
+            if let Some(d) = self.inner.devices.get(n) {
+                let group = groups.entry(d.gpu().name.clone()).or_default();
+                if !group.iter().any(|g| g.name() == d.name()) {
+                    group.push(d.clone());
+                }
+            }
+        }
+        groups.into_iter().collect()
+    }
+
+    /// Runs the hardware action for every device in `names`: GPU by GPU in name order (so two
+    /// claims never deadlock), each GPU's devices on a blocking thread that holds the GPU's lock
+    /// until the action ends, even if the caller stops waiting.
+    async fn hardware<'a>(
+        &self,
+        claim: &ClaimRef,
+        names: impl IntoIterator<Item = &'a str>,
+        undo: bool,
+    ) -> Result<(), ClaimError> {
+        for (gpu, devices) in self.by_gpu(names) {
+            let Some(lock) = self.inner.gpu_locks.get(&gpu) else {
+                continue;
+            };
+            let guard = Arc::clone(lock).lock_owned().await;
+            let hw = Arc::clone(&self.inner.hardware);
+            let result = tokio::task::spawn_blocking(move || {
+                let _guard: OwnedMutexGuard<()> = guard;
+                devices
+                    .iter()
+                    .try_for_each(|d| if undo { hw.unprepare(d) } else { hw.prepare(d) })
+            })
+            .await;
+            match result {
+                Ok(r) => r.map_err(|source| ClaimError::Hardware {
+                    claim: claim.clone(),
+                    source,
+                })?,
+                // The action panicked; treat like a failed action so the claim is rolled back.
+                Err(e) => {
+                    return Err(ClaimError::Hardware {
+                        claim: claim.clone(),
+                        source: crate::hardware::HardwareError::Injected {
+                            device: gpu,
+                            message: format!("hardware action panicked: {e}"),
+                        },
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn prepare_claim(&self, claim: ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let timeout = self.inner.config.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let missed = |claim: &ClaimRef| ClaimError::Deadline {
+            claim: claim.clone(),
+            action: "prepare",
+            timeout_ms: timeout.as_millis(),
+        };
+        let guard = tokio::time::timeout_at(deadline, self.claim_lock(&claim.uid).lock_owned())
+            .await
+            .map_err(|_| missed(&claim))?;
+        match tokio::time::timeout_at(deadline, self.prepare_locked(&claim)).await {
+            Ok(Ok(devices)) => Ok(devices),
+            Ok(Err(e)) => {
+                // Undo what this attempt made; a claim that was never started has nothing.
+                if let Err(rollback) = self.release_locked(&claim).await {
+                    warn!(claim = %claim, error = %rollback, "rollback after a failed prepare failed");
+                }
+                Err(e)
+            }
+            Err(_) => {
+                let this = self.clone();
+                let c = claim.clone();
+                tokio::spawn(async move {
+                    let _guard = guard;
+                    if let Err(e) = this.release_locked(&c).await {
+                        warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
+                    }
+                });
+                Err(missed(&claim))
+            }
+        }
+    }
+
+    async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let existing = self
+            .inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .get(&claim.uid)
+            .map(|r| {
+                (
+                    r.state,
+                    r.devices.iter().map(PreparedDevice::from).collect(),
+                )
+            });
+        match existing {
+            Some((ClaimState::PrepareCompleted, devices)) => return Ok(devices),
+            // A crashed or abandoned attempt: start from a clean slate.
+            Some(_) => self.release_locked(claim).await?,
+            None => {}
+        }
+
+        let inner = &self.inner;
+        let rc = inner
+            .cluster
+            .get_claim(&claim.namespace, &claim.name)
+            .await
+            .map_err(|source| ClaimError::Fetch {
+                claim: claim.clone(),
+                source,
+            })?
+            .ok_or_else(|| ClaimError::NotFound {
+                claim: claim.clone(),
+            })?;
+        let plan = plan::plan(
+            claim,
+            &rc,
+            &inner.config.driver_name,
+            &inner.config.node_name,
+            &inner.devices,
+            inner.hardware.as_ref(),
+            &inner.cdi,
+        )?;
+
+        failpoint::hit("prepare/before-started-checkpoint");
+        let record = ClaimRecord {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            state: ClaimState::PrepareStarted,
+            devices: plan.devices.clone(),
+            cdi_spec_path: inner.cdi.spec_path(&claim.uid),
+            cdi_spec: plan.spec.clone(),
+        };
+        self.update(claim, |c| {
+            check_conflicts(c, claim, &record)?;
+            c.claims.insert(claim.uid.clone(), record);
+            Ok(())
+        })
+        .await?;
+        failpoint::hit("prepare/after-started-checkpoint");
+
+        self.hardware(
+            claim,
+            plan.devices.iter().map(|d| d.device_name.as_str()),
+            false,
+        )
+        .await?;
+        failpoint::hit("prepare/after-hardware");
+
+        inner
+            .cdi
+            .write(&claim.uid, &plan.spec)
+            .map_err(|source| ClaimError::Cdi {
+                claim: claim.clone(),
+                source,
+            })?;
+        failpoint::hit("prepare/after-cdi-write");
+
+        self.update(claim, |c| {
+            if let Some(r) = c.claims.get_mut(&claim.uid) {
+                r.state = ClaimState::PrepareCompleted;
+            }
+            Ok(())
+        })
+        .await?;
+        failpoint::hit("prepare/after-completed-checkpoint");
+        info!(claim = %claim, devices = plan.devices.len(), "prepared");
+        Ok(plan.devices.iter().map(PreparedDevice::from).collect())
+    }
+
+    async fn unprepare_claim(&self, claim: ClaimRef) -> Result<(), ClaimError> {
+        let timeout = self.inner.config.timeout;
+        let missed = || ClaimError::Deadline {
+            claim: claim.clone(),
+            action: "unprepare",
+            timeout_ms: timeout.as_millis(),
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        let guard = tokio::time::timeout_at(deadline, self.claim_lock(&claim.uid).lock_owned())
+            .await
+            .map_err(|_| missed())?;
+        let work = {
+            let this = self.clone();
+            let claim = claim.clone();
+            // Unprepare runs to completion even if the kubelet stops waiting: a half-done
+            // unprepare is still recorded and finished on restart, but finishing now is better.
+            tokio::spawn(async move {
+                let _guard = guard;
+                this.release_locked(&claim).await
+            })
+        };
+        match tokio::time::timeout_at(deadline, work).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => Err(ClaimError::Hardware {
+                claim: claim.clone(),
+                source: crate::hardware::HardwareError::Injected {
+                    device: String::new(),
+                    message: format!("unprepare task failed: {e}"),
+                },
+            }),
+            Err(_) => Err(missed()),
+        }
+    }
+
+    /// Unprepares or rolls back `claim` from whatever state it is in. Caller holds its lock.
+    async fn release_locked(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        let inner = &self.inner;
+        let record = inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .get(&claim.uid)
+            .cloned();
+        let Some(record) = record else {
+            // Nothing recorded; a spec without a record is an orphan of a crash.
+            return inner
+                .cdi
+                .remove(&claim.uid)
+                .map_err(|source| ClaimError::Cdi {
+                    claim: claim.clone(),
+                    source,
+                });
+        };
+        failpoint::hit("unprepare/before-started-checkpoint");
+        self.update(claim, |c| {
+            if let Some(r) = c.claims.get_mut(&claim.uid) {
+                r.state = ClaimState::UnprepareStarted;
+            }
+            Ok(())
+        })
+        .await?;
+        failpoint::hit("unprepare/after-started-checkpoint");
+        inner
+            .cdi
+            .remove(&claim.uid)
+            .map_err(|source| ClaimError::Cdi {
+                claim: claim.clone(),
+                source,
+            })?;
+        failpoint::hit("unprepare/after-cdi-remove");
+        self.hardware(
+            claim,
+            record.devices.iter().map(|d| d.device_name.as_str()),
+            true,
+        )
+        .await?;
+        failpoint::hit("unprepare/after-hardware");
+        self.update(claim, |c| {
+            c.claims.remove(&claim.uid);
+            Ok(())
+        })
+        .await?;
+        failpoint::hit("unprepare/after-checkpoint");
+        info!(claim = %claim, "unprepared");
+        Ok(())
+    }
+
+    /// Unprepares completed claims that no longer exist in the API server or whose UID
+    /// changed (the kubelet missed them, e.g. a pod deleted while the plugin was down).
+    /// Claims whose lookup fails are left alone. Returns the UIDs unprepared.
+    pub async fn unprepare_stale(&self) -> Vec<String> {
+        let records: Vec<(String, ClaimRecord)> = self
+            .inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
+            .map(|(u, r)| (u.clone(), r.clone()))
+            .collect();
+        let mut released = Vec::new();
+        for (uid, r) in records {
+            let gone = match self.inner.cluster.get_claim(&r.namespace, &r.name).await {
+                Ok(None) => true,
+                Ok(Some(rc)) => rc.metadata.uid.as_deref() != Some(uid.as_str()),
+                Err(e) => {
+                    warn!(claim = %uid, error = %e, "stale-claim check: lookup failed; keeping it");
+                    false
+                }
+            };
+            if gone {
+                let claim = ClaimRef {
+                    namespace: r.namespace,
+                    name: r.name,
+                    uid: uid.clone(),
+                };
+                match self.unprepare_claim(claim.clone()).await {
+                    Ok(()) => {
+                        info!(claim = %claim, "unprepared a claim that no longer exists");
+                        released.push(uid);
+                    }
+                    Err(e) => warn!(claim = %claim, error = %e, "unpreparing a stale claim failed"),
+                }
+            }
+        }
+        released
+    }
+}
+
+/// Refuses a device held by another claim unless one of the two allocations has admin access
+/// (admin access does not count against exclusivity; KEP-5018).
+fn check_conflicts(
+    c: &Checkpoint,
+    claim: &ClaimRef,
+    record: &ClaimRecord,
+) -> Result<(), ClaimError> {
+    for (index, d) in record.devices.iter().enumerate() {
+        if d.admin_access {
+            continue;
+        }
+        let holder = c.claims.iter().find(|(uid, r)| {
+            *uid != &claim.uid
+                && r.devices.iter().any(|o| {
+                    o.device_name == d.device_name && o.pool_name == d.pool_name && !o.admin_access
+                })
+        });
+        if let Some((uid, r)) = holder {
+            return Err(ClaimError::DeviceInUse {
+                claim: claim.clone(),
+                index,
+                device: d.device_name.clone(),
+                holder: format!("{}/{} (uid {uid})", r.namespace, r.name),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl<C: Cluster, H: Hardware> Driver for ClaimController<C, H> {
+    type Error = ClaimError;
+
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult<ClaimError>> {
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let results =
+            futures::future::join_all(claims.into_iter().map(|c| self.prepare_claim(c))).await;
+        uids.into_iter().zip(results).collect()
+    }
+
+    async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<String, UnprepareResult<ClaimError>> {
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let results =
+            futures::future::join_all(claims.into_iter().map(|c| self.unprepare_claim(c))).await;
+        uids.into_iter().zip(results).collect()
+    }
+}

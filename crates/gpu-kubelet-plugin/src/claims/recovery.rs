@@ -1,0 +1,226 @@
+//! Start-up reconciliation of checkpoint, CDI specs and hardware.
+
+use std::collections::BTreeMap;
+
+use dra_kubelet::ClaimRef;
+use tracing::{info, warn};
+
+use super::{ClaimController, ClaimError, Cluster, plan};
+use crate::cdi::{ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID};
+use crate::checkpoint::{Checkpoint, ClaimRecord, ClaimState};
+use crate::hardware::Hardware;
+
+/// What start-up reconciliation did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// The checkpoint was damaged; why, and where it was moved.
+    pub corrupt_checkpoint: Option<String>,
+    /// Claims rebuilt from CDI specs and the API server after a damaged checkpoint.
+    pub rebuilt: Vec<String>,
+    /// Claims dropped because they were prepared in a previous boot.
+    pub previous_boot: Vec<String>,
+    /// Half-done prepares rolled back and half-done unprepares finished.
+    pub rolled_back: Vec<String>,
+    /// Completed claims whose missing or altered CDI spec was rewritten.
+    pub regenerated: Vec<String>,
+    /// CDI specs and temp files no claim owns, removed.
+    pub orphans_removed: Vec<String>,
+}
+
+impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+    pub(super) async fn recover(&self) -> Result<RecoveryReport, ClaimError> {
+        let inner = &self.inner;
+        let node = ClaimRef {
+            namespace: String::new(),
+            name: format!("(node {})", inner.config.node_name),
+            uid: String::new(),
+        };
+        let mut report = RecoveryReport::default();
+        let loaded = match inner.checkpoint_file.load() {
+            Ok(c) => c.unwrap_or_default(),
+            Err(e) => {
+                let aside = inner
+                    .checkpoint_file
+                    .quarantine()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|q| format!("(could not move it aside: {q})"));
+                let message = format!(
+                    "{e}; moved to {aside}; rebuilding prepared claims from CDI specs and the API server"
+                );
+                inner.cluster.warn("CheckpointRecovered", &message).await;
+                report.corrupt_checkpoint = Some(message);
+                let rebuilt = self.rebuild_from_disk().await;
+                report.rebuilt = rebuilt.claims.keys().cloned().collect();
+                rebuilt
+            }
+        };
+        // Publish the loaded state so release_locked sees the records.
+        *inner.checkpoint.lock().await = loaded.clone();
+
+        let previous_boot = !loaded.boot_id.is_empty() && loaded.boot_id != inner.config.boot_id;
+        for (uid, record) in &loaded.claims {
+            let claim = ClaimRef {
+                namespace: record.namespace.clone(),
+                name: record.name.clone(),
+                uid: uid.clone(),
+            };
+            if previous_boot {
+                self.release_locked(&claim).await?;
+                report.previous_boot.push(uid.clone());
+            } else if record.state != ClaimState::PrepareCompleted {
+                self.release_locked(&claim).await?;
+                report.rolled_back.push(uid.clone());
+            } else if self.ensure_spec(&claim, record)? {
+                report.regenerated.push(uid.clone());
+            }
+        }
+
+        let kept: Vec<String> = inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .keys()
+            .cloned()
+            .collect();
+        let files = inner.cdi.list().map_err(|source| ClaimError::Cdi {
+            claim: node.clone(),
+            source,
+        })?;
+        for (uid, path) in files {
+            if uid.is_none_or(|u| !kept.contains(&u)) {
+                inner
+                    .cdi
+                    .remove_path(&path)
+                    .map_err(|source| ClaimError::Cdi {
+                        claim: node.clone(),
+                        source,
+                    })?;
+                report.orphans_removed.push(path.display().to_string());
+            }
+        }
+
+        let boot_id = inner.config.boot_id.clone();
+        self.update(&node, |c| {
+            c.boot_id = boot_id;
+            Ok(())
+        })
+        .await?;
+        if report != RecoveryReport::default() {
+            info!(?report, "reconciled claim state at start");
+        }
+        Ok(report)
+    }
+
+    /// Rewrites a completed claim's CDI spec when it is missing or differs from the record.
+    /// Records upgraded from checkpoint version 1 carry no spec; it is rebuilt from the devices.
+    fn ensure_spec(&self, claim: &ClaimRef, record: &ClaimRecord) -> Result<bool, ClaimError> {
+        let inner = &self.inner;
+        let want = if record.cdi_spec.kind.is_empty() {
+            let used: Vec<_> = record
+                .devices
+                .iter()
+                .filter_map(|d| inner.devices.get(&d.device_name))
+                .collect();
+            plan::spec(claim, &used, inner.hardware.as_ref(), &inner.cdi)?
+        } else {
+            record.cdi_spec.clone()
+        };
+        let cdi_err = |source| ClaimError::Cdi {
+            claim: claim.clone(),
+            source,
+        };
+        if inner.cdi.read(&claim.uid).map_err(cdi_err)?.as_ref() == Some(&want) {
+            return Ok(false);
+        }
+        inner.cdi.write(&claim.uid, &want).map_err(cdi_err)?;
+        Ok(true)
+    }
+
+    /// The devices a spec exposes, for when the API server cannot say (request names unknown).
+    fn devices_from_spec(
+        &self,
+        claim: &ClaimRef,
+        spec: &crate::cdi::Spec,
+    ) -> Vec<crate::checkpoint::RecordedDevice> {
+        let inner = &self.inner;
+        let prefix = format!("{}-", claim.uid);
+        spec.devices
+            .iter()
+            .filter_map(|d| d.name.strip_prefix(&prefix))
+            .filter_map(|name| inner.devices.get(name))
+            .map(|d| crate::checkpoint::RecordedDevice {
+                request_names: Vec::new(),
+                pool_name: inner.config.node_name.clone(),
+                device_name: d.name().to_owned(),
+                cdi_device_ids: vec![inner.cdi.device_id(&claim.uid, d.name())],
+                uuid: d.visible_id().to_owned(),
+                admin_access: false,
+            })
+            .collect()
+    }
+
+    /// After a damaged checkpoint: every CDI spec of ours names its claim; keep those whose claim
+    /// still exists with that UID and an allocation of our devices, as completed. Specs whose
+    /// claim cannot be looked up now are kept too (the periodic stale-claim check retries).
+    async fn rebuild_from_disk(&self) -> Checkpoint {
+        let inner = &self.inner;
+        let mut claims = BTreeMap::new();
+        let files = match inner.cdi.list() {
+            Ok(f) => f,
+            Err(e) => {
+                warn!(error = %e, "cannot list CDI specs; starting with no prepared claims");
+                return Checkpoint::default();
+            }
+        };
+        for (uid, _) in files {
+            let Some(uid) = uid else { continue };
+            let Ok(Some(spec)) = inner.cdi.read(&uid) else {
+                continue;
+            };
+            let get = |k: &str| spec.annotations.get(k).cloned().unwrap_or_default();
+            let claim = ClaimRef {
+                namespace: get(ANNOTATION_NAMESPACE),
+                name: get(ANNOTATION_NAME),
+                uid: get(ANNOTATION_UID),
+            };
+            if claim.uid != uid || claim.name.is_empty() {
+                continue;
+            }
+            let devices = match inner.cluster.get_claim(&claim.namespace, &claim.name).await {
+                Ok(Some(rc)) => match plan::plan(
+                    &claim,
+                    &rc,
+                    &inner.config.driver_name,
+                    &inner.config.node_name,
+                    &inner.devices,
+                    inner.hardware.as_ref(),
+                    &inner.cdi,
+                ) {
+                    Ok(p) => p.devices,
+                    Err(_) => continue,
+                },
+                Ok(None) => continue,
+                Err(e) => {
+                    warn!(claim = %claim, error = %e, "cannot check a recovered claim; keeping its CDI spec");
+                    self.devices_from_spec(&claim, &spec)
+                }
+            };
+            claims.insert(
+                uid.clone(),
+                ClaimRecord {
+                    namespace: claim.namespace.clone(),
+                    name: claim.name.clone(),
+                    state: ClaimState::PrepareCompleted,
+                    devices,
+                    cdi_spec_path: inner.cdi.spec_path(&uid),
+                    cdi_spec: spec,
+                },
+            );
+        }
+        Checkpoint {
+            boot_id: inner.config.boot_id.clone(),
+            claims,
+        }
+    }
+}

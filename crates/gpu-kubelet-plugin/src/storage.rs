@@ -1,0 +1,148 @@
+//! The filesystem seam for state the plugin must not lose: the checkpoint and CDI specs.
+//!
+//! Every write goes through [`Fs`], a handful of syscall-sized operations, so tests can run the
+//! claim lifecycle on a filesystem that loses whatever was not yet synced when the power goes
+//! (see `tests/power_cut.rs`). [`RealFs`] is `std::fs`.
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+/// Syscall-sized filesystem operations. Nothing is durable until synced: file contents by
+/// [`Fs::sync_file`], directory entries (creations, renames, removals) by [`Fs::sync_dir`].
+pub trait Fs: Send + Sync + std::fmt::Debug {
+    /// Reads a whole file.
+    ///
+    /// # Errors
+    /// `NotFound` when it does not exist, any other I/O error.
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
+    /// Creates or truncates `path` and writes `bytes` (not synced).
+    ///
+    /// # Errors
+    /// Any I/O error.
+    fn write(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
+    /// Makes the file's contents durable (`fsync`).
+    ///
+    /// # Errors
+    /// Any I/O error.
+    fn sync_file(&self, path: &Path) -> io::Result<()>;
+    /// Atomically replaces `to` with `from` (`rename`; durable after [`Fs::sync_dir`]).
+    ///
+    /// # Errors
+    /// Any I/O error.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Makes the directory's entries durable (`fsync` of the directory).
+    ///
+    /// # Errors
+    /// Any I/O error.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Removes a file.
+    ///
+    /// # Errors
+    /// `NotFound` when it does not exist, any other I/O error.
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    /// The files directly in `dir`; empty when `dir` does not exist.
+    ///
+    /// # Errors
+    /// Any I/O error other than `NotFound`.
+    fn list(&self, dir: &Path) -> io::Result<Vec<PathBuf>>;
+    /// Creates `dir` and its parents.
+    ///
+    /// # Errors
+    /// Any I/O error.
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
+}
+
+/// The real filesystem.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RealFs;
+
+impl Fs for RealFs {
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        std::fs::read(path)
+    }
+
+    fn write(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let mut f = std::fs::File::create(path)?;
+        f.write_all(bytes)
+    }
+
+    fn sync_file(&self, path: &Path) -> io::Result<()> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)?
+            .sync_all()
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        std::fs::File::open(dir)?.sync_all()
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
+        match std::fs::read_dir(dir) {
+            Ok(entries) => entries
+                .map(|e| e.map(|e| e.path()))
+                .filter(|p| p.as_ref().map_or(true, |p| p.is_file()))
+                .collect(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(dir)
+    }
+}
+
+fn parent(path: &Path) -> io::Result<&Path> {
+    path.parent()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))
+}
+
+/// Replaces `path` with `bytes` so that after a crash or power cut it holds either the old or the
+/// new content: write a temp file beside it, fsync it, rename it over `path`, fsync the directory.
+///
+/// # Errors
+/// Any I/O error; the temp file is removed on failure where possible.
+pub fn write_atomic(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = parent(path)?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    let result = fs
+        .write(&tmp, bytes)
+        .and_then(|()| fs.sync_file(&tmp))
+        .and_then(|()| fs.rename(&tmp, path))
+        .and_then(|()| fs.sync_dir(dir));
+    if result.is_err() {
+        let _ = fs.remove(&tmp);
+    }
+    result
+}
+
+/// Removes `path` durably; a missing file is success.
+///
+/// # Errors
+/// Any I/O error other than `NotFound`.
+pub fn remove_durably(fs: &dyn Fs, path: &Path) -> io::Result<()> {
+    match fs.remove(path) {
+        Ok(()) => fs.sync_dir(parent(path)?),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `path` is one of [`write_atomic`]'s temp files (left behind by a crash).
+pub fn is_temp_file(path: &Path) -> bool {
+    path.file_name()
+        .map(|n| n.to_string_lossy())
+        .is_some_and(|n| n.starts_with('.') && n.ends_with(".tmp"))
+}

@@ -1,0 +1,185 @@
+//! Test doubles shared by the claim-controller tests: an in-memory cluster, scriptable
+//! hardware, and allocated-claim builders over the fake DGX H100.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dra_kubelet::ClaimRef;
+use gpu_inventory::{FakeBackend, Gpu, Topology, discover};
+use gpu_kubelet_plugin::claims::Cluster;
+use gpu_kubelet_plugin::hardware::{Hardware, HardwareError, NodeDevice};
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
+    ResourceClaimStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+pub const DRIVER: &str = "gpu.example.com";
+pub const NODE: &str = "node-a";
+
+#[derive(Default)]
+pub struct Claims {
+    pub claims: Mutex<BTreeMap<String, ResourceClaim>>,
+    pub gets: AtomicUsize,
+    pub warnings: Mutex<Vec<String>>,
+}
+
+/// The test's handle and the controller's share one in-memory cluster.
+#[derive(Clone, Default)]
+pub struct Shared(pub Arc<Claims>);
+
+impl std::ops::Deref for Shared {
+    type Target = Claims;
+    fn deref(&self) -> &Claims {
+        &self.0
+    }
+}
+
+impl Cluster for Shared {
+    async fn get_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<ResourceClaim>, kube::Error> {
+        self.gets.fetch_add(1, Ordering::SeqCst);
+        Ok(self
+            .claims
+            .lock()
+            .unwrap()
+            .get(&format!("{namespace}/{name}"))
+            .cloned())
+    }
+
+    async fn warn(&self, reason: &str, message: &str) {
+        self.warnings
+            .lock()
+            .unwrap()
+            .push(format!("{reason}: {message}"));
+    }
+}
+
+impl Claims {
+    pub fn put(&self, c: ResourceClaim) {
+        let key = format!(
+            "{}/{}",
+            c.metadata.namespace.clone().unwrap_or_default(),
+            c.metadata.name.clone().unwrap_or_default()
+        );
+        self.claims.lock().unwrap().insert(key, c);
+    }
+}
+
+/// Hardware whose actions take a scripted time per device, can fail, and are recorded.
+#[derive(Default)]
+pub struct ScriptedHardware {
+    pub delays: Mutex<HashMap<String, Duration>>,
+    pub failing: Mutex<HashSet<String>>,
+    pub calls: Mutex<Vec<String>>,
+}
+
+impl Hardware for ScriptedHardware {
+    fn prepare(&self, device: &NodeDevice) -> Result<(), HardwareError> {
+        let gpu = device.gpu();
+        let delay = self.delays.lock().unwrap().get(&gpu.name).copied();
+        if let Some(d) = delay {
+            std::thread::sleep(d);
+        }
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("prepare {}", gpu.name));
+        if self.failing.lock().unwrap().contains(&gpu.name) {
+            return Err(HardwareError::Injected {
+                device: gpu.name.clone(),
+                message: "injected".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn unprepare(&self, device: &NodeDevice) -> Result<(), HardwareError> {
+        let gpu = device.gpu();
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("unprepare {}", gpu.name));
+        Ok(())
+    }
+}
+
+pub fn claim(name: &str, uid: &str, results: &[(&str, &str, &str)]) -> ResourceClaim {
+    claim_with_admin(name, uid, results, false)
+}
+
+pub fn claim_with_admin(
+    name: &str,
+    uid: &str,
+    results: &[(&str, &str, &str)],
+    admin: bool,
+) -> ResourceClaim {
+    ResourceClaim {
+        metadata: ObjectMeta {
+            namespace: Some("ns".into()),
+            name: Some(name.into()),
+            uid: Some(uid.into()),
+            ..Default::default()
+        },
+        status: (!results.is_empty()).then(|| ResourceClaimStatus {
+            allocation: Some(AllocationResult {
+                devices: Some(DeviceAllocationResult {
+                    results: Some(
+                        results
+                            .iter()
+                            .map(|(driver, pool, device)| DeviceRequestAllocationResult {
+                                driver: (*driver).into(),
+                                pool: (*pool).into(),
+                                device: (*device).into(),
+                                request: "gpus".into(),
+                                admin_access: admin.then_some(true),
+                                ..Default::default()
+                            })
+                            .collect(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+pub fn claim_ref(name: &str, uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "ns".into(),
+        name: name.into(),
+        uid: uid.into(),
+    }
+}
+
+pub fn topology() -> Topology {
+    Topology::from_file(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/topologies/dgx-h100.yaml"),
+    )
+    .unwrap()
+}
+
+pub fn gpus() -> Vec<Gpu> {
+    discover(&FakeBackend::new(topology())).unwrap().gpus
+}
+
+/// The fake DGX H100's devices as the claim controller sees them.
+pub fn node_devices() -> Vec<NodeDevice> {
+    gpus().into_iter().map(NodeDevice::Gpu).collect()
+}
+
+/// The published device name of the GPU at NVML index `i`.
+pub fn dev(i: usize) -> &'static str {
+    Box::leak(gpus()[i].name.clone().into_boxed_str())
+}

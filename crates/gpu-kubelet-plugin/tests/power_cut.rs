@@ -1,0 +1,361 @@
+//! A simulated power cut at every filesystem operation of a prepare/unprepare sequence: writes
+//! not yet synced are lost (file contents until `fsync`, directory entries until the directory's
+//! `fsync`). After each cut, the restarted controller must recover to a consistent state, and
+//! repeating the kubelet's calls must end where an uninterrupted run ends.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use dra_kubelet::Driver;
+use gpu_kubelet_plugin::cdi::CdiWriter;
+use gpu_kubelet_plugin::checkpoint::{CheckpointFile, ClaimState};
+use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig};
+use gpu_kubelet_plugin::storage::Fs;
+
+#[derive(Debug, Clone, Default)]
+struct Inode {
+    data: Vec<u8>,
+    synced: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Dir {
+    live: BTreeMap<OsString, usize>,
+    durable: BTreeMap<OsString, usize>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct State {
+    inodes: Vec<Inode>,
+    dirs: HashMap<PathBuf, Dir>,
+    ops: usize,
+    budget: Option<usize>,
+}
+
+/// An in-memory filesystem that can lose power after a given number of mutating operations.
+#[derive(Debug, Default)]
+struct CrashFs(Mutex<State>);
+
+fn lost() -> io::Error {
+    io::Error::other("power lost")
+}
+
+fn split(path: &Path) -> io::Result<(PathBuf, OsString)> {
+    match (path.parent(), path.file_name()) {
+        (Some(d), Some(n)) => Ok((d.to_owned(), n.to_owned())),
+        _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "bad path")),
+    }
+}
+
+impl CrashFs {
+    fn with_budget(budget: Option<usize>) -> Self {
+        Self(Mutex::new(State {
+            budget,
+            ..Default::default()
+        }))
+    }
+
+    /// Runs a mutating operation unless the power is (now) out.
+    fn mutate<T>(&self, f: impl FnOnce(&mut State) -> io::Result<T>) -> io::Result<T> {
+        let mut s = self.0.lock().unwrap();
+        if s.budget.is_some_and(|b| s.ops >= b) {
+            return Err(lost());
+        }
+        s.ops += 1;
+        f(&mut s)
+    }
+
+    fn ops(&self) -> usize {
+        self.0.lock().unwrap().ops
+    }
+
+    /// What survives the power cut: durable entries pointing at synced contents.
+    fn after_power_cut(&self) -> Self {
+        let s = self.0.lock().unwrap();
+        let mut next = State {
+            inodes: s
+                .inodes
+                .iter()
+                .map(|i| Inode {
+                    data: i.synced.clone(),
+                    synced: i.synced.clone(),
+                })
+                .collect(),
+            ..Default::default()
+        };
+        for (path, d) in &s.dirs {
+            next.dirs.insert(
+                path.clone(),
+                Dir {
+                    live: d.durable.clone(),
+                    durable: d.durable.clone(),
+                },
+            );
+        }
+        Self(Mutex::new(next))
+    }
+
+    fn files(&self, dir: &Path) -> Vec<String> {
+        let s = self.0.lock().unwrap();
+        s.dirs
+            .get(dir)
+            .map(|d| {
+                d.live
+                    .keys()
+                    .map(|k| k.to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Fs for CrashFs {
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        let (dir, name) = split(path)?;
+        let s = self.0.lock().unwrap();
+        let ino = s
+            .dirs
+            .get(&dir)
+            .and_then(|d| d.live.get(&name))
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        Ok(s.inodes[*ino].data.clone())
+    }
+
+    fn write(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let (dir, name) = split(path)?;
+        self.mutate(|s| {
+            let existing = s.dirs.get(&dir).and_then(|d| d.live.get(&name)).copied();
+            match existing {
+                Some(ino) => s.inodes[ino].data = bytes.to_vec(),
+                None => {
+                    s.inodes.push(Inode {
+                        data: bytes.to_vec(),
+                        synced: Vec::new(),
+                    });
+                    let ino = s.inodes.len() - 1;
+                    s.dirs.entry(dir).or_default().live.insert(name, ino);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn sync_file(&self, path: &Path) -> io::Result<()> {
+        let (dir, name) = split(path)?;
+        self.mutate(|s| {
+            let ino = *s
+                .dirs
+                .get(&dir)
+                .and_then(|d| d.live.get(&name))
+                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+            s.inodes[ino].synced = s.inodes[ino].data.clone();
+            Ok(())
+        })
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let (fd, fname) = split(from)?;
+        let (td, tname) = split(to)?;
+        self.mutate(|s| {
+            let ino = s
+                .dirs
+                .get_mut(&fd)
+                .and_then(|d| d.live.remove(&fname))
+                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+            s.dirs.entry(td).or_default().live.insert(tname, ino);
+            Ok(())
+        })
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.mutate(|s| {
+            let d = s.dirs.entry(dir.to_owned()).or_default();
+            d.durable = d.live.clone();
+            Ok(())
+        })
+    }
+
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        let (dir, name) = split(path)?;
+        self.mutate(|s| {
+            s.dirs
+                .get_mut(&dir)
+                .and_then(|d| d.live.remove(&name))
+                .map(|_| ())
+                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+        })
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
+        let s = self.0.lock().unwrap();
+        Ok(s.dirs
+            .get(dir)
+            .map(|d| d.live.keys().map(|k| dir.join(k)).collect())
+            .unwrap_or_default())
+    }
+
+    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        self.0
+            .lock()
+            .unwrap()
+            .dirs
+            .entry(dir.to_owned())
+            .or_default();
+        Ok(())
+    }
+}
+
+const CDI: &str = "/run/cdi";
+const CHECKPOINT: &str = "/var/lib/plugin/checkpoint.json";
+
+async fn controller(
+    fs: Arc<CrashFs>,
+    cluster: &Shared,
+) -> Result<ClaimController<Shared, ScriptedHardware>, String> {
+    ClaimController::start(
+        cluster.clone(),
+        Arc::default(),
+        ControllerConfig {
+            driver_name: DRIVER.into(),
+            node_name: NODE.into(),
+            timeout: std::time::Duration::from_secs(5),
+            boot_id: "boot".into(),
+        },
+        node_devices(),
+        CdiWriter::new(fs.clone(), CDI, DRIVER),
+        CheckpointFile::new(fs, CHECKPOINT),
+    )
+    .await
+    .map(|(c, _)| c)
+    .map_err(|e| e.to_string())
+}
+
+/// The kubelet's calls: prepare a, prepare b (2 GPUs), unprepare a, prepare c.
+async fn script(c: &ClaimController<Shared, ScriptedHardware>) {
+    let _ = c.prepare(vec![claim_ref("a", "ua")]).await;
+    let _ = c.prepare(vec![claim_ref("b", "ub")]).await;
+    let _ = c.unprepare(vec![claim_ref("a", "ua")]).await;
+    let _ = c.prepare(vec![claim_ref("c", "uc")]).await;
+}
+
+fn claims_cluster() -> Shared {
+    let cluster = Shared::default();
+    cluster.put(claim("a", "ua", &[(DRIVER, NODE, dev(0))]));
+    cluster.put(claim(
+        "b",
+        "ub",
+        &[(DRIVER, NODE, dev(1)), (DRIVER, NODE, dev(2))],
+    ));
+    cluster.put(claim("c", "uc", &[(DRIVER, NODE, dev(3))]));
+    cluster
+}
+
+/// Consistency after recovery: only completed claims, each with its spec; no other files.
+async fn check_consistent(fs: &CrashFs, c: &ClaimController<Shared, ScriptedHardware>, cut: usize) {
+    let prepared = c.prepared_claims().await;
+    let mut want: Vec<String> = prepared
+        .iter()
+        .map(|u| format!("{DRIVER}-claim_{u}.json"))
+        .collect();
+    want.sort();
+    let mut have = fs.files(Path::new(CDI));
+    have.sort();
+    assert_eq!(have, want, "cut {cut}: CDI specs vs prepared claims");
+    let dir = fs.files(Path::new("/var/lib/plugin"));
+    assert!(
+        dir.iter().all(|f| !f.ends_with(".tmp")),
+        "cut {cut}: temp files {dir:?}"
+    );
+}
+
+/// Read-only adapter so the checkpoint can be inspected without consuming the power budget.
+#[derive(Debug)]
+struct CrashFsView(Arc<CrashFs>);
+
+impl Fs for CrashFsView {
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        self.0.read(path)
+    }
+    fn write(&self, _: &Path, _: &[u8]) -> io::Result<()> {
+        Err(lost())
+    }
+    fn sync_file(&self, _: &Path) -> io::Result<()> {
+        Err(lost())
+    }
+    fn rename(&self, _: &Path, _: &Path) -> io::Result<()> {
+        Err(lost())
+    }
+    fn sync_dir(&self, _: &Path) -> io::Result<()> {
+        Err(lost())
+    }
+    fn remove(&self, _: &Path) -> io::Result<()> {
+        Err(lost())
+    }
+    fn list(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
+        self.0.list(dir)
+    }
+    fn create_dir_all(&self, _: &Path) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupted_result() {
+    // The uninterrupted run: how many operations, and where it ends.
+    let clean_fs = Arc::new(CrashFs::with_budget(None));
+    let cluster = claims_cluster();
+    let clean = controller(clean_fs.clone(), &cluster).await.expect("start");
+    script(&clean).await;
+    let total_ops = clean_fs.ops();
+    let final_claims = clean.prepared_claims().await;
+    assert_eq!(final_claims, ["ub", "uc"]);
+    let mut final_specs = clean_fs.files(Path::new(CDI));
+    final_specs.sort();
+
+    let mut recovered = 0;
+    for cut in 0..=total_ops {
+        let fs = Arc::new(CrashFs::with_budget(Some(cut)));
+        let cluster = claims_cluster();
+        if let Ok(c) = controller(fs.clone(), &cluster).await {
+            script(&c).await;
+        }
+        // Power returns: only what was synced is there.
+        let after = Arc::new(fs.after_power_cut());
+        let c = controller(after.clone(), &cluster)
+            .await
+            .unwrap_or_else(|e| panic!("cut {cut}: restart failed: {e}"));
+        check_consistent(&after, &c, cut).await;
+        // No half states survive a restart.
+        let ckpt = CheckpointFile::new(Arc::new(CrashFsView(after.clone())), CHECKPOINT)
+            .load()
+            .unwrap_or_else(|e| panic!("cut {cut}: checkpoint unreadable after recovery: {e}"))
+            .unwrap_or_default();
+        assert!(
+            ckpt.claims
+                .values()
+                .all(|r| r.state == ClaimState::PrepareCompleted),
+            "cut {cut}: {:?}",
+            ckpt.claims
+        );
+        // The kubelet repeats its calls; the end state is the uninterrupted one.
+        script(&c).await;
+        assert_eq!(c.prepared_claims().await, final_claims, "cut {cut}");
+        let mut specs = after.files(Path::new(CDI));
+        specs.sort();
+        assert_eq!(specs, final_specs, "cut {cut}");
+        recovered += 1;
+    }
+    eprintln!(
+        "power cut at each of {total_ops} operations: {recovered} recoveries, all consistent"
+    );
+    assert!(
+        total_ops > 20,
+        "the script exercises the filesystem ({total_ops} ops)"
+    );
+}

@@ -1,0 +1,307 @@
+//! `bench_prepare`: prepare/unprepare latency over the real kubelet sockets, drust against the
+//! upstream peer (`tests/gotools/cmd/peerplugin`: k8s.io/dynamic-resource-allocation's
+//! kubeletplugin helper with the same durable file work), in one run on one control plane.
+//!
+//! Scenarios: a claim of 1 GPU, a claim of 8 GPUs, and 8 one-GPU claims prepared by 8 concurrent
+//! calls (as for 8 pods starting at once). Each iteration prepares then unprepares; every call's
+//! latency counts, including the API-server read of the claim and every fsync.
+//!
+//! `cargo run --release -p drust-e2e --bin bench_prepare -- [--iterations N]`
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use drust_e2e::binary::{go_tool, plugin_binary};
+use drust_e2e::claims::allocated_claim;
+use drust_e2e::kubelet::{Kubelet, v1_claim};
+use drust_e2e::manifests::repo_path;
+use drust_e2e::plugin::fake_host;
+use drust_e2e::{ControlPlane, ControlPlaneOptions, die_with_parent};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+const NODE: &str = "gpu-node-0";
+
+struct Plugin {
+    child: Child,
+    registration: PathBuf,
+    driver: String,
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(
+    mut cmd: Command,
+    registration: PathBuf,
+    driver: &str,
+    log: &Path,
+) -> anyhow::Result<Plugin> {
+    let log = std::fs::File::create(log)?;
+    die_with_parent(&mut cmd);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?;
+    let start = Instant::now();
+    while !registration.exists() {
+        if let Some(s) = child.try_wait()? {
+            bail!("{driver} plugin exited: {s}");
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(30),
+            "{driver} plugin not ready"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(Plugin {
+        child,
+        registration,
+        driver: driver.to_owned(),
+    })
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1000.0
+}
+
+#[derive(Default)]
+struct Samples {
+    prepare: Vec<Duration>,
+    unprepare: Vec<Duration>,
+}
+
+async fn call_prepare(k: &mut Kubelet, claims: &[&ResourceClaim]) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    let r = k.prepare_v1(claims).await?;
+    let took = t.elapsed();
+    for (uid, a) in &r.claims {
+        ensure!(a.error.is_empty(), "prepare {uid}: {}", a.error);
+    }
+    Ok(took)
+}
+
+async fn call_unprepare(k: &mut Kubelet, claims: &[&ResourceClaim]) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    let r = k
+        .unprepare_v1(claims.iter().map(|c| v1_claim(c)).collect())
+        .await?;
+    let took = t.elapsed();
+    for (uid, a) in &r.claims {
+        ensure!(a.error.is_empty(), "unprepare {uid}: {}", a.error);
+    }
+    Ok(took)
+}
+
+/// Runs the three scenarios against one plugin.
+async fn bench(
+    client: &kube::Client,
+    plugin: &Plugin,
+    devices: &[String],
+    iterations: usize,
+) -> anyhow::Result<[Samples; 3]> {
+    let d = &plugin.driver;
+    let one = allocated_claim(
+        client,
+        &format!("{}-one", d.replace('.', "-")),
+        d,
+        NODE,
+        &devices[..1],
+    )
+    .await?;
+    let eight = allocated_claim(
+        client,
+        &format!("{}-eight", d.replace('.', "-")),
+        d,
+        NODE,
+        &devices[..8],
+    )
+    .await?;
+    let mut singles = Vec::new();
+    for (i, dev) in devices.iter().take(8).enumerate() {
+        singles.push(
+            allocated_claim(
+                client,
+                &format!("{}-single-{i}", d.replace('.', "-")),
+                d,
+                NODE,
+                std::slice::from_ref(dev),
+            )
+            .await?,
+        );
+    }
+    let (mut k, _) = Kubelet::register(&plugin.registration).await?;
+    let mut kubelets = Vec::new();
+    for _ in 0..8 {
+        kubelets.push(Kubelet::register(&plugin.registration).await?.0);
+    }
+    let mut out: [Samples; 3] = Default::default();
+    // One warm-up round, not counted: connections, caches.
+    for round in 0..=iterations {
+        let keep = round > 0;
+        let p = call_prepare(&mut k, &[&one]).await?;
+        let u = call_unprepare(&mut k, &[&one]).await?;
+        if keep {
+            out[0].prepare.push(p);
+            out[0].unprepare.push(u);
+        }
+        let p = call_prepare(&mut k, &[&eight]).await?;
+        let u = call_unprepare(&mut k, &[&eight]).await?;
+        if keep {
+            out[1].prepare.push(p);
+            out[1].unprepare.push(u);
+        }
+        let prepared = futures::future::try_join_all(
+            kubelets
+                .iter_mut()
+                .zip(&singles)
+                .map(|(k, c)| async move { call_prepare(k, &[c]).await }),
+        )
+        .await?;
+        let unprepared = futures::future::try_join_all(
+            kubelets
+                .iter_mut()
+                .zip(&singles)
+                .map(|(k, c)| async move { call_unprepare(k, &[c]).await }),
+        )
+        .await?;
+        if keep {
+            out[2].prepare.extend(prepared);
+            out[2].unprepare.extend(unprepared);
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut iterations = 100;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--iterations" => iterations = args.next().context("--iterations N")?.parse()?,
+            other => bail!("unknown argument {other:?} (usage: bench_prepare [--iterations N])"),
+        }
+    }
+    let ours_bin = plugin_binary().map_err(anyhow::Error::msg)?;
+    let peer_bin = go_tool("peerplugin").map_err(anyhow::Error::msg)?;
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let client = cp.client().await?;
+    cp.register_node(NODE, &[]).await?;
+    let dir = tempfile::Builder::new()
+        .prefix("drust-bench-")
+        .tempdir_in(repo_path("target"))?;
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    fake_host(dir.path(), &topology).map_err(anyhow::Error::msg)?;
+    let names: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
+        gpu_inventory::Topology::from_file(&topology)?,
+    ))?
+    .gpus
+    .into_iter()
+    .map(|g| g.name)
+    .collect();
+
+    let ours_driver = "gpu.drust.dev";
+    let mut cmd = Command::new(&ours_bin);
+    cmd.args(["--driver-name", ours_driver, "--node-name", NODE])
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig_path())
+        .arg("--fake-topology")
+        .arg(&topology)
+        .arg("--plugin-dir")
+        .arg(dir.path().join("ours/plugin"))
+        .arg("--registrar-dir")
+        .arg(dir.path().join("ours/registry"))
+        .arg("--cdi-root")
+        .arg(dir.path().join("ours/cdi"))
+        .arg("--proc-root")
+        .arg(dir.path())
+        .arg("--dev-root")
+        .arg(dir.path())
+        .arg("--boot-id-file")
+        .arg(dir.path().join("boot_id"))
+        .env("RUST_LOG", "warn");
+    let ours = spawn(
+        cmd,
+        dir.path()
+            .join(format!("ours/registry/{ours_driver}-reg.sock")),
+        ours_driver,
+        &dir.path().join("ours.log"),
+    )?;
+
+    let peer_driver = "peer.drust.dev";
+    let mut cmd = Command::new(&peer_bin);
+    cmd.arg("-kubeconfig")
+        .arg(cp.kubeconfig_path())
+        .args(["-node", NODE, "-driver", peer_driver])
+        .arg("-plugin-dir")
+        .arg(dir.path().join("peer/plugin"))
+        .arg("-registrar-dir")
+        .arg(dir.path().join("peer/registry"))
+        .arg("-cdi-root")
+        .arg(dir.path().join("peer/cdi"));
+    let peer = spawn(
+        cmd,
+        dir.path()
+            .join(format!("peer/registry/{peer_driver}-reg.sock")),
+        peer_driver,
+        &dir.path().join("peer.log"),
+    )?;
+
+    eprintln!("benchmarking {iterations} iterations per scenario (plus one warm-up)...");
+    // Interleave: ours, then the peer, on the same machine state.
+    let ours_samples = bench(&client, &ours, &names, iterations).await?;
+    let peer_samples = bench(&client, &peer, &names, iterations).await?;
+
+    let scenarios = ["1 GPU", "8 GPUs", "8 x 1-GPU claims at once"];
+    println!(
+        "| scenario | call | drust p50 ms | drust p99 ms | peer p50 ms | peer p99 ms | p99 ratio (peer/drust) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (i, name) in scenarios.iter().enumerate() {
+        for (call, ours_s, peer_s) in [
+            (
+                "prepare",
+                &ours_samples[i].prepare,
+                &peer_samples[i].prepare,
+            ),
+            (
+                "unprepare",
+                &ours_samples[i].unprepare,
+                &peer_samples[i].unprepare,
+            ),
+        ] {
+            let (mut o, mut p) = (ours_s.clone(), peer_s.clone());
+            o.sort();
+            p.sort();
+            println!(
+                "| {name} | {call} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x |",
+                percentile(&o, 0.5),
+                percentile(&o, 0.99),
+                percentile(&p, 0.5),
+                percentile(&p, 0.99),
+                percentile(&p, 0.99) / percentile(&o, 0.99)
+            );
+        }
+    }
+    let mut eight = ours_samples[1].prepare.clone();
+    eight.sort();
+    println!("\nprepare p99 (8 GPUs): {:.1} ms", percentile(&eight, 0.99));
+    drop(ours);
+    drop(peer);
+    cp.stop().await?;
+    Ok(())
+}

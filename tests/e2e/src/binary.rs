@@ -1,0 +1,92 @@
+//! The real `gpu-kubelet-plugin` binary, for tests that must kill and restart the process.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use crate::manifests::repo_root;
+
+/// Builds (if needed) and locates `gpu-kubelet-plugin` with the same cargo that runs the tests,
+/// in the release profile when the caller is a release build (benchmarks), reading the
+/// executable's path from cargo's JSON messages.
+///
+/// # Errors
+/// A description of the failed build.
+pub fn plugin_binary() -> Result<PathBuf, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args([
+        "build",
+        "-p",
+        "gpu-kubelet-plugin",
+        "--bin",
+        "gpu-kubelet-plugin",
+        "--message-format=json-render-diagnostics",
+    ]);
+    if !cfg!(debug_assertions) {
+        cmd.arg("--release");
+    }
+    let out = cmd
+        .current_dir(repo_root())
+        .output()
+        .map_err(|e| format!("running cargo build: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "cargo build -p gpu-kubelet-plugin failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| {
+            m["reason"] == "compiler-artifact" && m["target"]["name"] == "gpu-kubelet-plugin"
+        })
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .ok_or_else(|| "cargo reported no gpu-kubelet-plugin executable".into())
+}
+
+/// Builds the Go test tool `tests/gotools/cmd/<name>` once per hash of its source and the
+/// module's go.mod/go.sum, into `$DRUST_CACHE_DIR` (default `~/.cache/drust`)`/<name>/<hash>/`.
+///
+/// # Errors
+/// A description of the failed build.
+pub fn go_tool(name: &str) -> Result<PathBuf, String> {
+    use sha2::{Digest, Sha256};
+    let gotools = repo_root().join("tests/gotools");
+    let mut h = Sha256::new();
+    for f in [
+        format!("cmd/{name}/main.go"),
+        "go.mod".into(),
+        "go.sum".into(),
+    ] {
+        h.update(std::fs::read(gotools.join(&f)).map_err(|e| format!("reading {f}: {e}"))?);
+    }
+    let hash: String = h.finalize()[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let cache = std::env::var_os("DRUST_CACHE_DIR").map_or_else(
+        || {
+            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/tmp".into()))
+                .join(".cache/drust")
+        },
+        PathBuf::from,
+    );
+    let bin = cache.join(name).join(hash).join(name);
+    if bin.exists() {
+        return Ok(bin);
+    }
+    let tmp = bin.with_extension(format!("tmp{}", std::process::id()));
+    let status = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&tmp)
+        .arg(format!("./cmd/{name}"))
+        .current_dir(&gotools)
+        .status()
+        .map_err(|e| format!("running go build: {e}"))?;
+    if !status.success() {
+        return Err(format!("go build ./cmd/{name}: {status}"));
+    }
+    std::fs::rename(&tmp, &bin).map_err(|e| format!("{}: {e}", bin.display()))?;
+    Ok(bin)
+}

@@ -1,0 +1,334 @@
+//! Crash safety of prepare and unprepare: the real plugin binary is SIGKILLed at every step
+//! (before and after each checkpoint write, CDI write and hardware action), restarted, and the
+//! kubelet's call repeated, on a real control plane. Every run must end with the claim prepared
+//! exactly once or cleanly unprepared, no device in two claims, and no stray files.
+
+use std::collections::BTreeMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use drust_e2e::binary::plugin_binary;
+use drust_e2e::claims::allocated_claim;
+use drust_e2e::kubelet::{Kubelet, v1_claim};
+use drust_e2e::manifests::repo_path;
+use drust_e2e::plugin::fake_host;
+use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use gpu_kubelet_plugin::failpoint;
+
+const DRIVER: &str = "gpu.drust.dev";
+const NODE: &str = "gpu-node-0";
+/// Runs per failpoint; half retry the prepare after the crash, half give up and unprepare.
+const REPS: usize = 6;
+
+/// A plugin process that is killed if the test fails while it runs.
+struct PluginProcess(Child);
+
+impl std::ops::Deref for PluginProcess {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for PluginProcess {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for PluginProcess {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+struct Host {
+    dir: tempfile::TempDir,
+    binary: PathBuf,
+    kubeconfig: PathBuf,
+    topology: PathBuf,
+}
+
+impl Host {
+    fn plugin_dir(&self) -> PathBuf {
+        self.dir.path().join("plugins").join(DRIVER)
+    }
+    fn registration_socket(&self) -> PathBuf {
+        self.dir
+            .path()
+            .join("registry")
+            .join(format!("{DRIVER}-reg.sock"))
+    }
+    fn cdi_root(&self) -> PathBuf {
+        self.dir.path().join("cdi")
+    }
+
+    /// Starts the plugin, armed with `failpoint` if given, and waits for its sockets.
+    fn start(&self, failpoint: Option<&str>) -> anyhow::Result<PluginProcess> {
+        let _ = std::fs::remove_file(self.registration_socket());
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("plugin.log"))?;
+        let mut cmd = Command::new(&self.binary);
+        cmd.args(["--driver-name", DRIVER, "--node-name", NODE])
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .arg("--fake-topology")
+            .arg(&self.topology)
+            .arg("--plugin-dir")
+            .arg(self.plugin_dir())
+            .arg("--registrar-dir")
+            .arg(self.dir.path().join("registry"))
+            .arg("--cdi-root")
+            .arg(self.cdi_root())
+            .arg("--proc-root")
+            .arg(self.dir.path())
+            .arg("--dev-root")
+            .arg(self.dir.path())
+            .arg("--boot-id-file")
+            .arg(self.dir.path().join("boot_id"))
+            .env("RUST_LOG", "info")
+            .env_remove(failpoint::ENV)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if let Some(fp) = failpoint {
+            cmd.env(failpoint::ENV, fp);
+        }
+        drust_e2e::die_with_parent(&mut cmd);
+        let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
+        let start = Instant::now();
+        while !self.registration_socket().exists() {
+            if let Some(status) = child.try_wait()? {
+                bail!("plugin exited at start: {status}; log: {}", self.log_tail());
+            }
+            ensure!(
+                start.elapsed() < Duration::from_secs(30),
+                "plugin not ready; log: {}",
+                self.log_tail()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(child)
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("plugin.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Files that must not outlive a completed call: temp files anywhere in our dirs.
+    fn stray_files(&self) -> Vec<PathBuf> {
+        [self.cdi_root(), self.plugin_dir()]
+            .iter()
+            .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().ends_with(".tmp"))
+            })
+            .collect()
+    }
+
+    fn spec_files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.cdi_root())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn checkpoint_claims(&self) -> anyhow::Result<BTreeMap<String, serde_json::Value>> {
+        let bytes = std::fs::read(self.plugin_dir().join("checkpoint.json"))?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes)?;
+        Ok(serde_json::from_value(v["data"]["claims"].clone())?)
+    }
+}
+
+fn stop(mut child: PluginProcess) -> anyhow::Result<()> {
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    child.wait()?;
+    Ok(())
+}
+
+/// Waits for the armed plugin to have killed itself.
+fn expect_killed(mut child: PluginProcess, fp: &str) -> anyhow::Result<()> {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            ensure!(
+                status.signal() == Some(9),
+                "{fp}: plugin ended with {status}, not SIGKILL"
+            );
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            bail!("{fp}: failpoint never reached");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[tokio::test]
+async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_unprepared()
+-> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let client = cp.client().await?;
+    cp.register_node(NODE, &[]).await?;
+    let host = Host {
+        dir: tempfile::Builder::new().prefix("drust-fault-").tempdir()?,
+        binary: plugin_binary().map_err(anyhow::Error::msg)?,
+        kubeconfig: cp.kubeconfig_path().to_owned(),
+        topology: repo_path("examples/topologies/dgx-h100.yaml"),
+    };
+    fake_host(host.dir.path(), &host.topology).map_err(anyhow::Error::msg)?;
+    let names: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
+        gpu_inventory::Topology::from_file(&host.topology)?,
+    ))?
+    .gpus
+    .into_iter()
+    .map(|g| g.name)
+    .collect();
+
+    // A bystander claim stays prepared on the first GPU through every crash.
+    let bystander =
+        allocated_claim(&client, "bystander", DRIVER, NODE, &[names[0].clone()]).await?;
+    let bystander_uid = bystander.metadata.uid.clone().context("uid")?;
+    let child = host.start(None)?;
+    let (mut kubelet, _) = Kubelet::register(&host.registration_socket()).await?;
+    let answer = kubelet.prepare_v1(&[&bystander]).await?.claims[&bystander_uid].clone();
+    ensure!(answer.error.is_empty(), "{}", answer.error);
+    drop(kubelet);
+    stop(child)?;
+
+    let started = Instant::now();
+    let mut kills: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut n = 0;
+    for fp in failpoint::ALL {
+        for rep in 0..REPS {
+            n += 1;
+            let devices: Vec<String> = if rep % 2 == 0 {
+                vec![names[1 + n % 7].clone()]
+            } else {
+                vec![names[1 + n % 7].clone(), names[1 + (n + 3) % 7].clone()]
+            };
+            let claim = allocated_claim(&client, &format!("c{n}"), DRIVER, NODE, &devices).await?;
+            let uid = claim.metadata.uid.clone().context("uid")?;
+            let ctx = || format!("{fp} run {rep} ({devices:?})");
+
+            if fp.starts_with("prepare/") {
+                let child = host.start(Some(fp))?;
+                let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let _ = k.prepare_v1(&[&claim]).await; // the plugin dies mid-call
+                expect_killed(child, fp)?;
+            } else {
+                let child = host.start(None)?;
+                let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let r = k.prepare_v1(&[&claim]).await?;
+                ensure!(
+                    r.claims[&uid].error.is_empty(),
+                    "{}: {}",
+                    ctx(),
+                    r.claims[&uid].error
+                );
+                drop(k);
+                stop(child)?;
+                let child = host.start(Some(fp))?;
+                let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
+                expect_killed(child, fp)?;
+            }
+            *kills.entry(fp).or_default() += 1;
+
+            // Restart and repeat what the kubelet would do next.
+            let child = host.start(None)?;
+            let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+            let retry_prepare = rep % 2 == 0;
+            if retry_prepare {
+                let r = k.prepare_v1(&[&claim]).await?;
+                let a = &r.claims[&uid];
+                ensure!(a.error.is_empty(), "{}: {}", ctx(), a.error);
+                let mut got: Vec<&str> = a.devices.iter().map(|d| d.device_name.as_str()).collect();
+                got.sort_unstable();
+                let mut want: Vec<&str> = devices.iter().map(String::as_str).collect();
+                want.sort_unstable();
+                want.dedup();
+                ensure!(got == want, "{}: prepared {got:?}", ctx());
+                let claims = host.checkpoint_claims()?;
+                ensure!(
+                    claims[&uid]["state"] == "PrepareCompleted",
+                    "{}: {:?}",
+                    ctx(),
+                    claims[&uid]
+                );
+                let spec = host.cdi_root().join(format!("{DRIVER}-claim_{uid}.json"));
+                ensure!(spec.exists(), "{}: CDI spec missing after prepare", ctx());
+                // Prepared exactly once: a second prepare gives the same, and nothing else changed.
+                let again = k.prepare_v1(&[&claim]).await?;
+                ensure!(
+                    again.claims[&uid].devices == a.devices,
+                    "{}: answer changed",
+                    ctx()
+                );
+            }
+            let r = k.unprepare_v1(vec![v1_claim(&claim)]).await?;
+            ensure!(
+                r.claims[&uid].error.is_empty(),
+                "{}: {}",
+                ctx(),
+                r.claims[&uid].error
+            );
+
+            // Clean: only the bystander is left, intact; no temp files; no device twice.
+            let claims = host.checkpoint_claims()?;
+            ensure!(
+                claims.keys().collect::<Vec<_>>() == [&bystander_uid],
+                "{}: checkpoint holds {:?}",
+                ctx(),
+                claims.keys()
+            );
+            ensure!(
+                host.spec_files() == [format!("{DRIVER}-claim_{bystander_uid}.json")],
+                "{}: CDI specs {:?}",
+                ctx(),
+                host.spec_files()
+            );
+            ensure!(
+                host.stray_files().is_empty(),
+                "{}: stray {:?}",
+                ctx(),
+                host.stray_files()
+            );
+            let b = k.prepare_v1(&[&bystander]).await?;
+            ensure!(
+                b.claims[&bystander_uid].devices == answer.devices,
+                "{}: bystander changed",
+                ctx()
+            );
+            drop(k);
+            stop(child)?;
+        }
+    }
+    let total: usize = kills.values().sum();
+    eprintln!(
+        "fault injection: {total} SIGKILLs over {} failpoints in {:.1} s: {kills:?}",
+        kills.len(),
+        started.elapsed().as_secs_f64()
+    );
+    ensure!(kills.len() == failpoint::ALL.len() && kills.values().all(|&k| k == REPS));
+    cp.stop().await?;
+    Ok(())
+}
