@@ -15,8 +15,8 @@ use cel::common::ast::{CallExpr, EntryExpr, Expr as PExpr, IdedExpr, LiteralValu
 
 use crate::decls::{FUNCTIONS, Overload};
 use crate::types::{
-    DEVICE, FRESH_BASE, Mapping, QUANTITY, Type, instantiate, is_assignable, is_assignable_list,
-    most_general, substitute,
+    CIDR, DEVICE, FRESH_BASE, IP, Mapping, QUANTITY, Type, instantiate, is_assignable,
+    is_assignable_list, most_general, substitute,
 };
 use crate::value::Value;
 
@@ -272,7 +272,7 @@ impl Checker {
             PExpr::Select(sel) => {
                 if !sel.test
                     && let Some(q) = qualified_name(e)
-                    && self.lookup(&q).is_some()
+                    && (self.lookup(&q).is_some() || q == IP || q == CIDR)
                 {
                     return self.check_ident(&q);
                 }
@@ -398,10 +398,19 @@ impl Checker {
             "null_type" => Some(Type::Null),
             "list" => Some(Type::list(Type::Dyn)),
             "map" => Some(Type::map(Type::Dyn, Type::Dyn)),
+            "type" => Some(Type::Type(Box::new(Type::Dyn))),
+            "optional_type" => Some(Type::optional(Type::Dyn)),
+            // Registered by the IP and CIDR libraries (`cel.Types`); the URL library does not.
+            IP => Some(Type::opaque(IP)),
+            CIDR => Some(Type::opaque(CIDR)),
             _ => None,
         };
         if let Some(t) = type_value {
-            let v = Value::Type(crate::value::type_name_of(&t));
+            let v = Value::Type(match &t {
+                Type::Type(_) => "type",
+                Type::Opaque(n, _) => n,
+                t => crate::value::type_name_of(t),
+            });
             return Node {
                 ty: Type::Type(Box::new(t)),
                 kind: Kind::Const(v),

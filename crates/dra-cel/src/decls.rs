@@ -134,15 +134,38 @@ const NUMERIC_CMP: &[(&str, &str)] = &[
     ("duration", "duration"),
 ];
 
+/// Comparison overloads with cel-go's ids (`less_string`, `less_int64_double`, ...), which the
+/// cost model keys on.
 fn comparisons(name: &str) -> Vec<Overload> {
+    let go = |t: &str| {
+        match t {
+            "int" => "int64",
+            "uint" => "uint64",
+            other => other,
+        }
+        .to_string()
+    };
     NUMERIC_CMP
         .iter()
         .map(|(a, b)| {
-            let sig: &'static str =
-                Box::leak(format!("{name}_{a}_{b}: {a}, {b} -> bool").into_boxed_str());
+            let id = if a == b {
+                format!("{name}_{}", go(a))
+            } else {
+                format!("{name}_{}_{}", go(a), go(b))
+            };
+            let sig: &'static str = Box::leak(format!("{id}: {a}, {b} -> bool").into_boxed_str());
             overload(sig)
         })
         .collect()
+}
+
+/// Whether overload `id` of function `name` is a member (receiver-style) overload.
+pub(crate) fn is_member(name: &str, id: &str) -> Option<bool> {
+    FUNCTIONS
+        .get(name)?
+        .iter()
+        .find(|o| o.id == id)
+        .map(|o| o.member)
 }
 
 fn templated(prefix: &str, member: bool, types: &[&str], shape: &str) -> Vec<Overload> {
@@ -393,7 +416,11 @@ pub(crate) static FUNCTIONS: LazyLock<HashMap<&'static str, Vec<Overload>>> = La
     let sortable = ["int", "uint", "double", "bool", "string", "bytes"];
     m.entry("sort")
         .or_default()
-        .extend(templated("list", true, &sortable, "list(T) -> list(T)"));
+        .extend(sortable.iter().map(|t| {
+            let sig: &'static str =
+                Box::leak(format!("list_{t}_sort: .list({t}) -> list({t})").into_boxed_str());
+            overload(sig)
+        }));
     // Kubernetes lists library (k8s.io/apiserver/pkg/cel/library/lists.go).
     m.entry("isSorted").or_default().extend(templated(
         "list_is_sorted",
@@ -503,6 +530,56 @@ pub(crate) static FUNCTIONS: LazyLock<HashMap<&'static str, Vec<Overload>>> = La
     add("major", &["semver_major: .semver -> int"]);
     add("minor", &["semver_minor: .semver -> int"]);
     add("patch", &["semver_patch: .semver -> int"]);
+    // URL library (k8s.io/apiserver/pkg/cel/library/urls.go).
+    add("url", &["string_to_url: string -> url"]);
+    add("isURL", &["is_url_string: string -> bool"]);
+    add("getScheme", &["url_get_scheme: .url -> string"]);
+    add("getHost", &["url_get_host: .url -> string"]);
+    add("getHostname", &["url_get_hostname: .url -> string"]);
+    add("getPort", &["url_get_port: .url -> string"]);
+    add("getEscapedPath", &["url_get_escaped_path: .url -> string"]);
+    add(
+        "getQuery",
+        &["url_get_query: .url -> map(string, list(string))"],
+    );
+    // IP library (ip.go).
+    add(
+        "ip",
+        &["string_to_ip: string -> ip", "cidr_ip: .cidr -> ip"],
+    );
+    add("isIP", &["is_ip: string -> bool"]);
+    add("ip.isCanonical", &["ip_is_canonical: string -> bool"]);
+    add("family", &["ip_family: .ip -> int"]);
+    add("isUnspecified", &["ip_is_unspecified: .ip -> bool"]);
+    add("isLoopback", &["ip_is_loopback: .ip -> bool"]);
+    add(
+        "isLinkLocalMulticast",
+        &["ip_is_link_local_multicast: .ip -> bool"],
+    );
+    add(
+        "isLinkLocalUnicast",
+        &["ip_is_link_local_unicast: .ip -> bool"],
+    );
+    add("isGlobalUnicast", &["ip_is_global_unicast: .ip -> bool"]);
+    // CIDR library (cidr.go).
+    add("cidr", &["string_to_cidr: string -> cidr"]);
+    add("isCIDR", &["is_cidr: string -> bool"]);
+    add(
+        "containsIP",
+        &[
+            "cidr_contains_ip_string: .cidr, string -> bool",
+            "cidr_contains_ip_ip: .cidr, ip -> bool",
+        ],
+    );
+    add(
+        "containsCIDR",
+        &[
+            "cidr_contains_cidr_string: .cidr, string -> bool",
+            "cidr_contains_cidr: .cidr, cidr -> bool",
+        ],
+    );
+    add("prefixLength", &["cidr_prefix_length: .cidr -> int"]);
+    add("masked", &["cidr_masked: .cidr -> cidr"]);
     // Optional types (cel-go cel/library.go, optional library).
     add("optional.of", &["optional_of: A -> optional(A)"]);
     add(

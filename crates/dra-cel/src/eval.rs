@@ -49,6 +49,13 @@ pub(crate) struct Evaluator<'a> {
     pub limit: u64,
     pub deadline: Option<Instant>,
     pub steps: u32,
+    /// Bind initialisers not yet evaluated, by slot (cel-go initialises lazily).
+    pub lazy: Vec<Option<&'a Node>>,
+    /// The next attribute root is resolved without its own observation (a conditional branch
+    /// or an index key that is an attribute: cel-go resolves those without the watch wrapper).
+    pub skip_root: bool,
+    /// Accumulator slots of the comprehensions being evaluated, innermost last.
+    pub accumulators: Vec<usize>,
 }
 
 impl<'a> Evaluator<'a> {
@@ -71,11 +78,36 @@ impl<'a> Evaluator<'a> {
         Ok(())
     }
 
+    /// Charges the observation of an attribute root unless it is resolved unobserved.
+    fn charge_root(&mut self) -> Result<(), EvalError> {
+        if std::mem::take(&mut self.skip_root) {
+            Ok(())
+        } else {
+            self.charge(1)
+        }
+    }
+
+    /// Evaluates `n`, resolving it without the root observation when it is an attribute.
+    fn eval_unobserved(&mut self, n: &'a Node) -> R<'a> {
+        self.skip_root = is_attribute(n);
+        let r = self.eval(n);
+        self.skip_root = false;
+        r
+    }
+
     pub(crate) fn eval(&mut self, n: &'a Node) -> R<'a> {
         match &n.kind {
             Kind::Const(v) => Ok(v.clone()),
             Kind::Var(slot) => {
-                self.charge(1)?;
+                self.charge_root()?;
+                if let Some(init) = self.lazy.get_mut(*slot).and_then(Option::take) {
+                    let v = match self.eval(init) {
+                        Ok(v) => v,
+                        Err(EvalError::Runtime(e)) => Value::Error(Arc::from(e)),
+                        Err(e) => return Err(e),
+                    };
+                    self.set_slot(*slot, v);
+                }
                 match self.slots.get(*slot) {
                     Some(Value::Error(e)) => rt(e.to_string()),
                     Some(v) => Ok(v.clone()),
@@ -83,7 +115,7 @@ impl<'a> Evaluator<'a> {
                 }
             }
             Kind::Device => {
-                self.charge(1)?;
+                self.charge_root()?;
                 Ok(Value::Device(self.device))
             }
             Kind::DeviceField(operand, f) => {
@@ -110,20 +142,44 @@ impl<'a> Evaluator<'a> {
                 if *test {
                     return self.has(base, field);
                 }
-                self.charge(1)?;
-                self.select(base, field)
+                match base {
+                    // An optional chain qualifies only what is present, observing only that.
+                    Value::Optional(None) => Ok(Value::Optional(None)),
+                    Value::Optional(Some(v)) => {
+                        let r = self.opt_select((*v).clone(), field)?;
+                        if matches!(r, Value::Optional(Some(_))) {
+                            self.charge(1)?;
+                        }
+                        Ok(r)
+                    }
+                    base => {
+                        self.charge(1)?;
+                        self.select(base, field)
+                    }
+                }
             }
             Kind::OptSelect { operand, field } => {
-                let base = self.eval(operand)?;
-                self.charge(1)?;
-                self.opt_select(base, field)
+                let base = self.attr_root(operand)?;
+                let r = self.opt_select(base, field)?;
+                if matches!(r, Value::Optional(Some(_))) {
+                    self.charge(1)?;
+                }
+                Ok(r)
             }
             Kind::And(l, r) => {
                 let lv = self.eval(l);
                 if let Ok(Value::Bool(false)) = lv {
                     return Ok(Value::Bool(false));
                 }
+                // Only runtime errors are values that the other side can absorb; the cost
+                // limit and the deadline stop evaluation.
+                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = lv {
+                    return Err(e);
+                }
                 let rv = self.eval(r);
+                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = rv {
+                    return Err(e);
+                }
                 match (lv, rv) {
                     (_, Ok(Value::Bool(false))) => Ok(Value::Bool(false)),
                     (Ok(Value::Bool(true)), Ok(Value::Bool(true))) => Ok(Value::Bool(true)),
@@ -138,7 +194,15 @@ impl<'a> Evaluator<'a> {
                 if let Ok(Value::Bool(true)) = lv {
                     return Ok(Value::Bool(true));
                 }
+                // Only runtime errors are values that the other side can absorb; the cost
+                // limit and the deadline stop evaluation.
+                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = lv {
+                    return Err(e);
+                }
                 let rv = self.eval(r);
+                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = rv {
+                    return Err(e);
+                }
                 match (lv, rv) {
                     (_, Ok(Value::Bool(true))) => Ok(Value::Bool(true)),
                     (Ok(Value::Bool(false)), Ok(Value::Bool(false))) => Ok(Value::Bool(false)),
@@ -148,15 +212,25 @@ impl<'a> Evaluator<'a> {
                     _ => no_overload(),
                 }
             }
+            // cel-go plans a conditional as an attribute whose branches are resolved, not
+            // observed: an attribute branch does not pay for its root.
             Kind::Cond(c, t, f) => match self.eval(c)? {
-                Value::Bool(true) => self.eval(t),
-                Value::Bool(false) => self.eval(f),
+                Value::Bool(true) => self.eval_unobserved(t),
+                Value::Bool(false) => self.eval_unobserved(f),
                 _ => no_overload(),
             },
             Kind::List { elems, optional } => {
                 let mut out = Vec::with_capacity(elems.len());
                 for (e, opt) in elems.iter().zip(optional) {
-                    let v = self.eval(e)?;
+                    // The constructor is charged even when an element fails.
+                    let v = match self.eval(e) {
+                        Ok(v) => v,
+                        Err(EvalError::Runtime(m)) => {
+                            self.charge(10)?;
+                            return rt(m);
+                        }
+                        Err(e) => return Err(e),
+                    };
                     if *opt {
                         match v {
                             Value::Optional(Some(inner)) => out.push((*inner).clone()),
@@ -167,22 +241,34 @@ impl<'a> Evaluator<'a> {
                         out.push(v);
                     }
                 }
-                if !is_const_node(n) {
-                    self.charge(10)?;
-                }
+                self.charge(10)?;
                 Ok(Value::List(Arc::new(out)))
             }
             Kind::Map { entries } => {
                 let mut out: Vec<(Value<'a>, Value<'a>)> = Vec::with_capacity(entries.len());
                 for (k, v, opt) in entries {
-                    let kv = self.eval(k)?;
+                    let kv = match self.eval(k) {
+                        Ok(v) => v,
+                        Err(EvalError::Runtime(m)) => {
+                            self.charge(30)?;
+                            return rt(m);
+                        }
+                        Err(e) => return Err(e),
+                    };
                     if !matches!(
                         kv,
                         Value::String(_) | Value::Int(_) | Value::Uint(_) | Value::Bool(_)
                     ) {
                         return rt(format!("unsupported key type: {}", kv.type_name()));
                     }
-                    let vv = self.eval(v)?;
+                    let vv = match self.eval(v) {
+                        Ok(v) => v,
+                        Err(EvalError::Runtime(m)) => {
+                            self.charge(30)?;
+                            return rt(m);
+                        }
+                        Err(e) => return Err(e),
+                    };
                     let vv = if *opt {
                         match vv {
                             Value::Optional(Some(inner)) => (*inner).clone(),
@@ -197,57 +283,28 @@ impl<'a> Evaluator<'a> {
                     }
                     out.push((kv, vv));
                 }
-                if !is_const_node(n) {
-                    self.charge(30)?;
-                }
+                self.charge(30)?;
                 Ok(Value::Map(Arc::new(out)))
             }
             Kind::Bind { slot, init, body } => {
-                let v = self.eval(init)?;
-                self.set_slot(*slot, v);
-                self.eval(body)
+                // The variable is initialised at its first reference, if any.
+                if self.lazy.len() <= *slot {
+                    self.lazy.resize(*slot + 1, None);
+                }
+                let outer = self.lazy[*slot].replace(init);
+                let r = self.eval(body);
+                self.lazy[*slot] = outer;
+                r
             }
             Kind::Fold(f) => {
                 let range = self.eval(&f.range)?;
                 let items = iter_items(&range)?;
                 let init = self.eval(&f.init)?;
                 self.set_slot(f.accu, init);
-                for (i, (k, v)) in items.into_iter().enumerate() {
-                    self.tick()?;
-                    match f.var2 {
-                        None => self.set_slot(f.var1, k),
-                        Some(s2) => {
-                            if matches!(range, Value::List(_)) {
-                                self.set_slot(
-                                    f.var1,
-                                    Value::Int(i64::try_from(i).unwrap_or(i64::MAX)),
-                                );
-                                self.set_slot(s2, k);
-                            } else {
-                                self.set_slot(f.var1, k);
-                                self.set_slot(s2, v);
-                            }
-                        }
-                    }
-                    let cond = self.eval(&f.cond);
-                    if !matches!(cond, Ok(Value::Bool(true))) {
-                        if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = cond {
-                            return Err(e);
-                        }
-                        break;
-                    }
-                    let step = self.eval(&f.step);
-                    match step {
-                        Ok(v) => self.set_slot(f.accu, v),
-                        // An error accumulator keeps flowing through the loop like cel-go's
-                        // error values: a later `&&`/`||` step may still absorb it.
-                        Err(EvalError::Runtime(e)) => {
-                            self.set_slot(f.accu, Value::Error(Arc::from(e)))
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-                self.eval(&f.result)
+                self.accumulators.push(f.accu);
+                let r = self.fold_loop(f, &range, items);
+                self.accumulators.pop();
+                r
             }
             Kind::Call {
                 name,
@@ -255,6 +312,45 @@ impl<'a> Evaluator<'a> {
                 args,
             } => self.call(name, overloads, args, n),
         }
+    }
+
+    fn fold_loop(
+        &mut self,
+        f: &'a crate::checker::Fold,
+        range: &Value<'a>,
+        items: Vec<(Value<'a>, Value<'a>)>,
+    ) -> R<'a> {
+        for (i, (k, v)) in items.into_iter().enumerate() {
+            self.tick()?;
+            match f.var2 {
+                None => self.set_slot(f.var1, k),
+                Some(s2) => {
+                    if matches!(range, Value::List(_)) {
+                        self.set_slot(f.var1, Value::Int(i64::try_from(i).unwrap_or(i64::MAX)));
+                        self.set_slot(s2, k);
+                    } else {
+                        self.set_slot(f.var1, k);
+                        self.set_slot(s2, v);
+                    }
+                }
+            }
+            let cond = self.eval(&f.cond);
+            if !matches!(cond, Ok(Value::Bool(true))) {
+                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = cond {
+                    return Err(e);
+                }
+                break;
+            }
+            let step = self.eval(&f.step);
+            match step {
+                Ok(v) => self.set_slot(f.accu, v),
+                // An error accumulator keeps flowing through the loop like cel-go's
+                // error values: a later `&&`/`||` step may still absorb it.
+                Err(EvalError::Runtime(e)) => self.set_slot(f.accu, Value::Error(Arc::from(e))),
+                Err(e) => return Err(e),
+            }
+        }
+        self.eval(&f.result)
     }
 
     fn set_slot(&mut self, slot: usize, v: Value<'a>) {
@@ -275,8 +371,11 @@ impl<'a> Evaluator<'a> {
             | Kind::Select { test: false, .. } => self.eval(operand),
             Kind::Call { name: "_[_]", .. } => self.eval(operand),
             _ => {
+                let skip = std::mem::take(&mut self.skip_root);
                 let v = self.eval(operand)?;
-                self.charge(1)?;
+                if !skip {
+                    self.charge(1)?;
+                }
                 Ok(v)
             }
         }
@@ -307,7 +406,10 @@ impl<'a> Evaluator<'a> {
             return no_overload();
         }
         let key = Value::string(field);
-        if !self.contains_key(&base, &key)? {
+        // Upstream's attribute and capacity maps find every domain (an unknown one is empty).
+        let present = matches!(base, Value::Attributes(_) | Value::Capacity(_))
+            || self.contains_key(&base, &key)?;
+        if !present {
             return Ok(Value::Optional(None));
         }
         let v = self.index_value(base, &key, true)?;
@@ -425,64 +527,63 @@ impl<'a> Evaluator<'a> {
         node: &'a Node,
     ) -> R<'a> {
         match name {
-            "_[_]" => {
+            "_[_]" | "_[?_]" => {
                 let base = self.attr_root(&args[0])?;
-                let key = self.eval(&args[1])?;
-                self.charge(1)?;
-                return match base {
-                    Value::Optional(None) => Ok(Value::Optional(None)),
-                    Value::Optional(Some(v)) => match self.index_value((*v).clone(), &key, false) {
-                        Ok(v) => Ok(Value::Optional(Some(Arc::new(v)))),
-                        Err(EvalError::Runtime(_)) => Ok(Value::Optional(None)),
-                        Err(e) => Err(e),
-                    },
-                    other => self.index_value(other, &key, false),
-                };
-            }
-            "_[?_]" => {
-                let base = self.eval(&args[0])?;
-                let key = self.eval(&args[1])?;
-                self.charge(1)?;
-                let base = match base {
+                // An attribute key qualifies without its own root observation.
+                let key = self.eval_unobserved(&args[1])?;
+                let (base, optional) = match base {
                     Value::Optional(None) => return Ok(Value::Optional(None)),
-                    Value::Optional(Some(v)) => (*v).clone(),
-                    o => o,
+                    Value::Optional(Some(v)) => ((*v).clone(), true),
+                    o => (o, name == "_[?_]"),
                 };
+                if !optional {
+                    self.charge(1)?;
+                    return self.index_value(base, &key, false);
+                }
                 return match self.index_value(base, &key, false) {
-                    Ok(v) => Ok(Value::Optional(Some(Arc::new(v)))),
+                    Ok(v) => {
+                        self.charge(1)?;
+                        Ok(Value::Optional(Some(Arc::new(v))))
+                    }
                     Err(EvalError::Runtime(_)) => Ok(Value::Optional(None)),
                     Err(e) => Err(e),
                 };
             }
-            "@in" if is_const_node(&args[1]) => {
-                // cel-go folds a constant list of primitives into a hash set.
-                if let Kind::List { elems, .. } = &args[1].kind
+            // cel-go short-circuits these (`decorateOptionalOr`) and they cost nothing.
+            "or" | "orValue" if args.len() == 2 => {
+                let lhs = self.eval(&args[0])?;
+                return match lhs {
+                    Value::Optional(Some(v)) if name == "orValue" => Ok((*v).clone()),
+                    Value::Optional(Some(_)) => Ok(lhs),
+                    Value::Optional(None) => self.eval(&args[1]),
+                    _ => no_overload(),
+                };
+            }
+            "@in" if overloads == ["in_list"] => {
+                // cel-go turns `in` over a constant list of primitives into a set lookup that
+                // costs nothing itself (`maybeOptimizeSetMembership`).
+                if let Kind::Const(Value::List(elems)) = &args[1].kind
                     && elems.iter().all(|e| {
                         matches!(
-                            e.kind,
-                            Kind::Const(
-                                Value::Bool(_)
-                                    | Value::Int(_)
-                                    | Value::Uint(_)
-                                    | Value::Double(_)
-                                    | Value::String(_)
-                            )
+                            e,
+                            Value::Bool(_)
+                                | Value::Int(_)
+                                | Value::Uint(_)
+                                | Value::Double(_)
+                                | Value::String(_)
                         )
                     })
                 {
-                    let v = self.eval(&args[0])?;
                     if elems.is_empty() {
                         return Ok(Value::Bool(false));
                     }
+                    let v = self.eval(&args[0])?;
                     if matches!(v, Value::Semver(_)) {
                         return rt(
                             "internal error: runtime error: hash of unhashable type cel.Semver",
                         );
                     }
-                    let found = elems.iter().any(|e| match &e.kind {
-                        Kind::Const(c) => set_member_eq(c, &v),
-                        _ => false,
-                    });
+                    let found = elems.iter().any(|c| set_member_eq(c, &v));
                     return Ok(Value::Bool(found));
                 }
             }
@@ -527,9 +628,58 @@ impl<'a> Evaluator<'a> {
             }
             _ => {}
         }
+        // `@result + [x]` in a comprehension step: cel-go accumulates into a mutable list;
+        // append in place so that building a list stays linear.
+        if name == "_+_"
+            && overloads == ["add_list"]
+            && let Kind::Var(slot) = args[0].kind
+            && self.accumulators.last() == Some(&slot)
+            && matches!(self.slots.get(slot), Some(Value::List(_)))
+        {
+            self.charge_root()?;
+            let rhs = self.eval(&args[1])?;
+            let Value::List(tail) = rhs else {
+                return no_overload();
+            };
+            let acc = std::mem::replace(&mut self.slots[slot], Value::Null);
+            let Value::List(mut acc) = acc else {
+                return no_overload();
+            };
+            Arc::make_mut(&mut acc).extend(tail.iter().cloned());
+            self.charge(1)?;
+            return Ok(Value::List(acc));
+        }
+        // cel-go evaluates both arguments of a unary or binary call before it returns the first
+        // error, and its cost observer charges the call even then; calls of three or more
+        // arguments stop at the first error and are not charged.
+        // `lists.range(n)` would allocate n values before its cost is charged: charge first.
+        if name == "lists.range"
+            && let [arg] = args
+        {
+            let n = match self.eval(arg)? {
+                Value::Int(n) => n,
+                _ => return no_overload(),
+            };
+            let len = u64::try_from(n).unwrap_or(0);
+            self.charge(len.saturating_add(1 + 10))?;
+            return crate::functions::call(name, overloads, &[Value::Int(n)]);
+        }
         let mut vals = Vec::with_capacity(args.len());
+        let mut first_err: Option<String> = None;
         for a in args {
-            vals.push(self.eval(a)?);
+            match self.eval(a) {
+                Ok(v) => vals.push(v),
+                Err(EvalError::Runtime(e)) if args.len() <= 2 => {
+                    vals.push(Value::Error(Arc::from(e.as_str())));
+                    first_err.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if let Some(e) = first_err {
+            let cost = crate::functions::call_cost(name, overloads, &vals, None);
+            self.charge(cost)?;
+            return rt(e);
         }
         let result = crate::functions::call(name, overloads, &vals);
         let cost = crate::functions::call_cost(name, overloads, &vals, result.as_ref().ok());
@@ -538,6 +688,11 @@ impl<'a> Evaluator<'a> {
         result
     }
 
+    /// The two-variable comprehensions of `ext.TwoVarComprehensions`, charged as their
+    /// expansions (`ext/comprehensions.go`): `all`/`exists` pay for the loop condition and the
+    /// accumulator in the step, `existsOne` and filtered transforms nothing when the
+    /// predicate is false (the accumulator branch of a conditional is resolved unobserved),
+    /// and every macro pays 1 for reading the result.
     fn two_var(&mut self, name: &str, args: &'a [Node]) -> R<'a> {
         let range = self.eval(&args[0])?;
         let s1 = slot_of(&args[1]);
@@ -553,18 +708,19 @@ impl<'a> Evaluator<'a> {
         let mut map_out: Vec<(Value<'a>, Value<'a>)> = Vec::new();
         for (i, (k, v)) in items.into_iter().enumerate() {
             self.tick()?;
-            // Loop condition: @not_strictly_false(accu) costs accu ident + call.
             match name {
-                "@all2" | "@exists2" => {
+                // @not_strictly_false(@result)
+                "@all2" => {
                     self.charge(2)?;
-                    if name == "@all2" && !acc_bool && acc_err.is_none() {
+                    if !acc_bool && acc_err.is_none() {
                         break;
                     }
-                    if name == "@exists2" && acc_bool {
+                }
+                // @not_strictly_false(!@result)
+                "@exists2" => {
+                    self.charge(3)?;
+                    if acc_bool {
                         break;
-                    }
-                    if name == "@exists2" {
-                        self.charge(1)?;
                     }
                 }
                 _ => {}
@@ -576,7 +732,6 @@ impl<'a> Evaluator<'a> {
                 self.set_slot(s1, k);
                 self.set_slot(s2, v);
             }
-            self.charge(1)?; // the accumulator read in the step
             if let Some(f) = filter {
                 match self.eval(f)? {
                     Value::Bool(true) => {}
@@ -584,66 +739,97 @@ impl<'a> Evaluator<'a> {
                     _ => return no_overload(),
                 }
             }
-            let r = self.eval(body);
             match name {
-                "@all2" => match r {
-                    Ok(Value::Bool(false)) => {
-                        acc_bool = false;
-                        acc_err = None;
+                "@all2" | "@exists2" => {
+                    // @result && body / @result || body
+                    self.charge(1)?;
+                    let r = self.eval(body);
+                    let decisive = name == "@exists2";
+                    match r {
+                        Ok(Value::Bool(b)) if b == decisive => {
+                            acc_bool = decisive;
+                            acc_err = None;
+                        }
+                        Ok(Value::Bool(_)) => {}
+                        Ok(_) => {
+                            acc_err =
+                                acc_err.or(Some(EvalError::Runtime("no such overload".into())))
+                        }
+                        Err(EvalError::Runtime(e)) => {
+                            acc_err = acc_err.or(Some(EvalError::Runtime(e)))
+                        }
+                        Err(e) => return Err(e),
                     }
-                    Ok(Value::Bool(true)) => {}
-                    Ok(_) => {
-                        acc_err = acc_err.or(Some(EvalError::Runtime("no such overload".into())))
-                    }
-                    Err(EvalError::Runtime(e)) => acc_err = acc_err.or(Some(EvalError::Runtime(e))),
-                    Err(e) => return Err(e),
-                },
-                "@exists2" => match r {
-                    Ok(Value::Bool(true)) => {
-                        acc_bool = true;
-                        acc_err = None;
-                    }
-                    Ok(Value::Bool(false)) => {}
-                    Ok(_) => {
-                        acc_err = acc_err.or(Some(EvalError::Runtime("no such overload".into())))
-                    }
-                    Err(EvalError::Runtime(e)) => acc_err = acc_err.or(Some(EvalError::Runtime(e))),
-                    Err(e) => return Err(e),
-                },
-                "@existsOne2" => match r? {
+                }
+                // body ? @result + 1 : @result
+                "@existsOne2" => match self.eval(body)? {
                     Value::Bool(true) => {
                         count += 1;
-                        self.charge(1)?;
+                        self.charge(2)?;
                     }
                     Value::Bool(false) => {}
                     _ => return no_overload(),
                 },
+                // @result + [body]
                 "@transformList" => {
-                    list_out.push(r?);
+                    self.charge(1)?;
+                    list_out.push(self.eval(body)?);
                     self.charge(10 + 1)?;
                 }
+                // cel.@mapInsert(@result, k, body)
                 _ => {
+                    self.charge(2)?;
+                    // Keys are list indices or map keys: distinct by construction.
                     let key = self.slots.get(s1).cloned().unwrap_or(Value::Null);
-                    map_out.push((key, r?));
+                    let value = self.eval(body)?;
+                    map_out.push((key, value));
                     self.charge(1)?;
                 }
             }
         }
         match name {
-            "@all2" | "@exists2" => match acc_err {
-                Some(e) if (name == "@all2" && acc_bool) || (name == "@exists2" && !acc_bool) => {
-                    Err(e)
+            "@all2" | "@exists2" => {
+                self.charge(1)?;
+                match acc_err {
+                    Some(e)
+                        if (name == "@all2" && acc_bool) || (name == "@exists2" && !acc_bool) =>
+                    {
+                        Err(e)
+                    }
+                    _ => Ok(Value::Bool(acc_bool)),
                 }
-                _ => Ok(Value::Bool(acc_bool)),
-            },
+            }
+            // @result == 1
             "@existsOne2" => {
                 self.charge(2)?;
                 Ok(Value::Bool(count == 1))
             }
-            "@transformList" => Ok(Value::List(Arc::new(list_out))),
-            _ => Ok(Value::Map(Arc::new(map_out))),
+            "@transformList" => {
+                self.charge(1)?;
+                Ok(Value::List(Arc::new(list_out)))
+            }
+            _ => {
+                self.charge(1)?;
+                Ok(Value::Map(Arc::new(map_out)))
+            }
         }
     }
+}
+
+/// Whether cel-go plans the node as an attribute (identifier, selection or index chain).
+fn is_attribute(n: &Node) -> bool {
+    matches!(
+        n.kind,
+        Kind::Var(_)
+            | Kind::Device
+            | Kind::DeviceField(..)
+            | Kind::Select { test: false, .. }
+            | Kind::OptSelect { .. }
+            | Kind::Call {
+                name: "_[_]" | "_[?_]",
+                ..
+            }
+    )
 }
 
 fn slot_of(n: &Node) -> usize {
@@ -691,20 +877,6 @@ fn set_member_eq(c: &Value<'_>, v: &Value<'_>) -> bool {
             matches!(equals(c, v), Eq::True)
                 && !matches!((c, v), (Value::Double(d), _) | (_, Value::Double(d)) if d.is_nan())
         }
-        _ => false,
-    }
-}
-
-/// Whether a node is a literal that cel-go's optimizer folds to a constant (no creation cost).
-pub(crate) fn is_const_node(n: &Node) -> bool {
-    match &n.kind {
-        Kind::Const(_) => true,
-        Kind::List { elems, optional } => {
-            !optional.iter().any(|o| *o) && elems.iter().all(is_const_node)
-        }
-        Kind::Map { entries } => entries
-            .iter()
-            .all(|(k, v, o)| !o && is_const_node(k) && is_const_node(v)),
         _ => false,
     }
 }

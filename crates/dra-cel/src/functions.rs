@@ -6,8 +6,10 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 
 use crate::eval::{EvalError, compare};
+use crate::libs::ip::{Addr, Prefix};
 use crate::libs::quantity::Quantity;
 use crate::libs::semver::Semver;
+use crate::libs::url::Url;
 use crate::value::{Eq, Str, Value, equals, is_map, map_entries, map_find};
 
 type R<'a> = Result<Value<'a>, EvalError>;
@@ -636,6 +638,63 @@ pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) 
         ("patch", [v]) => Ok(V::Int(
             i64::try_from(semver_arg(v)?.patch).unwrap_or(i64::MAX),
         )),
+        ("url", [V::String(x)]) => Url::parse(x.as_str())
+            .map(|u| V::Url(Arc::new(u)))
+            .map_err(|e| EvalError::Runtime(e.to_string())),
+        ("isURL", [V::String(x)]) => Ok(V::Bool(Url::is_request_uri(x.as_str()))),
+        ("getScheme", [V::Url(u)]) => Ok(s(u.scheme().to_string())),
+        ("getHost", [V::Url(u)]) => Ok(s(u.host().to_string())),
+        ("getHostname", [V::Url(u)]) => Ok(s(u.hostname().to_string())),
+        ("getPort", [V::Url(u)]) => Ok(s(u.port().to_string())),
+        ("getEscapedPath", [V::Url(u)]) => Ok(s(u.escaped_path())),
+        ("getQuery", [V::Url(u)]) => Ok(V::Map(Arc::new(
+            u.query()
+                .into_iter()
+                .map(|(k, vals)| (s(k), list(vals.into_iter().map(s).collect())))
+                .collect(),
+        ))),
+        ("ip", [V::String(x)]) => Addr::parse(x.as_str())
+            .map(V::Ip)
+            .map_err(|e| EvalError::Runtime(e.to_string())),
+        ("ip", [V::Cidr(p)]) => Ok(V::Ip(p.addr)),
+        ("isIP", [V::String(x)]) => Ok(V::Bool(Addr::parse(x.as_str()).is_ok())),
+        ("ip.isCanonical", [V::String(x)]) => Addr::parse(x.as_str())
+            .map(|a| V::Bool(a.to_string() == x.as_str()))
+            .map_err(|e| EvalError::Runtime(e.to_string())),
+        ("family", [V::Ip(a)]) => Ok(V::Int(a.family())),
+        ("isUnspecified", [V::Ip(a)]) => Ok(V::Bool(a.is_unspecified())),
+        ("isLoopback", [V::Ip(a)]) => Ok(V::Bool(a.is_loopback())),
+        ("isLinkLocalMulticast", [V::Ip(a)]) => Ok(V::Bool(a.is_link_local_multicast())),
+        ("isLinkLocalUnicast", [V::Ip(a)]) => Ok(V::Bool(a.is_link_local_unicast())),
+        ("isGlobalUnicast", [V::Ip(a)]) => Ok(V::Bool(a.is_global_unicast())),
+        ("string", [V::Ip(a)]) => Ok(s(a.to_string())),
+        ("string", [V::Cidr(p)]) => Ok(s(p.to_string())),
+        ("cidr", [V::String(x)]) => Prefix::parse(x.as_str())
+            .map(V::Cidr)
+            .map_err(|e| EvalError::Runtime(e.to_string())),
+        ("isCIDR", [V::String(x)]) => Ok(V::Bool(Prefix::parse(x.as_str()).is_ok())),
+        ("containsIP", [V::Cidr(p), other]) => {
+            let ip = match other {
+                V::Ip(a) => *a,
+                V::String(x) => {
+                    Addr::parse(x.as_str()).map_err(|e| EvalError::Runtime(e.to_string()))?
+                }
+                _ => return no_overload(),
+            };
+            Ok(V::Bool(p.contains(ip)))
+        }
+        ("containsCIDR", [V::Cidr(p), other]) => {
+            let o = match other {
+                V::Cidr(o) => *o,
+                V::String(x) => {
+                    Prefix::parse(x.as_str()).map_err(|e| EvalError::Runtime(e.to_string()))?
+                }
+                _ => return no_overload(),
+            };
+            Ok(V::Bool(p.contains_prefix(o)))
+        }
+        ("prefixLength", [V::Cidr(p)]) => Ok(V::Int(i64::from(p.bits))),
+        ("masked", [V::Cidr(p)]) => Ok(V::Cidr(p.masked())),
         ("optional.of", [x]) => Ok(V::Optional(Some(Arc::new(x.clone())))),
         ("optional.ofNonZeroValue", [x]) => Ok(V::Optional(if is_zero(x) {
             None
@@ -759,66 +818,169 @@ fn parse_go_float(s: &str) -> Option<f64> {
     }
 }
 
-/// Runtime cost of one call, charged after it returns.
+/// Runtime cost of one call, charged after it returns (cel-go `CostTracker.costCall`): the
+/// overload trackers of `ext.Lists(3)`/`ext.Sets()` (by overload id, when the checker resolved
+/// exactly one), then the Kubernetes `library.CostEstimator.CallCost` (by function name), then
+/// cel-go's defaults (by overload id).
 pub(crate) fn call_cost(
     name: &str,
     overloads: &[&'static str],
     a: &[Value<'_>],
     result: Option<&Value<'_>>,
 ) -> u64 {
-    let size = |i: usize| a.get(i).map_or(1, Value::actual_size);
-    let trav = |n: u64| (n as f64 * 0.1).ceil() as u64;
-    match name {
-        // Kubernetes library.CostEstimator.CallCost.
-        "isSorted" | "sum" | "max" | "min" | "indexOf" | "lastIndexOf"
-            if matches!(a.first(), Some(Value::List(_))) =>
-        {
-            size(0)
-        }
-        "url" | "lowerAscii" | "upperAscii" | "substring" | "trim" => trav(size(0)).max(1),
-        "replace" | "split" => {
-            let mut c = trav(size(0));
-            if name == "replace" {
-                c = c.saturating_add(trav(size(2).saturating_mul(size(0))));
-            }
-            c.max(1)
-        }
-        "join" => trav(size(0).saturating_mul(result.map_or(1, Value::actual_size))).max(1),
-        "find" | "findAll" => {
-            let str_cost = trav(size(0).saturating_add(1));
-            let re_cost = (size(1) as f64 * 0.25).ceil() as u64;
-            str_cost.saturating_mul(re_cost).max(1)
-        }
-        "quantity" | "isQuantity" | "semver" | "isSemver" => trav(size(0)).max(1),
-        "sets.contains" | "sets.equivalent" | "sets.intersects" => {
-            size(0).saturating_mul(size(1)).max(1)
-        }
-        "charAt" | "indexOf" | "lastIndexOf" => trav(size(0)).max(1),
-        "strings.quote" => trav(size(0)).max(1),
-        "flatten" | "reverse" | "distinct" | "slice" | "sort" => size(0).max(1),
-        "includes" => size(0).max(1),
-        // cel-go costCall defaults.
-        "startsWith" | "endsWith" | "bytes" => trav(size(0)),
-        "string" if matches!(a.first(), Some(Value::Bytes(_))) => trav(size(0)),
-        "@in" => size(1),
-        "_<_" | "_>_" | "_<=_" | "_>=_"
-            if matches!(a.first(), Some(Value::String(_) | Value::Bytes(_))) =>
-        {
-            trav(size(0).min(size(1)))
-        }
-        "_==_" | "_!=_" => trav(size(0).min(size(1))),
-        "_+_" if matches!(a.first(), Some(Value::String(_) | Value::Bytes(_))) => {
-            trav(size(0).saturating_add(size(1)))
-        }
-        "matches" => {
-            let str_cost = trav(size(0).saturating_add(1));
-            let re_cost = (size(1) as f64 * 0.25).ceil() as u64;
-            str_cost.saturating_mul(re_cost)
-        }
-        "contains" => trav(size(0)).saturating_mul(trav(size(1))),
-        _ => {
-            let _ = overloads;
-            1
-        }
+    let id = match overloads {
+        [only] => *only,
+        _ => "",
+    };
+    if let Some(c) = extension_cost(id, a, result) {
+        return c;
     }
+    if let Some(c) = library_cost(name, id, a, result) {
+        return c;
+    }
+    let size = |i: usize| a.get(i).map_or(1, Value::actual_size);
+    let trav = |n: u64| crate::cost::by_factor(n, crate::cost::STRING_TRAVERSAL);
+    match id {
+        "starts_with_string" | "ends_with_string" | "string_to_bytes" | "bytes_to_string"
+        | "strings_quote" | "string_format" => trav(size(0)),
+        "in_list" => size(1),
+        "equals" | "not_equals" => trav(size(0).min(size(1))),
+        "add_string" | "add_bytes" => trav(size(0).saturating_add(size(1))),
+        "matches_string" => {
+            let s =
+                crate::cost::by_factor(size(0).saturating_add(1), crate::cost::STRING_TRAVERSAL);
+            let r = crate::cost::by_factor(size(1), crate::cost::REGEX_LENGTH);
+            s.saturating_mul(r)
+        }
+        "contains_string" => trav(size(0)).saturating_mul(trav(size(1))),
+        _ if is_sized_comparison(id) => trav(size(0).min(size(1))),
+        _ => 1,
+    }
+}
+
+fn is_sized_comparison(id: &str) -> bool {
+    ["less_", "greater_", "less_equals_", "greater_equals_"]
+        .iter()
+        .any(|p| matches!(id.strip_prefix(p), Some("string" | "bytes")))
+}
+
+/// `trackAllocatingListCall`: `size * factor` (truncated) plus the call and the list.
+fn allocating(factor: f64, size: u64) -> u64 {
+    ((size as f64 * factor) as u64).saturating_add(1 + 10)
+}
+
+/// The overload trackers of `ext/lists.go` (v3) and `ext/sets.go`.
+fn extension_cost(id: &str, a: &[Value<'_>], result: Option<&Value<'_>>) -> Option<u64> {
+    let size = |i: usize| a.get(i).map_or(1, Value::actual_size);
+    match id {
+        "list_slice" | "lists_range" | "list_reverse" => {
+            Some(allocating(1.0, result.map_or(1, Value::actual_size)))
+        }
+        "list_flatten" | "list_flatten_int" => {
+            let depth = match a.get(1) {
+                Some(Value::Int(d)) => *d as f64,
+                _ => 1.0,
+            };
+            Some(allocating(depth, size(0)))
+        }
+        "list_distinct" => Some(self_compare(a.first())),
+        _ if id.starts_with("list_") && id.ends_with("_sort") => Some(self_compare(a.first())),
+        "list_sets_contains_list" | "list_sets_intersects_list" => {
+            Some(1 + (size(0).saturating_mul(size(1)) as f64) as u64)
+        }
+        "list_sets_equivalent_list" => {
+            Some(1 + (size(0).saturating_mul(size(1)) as f64 * 2.0) as u64)
+        }
+        _ => None,
+    }
+}
+
+/// `trackListSelfCompare`: O(n^2) over the input list, more for strings and bytes.
+fn self_compare(l: Option<&Value<'_>>) -> u64 {
+    let Some(Value::List(l)) = l else {
+        return allocating(2.0, 0);
+    };
+    let n = l.len() as u64;
+    let factor = match l.first() {
+        Some(Value::String(_) | Value::Bytes(_)) => 2.0 + crate::cost::STRING_TRAVERSAL,
+        _ => 2.0,
+    };
+    allocating(factor, n.saturating_mul(n))
+}
+
+/// `traversalCost` of the Kubernetes library: strings and bytes by length (truncated), lists
+/// and maps by their elements, anything else 1.
+fn traversal_cost(v: &Value<'_>) -> u64 {
+    let bytes = |n: usize| (n as f64 * crate::cost::STRING_TRAVERSAL) as u64;
+    match v {
+        Value::String(s) => bytes(s.as_str().len()),
+        Value::Bytes(b) => bytes(b.len()),
+        Value::List(l) => l
+            .iter()
+            .fold(0u64, |acc, e| acc.saturating_add(traversal_cost(e))),
+        m if is_map(m) => map_entries(m).iter().fold(0u64, |acc, (k, v)| {
+            acc.saturating_add(traversal_cost(k))
+                .saturating_add(traversal_cost(v))
+        }),
+        _ => 1,
+    }
+}
+
+/// `library.CostEstimator.CallCost`, keyed by function name.
+fn library_cost(name: &str, id: &str, a: &[Value<'_>], result: Option<&Value<'_>>) -> Option<u64> {
+    let size = |i: usize| a.get(i).map_or(1, Value::actual_size);
+    let ceil = |n: u64, f: f64| (n as f64 * f).ceil() as u64;
+    let t = crate::cost::STRING_TRAVERSAL;
+    Some(match name {
+        "isSorted" | "sum" | "max" | "min" | "indexOf" | "lastIndexOf" => {
+            a.first().map_or(0, traversal_cost)
+        }
+        "url" | "lowerAscii" | "upperAscii" | "substring" | "trim" if !a.is_empty() => {
+            ceil(size(0), t)
+        }
+        "replace" | "split" if !a.is_empty() => ceil(size(0), 2.0 * t),
+        "join" if !a.is_empty() => ceil(result.map_or(1, Value::actual_size), 2.0 * t),
+        "find" | "findAll" if a.len() >= 2 => {
+            let s = ((1.0 + size(0) as f64) * t).ceil() as u64;
+            let r = ceil(size(1), crate::cost::REGEX_LENGTH);
+            s.saturating_mul(r)
+        }
+        "cidr" | "isIP" | "isCIDR" if !a.is_empty() => ceil(size(0), t),
+        "ip" if id == "cidr_ip" => 1,
+        "ip" if !a.is_empty() => ceil(size(0), t),
+        "ip.isCanonical" if !a.is_empty() => ceil(size(0), 2.0 * t),
+        "masked"
+        | "prefixLength"
+        | "family"
+        | "isUnspecified"
+        | "isLoopback"
+        | "isLinkLocalMulticast"
+        | "isLinkLocalUnicast"
+        | "isGlobalUnicast" => 1,
+        "containsIP" | "containsCIDR" if a.len() >= 2 => {
+            let cidr = size(0);
+            let mut c = ceil(cidr.saturating_add(cidr), t);
+            if name == "containsCIDR" {
+                c = c.saturating_add(ceil(cidr, t)).saturating_add(1);
+            }
+            if id == "cidr_contains_ip_string" || id == "cidr_contains_cidr_string" {
+                c = c.saturating_add(ceil(size(1), t));
+            }
+            c
+        }
+        "quantity" | "isQuantity" | "semver" | "isSemver" if !a.is_empty() => ceil(size(0), t),
+        "sign" | "asInteger" | "isInteger" | "asApproximateFloat" | "isGreaterThan"
+        | "isLessThan" | "compareTo" | "add" | "sub" | "major" | "minor" | "patch" => 1,
+        "getScheme" | "getHostname" | "getHost" | "getPort" | "getEscapedPath" | "getQuery" => 1,
+        "_==_" if a.len() == 2 => match &a[0] {
+            Value::Quantity(_)
+            | Value::QuantityRef(_)
+            | Value::Semver(_)
+            | Value::Ip(_)
+            | Value::Cidr(_)
+            | Value::Url(_) => 1,
+            _ => return None,
+        },
+        _ => return None,
+    })
 }

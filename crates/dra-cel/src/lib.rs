@@ -19,11 +19,13 @@
 
 mod cache;
 mod checker;
+mod cost;
 mod decls;
 pub mod device;
 mod eval;
 mod functions;
 pub mod libs;
+mod parse;
 mod types;
 mod value;
 
@@ -32,6 +34,7 @@ use std::time::Instant;
 
 pub use cache::Cache;
 pub use checker::{CheckError, Features};
+pub use cost::CostEstimate;
 pub use device::{Device, DeviceAttribute, DeviceCapacity, DeviceError, DeviceView};
 pub use eval::EvalError;
 pub use types::Type;
@@ -73,6 +76,13 @@ pub enum CompileError {
     /// The result is not `bool` (or the unknown type).
     #[error("must evaluate to bool or the unknown type, not {0}")]
     ResultType(Type),
+    /// The worst-case estimated cost is above [`MAX_COST`] (New environment only; API
+    /// validation's `validateCELSelector`, `pkg/apis/resource/validation`).
+    #[error("too complex, exceeds cost limit: estimated cost {estimated}")]
+    Cost {
+        /// The estimate's maximum, in CEL cost units.
+        estimated: u64,
+    },
 }
 
 /// Why a selector could not be evaluated against a device.
@@ -100,6 +110,9 @@ pub struct Compiler {
 #[derive(Debug)]
 pub struct CompiledExpression {
     checked: checker::Checked,
+    estimate: CostEstimate,
+    /// AST depth: deep programs are evaluated on a thread with a large stack.
+    depth: usize,
     expression: String,
     features: Features,
     cost_limit: u64,
@@ -133,40 +146,71 @@ impl Compiler {
         }
     }
 
-    /// Parses and type-checks `expression`.
+    /// Parses and type-checks `expression`; in the [`Environment::New`] environment also
+    /// estimates its worst-case cost ([`CompiledExpression::estimated_cost`]).
+    ///
+    /// Sources are limited like cel-go's parser (100,000 code points, nesting 250); programs
+    /// nested deeper than 32 levels are parsed, checked and later evaluated on a helper thread
+    /// with a 512 MiB reserved stack, so no input can overflow the caller's stack.
     ///
     /// # Errors
     /// [`CompileError`] for syntax and type errors, a non-bool result, or (New environment) an
-    /// expression longer than [`MAX_EXPRESSION_LENGTH`].
+    /// expression longer than [`MAX_EXPRESSION_LENGTH`] or estimated above [`MAX_COST`].
     pub fn compile(&self, expression: &str) -> Result<CompiledExpression, CompileError> {
         if self.environment == Environment::New && expression.len() > MAX_EXPRESSION_LENGTH {
             return Err(CompileError::TooLong {
                 len: expression.len(),
             });
         }
-        let parsed = cel::parser::Parser::new()
-            .enable_optional_syntax(true)
-            .parse(expression)
-            .map_err(|e| CompileError::Parse(e.to_string()))?;
+        let (parsed, depth) =
+            parse::parse(expression).map_err(|e| CompileError::Parse(e.to_string()))?;
+        let deep = depth > parse::SHALLOW_DEPTH;
+        let (checked, estimate) = parse::with_stack(deep, move || self.check(&parsed))
+            .unwrap_or_else(|| Err(CompileError::Parse("max recursion depth exceeded".into())))?;
+        Ok(CompiledExpression {
+            estimate,
+            depth,
+            checked,
+            expression: expression.to_string(),
+            features: self.features,
+            cost_limit: MAX_COST,
+        })
+    }
+}
+
+impl Compiler {
+    /// Type-checks, estimates (rejecting over [`MAX_COST`] in the New environment) and folds.
+    fn check(
+        &self,
+        parsed: &cel::common::ast::IdedExpr,
+    ) -> Result<(checker::Checked, CostEstimate), CompileError> {
         let env = checker::CheckEnv {
             features: self.features,
-            // The stored environment declares every versioned option, feature-gated or not.
-            includes: self.environment == Environment::Stored,
+            // The stored environment declares every versioned option, feature-gated or not;
+            // NewExpressions declares `includes` whenever DRAListTypeAttributes is on.
+            includes: self.environment == Environment::Stored || self.features.list_type_attributes,
         };
-        let checked = checker::check(env, &parsed)?;
-        fold_conversions(&checked.root)?;
+        let mut checked = checker::check(env, parsed)?;
         let ty = &checked.root.ty;
         let ok = matches!(ty, Type::Bool | Type::Any)
             || (self.features.list_type_attributes && *ty == Type::Dyn);
         if !ok {
             return Err(CompileError::ResultType(ty.clone()));
         }
-        Ok(CompiledExpression {
-            checked,
-            expression: expression.to_string(),
-            features: self.features,
-            cost_limit: MAX_COST,
-        })
+        // The estimate is of the expression as written; folding happens at planning upstream.
+        let estimate = cost::estimate(&checked.root);
+        if self.environment == Environment::New && estimate.max > MAX_COST {
+            return Err(CompileError::Cost {
+                estimated: estimate.max,
+            });
+        }
+        fold_constants(&mut checked.root)?;
+        Ok((checked, estimate))
+    }
+
+    /// The environment this compiler compiles for.
+    pub fn environment(&self) -> Environment {
+        self.environment
     }
 }
 
@@ -179,6 +223,13 @@ impl CompiledExpression {
     /// The checked result type (`bool`, or `any`/`dyn` for a bare attribute).
     pub fn output_type(&self) -> &Type {
         &self.checked.root.ty
+    }
+
+    /// The worst-case cost range over every device the API could store, in CEL cost units,
+    /// with upstream's estimator (see the `cost` module; cel-go `checker/cost.go`, Kubernetes
+    /// `library/cost.go` and the DRA size bounds of `dynamic-resource-allocation/cel`).
+    pub fn estimated_cost(&self) -> CostEstimate {
+        self.estimate
     }
 
     /// Evaluates against a ResourceSlice device with the default options.
@@ -215,6 +266,39 @@ impl CompiledExpression {
         view: &DeviceView<'_>,
         options: EvalOptions,
     ) -> Result<bool, MatchError> {
+        self.evaluate_view(view, options).0
+    }
+
+    /// Evaluates against a ResourceSlice device and also returns the runtime cost charged, in
+    /// CEL cost units (cel-go's `EvalDetails.ActualCost`; at most the limit plus the last
+    /// step's cost when the limit stopped it).
+    pub fn matches_with_cost(
+        &self,
+        device: &Device,
+        options: EvalOptions,
+    ) -> (Result<bool, MatchError>, u64) {
+        match DeviceView::new(device, self.features.list_type_attributes) {
+            Ok(view) => self.evaluate_view(&view, options),
+            Err(e) => (Err(e.into()), 0),
+        }
+    }
+
+    fn evaluate_view(
+        &self,
+        view: &DeviceView<'_>,
+        options: EvalOptions,
+    ) -> (Result<bool, MatchError>, u64) {
+        parse::with_stack(self.depth > parse::SHALLOW_DEPTH, || {
+            self.evaluate_here(view, options)
+        })
+        .unwrap_or((Err(MatchError::Eval(EvalError::Interrupted)), 0))
+    }
+
+    fn evaluate_here(
+        &self,
+        view: &DeviceView<'_>,
+        options: EvalOptions,
+    ) -> (Result<bool, MatchError>, u64) {
         let mut ev = eval::Evaluator {
             device: view,
             slots: Vec::with_capacity(self.checked.slots),
@@ -222,63 +306,133 @@ impl CompiledExpression {
             limit: options.cost_limit,
             deadline: options.deadline,
             steps: 0,
+            lazy: Vec::new(),
+            skip_root: false,
+            accumulators: Vec::new(),
         };
-        match ev.eval(&self.checked.root)? {
-            value::Value::Bool(b) => Ok(b),
-            other => Err(MatchError::NotBool(other.type_name())),
-        }
+        let result = match ev.eval(&self.checked.root) {
+            Ok(value::Value::Bool(b)) => Ok(b),
+            Ok(other) => Err(MatchError::NotBool(other.type_name())),
+            Err(e) => Err(e.into()),
+        };
+        (result, ev.cost)
     }
 }
 
-/// cel-go's planner evaluates type conversions of constants when it builds the program, so a
-/// failing one (`int('x')`) is a compile error there (`interpreter/planner.go`).
-fn fold_conversions(n: &checker::Node) -> Result<(), CompileError> {
+/// cel-go's planner (`OptOptimize`, `interpreter/decorators.go`) evaluates type conversions of
+/// constants and builds list and map literals of constants when it plans the program: they
+/// cost nothing at runtime, and a failing conversion (`int('x')`) is a compile error there.
+fn fold_constants(n: &mut checker::Node) -> Result<(), CompileError> {
     use checker::Kind;
-    match &n.kind {
+    let folded = match &mut n.kind {
         Kind::Call {
             name,
             overloads,
             args,
         } => {
-            if matches!(
+            args.iter_mut().try_for_each(fold_constants)?;
+            let conversion = matches!(
                 *name,
-                "int" | "uint" | "double" | "string" | "bytes" | "bool"
-            ) && args.len() == 1
-                && let Kind::Const(v) = &args[0].kind
-                && let Err(e) = functions::call(name, overloads, std::slice::from_ref(v))
-            {
-                return Err(CompileError::Parse(format!(
-                    "program instantiation failed: {e}"
-                )));
+                "int" | "uint" | "double" | "string" | "bytes" | "bool" | "dyn" | "type"
+            );
+            match args.as_slice() {
+                [
+                    checker::Node {
+                        kind: Kind::Const(v),
+                        ..
+                    },
+                ] if conversion => {
+                    let v =
+                        functions::call(name, overloads, std::slice::from_ref(v)).map_err(|e| {
+                            CompileError::Parse(format!("program instantiation failed: {e}"))
+                        })?;
+                    Some(v)
+                }
+                _ => None,
             }
-            args.iter().try_for_each(fold_conversions)
         }
         Kind::DeviceField(o, _)
         | Kind::Select { operand: o, .. }
-        | Kind::OptSelect { operand: o, .. } => fold_conversions(o),
+        | Kind::OptSelect { operand: o, .. } => {
+            fold_constants(o)?;
+            None
+        }
         Kind::And(a, b) | Kind::Or(a, b) => {
-            fold_conversions(a)?;
-            fold_conversions(b)
+            fold_constants(a)?;
+            fold_constants(b)?;
+            None
         }
         Kind::Cond(a, b, c) => {
-            fold_conversions(a)?;
-            fold_conversions(b)?;
-            fold_conversions(c)
+            fold_constants(a)?;
+            fold_constants(b)?;
+            fold_constants(c)?;
+            None
         }
-        Kind::List { elems, .. } => elems.iter().try_for_each(fold_conversions),
-        Kind::Map { entries } => entries.iter().try_for_each(|(k, v, _)| {
-            fold_conversions(k)?;
-            fold_conversions(v)
-        }),
-        Kind::Fold(f) => [&f.range, &f.init, &f.cond, &f.step, &f.result]
-            .into_iter()
-            .try_for_each(fold_conversions),
+        Kind::List { elems, optional } => {
+            elems.iter_mut().try_for_each(fold_constants)?;
+            let all_const = elems.iter().all(|e| matches!(e.kind, Kind::Const(_)));
+            if all_const && !optional.iter().any(|o| *o) {
+                let values = elems
+                    .iter()
+                    .filter_map(|e| match &e.kind {
+                        Kind::Const(v) => Some(v.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                Some(value::Value::List(Arc::new(values)))
+            } else {
+                None
+            }
+        }
+        Kind::Map { entries } => {
+            for (k, v, _) in entries.iter_mut() {
+                fold_constants(k)?;
+                fold_constants(v)?;
+            }
+            // A repeated key is a runtime error; leave such literals to the evaluator.
+            let mut out: Vec<(value::Value<'static>, value::Value<'static>)> = Vec::new();
+            let mut foldable = true;
+            for (k, v, o) in entries.iter() {
+                match (&k.kind, &v.kind, o) {
+                    (Kind::Const(k), Kind::Const(v), false)
+                        if matches!(
+                            k,
+                            value::Value::String(_)
+                                | value::Value::Int(_)
+                                | value::Value::Uint(_)
+                                | value::Value::Bool(_)
+                        ) && value::map_find(&out, k).is_none() =>
+                    {
+                        out.push((k.clone(), v.clone()));
+                    }
+                    _ => foldable = false,
+                }
+            }
+            foldable.then(|| value::Value::Map(Arc::new(out)))
+        }
+        Kind::Fold(f) => {
+            for x in [
+                &mut f.range,
+                &mut f.init,
+                &mut f.cond,
+                &mut f.step,
+                &mut f.result,
+            ] {
+                fold_constants(x)?;
+            }
+            None
+        }
         Kind::Bind { init, body, .. } => {
-            fold_conversions(init)?;
-            fold_conversions(body)
+            fold_constants(init)?;
+            fold_constants(body)?;
+            None
         }
-        Kind::Const(_) | Kind::Var(_) | Kind::Device => Ok(()),
+        Kind::Const(_) | Kind::Var(_) | Kind::Device => None,
+    };
+    if let Some(v) = folded {
+        n.kind = Kind::Const(v);
     }
+    Ok(())
 }
 
 /// Shared handle to a compiled expression, as the [`Cache`] hands it out.

@@ -4,8 +4,10 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 
 use crate::device::DeviceView;
+use crate::libs::ip::{Addr, Prefix};
 use crate::libs::quantity::Quantity;
 use crate::libs::semver::Semver;
+use crate::libs::url::Url;
 use crate::types::Type;
 
 /// A string value: borrowed from the device or the program, or shared.
@@ -58,6 +60,12 @@ pub enum Value<'a> {
     QuantityRef(&'a Quantity),
     /// `kubernetes.Semver`.
     Semver(Arc<Semver>),
+    /// `net.IP`.
+    Ip(Addr),
+    /// `net.CIDR`.
+    Cidr(Prefix),
+    /// `kubernetes.URL`.
+    Url(Arc<Url>),
     /// The `device` variable.
     Device(&'a DeviceView<'a>),
     /// `device.attributes`: domain -> map of attributes.
@@ -98,6 +106,9 @@ impl<'a> Value<'a> {
             Value::Optional(_) => "optional_type",
             Value::Quantity(_) | Value::QuantityRef(_) => "kubernetes.Quantity",
             Value::Semver(_) => "kubernetes.Semver",
+            Value::Ip(_) => "net.IP",
+            Value::Cidr(_) => "net.CIDR",
+            Value::Url(_) => "kubernetes.URL",
             Value::Device(_) => "kubernetes.DRADevice",
             Value::Error(_) => "*error*",
         }
@@ -123,6 +134,9 @@ impl<'a> Value<'a> {
             Value::AttributeDomain(d, dom) => d.attribute_names(dom.as_str()).count() as u64,
             Value::CapacityDomain(d, dom) => d.capacity_names(dom.as_str()).count() as u64,
             Value::Optional(Some(v)) => v.actual_size(),
+            // The IP and CIDR types are sized in bytes: the address, the prefix rounded up.
+            Value::Ip(a) => u64::from(a.family() == 6) * 12 + 4,
+            Value::Cidr(p) => u64::from(p.bits).div_ceil(8),
             _ => 1,
         }
     }
@@ -183,8 +197,16 @@ pub(crate) fn cmp_int_double(i: i64, d: f64) -> Option<Ordering> {
     if d < -9.223_372_036_854_776e18 {
         return Some(Ordering::Greater);
     }
-    if d >= 9.223_372_036_854_776e18 {
+    if d > 9.223_372_036_854_776e18 {
         return Some(Ordering::Less);
+    }
+    if d == 9.223_372_036_854_776e18 {
+        // cel-go compares as doubles, where every int is at most 2^63: never greater.
+        return Some(if (i as f64) < d {
+            Ordering::Less
+        } else {
+            Ordering::Equal
+        });
     }
     (i as f64).partial_cmp(&d).map(|o| {
         if o == Ordering::Equal {
@@ -220,6 +242,11 @@ pub(crate) fn cmp_uint_double(u: u64, d: f64) -> Option<Ordering> {
 /// numbers compare across int/uint/double, and the Kubernetes quantity and semver types return
 /// "no such overload" when the other side is of another type.
 pub(crate) fn equals(a: &Value<'_>, b: &Value<'_>) -> Eq {
+    // `types.Equal`: a comparison with null is decided before the types' own equality.
+    let (an, bn) = (matches!(a, Value::Null), matches!(b, Value::Null));
+    if an || bn {
+        return Eq::from(an && bn);
+    }
     if let Some(r) = num_eq(a, b) {
         return Eq::from(r);
     }
@@ -236,6 +263,11 @@ pub(crate) fn equals(a: &Value<'_>, b: &Value<'_>) -> Eq {
         },
         (Value::Semver(x), Value::Semver(y)) => Eq::from(x.cmp(y) == Ordering::Equal),
         (Value::Semver(_), _) => Eq::NoOverload,
+        // The IP, CIDR and URL types' `Equal` reject other types with "no such overload".
+        (Value::Ip(x), Value::Ip(y)) => Eq::from(x == y),
+        (Value::Cidr(x), Value::Cidr(y)) => Eq::from(x == y),
+        (Value::Url(x), Value::Url(y)) => Eq::from(x.to_string() == y.to_string()),
+        (Value::Ip(_) | Value::Cidr(_) | Value::Url(_), _) => Eq::NoOverload,
         (Value::Optional(x), Value::Optional(y)) => match (x, y) {
             (None, None) => Eq::True,
             (Some(x), Some(y)) => equals(x, y),

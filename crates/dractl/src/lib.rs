@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, Write};
 
-use dra_cel::{CompileError, Compiler, Device, Environment, Features, MatchError};
+use dra_cel::{CompileError, Compiler, Device, Environment, EvalOptions, Features, MatchError};
 use serde::{Deserialize, Serialize};
 
 /// Feature switches of a case; unset fields take the Kubernetes v1.36 defaults.
@@ -42,6 +42,7 @@ pub struct ErrorOut {
 
 /// The outcome of one case: exactly one field is set.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Outcome {
     /// The selector's result.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -49,6 +50,12 @@ pub struct Outcome {
     /// The failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorOut>,
+    /// The runtime cost of an evaluation that returned a result, in CEL cost units.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<u64>,
+    /// The compile-time worst-case cost estimate (`new` environment only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_cost: Option<u64>,
 }
 
 impl Outcome {
@@ -59,6 +66,8 @@ impl Outcome {
                 kind: kind.into(),
                 message: message.to_string(),
             }),
+            cost: None,
+            estimated_cost: None,
         }
     }
 
@@ -130,6 +139,11 @@ pub fn evaluate(case: &Case) -> Outcome {
     };
     let compiled = match compiler.compile(&case.expression) {
         Ok(c) => c,
+        Err(e @ CompileError::Cost { estimated }) => {
+            let mut o = Outcome::fail("cost", e);
+            o.estimated_cost = Some(estimated);
+            return o;
+        }
         Err(
             e @ (CompileError::TooLong { .. }
             | CompileError::Parse(_)
@@ -139,14 +153,21 @@ pub fn evaluate(case: &Case) -> Outcome {
             return Outcome::fail("compile", e);
         }
     };
-    match compiled.matches(&case.device) {
+    let estimated_cost =
+        (compiler.environment() == Environment::New).then(|| compiled.estimated_cost().max);
+    let (result, cost) = compiled.matches_with_cost(&case.device, EvalOptions::default());
+    let mut outcome = match result {
         Ok(b) => Outcome {
             result: Some(b),
             error: None,
+            cost: Some(cost),
+            estimated_cost: None,
         },
         Err(MatchError::Eval(e @ dra_cel::EvalError::CostLimit)) => Outcome::fail("cost", e),
         Err(e) => Outcome::fail("runtime", e),
-    }
+    };
+    outcome.estimated_cost = estimated_cost;
+    outcome
 }
 
 /// Evaluates one JSON line (a decode failure is an `input` outcome).
@@ -213,7 +234,7 @@ mod tests {
         eval_batch(input.as_bytes(), &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines[0], "{\"result\":true}");
+        assert!(lines[0].starts_with("{\"result\":true,"), "{}", lines[0]);
         assert!(lines[1].contains("\"kind\":\"input\""));
     }
 }

@@ -9,7 +9,9 @@
 //	 "features": {"consumableCapacity": true, "listTypeAttributes": false}}
 //
 // Output: one JSON line per case: {"result": true|false} or
-// {"error": {"kind": "compile"|"runtime"|"cost"|"input", "message": "..."}}.
+// {"error": {"kind": "compile"|"runtime"|"cost"|"input", "message": "..."}}, plus "cost" (the
+// actual runtime cost of an evaluation that returned a result) and "estimatedCost" (the
+// compile-time worst case, "new" environment only) where known.
 //
 // Environments (mirroring the two upstream callers):
 //   - "stored" (default): what the scheduler does for a stored selector. Compile in the
@@ -79,6 +81,10 @@ type errorOut struct {
 type output struct {
 	Result *bool     `json:"result,omitempty"`
 	Error  *errorOut `json:"error,omitempty"`
+	// Cost is the actual runtime cost of an evaluation that returned a result.
+	Cost *uint64 `json:"cost,omitempty"`
+	// EstimatedCost is the compile-time worst-case estimate ("new" environment only).
+	EstimatedCost *uint64 `json:"estimatedCost,omitempty"`
 }
 
 func (c *testCase) dracelFeatures() dracel.Features {
@@ -124,6 +130,7 @@ func compile(c *testCase) (*dracel.CompilationResult, *output) {
 		}
 		if result.MaxCost > resourceapi.CELSelectorExpressionMaxCost {
 			out := fail("cost", fmt.Sprintf("too complex, exceeds cost limit: estimated cost %d", result.MaxCost))
+			out.EstimatedCost = &result.MaxCost
 			return nil, &out
 		}
 		return &result, nil
@@ -147,15 +154,27 @@ func evaluate(ctx context.Context, c *testCase) output {
 	if failed != nil {
 		return *failed
 	}
-	matches, _, err := result.DeviceMatches(ctx, toDevice(&c.Device))
+	var estimated *uint64
+	if c.Environment == "new" {
+		estimated = &result.MaxCost
+	}
+	matches, details, err := result.DeviceMatches(ctx, toDevice(&c.Device))
 	if err != nil {
 		msg := err.Error()
+		var out output
 		if strings.Contains(msg, "actual cost limit exceeded") {
-			return fail("cost", msg)
+			out = fail("cost", msg)
+		} else {
+			out = fail("runtime", msg)
 		}
-		return fail("runtime", msg)
+		out.EstimatedCost = estimated
+		return out
 	}
-	return output{Result: &matches}
+	out := output{Result: &matches, EstimatedCost: estimated}
+	if details != nil {
+		out.Cost = details.ActualCost()
+	}
+	return out
 }
 
 func readCases(r io.Reader) ([]*testCase, []*output, error) {
