@@ -158,7 +158,7 @@ pub(crate) fn check(env: CheckEnv, expr: &IdedExpr) -> Result<Checked, CheckErro
         return Err(CheckError(c.errors.join("\n")));
     }
     c.finalize(&mut root);
-    validate_homogeneous(&root, &mut c.errors);
+    validate_homogeneous(&root, false, &mut c.errors);
     if !c.errors.is_empty() {
         return Err(CheckError(c.errors.join("\n")));
     }
@@ -364,12 +364,12 @@ impl Checker {
         match prev {
             None => cur,
             Some(p) => {
+                // Without `cel.HomogeneousAggregateLiterals` a mixed literal is `dyn`; the
+                // homogeneity validator rejects it later, except inside `format`.
                 if is_assignable(&mut self.mapping, &p, &cur) {
                     most_general(&p, &cur)
                 } else {
-                    self.errors
-                        .push(format!("expected type '{p}' but found '{cur}'"));
-                    Type::Error
+                    Type::Dyn
                 }
             }
         }
@@ -940,10 +940,124 @@ enum CompParts<'a> {
     },
 }
 
-/// cel-go's `ValidateHomogeneousAggregateLiterals`: list elements, map keys and map values of a
-/// literal must have equivalent checked types.
-fn validate_homogeneous(n: &Node, errors: &mut Vec<String>) {
+/// The strings extension's compile-time check of `'<constant>'.format([<list literal>])`
+/// (cel-go `ext/formatting.go`, `stringFormatValidator`): the format string must parse, each
+/// clause must accept the checked type of its argument (`dyn` always does; only the kind is
+/// compared, and `%s` also looks into nested list and map literals), and every argument must
+/// be used.
+fn format_check(args: &[Node], errors: &mut Vec<String>) {
+    use crate::libs::strfmt::{Clause, walk};
+    let [
+        Node {
+            kind: Kind::Const(Value::String(format)),
+            ..
+        },
+        Node {
+            kind: Kind::List { elems, .. },
+            ..
+        },
+    ] = args
+    else {
+        return;
+    };
+    let mut used = 0usize;
+    let result = walk(format.as_str(), elems.len(), |i, clause| {
+        used += 1;
+        let Some(arg) = elems.get(i) else {
+            return Err(format!("index {i} out of range"));
+        };
+        let (ok, bad) = match clause {
+            Clause::Str => match format_string_check(arg) {
+                Ok(()) => (true, &arg.ty),
+                Err(t) => (false, t),
+            },
+            Clause::Decimal | Clause::Octal => {
+                (kind_in(&arg.ty, &[Type::Int, Type::Uint]), &arg.ty)
+            }
+            Clause::Fixed(_) | Clause::Scientific(_) => {
+                (kind_in(&arg.ty, &[Type::Double, Type::String]), &arg.ty)
+            }
+            Clause::Binary => (
+                kind_in(&arg.ty, &[Type::Int, Type::Uint, Type::Bool]),
+                &arg.ty,
+            ),
+            Clause::Hex(_) => (
+                kind_in(&arg.ty, &[Type::Int, Type::Uint, Type::String, Type::Bytes]),
+                &arg.ty,
+            ),
+        };
+        if ok {
+            Ok(String::new())
+        } else {
+            Err(crate::libs::strfmt::type_error(clause, &bad.to_string()))
+        }
+    });
+    match result {
+        Err(e) => errors.push(e),
+        Ok(_) if elems.len() > used => errors.push(format!(
+            "too many arguments supplied to string.format (expected {used}, got {})",
+            elems.len()
+        )),
+        Ok(_) => {}
+    }
+}
+
+/// Whether `t` is `dyn` or has the kind of one of `kinds` (type parameters not compared).
+fn kind_in(t: &Type, kinds: &[Type]) -> bool {
+    matches!(t, Type::Dyn)
+        || kinds
+            .iter()
+            .any(|k| std::mem::discriminant(k) == std::mem::discriminant(t))
+}
+
+/// `%s` accepts the scalar kinds, lists and maps, looking into list and map literals; the
+/// error is the type of the first argument it does not accept.
+fn format_string_check(n: &Node) -> Result<(), &Type> {
+    let ok = kind_in(
+        &n.ty,
+        &[
+            Type::list(Type::Dyn),
+            Type::map(Type::Dyn, Type::Dyn),
+            Type::Int,
+            Type::Uint,
+            Type::Double,
+            Type::Bool,
+            Type::String,
+            Type::Bytes,
+            Type::Type(Box::new(Type::Dyn)),
+            Type::Null,
+        ],
+    );
+    if !ok {
+        return Err(&n.ty);
+    }
     match &n.kind {
+        Kind::List { elems, .. } => elems.iter().try_for_each(format_string_check),
+        Kind::Map { entries } => entries.iter().try_for_each(|(k, v, _)| {
+            format_string_check(k)?;
+            format_string_check(v)
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// cel-go's `ValidateHomogeneousAggregateLiterals`: list elements, map keys and map values of a
+/// literal must have equivalent checked types, except inside a `format` call (`exempt`: the
+/// strings extension exempts it, `ext/formatting.go` `stringFormatValidator.Configure`). Also
+/// runs the strings extension's check of constant format strings (`format_check`).
+fn validate_homogeneous(n: &Node, exempt: bool, errors: &mut Vec<String>) {
+    match &n.kind {
+        Kind::List { elems, .. } if exempt => {
+            elems
+                .iter()
+                .for_each(|e| validate_homogeneous(e, exempt, errors));
+        }
+        Kind::Map { entries } if exempt => {
+            for (k, v, _) in entries {
+                validate_homogeneous(k, exempt, errors);
+                validate_homogeneous(v, exempt, errors);
+            }
+        }
         Kind::List { elems, optional } => {
             let mut first: Option<Type> = None;
             for (e, opt) in elems.iter().zip(optional) {
@@ -961,7 +1075,9 @@ fn validate_homogeneous(n: &Node, errors: &mut Vec<String>) {
                     _ => {}
                 }
             }
-            elems.iter().for_each(|e| validate_homogeneous(e, errors));
+            elems
+                .iter()
+                .for_each(|e| validate_homogeneous(e, exempt, errors));
         }
         Kind::Map { entries } => {
             let mut first: Option<(Type, Type)> = None;
@@ -984,8 +1100,8 @@ fn validate_homogeneous(n: &Node, errors: &mut Vec<String>) {
                 }
             }
             for (k, v, _) in entries {
-                validate_homogeneous(k, errors);
-                validate_homogeneous(v, errors);
+                validate_homogeneous(k, exempt, errors);
+                validate_homogeneous(v, exempt, errors);
             }
         }
         Kind::Call {
@@ -1011,28 +1127,33 @@ fn validate_homogeneous(n: &Node, errors: &mut Vec<String>) {
                     errors.push("invalid matches argument".into());
                 }
             }
-            args.iter().for_each(|a| validate_homogeneous(a, errors));
+            if *name == "format" {
+                format_check(args, errors);
+            }
+            let exempt = exempt || *name == "format";
+            args.iter()
+                .for_each(|a| validate_homogeneous(a, exempt, errors));
         }
         Kind::DeviceField(o, _)
         | Kind::Select { operand: o, .. }
-        | Kind::OptSelect { operand: o, .. } => validate_homogeneous(o, errors),
+        | Kind::OptSelect { operand: o, .. } => validate_homogeneous(o, exempt, errors),
         Kind::And(a, b) | Kind::Or(a, b) => {
-            validate_homogeneous(a, errors);
-            validate_homogeneous(b, errors);
+            validate_homogeneous(a, exempt, errors);
+            validate_homogeneous(b, exempt, errors);
         }
         Kind::Cond(a, b, c) => {
-            validate_homogeneous(a, errors);
-            validate_homogeneous(b, errors);
-            validate_homogeneous(c, errors);
+            validate_homogeneous(a, exempt, errors);
+            validate_homogeneous(b, exempt, errors);
+            validate_homogeneous(c, exempt, errors);
         }
         Kind::Fold(f) => {
             for x in [&f.range, &f.init, &f.cond, &f.step, &f.result] {
-                validate_homogeneous(x, errors);
+                validate_homogeneous(x, exempt, errors);
             }
         }
         Kind::Bind { init, body, .. } => {
-            validate_homogeneous(init, errors);
-            validate_homogeneous(body, errors);
+            validate_homogeneous(init, exempt, errors);
+            validate_homogeneous(body, exempt, errors);
         }
         Kind::Const(_) | Kind::Var(_) | Kind::Device => {}
     }

@@ -401,6 +401,7 @@ pub(crate) static FUNCTIONS: LazyLock<HashMap<&'static str, Vec<Overload>>> = La
         ],
     );
     add("strings.quote", &["strings_quote: string -> string"]);
+    add("format", &["string_format: .string, list(dyn) -> string"]);
     // Lists extension, version 3 (cel-go ext/lists.go).
     add("slice", &["list_slice: .list(A), int, int -> list(A)"]);
     add(

@@ -368,8 +368,13 @@ impl<'a> Evaluator<'a> {
             Kind::Var(_)
             | Kind::Device
             | Kind::DeviceField(..)
-            | Kind::Select { test: false, .. } => self.eval(operand),
-            Kind::Call { name: "_[_]", .. } => self.eval(operand),
+            | Kind::Select { test: false, .. }
+            | Kind::OptSelect { .. } => self.eval(operand),
+            // Optional qualifiers extend the attribute like plain ones (`planCallIndex`).
+            Kind::Call {
+                name: "_[_]" | "_[?_]",
+                ..
+            } => self.eval(operand),
             _ => {
                 let skip = std::mem::take(&mut self.skip_root);
                 let v = self.eval(operand)?;
@@ -602,7 +607,10 @@ impl<'a> Evaluator<'a> {
                     Kind::Const(Value::Int(s)) => usize::try_from(s).unwrap_or(0),
                     _ => 0,
                 };
-                // Expansion: hasValue() call (1), value() call (1), the bind, the ternary.
+                // The macro expands to `t.hasValue() ? optional.of(<bind m = t.value()>) :
+                // optional.none()` with a copy of the target `t` (cel-go `cel/library.go`,
+                // `optMap`): hasValue() costs 1, and a present value pays for evaluating the
+                // target a second time plus value() (1).
                 self.charge(1)?;
                 return match opt {
                     Value::Optional(None) => {
@@ -610,7 +618,8 @@ impl<'a> Evaluator<'a> {
                         Ok(Value::Optional(None))
                     }
                     Value::Optional(Some(v)) => {
-                        self.charge(1 + 1)?;
+                        self.eval(&args[0])?;
+                        self.charge(1)?;
                         self.set_slot(slot, (*v).clone());
                         let r = self.eval(&args[2])?;
                         if name == "@optMap" {

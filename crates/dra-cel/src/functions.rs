@@ -32,7 +32,7 @@ fn list<'a>(v: Vec<Value<'a>>) -> Value<'a> {
 
 /// Formats a double like Go's `strconv.FormatFloat(f, 'g', -1, 64)` (what cel-go's
 /// `string(double)` does).
-fn format_double(d: f64) -> String {
+pub(crate) fn format_double(d: f64) -> String {
     if d.is_nan() {
         return "NaN".into();
     }
@@ -444,6 +444,16 @@ pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) 
             Ok(s(parts.join(sep)))
         }
         ("strings.quote", [V::String(x)]) => Ok(s(quote(x.as_str()))),
+        ("format", [V::String(f), V::List(l)]) => {
+            use crate::libs::strfmt;
+            match strfmt::walk(f.as_str(), l.len(), |i, c| match l.get(i) {
+                Some(v) => strfmt::format_arg(c, v),
+                None => Err(format!("index {i} out of range")),
+            }) {
+                Ok(out) => Ok(s(out)),
+                Err(e) => rt(e),
+            }
+        }
         ("slice", [V::List(l), V::Int(a), V::Int(b)]) => {
             if *a < 0 || *b < 0 {
                 return rt(format!(

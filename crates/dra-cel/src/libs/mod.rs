@@ -4,4 +4,5 @@ pub mod ip;
 pub mod quantity;
 pub mod regex;
 pub mod semver;
+pub(crate) mod strfmt;
 pub mod url;
