@@ -10,7 +10,8 @@ const PROTOS: &[&str] = &[
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read at run time: a build script binary can be reused for another checkout of the crate.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     for proto in PROTOS {
         println!("cargo:rerun-if-changed={}", root.join(proto).display());
     }

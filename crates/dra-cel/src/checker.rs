@@ -11,7 +11,9 @@
 
 use std::sync::Arc;
 
-use cel::common::ast::{CallExpr, EntryExpr, Expr as PExpr, IdedExpr, LiteralValue};
+use cel::common::ast::{
+    CallExpr, ComprehensionExpr, EntryExpr, Expr as PExpr, IdedExpr, ListExpr, LiteralValue,
+};
 
 use crate::decls::{FUNCTIONS, Overload};
 use crate::types::{
@@ -344,6 +346,18 @@ impl Checker {
                 }
             }
             PExpr::Struct(s) => self.error(format!("undeclared reference to '{}'", s.type_name)),
+            // cel-go's macro expander (parser/helper.go) rejects an iteration variable named
+            // after either accumulator, the current `@result` or the legacy `__result__`.
+            PExpr::Comprehension(comp)
+                if [
+                    comp.iter_var.as_str(),
+                    comp.iter_var2.as_deref().unwrap_or(""),
+                ]
+                .iter()
+                .any(|v| *v == "__result__" || *v == comp.accu_var) =>
+            {
+                self.error("iteration variable overwrites accumulator variable".into())
+            }
             PExpr::Comprehension(comp) => self.check_fold(
                 &comp.iter_range,
                 &comp.iter_var,
@@ -651,9 +665,15 @@ impl Checker {
         let two_var = matches!(
             (name, args.len()),
             (
-                "all" | "exists" | "existsOne" | "exists_one" | "transformList" | "transformMap",
+                "all"
+                    | "exists"
+                    | "existsOne"
+                    | "exists_one"
+                    | "transformList"
+                    | "transformMap"
+                    | "transformMapEntry",
                 3
-            ) | ("transformList" | "transformMap", 4)
+            ) | ("transformList" | "transformMap" | "transformMapEntry", 4)
         );
         if two_var {
             let (Some(v1), Some(v2)) = (simple_name(&args[0]), simple_name(&args[1])) else {
@@ -666,15 +686,21 @@ impl Checker {
                     "{name}() second variable must be different from the first variable"
                 )));
             }
-            if v1 == "@result" || v2 == "@result" {
-                return Some(self.error(format!("{name}() variable name cannot be @result")));
+            if [v1, v2]
+                .iter()
+                .any(|v| *v == "@result" || *v == "__result__")
+            {
+                return Some(
+                    self.error("iteration variable overwrites accumulator variable".into()),
+                );
             }
             let kind = match name {
                 "all" => MacroKind::All,
                 "exists" => MacroKind::Exists,
                 "existsOne" | "exists_one" => MacroKind::ExistsOne,
                 "transformList" => MacroKind::TransformList,
-                _ => MacroKind::TransformMap,
+                "transformMap" => MacroKind::TransformMap,
+                _ => MacroKind::TransformMapEntry,
             };
             let (filter, body) = if args.len() == 4 {
                 (Some(&args[2]), &args[3])
@@ -688,6 +714,9 @@ impl Checker {
                 "@result",
                 CompParts::Macro { kind, filter, body },
             ));
+        }
+        if name == "sortBy" && args.len() == 2 {
+            return Some(self.check_sort_by(target, args));
         }
         if (name == "optMap" || name == "optFlatMap") && args.len() == 2 {
             let Some(var) = simple_name(&args[0]) else {
@@ -741,6 +770,65 @@ impl Checker {
             });
         }
         None
+    }
+
+    /// `list.sortBy(e, key)` of `ext.Lists` version 2 and later (cel-go `ext/lists.go`,
+    /// `sortByMacro`), expanded as upstream expands it:
+    /// `cel.bind(@__sortBy_input__, list,
+    /// @__sortBy_input__.@sortByAssociatedKeys(@__sortBy_input__.map(e, key)))`.
+    fn check_sort_by(&mut self, target: &IdedExpr, args: &[IdedExpr]) -> Node {
+        if !matches!(
+            target.expr,
+            PExpr::List(_)
+                | PExpr::Select(_)
+                | PExpr::Ident(_)
+                | PExpr::Comprehension(_)
+                | PExpr::Call(_)
+        ) {
+            return self.error(
+                "sortBy can only be applied to a list, identifier, comprehension, call or select expression"
+                    .into(),
+            );
+        }
+        let Some(var) = simple_name(&args[0]) else {
+            return self.error("argument is not an identifier".into());
+        };
+        const INPUT: &str = "@__sortBy_input__";
+        const ACCU: &str = "@result";
+        let expr = |expr: PExpr| IdedExpr { id: 0, expr };
+        let ident = |name: &str| expr(PExpr::Ident(name.to_string()));
+        let call = |func_name: &str, target: Option<IdedExpr>, args: Vec<IdedExpr>| {
+            expr(PExpr::Call(CallExpr {
+                func_name: func_name.to_string(),
+                target: target.map(Box::new),
+                args,
+            }))
+        };
+        // The `map` macro as the parser expands it: `@result + [key]` from `[]`.
+        let keys = expr(PExpr::Comprehension(Box::new(ComprehensionExpr {
+            iter_range: ident(INPUT),
+            iter_var: var.to_string(),
+            iter_var2: None,
+            accu_var: ACCU.to_string(),
+            accu_init: expr(PExpr::List(ListExpr::new(Vec::new()))),
+            loop_cond: expr(PExpr::Literal(LiteralValue::Boolean(true.into()))),
+            loop_step: call(
+                "_+_",
+                None,
+                vec![
+                    ident(ACCU),
+                    expr(PExpr::List(ListExpr::new(vec![args[1].clone()]))),
+                ],
+            ),
+            result: ident(ACCU),
+        })));
+        let sorted = call("@sortByAssociatedKeys", Some(ident(INPUT)), vec![keys]);
+        let bind = call(
+            "bind",
+            Some(ident("cel")),
+            vec![ident(INPUT), target.clone(), sorted],
+        );
+        self.check(&bind)
     }
 
     fn check_fold(
@@ -833,6 +921,17 @@ impl Checker {
                     }
                     MacroKind::TransformList => Type::list(body_ty.clone()),
                     MacroKind::TransformMap => Type::map(v1t, body_ty.clone()),
+                    // The step is `cel.@mapInsert(@result, body)`: the body must be a map
+                    // whose entries join the accumulator.
+                    MacroKind::TransformMapEntry => {
+                        let want = Type::map(self.new_var(), self.new_var());
+                        if !is_assignable(&mut self.mapping, &want, &body_ty) {
+                            self.errors.push(format!(
+                                "found no matching overload for 'cel.@mapInsert' applied to '(map, {body_ty})'"
+                            ));
+                        }
+                        substitute(&self.mapping, &want, false)
+                    }
                 };
                 is_assignable(&mut self.mapping, &accu_ty, &accu_placeholder);
                 self.scopes.truncate(accu);
@@ -849,6 +948,7 @@ impl Checker {
                             MacroKind::ExistsOne => "@existsOne2",
                             MacroKind::TransformList => "@transformList",
                             MacroKind::TransformMap => "@transformMap",
+                            MacroKind::TransformMapEntry => "@transformMapEntry",
                         },
                         overloads: Vec::new(),
                         args: {
@@ -924,6 +1024,7 @@ enum MacroKind {
     ExistsOne,
     TransformList,
     TransformMap,
+    TransformMapEntry,
 }
 
 enum CompParts<'a> {

@@ -631,7 +631,7 @@ impl Coster {
                     val: Size::fixed(0),
                 }),
             ),
-            "@transformMap" => (
+            "@transformMap" | "@transformMapEntry" => (
                 Size::fixed(0),
                 Some(Entry {
                     list: false,
@@ -643,7 +643,7 @@ impl Coster {
         };
         let init_cost = match name {
             "@transformList" => LIST_CREATE,
-            "@transformMap" => MAP_CREATE,
+            "@transformMap" | "@transformMapEntry" => MAP_CREATE,
             _ => 0,
         };
         let (k, v) = if range_list {
@@ -699,6 +699,11 @@ impl Coster {
                 };
                 (CostEstimate::default(), add, accu, Some(entry))
             }
+            // true; cel.@mapInsert(@result, body); @result
+            "@transformMapEntry" => {
+                let insert = accu.add(body.cost).add(CostEstimate::fixed(1));
+                (CostEstimate::default(), insert, accu, None)
+            }
             // true; cel.@mapInsert(@result, k, body); @result
             _ => {
                 let insert = accu
@@ -722,14 +727,19 @@ impl Coster {
             .add(result)
             .add(count.times(step.add(cond)));
         let (size, entry) = match name {
-            "@transformList" | "@transformMap" => (Some(count), step_entry),
+            "@transformList" | "@transformMap" | "@transformMapEntry" => (Some(count), step_entry),
             _ => (Some(init_size), None),
         };
         Self::info(cost, size, None, entry)
     }
 
     fn call(&mut self, n: &Node, name: &str, overloads: &[&'static str], args: &[Node]) -> Info {
-        if name.starts_with('@') && name != "@in" && name != "@not_strictly_false" {
+        if name.starts_with('@')
+            && !matches!(
+                name,
+                "@in" | "@not_strictly_false" | "@sortByAssociatedKeys"
+            )
+        {
             return self.macro_call(n, name, args);
         }
         // `dyn(x)` costs 1 plus its argument and keeps the argument's sizes.
@@ -1002,6 +1012,18 @@ fn extension_estimate(
         "list_distinct" => {
             let sz = target?.estimate();
             Some(allocating(2.0, sz.mul(sz)))
+        }
+        // Sorted by the keys list (the argument), an O(n^2) estimate like `sort`.
+        _ if id.starts_with("list_") && id.ends_with("_sortByAssociatedKeys") => {
+            let sz = args.first()?.estimate();
+            let factor = if id == "list_string_sortByAssociatedKeys"
+                || id == "list_bytes_sortByAssociatedKeys"
+            {
+                2.0 + STRING_TRAVERSAL
+            } else {
+                2.0
+            };
+            Some(allocating(factor, sz.mul(sz)))
         }
         _ if id.starts_with("list_") && id.ends_with("_sort") => {
             let sz = target?.estimate();

@@ -422,6 +422,16 @@ pub(crate) static FUNCTIONS: LazyLock<HashMap<&'static str, Vec<Overload>>> = La
                 Box::leak(format!("list_{t}_sort: .list({t}) -> list({t})").into_boxed_str());
             overload(sig)
         }));
+    // The hidden function behind the `sortBy` macro (ext/lists.go, `sortByMacro`).
+    m.entry("@sortByAssociatedKeys")
+        .or_default()
+        .extend(sortable.iter().map(|t| {
+            let sig: &'static str = Box::leak(
+                format!("list_{t}_sortByAssociatedKeys: .list(A), list({t}) -> list(A)")
+                    .into_boxed_str(),
+            );
+            overload(sig)
+        }));
     // Kubernetes lists library (k8s.io/apiserver/pkg/cel/library/lists.go).
     m.entry("isSorted").or_default().extend(templated(
         "list_is_sorted",

@@ -15,6 +15,7 @@ use crate::checker::{DeviceField, Kind, Node};
 use crate::device::DeviceView;
 use crate::value::{
     Eq, Str, Value, cmp_int_double, cmp_uint_double, equals, is_map, map_entries, map_find,
+    same_go_key,
 };
 
 /// How an evaluation failed.
@@ -255,12 +256,6 @@ impl<'a> Evaluator<'a> {
                         }
                         Err(e) => return Err(e),
                     };
-                    if !matches!(
-                        kv,
-                        Value::String(_) | Value::Int(_) | Value::Uint(_) | Value::Bool(_)
-                    ) {
-                        return rt(format!("unsupported key type: {}", kv.type_name()));
-                    }
                     let vv = match self.eval(v) {
                         Ok(v) => v,
                         Err(EvalError::Runtime(m)) => {
@@ -269,19 +264,33 @@ impl<'a> Evaluator<'a> {
                         }
                         Err(e) => return Err(e),
                     };
+                    // cel-go's `evalMap` fills a Go map keyed by the key values: any key type is
+                    // accepted, a repeated key keeps the last value, and an absent optional
+                    // entry removes an earlier one with the same key.
+                    if matches!(kv, Value::Bytes(_) | Value::Semver(_)) {
+                        // Go cannot hash these key values; cel-go reports the recovered panic.
+                        self.charge(30)?;
+                        return rt(format!("hash of unhashable type {}", kv.type_name()));
+                    }
+                    let same = out.iter().position(|(k, _)| same_go_key(k, &kv));
                     let vv = if *opt {
                         match vv {
                             Value::Optional(Some(inner)) => (*inner).clone(),
-                            Value::Optional(None) => continue,
+                            Value::Optional(None) => {
+                                if let Some(i) = same {
+                                    out.remove(i);
+                                }
+                                continue;
+                            }
                             _ => return no_overload(),
                         }
                     } else {
                         vv
                     };
-                    if map_find(&out, &kv).is_some() {
-                        return rt(format!("Failed with repeated key: {}", display_key(&kv)));
+                    match same {
+                        Some(i) => out[i].1 = vv,
+                        None => out.push((kv, vv)),
                     }
-                    out.push((kv, vv));
                 }
                 self.charge(30)?;
                 Ok(Value::Map(Arc::new(out)))
@@ -632,7 +641,8 @@ impl<'a> Evaluator<'a> {
                     _ => no_overload(),
                 };
             }
-            "@all2" | "@exists2" | "@existsOne2" | "@transformList" | "@transformMap" => {
+            "@all2" | "@exists2" | "@existsOne2" | "@transformList" | "@transformMap"
+            | "@transformMapEntry" => {
                 return self.two_var(name, args);
             }
             _ => {}
@@ -784,6 +794,26 @@ impl<'a> Evaluator<'a> {
                     self.charge(1)?;
                     list_out.push(self.eval(body)?);
                     self.charge(10 + 1)?;
+                }
+                // cel.@mapInsert(@result, body): every entry of the body joins the result, and a
+                // key already there (by CEL equality, so `1` and `1u` collide) is an error.
+                "@transformMapEntry" => {
+                    self.charge(1)?;
+                    let update = self.eval(body);
+                    self.charge(1)?;
+                    let update = update?;
+                    if !is_map(&update) {
+                        return no_overload();
+                    }
+                    for (k, v) in map_entries(&update) {
+                        if map_find(&map_out, &k).is_some() {
+                            return rt(format!(
+                                "insert failed: key {} already exists",
+                                display_key(&k)
+                            ));
+                        }
+                        map_out.push((k, v));
+                    }
                 }
                 // cel.@mapInsert(@result, k, body)
                 _ => {

@@ -507,6 +507,36 @@ pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) 
             });
             if bad { no_overload() } else { Ok(list(v)) }
         }
+        // ext/lists.go `sortListByAssociatedKeys`: the keys must be comparable and of one type;
+        // Go's sort.Slice compares every key at least once when there are two or more.
+        ("@sortByAssociatedKeys", [V::List(l), V::List(keys)]) => {
+            if l.len() != keys.len() {
+                return rt(format!(
+                    "@sortByAssociatedKeys() expected a list of the same size as the associated keys list, but got {} and {} elements respectively",
+                    l.len(),
+                    keys.len()
+                ));
+            }
+            let Some(first) = keys.first() else {
+                return Ok(V::List(l.clone()));
+            };
+            if !matches!(
+                first,
+                V::Int(_) | V::Uint(_) | V::Double(_) | V::Bool(_) | V::String(_) | V::Bytes(_)
+            ) {
+                return rt("list elements must be comparable");
+            }
+            let kind = std::mem::discriminant(first);
+            if keys.len() > 1 && keys.iter().any(|k| std::mem::discriminant(k) != kind) {
+                return rt("list elements must have the same type");
+            }
+            let mut order: Vec<usize> = (0..keys.len()).collect();
+            order.sort_by(|&i, &j| match compare(&keys[i], &keys[j]) {
+                Ok(Some(o)) => o,
+                _ => Ordering::Equal,
+            });
+            Ok(list(order.into_iter().map(|i| l[i].clone()).collect()))
+        }
         ("isSorted", [V::List(l)]) => {
             for w in l.windows(2) {
                 if compare(&w[0], &w[1])? == Some(Ordering::Greater) {
@@ -895,6 +925,9 @@ fn extension_cost(id: &str, a: &[Value<'_>], result: Option<&Value<'_>>) -> Opti
         }
         "list_distinct" => Some(self_compare(a.first())),
         _ if id.starts_with("list_") && id.ends_with("_sort") => Some(self_compare(a.first())),
+        _ if id.starts_with("list_") && id.ends_with("_sortByAssociatedKeys") => {
+            Some(self_compare(a.get(1)))
+        }
         "list_sets_contains_list" | "list_sets_intersects_list" => {
             Some(1 + (size(0).saturating_mul(size(1)) as f64) as u64)
         }

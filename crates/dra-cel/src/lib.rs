@@ -389,7 +389,8 @@ fn fold_constants(n: &mut checker::Node) -> Result<(), CompileError> {
                 fold_constants(k)?;
                 fold_constants(v)?;
             }
-            // A repeated key is a runtime error; leave such literals to the evaluator.
+            // Keys as the evaluator takes them (`value::same_go_key`): a repeated key keeps the
+            // last value; unhashable keys and optional entries are left to the evaluator.
             let mut out: Vec<(value::Value<'static>, value::Value<'static>)> = Vec::new();
             let mut foldable = true;
             for (k, v, o) in entries.iter() {
@@ -400,10 +401,15 @@ fn fold_constants(n: &mut checker::Node) -> Result<(), CompileError> {
                             value::Value::String(_)
                                 | value::Value::Int(_)
                                 | value::Value::Uint(_)
+                                | value::Value::Double(_)
                                 | value::Value::Bool(_)
-                        ) && value::map_find(&out, k).is_none() =>
+                                | value::Value::Null
+                        ) =>
                     {
-                        out.push((k.clone(), v.clone()));
+                        match out.iter().position(|(x, _)| value::same_go_key(x, k)) {
+                            Some(i) => out[i].1 = v.clone(),
+                            None => out.push((k.clone(), v.clone())),
+                        }
                     }
                     _ => foldable = false,
                 }

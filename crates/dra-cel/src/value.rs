@@ -370,3 +370,17 @@ fn same_key_kind(a: &Value<'_>, b: &Value<'_>) -> bool {
     let numeric = |v: &Value<'_>| matches!(v, Value::Int(_) | Value::Uint(_) | Value::Double(_));
     numeric(a) == numeric(b)
 }
+
+/// Whether two map-literal keys are the same Go map key in cel-go: scalars of the same CEL
+/// type with equal values (so `1` and `1u` are distinct); containers never are.
+pub(crate) fn same_go_key(a: &Value<'_>, b: &Value<'_>) -> bool {
+    match (a, b) {
+        (Value::Int(x), Value::Int(y)) => x == y,
+        (Value::Uint(x), Value::Uint(y)) => x == y,
+        (Value::Double(x), Value::Double(y)) => x == y,
+        (Value::Bool(x), Value::Bool(y)) => x == y,
+        (Value::String(x), Value::String(y)) => x.as_str() == y.as_str(),
+        (Value::Null, Value::Null) => true,
+        _ => false,
+    }
+}

@@ -37,16 +37,30 @@ impl Kubelet {
         let fail = |what: &str, e: &dyn std::fmt::Display| KubeletError {
             problem: format!("{what}: {e}"),
         };
-        let mut registration = RegistrationClient::new(
-            connect(registration_socket)
-                .await
-                .map_err(|e| fail("dialling the registration socket", &e))?,
-        );
-        let info = registration
-            .get_info(pluginregistration::InfoRequest {})
-            .await
-            .map_err(|e| fail("GetInfo", &e))?
-            .into_inner();
+        // The plugin watcher retries a socket that is not accepting yet; so do we, briefly.
+        let mut attempt = 0;
+        let (mut registration, info) = loop {
+            attempt += 1;
+            let tried = async {
+                let mut client = RegistrationClient::new(
+                    connect(registration_socket)
+                        .await
+                        .map_err(|e| fail("dialling the registration socket", &e))?,
+                );
+                let info = client
+                    .get_info(pluginregistration::InfoRequest {})
+                    .await
+                    .map_err(|e| fail("GetInfo", &e))?
+                    .into_inner();
+                Ok::<_, KubeletError>((client, info))
+            }
+            .await;
+            match tried {
+                Ok(ok) => break ok,
+                Err(e) if attempt >= 50 => return Err(e),
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+            }
+        };
         let channel = connect(&info.endpoint)
             .await
             .map_err(|e| fail("dialling the advertised endpoint", &e))?;

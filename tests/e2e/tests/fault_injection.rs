@@ -21,7 +21,7 @@ use gpu_kubelet_plugin::failpoint;
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
 /// Runs per failpoint; half retry the prepare after the crash, half give up and unprepare.
-const REPS: usize = 6;
+const REPS: usize = 20;
 
 /// A plugin process that is killed if the test fails while it runs.
 struct PluginProcess(Child);
@@ -103,8 +103,8 @@ impl Host {
             cmd.env(failpoint::ENV, fp);
         }
         drust_e2e::die_with_parent(&mut cmd);
-        let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
         let start = Instant::now();
+        let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
         while !self.registration_socket().exists() {
             if let Some(status) = child.try_wait()? {
                 bail!("plugin exited at start: {status}; log: {}", self.log_tail());
@@ -156,10 +156,14 @@ impl Host {
     }
 }
 
-fn stop(mut child: PluginProcess) -> anyhow::Result<()> {
+/// SIGTERM and wait, yielding to the runtime so dropped kubelet connections actually close
+/// (the plugin's graceful shutdown waits for them).
+async fn stop(mut child: PluginProcess) -> anyhow::Result<()> {
     let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-    child.wait()?;
+    while child.try_wait()?.is_none() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     Ok(())
 }
 
@@ -212,7 +216,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
     let answer = kubelet.prepare_v1(&[&bystander]).await?.claims[&bystander_uid].clone();
     ensure!(answer.error.is_empty(), "{}", answer.error);
     drop(kubelet);
-    stop(child)?;
+    stop(child).await?;
 
     let started = Instant::now();
     let mut kills: BTreeMap<&str, usize> = BTreeMap::new();
@@ -245,7 +249,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
                     r.claims[&uid].error
                 );
                 drop(k);
-                stop(child)?;
+                stop(child).await?;
                 let child = host.start(Some(fp))?;
                 let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
                 let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
@@ -319,7 +323,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
                 ctx()
             );
             drop(k);
-            stop(child)?;
+            stop(child).await?;
         }
     }
     let total: usize = kills.values().sum();

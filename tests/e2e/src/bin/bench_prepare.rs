@@ -247,6 +247,9 @@ async fn main() -> anyhow::Result<()> {
     cmd.arg("-kubeconfig")
         .arg(cp.kubeconfig_path())
         .args(["-node", NODE, "-driver", peer_driver])
+        // Without client-go's default rate limit (5 QPS), so the comparison is of the plugins,
+        // not of a client setting; drust's kube client has no such limit.
+        .args(["-kube-api-qps", "1000", "-kube-api-burst", "1000"])
         .arg("-plugin-dir")
         .arg(dir.path().join("peer/plugin"))
         .arg("-registrar-dir")

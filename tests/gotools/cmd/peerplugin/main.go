@@ -144,6 +144,8 @@ func main() {
 	pluginDir := flag.String("plugin-dir", "", "plugin data directory (dra.sock, checkpoint)")
 	registrarDir := flag.String("registrar-dir", "", "kubelet plugin registration directory")
 	cdiRoot := flag.String("cdi-root", "", "CDI spec directory")
+	qps := flag.Float64("kube-api-qps", 5, "client-go QPS (client-go's default is 5)")
+	burst := flag.Int("kube-api-burst", 10, "client-go burst (client-go's default is 10)")
 	flag.Parse()
 
 	cfg, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
@@ -151,6 +153,8 @@ func main() {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
+	cfg.QPS = float32(*qps)
+	cfg.Burst = *burst
 	client := kubernetes.NewForConfigOrDie(cfg)
 	for _, dir := range []string{*pluginDir, *registrarDir, *cdiRoot} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
