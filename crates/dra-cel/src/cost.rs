@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::checker::{DeviceField, Kind, Node};
-use crate::types::{CIDR, IP, OPTIONAL, QUANTITY, SEMVER, Type, URL};
+use crate::types::{CIDR, FORMAT, IP, OPTIONAL, QUANTITY, SEMVER, Type, URL};
 use crate::value::Value;
 
 /// A cost range in CEL cost units (upstream `checker.CostEstimate`).
@@ -45,6 +45,10 @@ const UNKNOWN: Size = Size {
 pub(crate) const STRING_TRAVERSAL: f64 = 0.1;
 /// Upstream `common.RegexStringLengthCostFactor`.
 pub(crate) const REGEX_LENGTH: f64 = 0.25;
+/// Upstream `cel.MaxNameFormatRegexSize` (`k8s.io/apiserver/pkg/cel/limits.go`).
+const MAX_NAME_FORMAT_REGEX_SIZE: f64 = 128.0;
+/// Upstream `cel.MaxFormatSize`.
+const MAX_FORMAT_SIZE: u64 = 64;
 const LIST_CREATE: u64 = 10;
 const MAP_CREATE: u64 = 30;
 
@@ -1213,6 +1217,12 @@ fn library_estimate(
         "getScheme" | "getHostname" | "getHost" | "getPort" | "getEscapedPath" | "getQuery" => {
             plain(one)
         }
+        // The regular expression behind a format is unknown when checking: upstream assumes
+        // `MaxNameFormatRegexSize` (128) for all.
+        "validate" if !args.is_empty() => {
+            plain(traversal(args[0].estimate()).factor(MAX_NAME_FORMAT_REGEX_SIZE * REGEX_LENGTH))
+        }
+        "format.named" => plain(one),
         "_==_" if args.len() == 2 => {
             let (l, r) = (&args[0], &args[1]);
             if !l.node.ty.is_equivalent(&r.node.ty) {
@@ -1220,6 +1230,14 @@ fn library_estimate(
             }
             match &l.node.ty {
                 Type::Opaque(n, _) if [IP, CIDR, QUANTITY, SEMVER].contains(n) => plain(one),
+                // Upstream bounds a format by `MaxFormatSize` (64).
+                Type::Opaque(n, _) if *n == FORMAT => plain(
+                    CostEstimate {
+                        min: 1,
+                        max: MAX_FORMAT_SIZE,
+                    }
+                    .factor(STRING_TRAVERSAL),
+                ),
                 Type::Opaque(n, _) if *n == URL => {
                     // Upstream reads the right-hand size twice.
                     let size = r.size.map_or(Size::fixed(1), |s| s.union(s));

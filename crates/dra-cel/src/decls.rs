@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
-use crate::types::{CIDR, IP, QUANTITY, SEMVER, Type, URL};
+use crate::types::{CIDR, FORMAT, IP, QUANTITY, SEMVER, Type, URL};
 
 /// One overload of a function.
 #[derive(Debug)]
@@ -56,6 +56,7 @@ fn parse_type(s: &str) -> Type {
         "quantity" => Type::opaque(QUANTITY),
         "semver" => Type::opaque(SEMVER),
         "url" => Type::opaque(URL),
+        "format" => Type::opaque(FORMAT),
         "ip" => Type::opaque(IP),
         "cidr" => Type::opaque(CIDR),
         "timestamp" => Type::opaque("google.protobuf.Timestamp"),
@@ -591,6 +592,40 @@ pub(crate) static FUNCTIONS: LazyLock<HashMap<&'static str, Vec<Overload>>> = La
     );
     add("prefixLength", &["cidr_prefix_length: .cidr -> int"]);
     add("masked", &["cidr_masked: .cidr -> cidr"]);
+    // Format library (k8s.io/apiserver/pkg/cel/library/format.go).
+    add(
+        "format.named",
+        &["format-named: string -> optional(format)"],
+    );
+    add(
+        "validate",
+        &["format-validate: .format, string -> optional(list(string))"],
+    );
+    add("format.dns1123Label", &["format.dns1123Label: -> format"]);
+    add(
+        "format.dns1123Subdomain",
+        &["format.dns1123Subdomain: -> format"],
+    );
+    add("format.dns1035Label", &["format.dns1035Label: -> format"]);
+    add("format.qualifiedName", &["format.qualifiedName: -> format"]);
+    add(
+        "format.dns1123LabelPrefix",
+        &["format.dns1123LabelPrefix: -> format"],
+    );
+    add(
+        "format.dns1123SubdomainPrefix",
+        &["format.dns1123SubdomainPrefix: -> format"],
+    );
+    add(
+        "format.dns1035LabelPrefix",
+        &["format.dns1035LabelPrefix: -> format"],
+    );
+    add("format.labelValue", &["format.labelValue: -> format"]);
+    add("format.uri", &["format.uri: -> format"]);
+    add("format.uuid", &["format.uuid: -> format"]);
+    add("format.byte", &["format.byte: -> format"]);
+    add("format.date", &["format.date: -> format"]);
+    add("format.datetime", &["format.datetime: -> format"]);
     // Optional types (cel-go cel/library.go, optional library).
     add("optional.of", &["optional_of: A -> optional(A)"]);
     add(

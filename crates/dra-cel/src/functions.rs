@@ -6,6 +6,7 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 
 use crate::eval::{EvalError, compare};
+use crate::libs::format::Format;
 use crate::libs::ip::{Addr, Prefix};
 use crate::libs::quantity::Quantity;
 use crate::libs::semver::Semver;
@@ -134,11 +135,9 @@ pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) 
     use Value as V;
     match (name, a) {
         ("_==_", [x, y]) => bool_of(equals(x, y)),
-        ("_!=_", [x, y]) => match equals(x, y) {
-            Eq::True => Ok(V::Bool(false)),
-            Eq::False => Ok(V::Bool(true)),
-            Eq::NoOverload => no_overload(),
-        },
+        // cel-go's `evalNe` negates `types.Equal(x, y) == types.True`, so an equality without
+        // an overload (a URL against an int) is simply "not equal".
+        ("_!=_", [x, y]) => Ok(V::Bool(!matches!(equals(x, y), Eq::True))),
         ("_<_", [x, y]) => Ok(V::Bool(compare(x, y)? == Some(Ordering::Less))),
         ("_<=_", [x, y]) => Ok(V::Bool(matches!(
             compare(x, y)?,
@@ -682,6 +681,21 @@ pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) 
             .map(|u| V::Url(Arc::new(u)))
             .map_err(|e| EvalError::Runtime(e.to_string())),
         ("isURL", [V::String(x)]) => Ok(V::Bool(Url::is_request_uri(x.as_str()))),
+        ("format.named", [V::String(x)]) => Ok(V::Optional(
+            Format::named(x.as_str()).map(|f| Arc::new(V::Format(f))),
+        )),
+        ("validate", [V::Format(f), V::String(x)]) => {
+            let errs = f.validate(x.as_str());
+            Ok(V::Optional(if errs.is_empty() {
+                None
+            } else {
+                Some(Arc::new(list(errs.into_iter().map(s).collect())))
+            }))
+        }
+        (n, []) if n.starts_with("format.") => n
+            .strip_prefix("format.")
+            .and_then(Format::named)
+            .map_or_else(no_overload, |f| Ok(V::Format(f))),
         ("getScheme", [V::Url(u)]) => Ok(s(u.scheme().to_string())),
         ("getHost", [V::Url(u)]) => Ok(s(u.host().to_string())),
         ("getHostname", [V::Url(u)]) => Ok(s(u.hostname().to_string())),
@@ -1015,13 +1029,22 @@ fn library_cost(name: &str, id: &str, a: &[Value<'_>], result: Option<&Value<'_>
         "sign" | "asInteger" | "isInteger" | "asApproximateFloat" | "isGreaterThan"
         | "isLessThan" | "compareTo" | "add" | "sub" | "major" | "minor" | "patch" => 1,
         "getScheme" | "getHostname" | "getHost" | "getPort" | "getEscapedPath" | "getQuery" => 1,
+        "validate" if a.len() >= 2 => match &a[0] {
+            Value::Format(f) => {
+                let s = ((1.0 + size(1) as f64) * t).ceil() as u64;
+                s.saturating_mul(ceil(f.max_regex_size(), crate::cost::REGEX_LENGTH))
+            }
+            _ => return None,
+        },
+        "format.named" => 1,
         "_==_" if a.len() == 2 => match &a[0] {
             Value::Quantity(_)
             | Value::QuantityRef(_)
             | Value::Semver(_)
             | Value::Ip(_)
             | Value::Cidr(_)
-            | Value::Url(_) => 1,
+            | Value::Url(_)
+            | Value::Format(_) => 1,
             _ => return None,
         },
         _ => return None,

@@ -56,6 +56,9 @@ pub const URL: &str = "kubernetes.URL";
 pub const IP: &str = "net.IP";
 /// Opaque type name of CIDRs.
 pub const CIDR: &str = "net.CIDR";
+/// Type name of the Kubernetes named formats (`library/format.go`; an object type upstream
+/// with no fields, modelled as opaque here).
+pub const FORMAT: &str = "kubernetes.NamedFormat";
 /// Struct name of the `device` variable.
 pub const DEVICE: &str = "kubernetes.DRADevice";
 

@@ -4,6 +4,7 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 
 use crate::device::DeviceView;
+use crate::libs::format::Format;
 use crate::libs::ip::{Addr, Prefix};
 use crate::libs::quantity::Quantity;
 use crate::libs::semver::Semver;
@@ -66,6 +67,8 @@ pub enum Value<'a> {
     Cidr(Prefix),
     /// `kubernetes.URL`.
     Url(Arc<Url>),
+    /// `kubernetes.NamedFormat`.
+    Format(Format),
     /// The `device` variable.
     Device(&'a DeviceView<'a>),
     /// `device.attributes`: domain -> map of attributes.
@@ -109,6 +112,7 @@ impl<'a> Value<'a> {
             Value::Ip(_) => "net.IP",
             Value::Cidr(_) => "net.CIDR",
             Value::Url(_) => "kubernetes.URL",
+            Value::Format(_) => "kubernetes.NamedFormat",
             Value::Device(_) => "kubernetes.DRADevice",
             Value::Error(_) => "*error*",
         }
@@ -268,6 +272,9 @@ pub(crate) fn equals(a: &Value<'_>, b: &Value<'_>) -> Eq {
         (Value::Cidr(x), Value::Cidr(y)) => Eq::from(x == y),
         (Value::Url(x), Value::Url(y)) => Eq::from(x.to_string() == y.to_string()),
         (Value::Ip(_) | Value::Cidr(_) | Value::Url(_), _) => Eq::NoOverload,
+        // `cel.Format.Equal` compares names and rejects other types.
+        (Value::Format(x), Value::Format(y)) => Eq::from(x == y),
+        (Value::Format(_), _) => Eq::NoOverload,
         (Value::Optional(x), Value::Optional(y)) => match (x, y) {
             (None, None) => Eq::True,
             (Some(x), Some(y)) => equals(x, y),
@@ -292,8 +299,9 @@ pub(crate) fn equals(a: &Value<'_>, b: &Value<'_>) -> Eq {
                 return Eq::False;
             }
             for (k, v) in x.iter() {
+                // As for lists, a value comparison error is no mismatch (cel-go `baseMap.Equal`).
                 match map_find(&y, k) {
-                    Some(w) if matches!(equals(v, &w), Eq::True) => {}
+                    Some(w) if !matches!(equals(v, &w), Eq::False) => {}
                     _ => return Eq::False,
                 }
             }

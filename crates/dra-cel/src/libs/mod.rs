@@ -1,5 +1,6 @@
 //! The Kubernetes CEL libraries the DRA environment includes.
 
+pub mod format;
 pub mod ip;
 pub mod quantity;
 pub mod regex;

@@ -387,7 +387,7 @@ fn format_map(v: &Value<'_>) -> Result<String, String> {
 /// `\x`, `\u` or `\U` for the rest. Printability approximates Go's `unicode.IsPrint` without
 /// the Unicode tables: control, format, private-use, surrogate and separator characters other
 /// than the ASCII space are escaped.
-fn go_quote(s: &str) -> String {
+pub(crate) fn go_quote(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
     out.push('"');
     for c in s.chars() {

@@ -9,6 +9,8 @@
 
 use std::fmt;
 
+use crate::libs::strfmt::go_quote;
+
 /// A parsed URL (Go `url.URL`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Url {
@@ -103,6 +105,21 @@ fn unhex(c: u8) -> u8 {
     }
 }
 
+/// Go's `EscapeError` text for the offending bytes (at most three, possibly cut inside a
+/// character, which Go quotes as `\x` escapes).
+fn escape_error(bytes: &[u8]) -> String {
+    let mut quoted = String::from("\"");
+    for chunk in bytes.utf8_chunks() {
+        let valid = go_quote(chunk.valid());
+        quoted.push_str(&valid[1..valid.len() - 1]);
+        for x in chunk.invalid() {
+            quoted.push_str(&format!("\\x{x:02x}"));
+        }
+    }
+    quoted.push('"');
+    format!("invalid URL escape {quoted}")
+}
+
 /// Go's `unescape`: decodes `%XX` (and `+` in query components), validating host and zone
 /// characters.
 fn unescape(s: &str, mode: Mode) -> Result<String, String> {
@@ -118,15 +135,15 @@ fn unescape(s: &str, mode: Mode) -> Result<String, String> {
                     || !b[i + 1].is_ascii_hexdigit()
                     || !b[i + 2].is_ascii_hexdigit()
                 {
-                    return Err("invalid URL escape".into());
+                    return Err(escape_error(&b[i..b.len().min(i + 3)]));
                 }
                 let v = (unhex(b[i + 1]) << 4) | unhex(b[i + 2]);
                 let pct25 = &b[i..i + 3] == b"%25";
                 if mode == Mode::Host && unhex(b[i + 1]) < 8 && !pct25 {
-                    return Err("invalid URL escape".into());
+                    return Err(escape_error(&b[i..i + 3]));
                 }
                 if mode == Mode::Zone && !pct25 && v != b' ' && should_escape(v, Mode::Host) {
-                    return Err("invalid URL escape".into());
+                    return Err(escape_error(&b[i..i + 3]));
                 }
                 i += 3;
             }
@@ -136,7 +153,10 @@ fn unescape(s: &str, mode: Mode) -> Result<String, String> {
             }
             c => {
                 if matches!(mode, Mode::Host | Mode::Zone) && c < 0x80 && should_escape(c, mode) {
-                    return Err("invalid character in host name".into());
+                    return Err(format!(
+                        "invalid character {} in host name",
+                        go_quote(&s[i..i + 1])
+                    ));
                 }
                 i += 1;
             }
@@ -265,7 +285,7 @@ fn parse_host(scheme: &str, host: &str) -> Result<String, String> {
             };
             let colon_port = &host[close + 1..];
             if !valid_optional_port(colon_port) {
-                return Err(format!("invalid port {colon_port:?} after host"));
+                return Err(format!("invalid port {} after host", go_quote(colon_port)));
             }
             let colon_port = unescape(colon_port, Mode::Host)?;
             let hostname = host.get(1..close).unwrap_or("");
@@ -292,7 +312,7 @@ fn parse_host(scheme: &str, host: &str) -> Result<String, String> {
         };
         let colon_port = &host[i..];
         if !valid_optional_port(colon_port) {
-            return Err(format!("invalid port {colon_port:?} after host"));
+            return Err(format!("invalid port {} after host", go_quote(colon_port)));
         }
     }
     unescape(host, Mode::Host)
@@ -329,6 +349,18 @@ impl Url {
     /// Whether `url.ParseRequestURI` accepts the text (the `isURL()` function).
     pub fn is_request_uri(raw: &str) -> bool {
         Url::parse_go(raw, true).is_ok()
+    }
+
+    /// The text of the error `url.ParseRequestURI` returns for the input (Go's `url.Error`:
+    /// `parse "<input>": <reason>`), or `None` when it accepts it. The `uri` format of the
+    /// Kubernetes format library reports this text (`library/format.go`).
+    pub fn request_uri_error(raw: &str) -> Option<String> {
+        match Url::parse_go(raw, true) {
+            Ok(_) => None,
+            Err(UrlError::Parse { input, reason }) => {
+                Some(format!("parse {}: {reason}", go_quote(&input)))
+            }
+        }
     }
 
     /// Go's unexported `parse(rawURL, viaRequest)`.
