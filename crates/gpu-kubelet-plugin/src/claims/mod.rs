@@ -80,7 +80,31 @@ struct Inner<C, H> {
     claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
     cdi: CdiWriter,
     checkpoint_file: CheckpointFile,
+    /// The checkpoint as staged: durable plus changes waiting for the next group commit.
     checkpoint: Mutex<Checkpoint>,
+    commit: std::sync::Mutex<Commit>,
+    committed: tokio::sync::Notify,
+}
+
+/// Group-commit bookkeeping: changes are numbered (epochs) as they are staged.
+#[derive(Default)]
+struct Commit {
+    /// Epoch of the last staged change.
+    staged: u64,
+    /// Every change up to this epoch is durable.
+    durable: u64,
+    /// The checkpoint as last stored.
+    durable_state: Checkpoint,
+    /// A store is in flight.
+    writing: bool,
+    /// Epoch ranges `(after, through]` whose store failed, with the error.
+    failed: Vec<(u64, u64, String)>,
+}
+
+/// A poisoned lock only means a panicking thread held it; the bookkeeping is still consistent
+/// because every critical section is panic-free.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
@@ -117,6 +141,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 cdi,
                 checkpoint_file,
                 checkpoint: Mutex::new(Checkpoint::default()),
+                commit: std::sync::Mutex::default(),
+                committed: tokio::sync::Notify::new(),
             }),
         };
         let report = controller.recover().await?;
@@ -147,31 +173,102 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Arc::clone(locks.entry(uid.to_owned()).or_default())
     }
 
-    fn ckpt_err(claim: &ClaimRef) -> impl Fn(crate::checkpoint::CheckpointError) -> ClaimError {
-        let claim = claim.clone();
-        move |source| ClaimError::Checkpoint {
-            claim: claim.clone(),
-            source,
-        }
-    }
-
-    /// Applies `change` to a copy of the checkpoint, stores it durably, then makes it current.
+    /// Applies `change` to the checkpoint and returns once the result is durable.
+    ///
+    /// Group commit: changes of concurrent claims are staged on the in-memory checkpoint; the
+    /// first caller to find no write in flight writes everything staged so far in one atomic
+    /// store, the others wait for it. A failed store fails every change it carried (and any
+    /// staged on top of them) and puts the in-memory checkpoint back to the durable one.
     async fn update<R>(
         &self,
         claim: &ClaimRef,
         change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
     ) -> Result<R, ClaimError> {
-        let mut current = self.inner.checkpoint.lock().await;
-        let mut next = current.clone();
-        let r = change(&mut next)?;
-        if next != *current {
-            self.inner
-                .checkpoint_file
-                .store(&next)
-                .map_err(Self::ckpt_err(claim))?;
-            *current = next;
+        let inner = &self.inner;
+        let (r, epoch) = {
+            let mut pending = inner.checkpoint.lock().await;
+            let mut next = pending.clone();
+            let r = change(&mut next)?;
+            let mut c = lock(&inner.commit);
+            if next != *pending {
+                *pending = next;
+                c.staged += 1;
+            }
+            // An unchanged checkpoint still waits for what is staged before it: the caller may
+            // rely on state that another claim staged.
+            (r, c.staged)
+        };
+        loop {
+            let committed = inner.committed.notified();
+            tokio::pin!(committed);
+            committed.as_mut().enable();
+            enum Next {
+                Failed(String),
+                Done,
+                Wait,
+                Write,
+            }
+            let next = {
+                let mut c = lock(&inner.commit);
+                if let Some((_, _, message)) = c
+                    .failed
+                    .iter()
+                    .find(|(lo, hi, _)| *lo < epoch && epoch <= *hi)
+                {
+                    Next::Failed(message.clone())
+                } else if c.durable >= epoch {
+                    Next::Done
+                } else if c.writing {
+                    Next::Wait
+                } else {
+                    c.writing = true;
+                    Next::Write
+                }
+            };
+            match next {
+                Next::Failed(message) => {
+                    return Err(ClaimError::Checkpoint {
+                        claim: claim.clone(),
+                        source: crate::checkpoint::CheckpointError::Write {
+                            path: inner.checkpoint_file.path().to_owned(),
+                            source: std::io::Error::other(message),
+                        },
+                    });
+                }
+                Next::Done => return Ok(r),
+                Next::Wait => {
+                    committed.await;
+                    continue;
+                }
+                Next::Write => {}
+            }
+            // This caller writes for everyone staged so far. Let the other ready claims stage
+            // their changes first, so one store carries them all.
+            tokio::task::yield_now().await;
+            let (snapshot, target) = {
+                let pending = inner.checkpoint.lock().await;
+                let target = lock(&inner.commit).staged;
+                (pending.clone(), target)
+            };
+            let stored = inner.checkpoint_file.store(&snapshot);
+            match stored {
+                Ok(()) => {
+                    let mut c = lock(&inner.commit);
+                    c.durable = target;
+                    c.durable_state = snapshot;
+                    c.writing = false;
+                }
+                Err(e) => {
+                    let mut pending = inner.checkpoint.lock().await;
+                    let mut c = lock(&inner.commit);
+                    *pending = c.durable_state.clone();
+                    let range = (c.durable, c.staged, e.to_string());
+                    c.failed.push(range);
+                    c.writing = false;
+                }
+            }
+            inner.committed.notify_waiters();
         }
-        Ok(r)
     }
 
     /// The devices of `names`, grouped by physical GPU in GPU-name order (the lock order).

@@ -56,6 +56,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         // Publish the loaded state so release_locked sees the records.
         *inner.checkpoint.lock().await = loaded.clone();
+        super::lock(&inner.commit).durable_state = loaded.clone();
 
         let previous_boot = !loaded.boot_id.is_empty() && loaded.boot_id != inner.config.boot_id;
         for (uid, record) in &loaded.claims {
