@@ -5,44 +5,15 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use sha2::{Digest, Sha256};
-
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Builds the oracle once per source hash into `~/.cache/drust/celoracle/<hash>/celoracle`.
+/// The oracle, built once per source hash by the e2e crate's Go tool builder
+/// (`~/.cache/drust/celoracle/<hash>/celoracle`).
 fn oracle() -> PathBuf {
-    let gotools = repo_root().join("tests/gotools");
-    let mut h = Sha256::new();
-    for f in ["cmd/celoracle/main.go", "go.mod", "go.sum"] {
-        h.update(std::fs::read(gotools.join(f)).expect("read oracle sources"));
-    }
-    let hash: String = h
-        .finalize()
-        .iter()
-        .take(12)
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let home = std::env::var("HOME").unwrap_or_else(|_| "/tmp".into());
-    let dir = PathBuf::from(home)
-        .join(".cache/drust/celoracle")
-        .join(hash);
-    let bin = dir.join("celoracle");
-    if !bin.exists() {
-        std::fs::create_dir_all(&dir).expect("create oracle cache dir");
-        let tmp = dir.join(format!("celoracle.tmp{}", std::process::id()));
-        let status = Command::new("go")
-            .args(["build", "-o"])
-            .arg(&tmp)
-            .arg("./cmd/celoracle")
-            .current_dir(&gotools)
-            .status()
-            .expect("run go build (Go is required for the conformance test)");
-        assert!(status.success(), "go build of the oracle failed");
-        std::fs::rename(&tmp, &bin).expect("install oracle");
-    }
-    bin
+    drust_e2e::binary::go_tool("celoracle")
+        .unwrap_or_else(|e| panic!("building the CEL oracle (Go is required): {e}"))
 }
 
 /// A small deterministic generator (fixed seed) of well- and ill-typed selectors.

@@ -76,6 +76,9 @@ pub fn go_tool(name: &str) -> Result<PathBuf, String> {
     if bin.exists() {
         return Ok(bin);
     }
+    if let Some(dir) = bin.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
     let tmp = bin.with_extension(format!("tmp{}", std::process::id()));
     let status = Command::new("go")
         .args(["build", "-o"])

@@ -31,6 +31,7 @@ mod controlplane;
 pub mod kubelet;
 pub mod manifests;
 pub mod plugin;
+pub mod pods;
 pub mod wait;
 
 pub use controlplane::{

@@ -54,65 +54,27 @@ async fn slices_of(
     Ok(api.list(&params).await?.items)
 }
 
-/// The devices allocated to the claim of pod `pod`, once it is bound.
+/// The node and the devices allocated to the claim of pod `pod`, once it is bound.
 async fn allocated(client: &kube::Client, pod: &str) -> anyhow::Result<(String, Vec<String>)> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let bound = until(&format!("pod {pod} bound"), TIMEOUT, || async {
-        let p = pods.get(pod).await.map_err(|e| e.to_string())?;
-        let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
-        Ok(node.map(|n| (n, p)))
-    })
-    .await?;
-    let claim_name = bound
-        .1
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref())
-        .and_then(|s| s.first())
-        .and_then(|s| s.resource_claim_name.clone())
-        .or_else(|| {
-            bound
-                .1
-                .spec
-                .as_ref()?
-                .resource_claims
-                .as_ref()?
-                .first()?
-                .resource_claim_name
-                .clone()
-        })
-        .context("pod names no ResourceClaim")?;
-    let claim = claims.get(&claim_name).await?;
+    let (bound, claim) = drust_e2e::pods::bound_with_claim(&pods, &claims, pod, TIMEOUT).await?;
+    let node = bound
+        .spec
+        .and_then(|s| s.node_name)
+        .context("bound pod has no node")?;
     let results = claim
         .status
         .and_then(|s| s.allocation)
         .and_then(|a| a.devices)
         .and_then(|d| d.results)
         .context("claim has no allocation")?;
-    Ok((bound.0, results.into_iter().map(|r| r.device).collect()))
+    Ok((node, results.into_iter().map(|r| r.device).collect()))
 }
 
 async fn unschedulable(client: &kube::Client, pod: &str) -> anyhow::Result<String> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let (reason, message) = until(
-        &format!("{pod} reported unschedulable"),
-        TIMEOUT,
-        || async {
-            let p = pods.get(pod).await.map_err(|e| e.to_string())?;
-            if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
-                return Err("pod was bound".into());
-            }
-            let cond = p
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .into_iter()
-                .find(|c| c.type_ == "PodScheduled" && c.status == "False");
-            Ok(cond.map(|c| (c.reason.unwrap_or_default(), c.message.unwrap_or_default())))
-        },
-    )
-    .await?;
+    let (reason, message) = drust_e2e::pods::unschedulable(&pods, pod, TIMEOUT).await?;
     ensure!(reason == "Unschedulable", "{reason}: {message}");
     Ok(message)
 }

@@ -8,7 +8,6 @@ use anyhow::{Context, ensure};
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
-use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::Topology;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -18,29 +17,6 @@ use kube::Api;
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The claim the controller-manager made for the pod's claim entry `entry`, once the pod is bound.
-async fn bound_pod_claim(
-    pods: &Api<Pod>,
-    claims: &Api<ResourceClaim>,
-    pod: &str,
-) -> anyhow::Result<(Pod, ResourceClaim)> {
-    let pod = until(&format!("pod {pod} bound"), TIMEOUT, || async {
-        let p = pods.get(pod).await.map_err(|e| e.to_string())?;
-        let bound = p.spec.as_ref().and_then(|s| s.node_name.clone()).is_some();
-        Ok(bound.then_some(p))
-    })
-    .await?;
-    let claim_name = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref())
-        .and_then(|s| s.first())
-        .and_then(|s| s.resource_claim_name.clone())
-        .context("pod status names no ResourceClaim")?;
-    let claim = claims.get(&claim_name).await?;
-    Ok((pod, claim))
-}
 
 #[tokio::test]
 async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyhow::Result<()> {
@@ -139,7 +115,8 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     apply_file(&client, &repo_path("examples/single-gpu/single-gpu.yaml")).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let (pod, claim) = bound_pod_claim(&pods, &claims, "cuda-one-gpu").await?;
+    let (pod, claim) =
+        drust_e2e::pods::bound_with_claim(&pods, &claims, "cuda-one-gpu", TIMEOUT).await?;
     eprintln!(
         "claim allocated and pod bound in {} ms",
         scheduling.elapsed().as_millis()
@@ -256,24 +233,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         &repo_path("examples/unsatisfiable/unsatisfiable.yaml"),
     )
     .await?;
-    let reason = until(
-        "cuda-200gi to be reported unschedulable",
-        TIMEOUT,
-        || async {
-            let p = pods.get("cuda-200gi").await.map_err(|e| e.to_string())?;
-            if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() {
-                return Err("pod was bound".into());
-            }
-            let cond = p
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .into_iter()
-                .find(|c| c.type_ == "PodScheduled" && c.status == "False");
-            Ok(cond.map(|c| (c.reason.unwrap_or_default(), c.message.unwrap_or_default())))
-        },
-    )
-    .await?;
+    let reason = drust_e2e::pods::unschedulable(&pods, "cuda-200gi", TIMEOUT).await?;
     eprintln!("unschedulable: {reason:?}");
     assert_eq!(reason.0, "Unschedulable");
     assert!(

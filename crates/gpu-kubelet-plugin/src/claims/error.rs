@@ -102,6 +102,16 @@ pub enum ClaimError {
         /// The cause.
         source: CheckpointError,
     },
+    /// A task doing the work ended abnormally (it panicked or was cancelled).
+    #[error("ResourceClaim {claim}: {action} ended abnormally: {message}")]
+    TaskFailed {
+        /// The claim.
+        claim: ClaimRef,
+        /// What the task was doing.
+        action: &'static str,
+        /// The task's failure.
+        message: String,
+    },
     /// The call did not finish within its deadline; what it started is being rolled back.
     #[error(
         "ResourceClaim {claim}: {action} did not finish within {timeout_ms} ms; what it started \

@@ -271,6 +271,17 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
     }
 
+    /// Durably moves `claim`'s record (if any) to `state`.
+    async fn set_state(&self, claim: &ClaimRef, state: ClaimState) -> Result<(), ClaimError> {
+        self.update(claim, |c| {
+            if let Some(r) = c.claims.get_mut(&claim.uid) {
+                r.state = state;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// The devices of `names`, grouped by physical GPU in GPU-name order (the lock order).
     fn by_gpu<'a>(
         &self,
@@ -315,14 +326,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     claim: claim.clone(),
                     source,
                 })?,
-                // The action panicked; treat like a failed action so the claim is rolled back.
+                // The action panicked; fail the claim so what it started is rolled back.
                 Err(e) => {
-                    return Err(ClaimError::Hardware {
+                    return Err(ClaimError::TaskFailed {
                         claim: claim.clone(),
-                        source: crate::hardware::HardwareError::Injected {
-                            device: gpu,
-                            message: format!("hardware action panicked: {e}"),
-                        },
+                        action: "hardware action",
+                        message: format!("GPU {gpu}: {e}"),
                     });
                 }
             }
@@ -441,13 +450,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             })?;
         failpoint::hit("prepare/after-cdi-write");
 
-        self.update(claim, |c| {
-            if let Some(r) = c.claims.get_mut(&claim.uid) {
-                r.state = ClaimState::PrepareCompleted;
-            }
-            Ok(())
-        })
-        .await?;
+        self.set_state(claim, ClaimState::PrepareCompleted).await?;
         failpoint::hit("prepare/after-completed-checkpoint");
         info!(claim = %claim, devices = plan.devices.len(), "prepared");
         Ok(plan.devices.iter().map(PreparedDevice::from).collect())
@@ -476,12 +479,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         match tokio::time::timeout_at(deadline, work).await {
             Ok(Ok(r)) => r,
-            Ok(Err(e)) => Err(ClaimError::Hardware {
+            Ok(Err(e)) => Err(ClaimError::TaskFailed {
                 claim: claim.clone(),
-                source: crate::hardware::HardwareError::Injected {
-                    device: String::new(),
-                    message: format!("unprepare task failed: {e}"),
-                },
+                action: "unprepare",
+                message: e.to_string(),
             }),
             Err(_) => Err(missed()),
         }
@@ -508,13 +509,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 });
         };
         failpoint::hit("unprepare/before-started-checkpoint");
-        self.update(claim, |c| {
-            if let Some(r) = c.claims.get_mut(&claim.uid) {
-                r.state = ClaimState::UnprepareStarted;
-            }
-            Ok(())
-        })
-        .await?;
+        self.set_state(claim, ClaimState::UnprepareStarted).await?;
         failpoint::hit("unprepare/after-started-checkpoint");
         inner
             .cdi

@@ -13,7 +13,6 @@ use anyhow::{Context, bail};
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
-use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -80,20 +79,10 @@ async fn main() -> anyhow::Result<()> {
     apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
     apply_file(&client, &repo_path("examples/single-gpu/single-gpu.yaml")).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let pod = until("pod cuda-one-gpu to be scheduled", TIMEOUT, || async {
-        let p = pods.get("cuda-one-gpu").await.map_err(|e| e.to_string())?;
-        Ok(p.spec.as_ref().and_then(|s| s.node_name.clone()).map(|_| p))
-    })
-    .await?;
-    let claim_name = pod
-        .status
-        .and_then(|s| s.resource_claim_statuses)
-        .and_then(|s| s.into_iter().next())
-        .and_then(|s| s.resource_claim_name)
-        .context("the pod names no ResourceClaim")?;
-    let claim = Api::<ResourceClaim>::namespaced(client.clone(), "default")
-        .get(&claim_name)
-        .await?;
+    let claims = Api::<ResourceClaim>::namespaced(client.clone(), "default");
+    let (_, claim) =
+        drust_e2e::pods::bound_with_claim(&pods, &claims, "cuda-one-gpu", TIMEOUT).await?;
+    let claim_name = claim.metadata.name.clone().unwrap_or_default();
     println!("pod default/cuda-one-gpu bound to {NODE}; ResourceClaim default/{claim_name}:");
     let allocation = claim.status.as_ref().and_then(|s| s.allocation.as_ref());
     println!(
