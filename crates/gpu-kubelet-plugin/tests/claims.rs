@@ -276,12 +276,21 @@ async fn a_stuck_gpu_delays_only_its_own_claim_which_misses_its_deadline_and_is_
     );
 
     // The rollback waits for the stuck action, then undoes it; a retry then succeeds.
+    // Wait for that rollback first, then retry (generously: a loaded CI machine can push a
+    // single attempt past the 400 ms deadline, which only means another rollback and retry).
     f.hardware.delays.lock().unwrap().clear();
+    let undo = format!("unprepare {}", dev(0));
+    while !f.hardware.calls.lock().unwrap().contains(&undo)
+        && started.elapsed() < Duration::from_secs(10)
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let retried = loop {
         let r = c.prepare(vec![claim_ref("stuck", "us")]).await;
-        if r["us"].is_ok() || started.elapsed() > Duration::from_secs(5) {
+        if r["us"].is_ok() || started.elapsed() > Duration::from_secs(30) {
             break r;
         }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(retried["us"].is_ok(), "{retried:?}");
     let calls = f.hardware.calls.lock().unwrap().clone();
