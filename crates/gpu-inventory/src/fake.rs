@@ -205,6 +205,7 @@ pub struct FakeBackend {
     topology: Topology,
     calls: Mutex<Vec<String>>,
     failing_gpus: Mutex<BTreeSet<u32>>,
+    state_dir: Option<PathBuf>,
 }
 
 impl FakeBackend {
@@ -214,7 +215,20 @@ impl FakeBackend {
             topology,
             calls: Mutex::new(Vec::new()),
             failing_gpus: Mutex::new(BTreeSet::new()),
+            state_dir: None,
         }
+    }
+
+    /// Keeps what outlives a process on real hardware (created MIG instances) under `dir`, and
+    /// reads injected health events from `dir/events/`.
+    pub fn with_state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.state_dir = Some(dir.into());
+        self
+    }
+
+    /// The state directory, if any.
+    pub fn state_dir(&self) -> Option<&Path> {
+        self.state_dir.as_deref()
     }
 
     /// The topology served.

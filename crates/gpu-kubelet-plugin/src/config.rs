@@ -20,6 +20,9 @@ pub enum Backend {
     Fake {
         /// The topology file.
         topology: PathBuf,
+        /// Where the fake keeps what outlives the process on real hardware (created MIG
+        /// instances) and where tests drop injected health events; `None`: in memory only.
+        state_dir: Option<PathBuf>,
     },
 }
 
@@ -68,6 +71,15 @@ pub struct Config {
     pub rediscovery_interval: Duration,
     /// Print the slices and exit, contacting no API server.
     pub dry_run: Option<OutputFormat>,
+    /// This instance's ID (the pod UID under a DaemonSet); when set, socket names carry it so
+    /// two instances can run side by side during a rolling update.
+    pub instance_id: Option<String>,
+    /// Address of the HTTP endpoint serving `/metrics`, `/healthz` and `/readyz`; `None`: off.
+    pub http_address: Option<std::net::SocketAddr>,
+    /// Whether claims may configure GPU sharing (time-slicing, MPS).
+    pub sharing: bool,
+    /// Whether GPU health events are watched and published as device taints.
+    pub health_monitoring: bool,
 }
 
 impl Config {
@@ -91,6 +103,10 @@ impl Config {
             mig_strategy: gpu_inventory::MigStrategy::Existing,
             rediscovery_interval: Duration::from_secs(60),
             dry_run: None,
+            instance_id: None,
+            http_address: None,
+            sharing: true,
+            health_monitoring: true,
         }
     }
 }

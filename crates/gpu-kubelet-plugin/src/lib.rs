@@ -85,7 +85,16 @@ pub enum Error {
 /// [`Error::Topology`] or [`Error::Backend`].
 pub fn open_backend(config: &Config) -> Result<Arc<dyn GpuBackend>, Error> {
     Ok(match &config.backend {
-        Backend::Fake { topology } => Arc::new(FakeBackend::new(Topology::from_file(topology)?)),
+        Backend::Fake {
+            topology,
+            state_dir,
+        } => {
+            let fake = FakeBackend::new(Topology::from_file(topology)?);
+            Arc::new(match state_dir {
+                Some(dir) => fake.with_state_dir(dir),
+                None => fake,
+            })
+        }
         Backend::Nvml { library } => Arc::new(NvmlBackend::load(
             library.as_deref().map(|p| p.as_os_str()),
             config.sysfs_root.clone(),

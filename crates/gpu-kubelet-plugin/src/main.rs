@@ -33,6 +33,10 @@ struct Args {
     /// Use a fake GPU topology file instead of NVML (see examples/topologies/).
     #[arg(long)]
     fake_topology: Option<PathBuf>,
+    /// Directory where the fake backend keeps state that outlives the process on real hardware
+    /// (created MIG instances) and reads injected health events from (`events/*.json`).
+    #[arg(long, requires = "fake_topology")]
+    fake_state_dir: Option<PathBuf>,
     /// NVML library to load.
     #[arg(long)]
     nvml_library: Option<PathBuf>,
@@ -73,6 +77,19 @@ struct Args {
     /// How often to discover GPUs again and republish the pool when it changed, in seconds.
     #[arg(long, default_value_t = 60)]
     rediscovery_interval_seconds: u64,
+    /// This instance's ID (set it to the pod UID): socket names then carry it, so two
+    /// instances can serve side by side during a rolling update.
+    #[arg(long, env = "POD_UID")]
+    instance_id: Option<String>,
+    /// Serve /metrics, /healthz and /readyz on this address (e.g. 0.0.0.0:9477); off if unset.
+    #[arg(long)]
+    http_address: Option<std::net::SocketAddr>,
+    /// Allow claims to configure GPU sharing (time-slicing, MPS).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    sharing: bool,
+    /// Watch GPU health events and publish unhealthy devices as ResourceSlice device taints.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    health_monitoring: bool,
     /// Print the ResourceSlices this node would publish and exit; contacts no API server.
     #[arg(long)]
     dry_run: bool,
@@ -89,7 +106,10 @@ impl Args {
             (None, false) => anyhow::bail!("--node-name (or NODE_NAME) is required"),
         };
         let backend = match self.fake_topology {
-            Some(topology) => Backend::Fake { topology },
+            Some(topology) => Backend::Fake {
+                topology,
+                state_dir: self.fake_state_dir,
+            },
             None => Backend::Nvml {
                 library: self.nvml_library,
             },
@@ -122,6 +142,10 @@ impl Args {
             Format::Yaml => OutputFormat::Yaml,
             Format::Json => OutputFormat::Json,
         });
+        config.instance_id = self.instance_id.filter(|id| !id.is_empty());
+        config.http_address = self.http_address;
+        config.sharing = self.sharing;
+        config.health_monitoring = self.health_monitoring;
         Ok(config)
     }
 }

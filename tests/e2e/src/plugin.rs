@@ -67,6 +67,7 @@ impl NodePlugin {
             node,
             Backend::Fake {
                 topology: topology.to_owned(),
+                state_dir: Some(dir.path().join("fake-gpu-state")),
             },
         );
         config.kubeconfig = Some(cp.kubeconfig_path().to_owned());
