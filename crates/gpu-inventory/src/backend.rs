@@ -242,6 +242,24 @@ pub enum BackendError {
         /// NVML's error text.
         message: String,
     },
+    /// This backend cannot do that.
+    #[error("{call} is not supported by this GPU backend (GPU {index})")]
+    Unsupported {
+        /// The action.
+        call: &'static str,
+        /// The GPU's enumeration index.
+        index: u32,
+    },
+    /// A GPU setting could not be applied.
+    #[error("{call} for GPU {index}: {message}")]
+    Action {
+        /// The action.
+        call: &'static str,
+        /// The GPU's enumeration index.
+        index: u32,
+        /// What went wrong.
+        message: String,
+    },
     /// A fake backend was told to fail this query.
     #[error("injected fault: {call} for GPU {index}")]
     Injected {
@@ -272,4 +290,18 @@ pub trait GpuBackend: Send + Sync {
     /// # Errors
     /// [`BackendError`] when any query for that GPU fails.
     fn gpu(&self, index: u32) -> Result<RawGpu, BackendError>;
+
+    /// Sets the compute time slice of the GPU at `index` to `value`, in the encoding of
+    /// `nvidia-smi compute-policy --set-timeslice` (0 default, 1 short, 2 medium, 3 long).
+    ///
+    /// # Errors
+    /// [`BackendError`] when the setting cannot be applied; by default, always
+    /// ([`BackendError::Unsupported`]).
+    fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
+        let _ = value;
+        Err(BackendError::Unsupported {
+            call: "set_compute_time_slice",
+            index,
+        })
+    }
 }

@@ -20,7 +20,7 @@
 //! their profile's resources, as NVML does for a compute instance spanning its GPU instance.
 //! See `examples/topologies/` for complete files.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -206,6 +206,7 @@ pub struct FakeBackend {
     calls: Mutex<Vec<String>>,
     failing_gpus: Mutex<BTreeSet<u32>>,
     state_dir: Option<PathBuf>,
+    time_slices: Mutex<BTreeMap<u32, u8>>,
 }
 
 impl FakeBackend {
@@ -216,14 +217,30 @@ impl FakeBackend {
             calls: Mutex::new(Vec::new()),
             failing_gpus: Mutex::new(BTreeSet::new()),
             state_dir: None,
+            time_slices: Mutex::new(BTreeMap::new()),
         }
     }
 
     /// Keeps what outlives a process on real hardware (created MIG instances) under `dir`, and
     /// reads injected health events from `dir/events/`.
     pub fn with_state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
-        self.state_dir = Some(dir.into());
+        let dir = dir.into();
+        // Settings outlive the process, as on a real GPU.
+        if let Some(saved) = std::fs::read_to_string(dir.join("time-slices.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+        {
+            self.time_slices = Mutex::new(saved);
+        }
+        self.state_dir = Some(dir);
         self
+    }
+
+    /// The compute time slice last set on each GPU (by index; see
+    /// [`GpuBackend::set_compute_time_slice`]); GPUs never set are absent. With a state
+    /// directory, also kept in `<state_dir>/time-slices.json` as `{"<index>": <value>}`.
+    pub fn time_slices(&self) -> BTreeMap<u32, u8> {
+        lock(&self.time_slices).clone()
     }
 
     /// The state directory, if any.
@@ -282,6 +299,37 @@ impl GpuBackend for FakeBackend {
                 index,
                 message: "Invalid Argument".into(),
             })
+    }
+
+    fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
+        self.record(format!("set_compute_time_slice({index}, {value})"));
+        if lock(&self.failing_gpus).contains(&index) {
+            return Err(BackendError::Injected {
+                call: "set_compute_time_slice",
+                index,
+            });
+        }
+        if index as usize >= self.topology.gpus.len() || value > 3 {
+            return Err(BackendError::Action {
+                call: "set_compute_time_slice",
+                index,
+                message: format!("invalid GPU index or time slice {value}"),
+            });
+        }
+        let mut slices = lock(&self.time_slices);
+        slices.insert(index, value);
+        if let Some(dir) = &self.state_dir {
+            let text = serde_json::to_string(&*slices).unwrap_or_default();
+            let path = dir.join("time-slices.json");
+            std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(&path, text))
+                .map_err(|e| BackendError::Action {
+                    call: "set_compute_time_slice",
+                    index,
+                    message: format!("writing {}: {e}", path.display()),
+                })?;
+        }
+        Ok(())
     }
 }
 

@@ -62,12 +62,28 @@ pub struct ContainerEdits {
     /// Device nodes to create in the container.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub device_nodes: Vec<DeviceNode>,
+    /// Host paths to mount into the container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<Mount>,
 }
 
 impl ContainerEdits {
     fn is_empty(&self) -> bool {
-        self.env.is_empty() && self.device_nodes.is_empty()
+        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty()
     }
+}
+
+/// A bind mount (CDI `mounts` entry).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Mount {
+    /// Path on the host.
+    pub host_path: String,
+    /// Path in the container.
+    pub container_path: String,
+    /// Mount options, e.g. `rbind`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub options: Vec<String>,
 }
 
 /// A device node, by its path on the host (and in the container).

@@ -82,6 +82,10 @@ pub struct RecordedDevice {
     /// Whether the allocation grants admin access (shareable with other claims).
     #[serde(default)]
     pub admin_access: bool,
+    /// The sharing configured for this device (class then claim config), applied after the
+    /// hardware step and undone at unprepare; absent when none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<crate::claim_config::Sharing>,
 }
 
 impl From<&RecordedDevice> for PreparedDevice {
@@ -335,6 +339,7 @@ fn upgrade_v1(claims: BTreeMap<String, V1Claim>) -> Checkpoint {
                         cdi_device_ids: d.cdi_device_ids,
                         uuid: String::new(),
                         admin_access: false,
+                        sharing: None,
                     })
                     .collect(),
                 cdi_spec_path: c.cdi_spec,
@@ -377,6 +382,7 @@ mod tests {
                     cdi_device_ids: vec!["d/claim=u-gpu-0".into()],
                     uuid: "GPU-1".into(),
                     admin_access: false,
+                    sharing: None,
                 }],
                 cdi_spec_path: "/var/run/cdi/x.json".into(),
                 cdi_spec: Spec::default(),

@@ -80,6 +80,13 @@ pub struct Config {
     pub sharing: bool,
     /// Whether GPU health events are watched and published as device taints.
     pub health_monitoring: bool,
+    /// The MPS control tool (default `nvidia-cuda-mps-control`, found on `PATH`).
+    pub mps_control_binary: PathBuf,
+    /// Host directory of the per-claim MPS pipe and log directories (default `/run/drust/mps`);
+    /// the container runtime mounts from it, so inside a container it must be the host path.
+    pub mps_root: PathBuf,
+    /// How long an MPS daemon may take to start answering.
+    pub mps_start_timeout: Duration,
 }
 
 impl Config {
@@ -107,6 +114,9 @@ impl Config {
             http_address: None,
             sharing: true,
             health_monitoring: true,
+            mps_control_binary: PathBuf::from("nvidia-cuda-mps-control"),
+            mps_root: PathBuf::from("/run/drust/mps"),
+            mps_start_timeout: Duration::from_secs(5),
         }
     }
 }

@@ -16,6 +16,8 @@ use std::sync::Arc;
 
 use gpu_inventory::{Gpu, GpuBackend, Inventory, MigDevice, MigStrategy};
 
+use crate::claim_config::TimeSlice;
+
 /// A device of this node that a claim can be allocated.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeDevice {
@@ -51,6 +53,19 @@ impl NodeDevice {
     pub fn gpu(&self) -> &Gpu {
         match self {
             Self::Gpu(g) | Self::Mig { parent: g, .. } | Self::MigPlacement { parent: g, .. } => g,
+        }
+    }
+
+    /// Whether a container gets a MIG device (existing or to be created) rather than a whole GPU.
+    pub fn is_mig(&self) -> bool {
+        !matches!(self, Self::Gpu(_))
+    }
+
+    /// Device memory in bytes: the GPU's, or the MIG device's.
+    pub fn memory_bytes(&self) -> u64 {
+        match self {
+            Self::Mig { mig, .. } => mig.memory_bytes,
+            other => other.gpu().raw.memory_total_bytes,
         }
     }
 
@@ -194,6 +209,16 @@ pub enum HardwareError {
         /// The device name.
         device: String,
     },
+    /// A GPU setting (sharing) could not be applied or undone.
+    #[error("device {device}: {action}: {source}")]
+    Setting {
+        /// The device name.
+        device: String,
+        /// What was being set.
+        action: &'static str,
+        /// The cause.
+        source: gpu_inventory::BackendError,
+    },
     /// A fault injected by a test.
     #[error("device {device}: {message}")]
     Injected {
@@ -225,6 +250,23 @@ pub trait Hardware: Send + Sync + 'static {
     /// # Errors
     /// [`HardwareError`] when the undo fails.
     fn unprepare(&self, device: &NodeDevice) -> Result<(), HardwareError>;
+
+    /// Sets the compute time slice of `device`'s GPU (time-slicing; undone with
+    /// [`TimeSlice::Default`]).
+    ///
+    /// # Errors
+    /// [`HardwareError::Setting`] when it cannot be set; by default, always.
+    fn set_time_slice(&self, device: &NodeDevice, slice: TimeSlice) -> Result<(), HardwareError> {
+        let _ = slice;
+        Err(HardwareError::Setting {
+            device: device.name().to_owned(),
+            action: "setting the compute time slice",
+            source: gpu_inventory::BackendError::Unsupported {
+                call: "set_compute_time_slice",
+                index: device.gpu().raw.index,
+            },
+        })
+    }
 }
 
 /// Hardware actions through a [`GpuBackend`], with device nodes under `dev_root` and the
@@ -356,5 +398,15 @@ impl Hardware for BackendHardware {
 
     fn unprepare(&self, _device: &NodeDevice) -> Result<(), HardwareError> {
         Ok(())
+    }
+
+    fn set_time_slice(&self, device: &NodeDevice, slice: TimeSlice) -> Result<(), HardwareError> {
+        self.backend
+            .set_compute_time_slice(device.gpu().raw.index, slice.nvidia_smi_value())
+            .map_err(|source| HardwareError::Setting {
+                device: device.name().to_owned(),
+                action: "setting the compute time slice",
+                source,
+            })
     }
 }

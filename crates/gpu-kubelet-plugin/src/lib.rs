@@ -10,10 +10,12 @@
 
 pub mod cdi;
 pub mod checkpoint;
+pub mod claim_config;
 pub mod claims;
 pub mod config;
 pub mod failpoint;
 pub mod hardware;
+pub mod mps;
 pub mod publisher;
 pub mod storage;
 
@@ -231,6 +233,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
             node_name: config.node_name.clone(),
             timeout: config.claim_timeout,
             boot_id,
+            sharing: config.sharing,
+            mps: mps::MpsControl {
+                binary: config.mps_control_binary.clone(),
+                root: config.mps_root.clone(),
+                start_timeout: config.mps_start_timeout,
+            },
         },
         hardware::node_devices(&inventory, config.mig_strategy).into_values(),
         CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name),

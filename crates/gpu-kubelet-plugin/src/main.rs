@@ -87,6 +87,15 @@ struct Args {
     /// Allow claims to configure GPU sharing (time-slicing, MPS).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     sharing: bool,
+    /// The MPS control tool (from the driver root).
+    #[arg(long, default_value = "nvidia-cuda-mps-control")]
+    mps_control_binary: PathBuf,
+    /// Host directory for per-claim MPS pipe and log directories (mounted into containers).
+    #[arg(long, default_value = "/run/drust/mps")]
+    mps_root: PathBuf,
+    /// How long an MPS control daemon may take to start answering, in seconds.
+    #[arg(long, default_value_t = 5)]
+    mps_start_timeout_seconds: u64,
     /// Watch GPU health events and publish unhealthy devices as ResourceSlice device taints.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     health_monitoring: bool,
@@ -146,6 +155,10 @@ impl Args {
         config.http_address = self.http_address;
         config.sharing = self.sharing;
         config.health_monitoring = self.health_monitoring;
+        config.mps_control_binary = self.mps_control_binary;
+        config.mps_root = self.mps_root;
+        config.mps_start_timeout =
+            std::time::Duration::from_secs(self.mps_start_timeout_seconds.max(1));
         Ok(config)
     }
 }

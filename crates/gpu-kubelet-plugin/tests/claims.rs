@@ -51,6 +51,8 @@ impl Fixture {
             node_name: NODE.into(),
             timeout: self.timeout,
             boot_id: self.boot_id.clone(),
+            sharing: true,
+            mps: mps_control(&self.dir.path().join("mps")),
         }
     }
 
@@ -633,4 +635,234 @@ async fn concurrent_claims_share_checkpoint_writes_and_all_of_them_are_durable()
     );
     // Every claim is durable: a restart from the file sees all eight.
     assert_eq!(f.controller().await.prepared_claims().await.len(), 8);
+}
+
+fn time_slicing(interval: &str) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}})
+}
+
+fn mps(pct: u32, limit: &str) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": pct,
+                                               "defaultPinnedDeviceMemoryLimit": limit}}})
+}
+
+#[tokio::test]
+async fn time_slicing_from_the_claim_overrides_the_class_and_is_undone_at_unprepare() {
+    let f = Fixture::new(vec![with_configs(
+        claim("shared", "u1", &[(DRIVER, NODE, dev(2))]),
+        &[
+            ("FromClass", time_slicing("Short")),
+            ("FromClaim", time_slicing("Long")),
+        ],
+    )]);
+    let c = f.controller().await;
+    c.prepare(vec![claim_ref("shared", "u1")]).await["u1"]
+        .as_ref()
+        .expect("prepared");
+    let record = std::fs::read_to_string(f.dir.path().join("checkpoint.json")).expect("cp");
+    assert!(record.contains(r#""interval":"Long""#), "{record}");
+    c.unprepare(vec![claim_ref("shared", "u1")]).await["u1"]
+        .as_ref()
+        .expect("unprepared");
+    let calls = f.hardware.calls.lock().unwrap().clone();
+    let gpu = dev(2);
+    assert_eq!(
+        calls,
+        [
+            format!("prepare {gpu}"),
+            format!("time-slice {gpu} Long"),
+            format!("time-slice {gpu} Default"),
+            format!("unprepare {gpu}"),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn an_mps_claim_gets_its_own_daemon_with_limits_and_the_cdi_edits_to_reach_it() {
+    let mut f = Fixture::new(vec![with_configs(
+        claim(
+            "mps",
+            "u1",
+            &[(DRIVER, NODE, dev(0)), (DRIVER, NODE, dev(1))],
+        ),
+        &[("FromClaim", mps(30, "8Gi"))],
+    )]);
+    // The fake daemon is a Python script; leave room for a loaded machine.
+    f.timeout = Duration::from_secs(30);
+    let c = f.controller().await;
+    c.prepare(vec![claim_ref("mps", "u1")]).await["u1"]
+        .as_ref()
+        .expect("prepared");
+    let mps_dir = f.dir.path().join("mps/u1");
+    let log = std::fs::read_to_string(mps_dir.join("log/control.log")).expect("daemon log");
+    let uuids: Vec<String> = gpus()[..2].iter().map(|g| g.raw.uuid.clone()).collect();
+    assert!(
+        log.contains(&format!("CUDA_VISIBLE_DEVICES={}", uuids.join(","))),
+        "{log}"
+    );
+    assert!(
+        log.contains("set_default_active_thread_percentage 30"),
+        "{log}"
+    );
+    assert!(
+        log.contains("set_default_device_pinned_mem_limit 0 8192M"),
+        "{log}"
+    );
+    assert!(
+        log.contains("set_default_device_pinned_mem_limit 1 8192M"),
+        "{log}"
+    );
+    let spec: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(f.dir.path().join("cdi").join(&f.cdi_files()[0])).expect("spec"),
+    )
+    .expect("json");
+    let edits = &spec["containerEdits"];
+    assert!(
+        edits["env"]
+            .as_array()
+            .expect("env")
+            .contains(&serde_json::json!(
+                "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps"
+            )),
+        "{edits}"
+    );
+    assert_eq!(
+        edits["mounts"][0]["hostPath"],
+        mps_dir.join("pipe").display().to_string()
+    );
+
+    // A restarted plugin finds the daemon alive and leaves it be.
+    let (restarted, report) = f.start().await;
+    assert!(report.mps_restarted.is_empty(), "{report:?}");
+    restarted.unprepare(vec![claim_ref("mps", "u1")]).await["u1"]
+        .as_ref()
+        .expect("unprepared");
+    assert!(
+        !mps_dir.exists(),
+        "daemon stopped and its directories removed"
+    );
+}
+
+#[tokio::test]
+async fn a_daemon_that_died_with_the_plugin_is_started_again_at_start() {
+    let mut f = Fixture::new(vec![with_configs(
+        claim("mps", "u1", &[(DRIVER, NODE, dev(0))]),
+        &[("FromClaim", mps(50, "1Gi"))],
+    )]);
+    f.timeout = Duration::from_secs(30);
+    let c = f.controller().await;
+    c.prepare(vec![claim_ref("mps", "u1")]).await["u1"]
+        .as_ref()
+        .expect("prepared");
+    // Kill the daemon behind the plugin's back.
+    let control = mps_control(&f.dir.path().join("mps"));
+    let quit = std::process::Command::new(&control.binary)
+        .env("CUDA_MPS_PIPE_DIRECTORY", f.dir.path().join("mps/u1/pipe"))
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().expect("stdin").write_all(b"quit\n")?;
+            child.wait()
+        })
+        .expect("quit");
+    assert!(quit.success());
+    assert!(!control.is_running("u1").await);
+    let (_restarted, report) = f.start().await;
+    assert_eq!(report.mps_restarted, ["u1"]);
+    assert!(control.is_running("u1").await);
+    control.stop("u1").await.expect("cleanup");
+}
+
+#[tokio::test]
+async fn bad_or_unfitting_configs_fail_only_their_claim_and_prepare_nothing() {
+    let f = Fixture::new(vec![
+        with_configs(
+            claim("typo", "u1", &[(DRIVER, NODE, dev(0))]),
+            &[(
+                "FromClaim",
+                serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1", "kind": "GpuConfig",
+                    "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercent": 5}}}),
+            )],
+        ),
+        with_configs(
+            claim("too-much", "u2", &[(DRIVER, NODE, dev(1))]),
+            &[("FromClaim", mps(50, "1Ti"))],
+        ),
+        claim("good", "u3", &[(DRIVER, NODE, dev(2))]),
+    ]);
+    let c = f.controller().await;
+    let results = c
+        .prepare(vec![
+            claim_ref("typo", "u1"),
+            claim_ref("too-much", "u2"),
+            claim_ref("good", "u3"),
+        ])
+        .await;
+    let typo = results["u1"].as_ref().expect_err("typo").to_string();
+    assert!(
+        typo.contains("ResourceClaim ns/typo")
+            && typo.contains(
+                "opaque.parameters.sharing.mps.defaultActiveThreadPercent: unknown field"
+            ),
+        "{typo}"
+    );
+    let too_much = results["u2"].as_ref().expect_err("too much").to_string();
+    assert!(too_much.contains("more than the device's"), "{too_much}");
+    results["u3"].as_ref().expect("the good claim prepares");
+    assert_eq!(f.cdi_files(), ["gpu.example.com-claim_u3.json"]);
+    assert_eq!(c.prepared_claims().await, ["u3"]);
+}
+
+#[tokio::test]
+async fn a_failed_mps_start_rolls_the_claim_back() {
+    let mut f = Fixture::new(vec![with_configs(
+        claim("mps", "u1", &[(DRIVER, NODE, dev(3))]),
+        &[("FromClaim", mps(50, "1Gi"))],
+    )]);
+    f.timeout = Duration::from_secs(30);
+    let failing = f.dir.path().join("failing-mps-control");
+    std::fs::write(
+        &failing,
+        format!(
+            "#!/bin/sh\nFAKE_MPS_FAIL_START=1 exec {} \"$@\"\n",
+            mps_control(f.dir.path()).binary.display()
+        ),
+    )
+    .expect("wrapper");
+    std::process::Command::new("chmod")
+        .arg("+x")
+        .arg(&failing)
+        .status()
+        .expect("chmod");
+    let mut config = f.config();
+    config.mps.binary = failing;
+    let (c, _) = ClaimController::start(
+        f.cluster.clone(),
+        Arc::clone(&f.hardware),
+        config,
+        node_devices(),
+        f.cdi(),
+        f.checkpoint(),
+    )
+    .await
+    .unwrap();
+    let err = c.prepare(vec![claim_ref("mps", "u1")]).await["u1"]
+        .as_ref()
+        .expect_err("MPS cannot start")
+        .to_string();
+    assert!(
+        err.contains("MPS sharing") && err.contains("injected failure"),
+        "{err}"
+    );
+    assert!(f.cdi_files().is_empty());
+    assert!(c.prepared_claims().await.is_empty());
+    assert!(!f.dir.path().join("mps/u1").exists());
+    let gpu = dev(3);
+    assert_eq!(
+        f.hardware.calls.lock().unwrap().clone(),
+        [format!("prepare {gpu}"), format!("unprepare {gpu}")]
+    );
 }

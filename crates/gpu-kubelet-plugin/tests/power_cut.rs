@@ -226,6 +226,9 @@ async fn controller(
             node_name: NODE.into(),
             timeout: std::time::Duration::from_secs(5),
             boot_id: "boot".into(),
+            sharing: true,
+            // No claim here uses MPS; the directory is never created.
+            mps: mps_control(&std::env::temp_dir().join("drust-power-cut-no-mps")),
         },
         node_devices(),
         CdiWriter::new(fs.clone(), CDI, DRIVER),

@@ -291,6 +291,30 @@ impl GpuBackend for NvmlBackend {
             fabric: ffi::fabric_info(&self.nvml, &d),
         })
     }
+
+    /// NVML has no call for the compute time slice; `nvidia-smi compute-policy` (from the driver
+    /// root, on `PATH`) sets it, as NVIDIA's own DRA driver does.
+    fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
+        let fail = |message: String| BackendError::Action {
+            call: "nvidia-smi compute-policy --set-timeslice",
+            index,
+            message,
+        };
+        let out = std::process::Command::new("nvidia-smi")
+            .args(["compute-policy", "-i", &index.to_string()])
+            .arg(format!("--set-timeslice={value}"))
+            .output()
+            .map_err(|e| fail(e.to_string()))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(fail(format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -78,6 +78,22 @@ pub enum ClaimError {
         /// `namespace/name (uid)` of the claim holding it.
         holder: String,
     },
+    /// The opaque configuration of the allocation cannot be used.
+    #[error("ResourceClaim {claim}: {source}")]
+    Config {
+        /// The claim.
+        claim: ClaimRef,
+        /// What is wrong, naming the config entry and field.
+        source: crate::claim_config::ConfigError,
+    },
+    /// The claim's MPS control daemon could not be started or stopped.
+    #[error("ResourceClaim {claim}: MPS sharing: {source}")]
+    Mps {
+        /// The claim.
+        claim: ClaimRef,
+        /// The cause.
+        source: crate::mps::MpsError,
+    },
     /// A hardware action failed.
     #[error("ResourceClaim {claim}: {source}")]
     Hardware {

@@ -37,9 +37,11 @@ pub use error::ClaimError;
 pub use recovery::RecoveryReport;
 
 use crate::cdi::CdiWriter;
-use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, ClaimState};
+use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, ClaimState, RecordedDevice};
+use crate::claim_config::{Sharing, TimeSlice};
 use crate::failpoint;
 use crate::hardware::{Hardware, NodeDevice};
+use crate::mps::MpsControl;
 
 /// Default deadline of one prepare or unprepare, well below the kubelet's 45 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -55,6 +57,10 @@ pub struct ControllerConfig {
     pub timeout: Duration,
     /// This boot's ID (`/proc/sys/kernel/random/boot_id`).
     pub boot_id: String,
+    /// Whether claims may configure sharing (`--sharing`).
+    pub sharing: bool,
+    /// How per-claim MPS daemons run.
+    pub mps: MpsControl,
 }
 
 /// Prepares and unprepares claims for one driver on one node. Cheap to clone.
@@ -339,6 +345,113 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(())
     }
 
+    fn plan_context(&self) -> plan::PlanContext<'_> {
+        let inner = &self.inner;
+        plan::PlanContext {
+            driver: &inner.config.driver_name,
+            pool: &inner.config.node_name,
+            catalogue: &inner.devices,
+            hardware: inner.hardware.as_ref(),
+            cdi: &inner.cdi,
+            sharing: inner.config.sharing,
+            mps: &inner.config.mps,
+        }
+    }
+
+    /// Applies the sharing of `devices`: their GPUs' time slices, and the claim's MPS daemon
+    /// for the devices configured for MPS (in device order, which is the daemon's ordinal order).
+    async fn share(&self, claim: &ClaimRef, devices: &[RecordedDevice]) -> Result<(), ClaimError> {
+        let slices: Vec<(String, TimeSlice)> = devices
+            .iter()
+            .filter_map(|d| match d.sharing {
+                Some(Sharing::TimeSlicing { interval }) => Some((d.device_name.clone(), interval)),
+                _ => None,
+            })
+            .collect();
+        self.set_time_slices(claim, slices).await?;
+        let mps: Vec<(String, &crate::claim_config::MpsLimits)> = devices
+            .iter()
+            .filter_map(|d| match &d.sharing {
+                Some(Sharing::Mps(limits)) => Some((d.uuid.clone(), limits)),
+                _ => None,
+            })
+            .collect();
+        if let Some((_, limits)) = mps.first() {
+            let ids: Vec<String> = mps.iter().map(|(id, _)| id.clone()).collect();
+            self.inner
+                .config
+                .mps
+                .start(&claim.uid, &ids, limits)
+                .await
+                .map_err(|source| ClaimError::Mps {
+                    claim: claim.clone(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Undoes [`Self::share`]: stops the claim's MPS daemon (if any is running) and puts
+    /// time-sliced GPUs back to the default slice. Safe when nothing was applied.
+    async fn unshare(
+        &self,
+        claim: &ClaimRef,
+        devices: &[RecordedDevice],
+    ) -> Result<(), ClaimError> {
+        self.inner
+            .config
+            .mps
+            .stop(&claim.uid)
+            .await
+            .map_err(|source| ClaimError::Mps {
+                claim: claim.clone(),
+                source,
+            })?;
+        let slices = devices
+            .iter()
+            .filter(|d| matches!(d.sharing, Some(Sharing::TimeSlicing { .. })))
+            .map(|d| (d.device_name.clone(), TimeSlice::Default))
+            .collect();
+        self.set_time_slices(claim, slices).await
+    }
+
+    /// Sets each named device's GPU time slice, under the GPU locks.
+    async fn set_time_slices(
+        &self,
+        claim: &ClaimRef,
+        slices: Vec<(String, TimeSlice)>,
+    ) -> Result<(), ClaimError> {
+        for (name, slice) in slices {
+            let Some(device) = self.inner.devices.get(&name).cloned() else {
+                continue;
+            };
+            let Some(lock) = self.inner.gpu_locks.get(&device.gpu().name) else {
+                continue;
+            };
+            let guard = Arc::clone(lock).lock_owned().await;
+            let hw = Arc::clone(&self.inner.hardware);
+            let result = tokio::task::spawn_blocking(move || {
+                let _guard: OwnedMutexGuard<()> = guard;
+                hw.set_time_slice(&device, slice)
+            })
+            .await;
+            match result {
+                Ok(r) => r.map_err(|source| ClaimError::Hardware {
+                    claim: claim.clone(),
+                    source,
+                })?,
+                Err(e) => {
+                    return Err(ClaimError::TaskFailed {
+                        claim: claim.clone(),
+                        action: "time-slice setting",
+                        message: format!("device {name}: {e}"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     async fn prepare_claim(&self, claim: ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
         let timeout = self.inner.config.timeout;
         let deadline = tokio::time::Instant::now() + timeout;
@@ -406,15 +519,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .ok_or_else(|| ClaimError::NotFound {
                 claim: claim.clone(),
             })?;
-        let plan = plan::plan(
-            claim,
-            &rc,
-            &inner.config.driver_name,
-            &inner.config.node_name,
-            &inner.devices,
-            inner.hardware.as_ref(),
-            &inner.cdi,
-        )?;
+        let plan = plan::plan(claim, &rc, &self.plan_context())?;
 
         failpoint::hit("prepare/before-started-checkpoint");
         let record = ClaimRecord {
@@ -440,6 +545,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         )
         .await?;
         failpoint::hit("prepare/after-hardware");
+        self.share(claim, &plan.devices).await?;
+        failpoint::hit("prepare/after-sharing");
 
         inner
             .cdi
@@ -519,6 +626,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 source,
             })?;
         failpoint::hit("unprepare/after-cdi-remove");
+        self.unshare(claim, &record.devices).await?;
         self.hardware(
             claim,
             record.devices.iter().map(|d| d.device_name.as_str()),

@@ -11,7 +11,9 @@ use crate::cdi::{
     ContainerEdits, DeviceNode, Spec,
 };
 use crate::checkpoint::RecordedDevice;
+use crate::claim_config::{self, ConfigTarget, DeviceKind, Sharing};
 use crate::hardware::{CONTROL_DEVICE_NODES, Hardware, NodeDevice};
+use crate::mps::MpsControl;
 
 /// The devices of one claim on this node, and the CDI spec that exposes them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,17 +22,26 @@ pub(crate) struct Plan {
     pub(crate) spec: Spec,
 }
 
+/// What a plan is made against: this driver's pool, devices and settings.
+pub(crate) struct PlanContext<'a> {
+    pub(crate) driver: &'a str,
+    pub(crate) pool: &'a str,
+    pub(crate) catalogue: &'a BTreeMap<String, NodeDevice>,
+    pub(crate) hardware: &'a dyn Hardware,
+    pub(crate) cdi: &'a CdiWriter,
+    /// Whether sharing configs are allowed (`--sharing`).
+    pub(crate) sharing: bool,
+    pub(crate) mps: &'a MpsControl,
+}
+
 /// Checks `rc` against the kubelet's `claim` and builds the plan for this driver's devices in
-/// this node's pool.
+/// this node's pool, with each device's sharing from the allocation's opaque configs.
 pub(crate) fn plan(
     claim: &ClaimRef,
     rc: &ResourceClaim,
-    driver: &str,
-    pool: &str,
-    catalogue: &BTreeMap<String, NodeDevice>,
-    hardware: &dyn Hardware,
-    cdi: &CdiWriter,
+    cx: &PlanContext<'_>,
 ) -> Result<Plan, ClaimError> {
+    let (driver, pool, catalogue) = (cx.driver, cx.pool, cx.catalogue);
     let uid = rc.metadata.uid.clone().unwrap_or_default();
     if uid != claim.uid {
         return Err(ClaimError::UidMismatch {
@@ -38,15 +49,20 @@ pub(crate) fn plan(
             found: uid,
         });
     }
-    let results = rc
+    let allocated = rc
         .status
         .as_ref()
         .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
-        .ok_or_else(|| ClaimError::NotAllocated {
-            claim: claim.clone(),
-        })?;
+        .and_then(|a| a.devices.as_ref());
+    let results =
+        allocated
+            .and_then(|d| d.results.as_ref())
+            .ok_or_else(|| ClaimError::NotAllocated {
+                claim: claim.clone(),
+            })?;
+    let configs = allocated
+        .and_then(|d| d.config.as_deref())
+        .unwrap_or_default();
 
     let mut devices: Vec<RecordedDevice> = Vec::new();
     let mut used: Vec<&NodeDevice> = Vec::new();
@@ -71,9 +87,10 @@ pub(crate) fn plan(
             request_names: vec![r.request.clone()],
             pool_name: r.pool.clone(),
             device_name: r.device.clone(),
-            cdi_device_ids: vec![cdi.device_id(&claim.uid, &r.device)],
+            cdi_device_ids: vec![cx.cdi.device_id(&claim.uid, &r.device)],
             uuid: device.visible_id().to_owned(),
             admin_access: r.admin_access.unwrap_or(false),
+            sharing: None,
         });
     }
     if devices.is_empty() {
@@ -83,19 +100,53 @@ pub(crate) fn plan(
             pool: pool.to_owned(),
         });
     }
+    let targets: Vec<ConfigTarget<'_>> = devices
+        .iter()
+        .zip(&used)
+        .map(|(d, n)| ConfigTarget {
+            request: d.request_names.first().map_or("", String::as_str),
+            device: &d.device_name,
+            kind: if n.is_mig() {
+                DeviceKind::Mig
+            } else {
+                DeviceKind::Gpu
+            },
+            memory_bytes: n.memory_bytes(),
+        })
+        .collect();
+    let sharing =
+        claim_config::resolve(configs, driver, cx.sharing, &targets).map_err(|source| {
+            ClaimError::Config {
+                claim: claim.clone(),
+                source,
+            }
+        })?;
+    for (d, s) in devices.iter_mut().zip(sharing) {
+        d.sharing = s;
+    }
+    let mps = uses_mps(&devices).then_some(cx.mps);
     Ok(Plan {
-        spec: spec(claim, &used, hardware, cdi)?,
+        spec: spec(claim, &used, mps, cx.hardware, cx.cdi)?,
         devices,
     })
+}
+
+/// Whether any of `devices` is shared through MPS (the claim then has a daemon).
+pub(crate) fn uses_mps(devices: &[RecordedDevice]) -> bool {
+    devices
+        .iter()
+        .any(|d| matches!(d.sharing, Some(Sharing::Mps(_))))
 }
 
 /// The claim's CDI spec: one CDI device per allocated device with its device nodes
 /// (`/dev/nvidia<minor>`, plus the MIG capability nodes of a MIG device); the control nodes and
 /// `NVIDIA_VISIBLE_DEVICES` (the claim's GPU or MIG UUIDs) at spec level, since one spec holds
-/// exactly one claim's devices. Annotations name the claim for recovery from disk.
+/// exactly one claim's devices, and with `mps` the claim's MPS pipe directory and its
+/// environment. Annotations name the claim for recovery from disk.
 pub(crate) fn spec(
     claim: &ClaimRef,
     used: &[&NodeDevice],
+    mps: Option<&MpsControl>,
     hardware: &dyn Hardware,
     cdi: &CdiWriter,
 ) -> Result<Spec, ClaimError> {
@@ -111,8 +162,8 @@ pub(crate) fn spec(
         cdi_devices.push(CdiDevice {
             name: CdiWriter::device_name(&claim.uid, d.name()),
             container_edits: ContainerEdits {
-                env: Vec::new(),
                 device_nodes: nodes.into_iter().map(|path| DeviceNode { path }).collect(),
+                ..ContainerEdits::default()
             },
         });
     }
@@ -125,14 +176,20 @@ pub(crate) fn spec(
             (ANNOTATION_UID.to_owned(), claim.uid.clone()),
         ]),
         devices: cdi_devices,
-        container_edits: ContainerEdits {
-            env: vec![format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(","))],
-            device_nodes: CONTROL_DEVICE_NODES
+        container_edits: {
+            let mut edits = mps
+                .map(|m| m.container_edits(&claim.uid))
+                .unwrap_or_default();
+            edits
+                .env
+                .insert(0, format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(",")));
+            edits.device_nodes = CONTROL_DEVICE_NODES
                 .iter()
                 .map(|p| DeviceNode {
                     path: (*p).to_owned(),
                 })
-                .collect(),
+                .collect();
+            edits
         },
     })
 }

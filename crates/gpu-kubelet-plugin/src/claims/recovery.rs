@@ -23,8 +23,10 @@ pub struct RecoveryReport {
     pub rolled_back: Vec<String>,
     /// Completed claims whose missing or altered CDI spec was rewritten.
     pub regenerated: Vec<String>,
-    /// CDI specs and temp files no claim owns, removed.
+    /// CDI specs, temp files and MPS daemons no claim owns, removed.
     pub orphans_removed: Vec<String>,
+    /// Completed claims whose MPS daemon was not running and was started again.
+    pub mps_restarted: Vec<String>,
 }
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
@@ -71,8 +73,16 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             } else if record.state != ClaimState::PrepareCompleted {
                 self.release_locked(&claim).await?;
                 report.rolled_back.push(uid.clone());
-            } else if self.ensure_spec(&claim, record)? {
-                report.regenerated.push(uid.clone());
+            } else {
+                if self.ensure_spec(&claim, record)? {
+                    report.regenerated.push(uid.clone());
+                }
+                if plan::uses_mps(&record.devices) && !inner.config.mps.is_running(uid).await {
+                    // The daemon died with the previous plugin process: start it again so new
+                    // containers of the claim can use it.
+                    self.share(&claim, &record.devices).await?;
+                    report.mps_restarted.push(uid.clone());
+                }
             }
         }
 
@@ -101,6 +111,24 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
+        if let Ok(dirs) = std::fs::read_dir(&inner.config.mps.root) {
+            for uid in dirs
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+            {
+                if !kept.contains(&uid) {
+                    let orphan = ClaimRef {
+                        uid: uid.clone(),
+                        ..node.clone()
+                    };
+                    self.unshare(&orphan, &[]).await?;
+                    report
+                        .orphans_removed
+                        .push(inner.config.mps.claim_dir(&uid).display().to_string());
+                }
+            }
+        }
+
         let boot_id = inner.config.boot_id.clone();
         self.update(&node, |c| {
             c.boot_id = boot_id;
@@ -123,7 +151,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .iter()
                 .filter_map(|d| inner.devices.get(&d.device_name))
                 .collect();
-            plan::spec(claim, &used, inner.hardware.as_ref(), &inner.cdi)?
+            let mps = plan::uses_mps(&record.devices).then_some(&inner.config.mps);
+            plan::spec(claim, &used, mps, inner.hardware.as_ref(), &inner.cdi)?
         } else {
             record.cdi_spec.clone()
         };
@@ -157,6 +186,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 cdi_device_ids: vec![inner.cdi.device_id(&claim.uid, d.name())],
                 uuid: d.visible_id().to_owned(),
                 admin_access: false,
+                sharing: None,
             })
             .collect()
     }
@@ -189,15 +219,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 continue;
             }
             let devices = match inner.cluster.get_claim(&claim.namespace, &claim.name).await {
-                Ok(Some(rc)) => match plan::plan(
-                    &claim,
-                    &rc,
-                    &inner.config.driver_name,
-                    &inner.config.node_name,
-                    &inner.devices,
-                    inner.hardware.as_ref(),
-                    &inner.cdi,
-                ) {
+                Ok(Some(rc)) => match plan::plan(&claim, &rc, &self.plan_context()) {
                     Ok(p) => p.devices,
                     Err(_) => continue,
                 },

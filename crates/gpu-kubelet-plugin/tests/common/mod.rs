@@ -11,13 +11,16 @@ use std::time::Duration;
 
 use dra_kubelet::ClaimRef;
 use gpu_inventory::{FakeBackend, Gpu, Topology, discover};
+use gpu_kubelet_plugin::claim_config::TimeSlice;
 use gpu_kubelet_plugin::claims::Cluster;
 use gpu_kubelet_plugin::hardware::{Hardware, HardwareError, NodeDevice};
+use gpu_kubelet_plugin::mps::MpsControl;
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
-    ResourceClaimStatus,
+    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+    DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 
 pub const DRIVER: &str = "gpu.example.com";
 pub const NODE: &str = "node-a";
@@ -110,6 +113,51 @@ impl Hardware for ScriptedHardware {
             .push(format!("unprepare {}", gpu.name));
         Ok(())
     }
+
+    fn set_time_slice(&self, device: &NodeDevice, slice: TimeSlice) -> Result<(), HardwareError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("time-slice {} {slice:?}", device.gpu().name));
+        Ok(())
+    }
+}
+
+/// MPS daemons under `root`, run by the fake control tool in tests/fakes.
+pub fn mps_control(root: &Path) -> MpsControl {
+    MpsControl {
+        binary: Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fakes/nvidia-cuda-mps-control"),
+        root: root.to_owned(),
+        start_timeout: Duration::from_secs(10),
+    }
+}
+
+/// `claim` with opaque configs for `DRIVER` (`(source, parameters)`, applying to all requests).
+pub fn with_configs(
+    mut claim: ResourceClaim,
+    configs: &[(&str, serde_json::Value)],
+) -> ResourceClaim {
+    let devices = claim
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .expect("an allocated claim");
+    devices.config = Some(
+        configs
+            .iter()
+            .map(|(source, parameters)| DeviceAllocationConfiguration {
+                source: (*source).into(),
+                requests: None,
+                opaque: Some(OpaqueDeviceConfiguration {
+                    driver: DRIVER.into(),
+                    parameters: RawExtension(parameters.clone()),
+                }),
+            })
+            .collect(),
+    );
+    claim
 }
 
 pub fn claim(name: &str, uid: &str, results: &[(&str, &str, &str)]) -> ResourceClaim {
