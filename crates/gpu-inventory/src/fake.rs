@@ -658,4 +658,17 @@ gpus:
             after.pool(MigStrategy::Partitionable)
         );
     }
+
+    #[test]
+    fn capability_minors_follow_the_drivers_numbering() {
+        // Values from the mig-minors table of a real driver.
+        assert_eq!(mig::capability_minor(0, 0, None), 3);
+        assert_eq!(mig::capability_minor(0, 0, Some(0)), 4);
+        assert_eq!(mig::capability_minor(0, 1, None), 12);
+        assert_eq!(mig::capability_minor(3, 3, Some(3)), 439);
+        assert_eq!(mig::capability_minor(6, 11, Some(7)), 920);
+        let table = mig::capability_table(2);
+        assert_eq!(table.lines().count(), 2 + 2 * 15 * 9);
+        assert!(table.contains("gpu1/gi14/ci7/access 272\n"), "{table}");
+    }
 }

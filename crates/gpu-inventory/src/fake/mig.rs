@@ -237,3 +237,35 @@ pub fn create(
         }),
     })
 }
+
+/// The minor of the `/dev/nvidia-caps/nvidia-cap<m>` node guarding GPU instance `gi` (and, with
+/// `ci`, its compute instance) of the GPU with minor `gpu_minor`, as the driver numbers them in
+/// `/proc/driver/nvidia-caps/mig-minors`: `config` 1, `monitor` 2, then per GPU minor, per GPU
+/// instance id 0..=14, the GPU instance's `access` followed by compute instances 0..=7
+/// (`gpu0/gi0/access` 3, `gpu0/gi0/ci0/access` 4, `gpu0/gi1/access` 12, `gpu1/gi0/access` 138).
+pub fn capability_minor(gpu_minor: u32, gi: u32, ci: Option<u32>) -> u32 {
+    const PER_GI: u32 = 1 + 8;
+    const PER_GPU: u32 = MAX_GPU_INSTANCES * PER_GI;
+    3 + gpu_minor * PER_GPU + gi * PER_GI + ci.map_or(0, |c| 1 + c)
+}
+
+/// The driver's `/proc/driver/nvidia-caps/mig-minors` for GPUs with minors `0..gpus` (the real
+/// table lists every possible GPU, instance and compute instance, whether it exists or not).
+pub fn capability_table(gpus: u32) -> String {
+    let mut table = String::from("config 1\nmonitor 2\n");
+    for g in 0..gpus {
+        for gi in 0..MAX_GPU_INSTANCES {
+            table.push_str(&format!(
+                "gpu{g}/gi{gi}/access {}\n",
+                capability_minor(g, gi, None)
+            ));
+            for ci in 0..8 {
+                table.push_str(&format!(
+                    "gpu{g}/gi{gi}/ci{ci}/access {}\n",
+                    capability_minor(g, gi, Some(ci))
+                ));
+            }
+        }
+    }
+    table
+}

@@ -11,13 +11,17 @@ use crate::cdi::{
     ContainerEdits, DeviceNode, Spec,
 };
 use crate::checkpoint::RecordedDevice;
-use crate::hardware::{CONTROL_DEVICE_NODES, Hardware, NodeDevice};
+use crate::hardware::{CONTROL_DEVICE_NODES, CreatedMig, Hardware, NodeDevice};
 
 /// The devices of one claim on this node, and the CDI spec that exposes them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub(crate) devices: Vec<RecordedDevice>,
-    pub(crate) spec: Spec,
+    /// The node devices behind `devices`, in the same order.
+    pub(crate) used: Vec<NodeDevice>,
+    /// The CDI spec; `None` when a device is a MIG placement whose device nodes and UUID are
+    /// known only once prepare created it.
+    pub(crate) spec: Option<Spec>,
 }
 
 /// Checks `rc` against the kubelet's `claim` and builds the plan for this driver's devices in
@@ -49,7 +53,7 @@ pub(crate) fn plan(
         })?;
 
     let mut devices: Vec<RecordedDevice> = Vec::new();
-    let mut used: Vec<&NodeDevice> = Vec::new();
+    let mut used: Vec<NodeDevice> = Vec::new();
     for (index, r) in results.iter().enumerate() {
         if r.driver != driver || r.pool != pool {
             continue;
@@ -66,7 +70,7 @@ pub(crate) fn plan(
             d.request_names.push(r.request.clone());
             continue;
         }
-        used.push(device);
+        used.push(device.clone());
         devices.push(RecordedDevice {
             request_names: vec![r.request.clone()],
             pool_name: r.pool.clone(),
@@ -74,6 +78,7 @@ pub(crate) fn plan(
             cdi_device_ids: vec![cdi.device_id(&claim.uid, &r.device)],
             uuid: device.visible_id().to_owned(),
             admin_access: r.admin_access.unwrap_or(false),
+            mig: None,
         });
     }
     if devices.is_empty() {
@@ -83,8 +88,18 @@ pub(crate) fn plan(
             pool: pool.to_owned(),
         });
     }
+    let created_later = used
+        .iter()
+        .any(|d| matches!(d, NodeDevice::MigPlacement { .. }));
+    let spec = if created_later {
+        None
+    } else {
+        let used: Vec<&NodeDevice> = used.iter().collect();
+        Some(spec(claim, &used, &BTreeMap::new(), hardware, cdi)?)
+    };
     Ok(Plan {
-        spec: spec(claim, &used, hardware, cdi)?,
+        spec,
+        used,
         devices,
     })
 }
@@ -92,18 +107,27 @@ pub(crate) fn plan(
 /// The claim's CDI spec: one CDI device per allocated device with its device nodes
 /// (`/dev/nvidia<minor>`, plus the MIG capability nodes of a MIG device); the control nodes and
 /// `NVIDIA_VISIBLE_DEVICES` (the claim's GPU or MIG UUIDs) at spec level, since one spec holds
-/// exactly one claim's devices. Annotations name the claim for recovery from disk.
+/// exactly one claim's devices. Annotations name the claim for recovery from disk. `created`
+/// holds the MIG devices prepare created, by device name.
 pub(crate) fn spec(
     claim: &ClaimRef,
     used: &[&NodeDevice],
+    created: &BTreeMap<String, CreatedMig>,
     hardware: &dyn Hardware,
     cdi: &CdiWriter,
 ) -> Result<Spec, ClaimError> {
-    let uuids: Vec<&str> = used.iter().map(|d| d.visible_id()).collect();
+    let uuids: Vec<&str> = used
+        .iter()
+        .map(|d| {
+            created
+                .get(d.name())
+                .map_or_else(|| d.visible_id(), |c| c.uuid.as_str())
+        })
+        .collect();
     let mut cdi_devices = Vec::with_capacity(used.len());
     for d in used {
         let nodes = hardware
-            .device_nodes(d)
+            .device_nodes(d, created.get(d.name()))
             .map_err(|source| ClaimError::Hardware {
                 claim: claim.clone(),
                 source,

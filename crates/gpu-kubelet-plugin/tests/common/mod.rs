@@ -12,7 +12,7 @@ use std::time::Duration;
 use dra_kubelet::ClaimRef;
 use gpu_inventory::{FakeBackend, Gpu, Topology, discover};
 use gpu_kubelet_plugin::claims::Cluster;
-use gpu_kubelet_plugin::hardware::{Hardware, HardwareError, NodeDevice};
+use gpu_kubelet_plugin::hardware::{CreatedMig, Hardware, HardwareError, NodeDevice};
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
     ResourceClaimStatus,
@@ -83,7 +83,7 @@ pub struct ScriptedHardware {
 }
 
 impl Hardware for ScriptedHardware {
-    fn prepare(&self, device: &NodeDevice) -> Result<(), HardwareError> {
+    fn prepare(&self, device: &NodeDevice) -> Result<Option<CreatedMig>, HardwareError> {
         let gpu = device.gpu();
         let delay = self.delays.lock().unwrap().get(&gpu.name).copied();
         if let Some(d) = delay {
@@ -99,10 +99,14 @@ impl Hardware for ScriptedHardware {
                 message: "injected".into(),
             });
         }
-        Ok(())
+        Ok(None)
     }
 
-    fn unprepare(&self, device: &NodeDevice) -> Result<(), HardwareError> {
+    fn unprepare(
+        &self,
+        device: &NodeDevice,
+        _created: Option<&CreatedMig>,
+    ) -> Result<(), HardwareError> {
         let gpu = device.gpu();
         self.calls
             .lock()
