@@ -242,14 +242,6 @@ pub enum BackendError {
         /// NVML's error text.
         message: String,
     },
-    /// This backend cannot do that.
-    #[error("{call} is not supported by this GPU backend (GPU {index})")]
-    Unsupported {
-        /// The action.
-        call: &'static str,
-        /// The GPU's enumeration index.
-        index: u32,
-    },
     /// A GPU setting could not be applied.
     #[error("{call} for GPU {index}: {message}")]
     Action {
@@ -267,6 +259,22 @@ pub enum BackendError {
         call: &'static str,
         /// The GPU's enumeration index.
         index: u32,
+    },
+    /// The backend cannot do this (e.g. MIG management on a backend without it).
+    #[error("{call} for GPU {index}: not supported by this GPU backend")]
+    Unsupported {
+        /// The operation.
+        call: &'static str,
+        /// The GPU's enumeration index.
+        index: u32,
+    },
+    /// The fake backend's state file could not be read or written.
+    #[error("fake GPU state {path}: {message}")]
+    FakeState {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        message: String,
     },
 }
 
@@ -301,6 +309,51 @@ pub trait GpuBackend: Send + Sync {
         let _ = value;
         Err(BackendError::Unsupported {
             call: "set_compute_time_slice",
+            index,
+        })
+    }
+
+    /// Creates a MIG device on the GPU at `index`: a GPU instance of profile `profile_id` at
+    /// `placement` (`nvmlDeviceCreateGpuInstanceWithPlacement`), then one compute instance
+    /// spanning it (`nvmlGpuInstanceCreateComputeInstance` with the compute instance profile of
+    /// the same slice count). Returns the new device as [`GpuBackend::gpu`] will list it. The
+    /// GPU must have MIG enabled and the placement must be free; nothing is left behind when
+    /// this fails.
+    ///
+    /// # Errors
+    /// [`BackendError::Unsupported`] by default; [`BackendError::Query`] with NVML's answer
+    /// (e.g. `Insufficient Resources` for a taken placement) or [`BackendError::Injected`].
+    fn create_mig_device(
+        &self,
+        index: u32,
+        profile_id: u32,
+        placement: MigPlacement,
+    ) -> Result<RawMigDevice, BackendError> {
+        let _ = (profile_id, placement);
+        Err(BackendError::Unsupported {
+            call: "create_mig_device",
+            index,
+        })
+    }
+
+    /// Destroys the MIG device with these instance ids on the GPU at `index`: the compute
+    /// instance (`nvmlComputeInstanceDestroy`), then its GPU instance (`nvmlGpuInstanceDestroy`).
+    /// Returns `false` when there was no such GPU instance (already destroyed), so callers can
+    /// repeat it safely.
+    ///
+    /// # Errors
+    /// [`BackendError::Unsupported`] by default; [`BackendError::Query`] with NVML's answer
+    /// (e.g. `In use by another client` while a process runs on it) or
+    /// [`BackendError::Injected`].
+    fn destroy_mig_device(
+        &self,
+        index: u32,
+        gpu_instance_id: u32,
+        compute_instance_id: u32,
+    ) -> Result<bool, BackendError> {
+        let _ = (gpu_instance_id, compute_instance_id);
+        Err(BackendError::Unsupported {
+            call: "destroy_mig_device",
             index,
         })
     }

@@ -19,6 +19,36 @@
 //! built-in table of its product ([`crate::mig_tables`]); MIG devices without `attributes` report
 //! their profile's resources, as NVML does for a compute instance spanning its GPU instance.
 //! See `examples/topologies/` for complete files.
+//!
+//! # MIG devices created and destroyed
+//! [`GpuBackend::create_mig_device`] and [`GpuBackend::destroy_mig_device`] follow NVML's rules
+//! ([`mig::create`]): MIG mode must be enabled, the profile must be in the GPU's table and the
+//! placement one of its placements, no memory slice may be shared with another GPU instance,
+//! the profile's instance count and the GPU's compute slices are respected. GPU instance ids are
+//! the driver's (the placement's node in the buddy tree over the memory slices, else the lowest
+//! free id), the compute instance spans its GPU instance (id 0), and UUIDs are deterministic
+//! ([`mig::mig_uuid`]). [`GpuBackend::gpu`] lists the devices as they are now.
+//!
+//! With a state dir ([`FakeBackend::with_state_dir`]) the devices outlive the process, as they
+//! do on hardware across a plugin restart: `<state_dir>/mig.json` (replaced atomically) holds
+//!
+//! ```json
+//! {"created": 3, "gpus": {"GPU-<uuid>": [{"uuid": "MIG-...", "gpuInstanceId": 7,
+//!   "computeInstanceId": 0, "profileId": 0, "placement": {"start": 0, "size": 1},
+//!   "attributes": {...}}]}}
+//! ```
+//!
+//! `gpus` lists every GPU whose devices changed since the topology was read, with all of its
+//! devices (an empty list once the last was destroyed); other GPUs have the topology's
+//! `migDevices`; `created` counts creations (it makes UUIDs unique). Every backend opened on the
+//! same state dir sees the same devices. Without a state dir the same state lives in memory.
+//!
+//! Faults: [`FakeBackend::fail_mig_create`] / [`FakeBackend::fail_mig_destroy`] in process, or,
+//! for a separate process, the files `<state_dir>/fail-mig-create` and
+//! `<state_dir>/fail-mig-destroy`: while one exists (any content) every creation (destruction)
+//! fails with [`BackendError::Injected`] and changes nothing.
+
+pub mod mig;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -26,7 +56,10 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{BackendError, GpuBackend, MigAttributes, MigMode, RawGpu, SystemInfo};
+use crate::backend::{
+    BackendError, GpuBackend, MigAttributes, MigMode, MigPlacement, RawGpu, RawMigDevice,
+    SystemInfo,
+};
 use crate::mig_tables::builtin_profiles;
 
 /// The contents of a topology file.
@@ -207,6 +240,10 @@ pub struct FakeBackend {
     failing_gpus: Mutex<BTreeSet<u32>>,
     state_dir: Option<PathBuf>,
     time_slices: Mutex<BTreeMap<u32, u8>>,
+    /// MIG devices as changed in this process (without a state dir); also serializes
+    /// read-modify-write of the state file within the process.
+    mig: Mutex<mig::MigState>,
+    failing_mig: Mutex<BTreeSet<(&'static str, u32)>>,
 }
 
 impl FakeBackend {
@@ -218,6 +255,8 @@ impl FakeBackend {
             failing_gpus: Mutex::new(BTreeSet::new()),
             state_dir: None,
             time_slices: Mutex::new(BTreeMap::new()),
+            mig: Mutex::new(mig::MigState::default()),
+            failing_mig: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -258,15 +297,75 @@ impl FakeBackend {
         lock(&self.failing_gpus).insert(index);
     }
 
+    /// Makes every later MIG creation on the GPU at `index` fail with
+    /// [`BackendError::Injected`].
+    pub fn fail_mig_create(&self, index: u32) {
+        lock(&self.failing_mig).insert((CREATE, index));
+    }
+
+    /// Makes every later MIG destruction on the GPU at `index` fail with
+    /// [`BackendError::Injected`].
+    pub fn fail_mig_destroy(&self, index: u32) {
+        lock(&self.failing_mig).insert((DESTROY, index));
+    }
+
     /// The queries served so far, e.g. `["system", "device_count", "gpu(0)"]`.
     pub fn calls(&self) -> Vec<String> {
         lock(&self.calls).clone()
+    }
+
+    /// Runs `f` on the current MIG state (from the state file, else memory) while holding the
+    /// state lock; stores the state again when `f` returns `Ok(true)`.
+    fn with_mig<R>(
+        &self,
+        f: impl FnOnce(&mut mig::MigState) -> Result<(R, bool), BackendError>,
+    ) -> Result<R, BackendError> {
+        let mut memory = lock(&self.mig);
+        let file = self.state_dir.as_ref().map(|d| d.join(mig::STATE_FILE));
+        let mut state = match &file {
+            Some(path) => mig::MigState::load(path)?,
+            None => memory.clone(),
+        };
+        let (r, changed) = f(&mut state)?;
+        if changed {
+            if let Some(path) = &file {
+                state.store(path)?;
+            }
+            *memory = state;
+        }
+        Ok(r)
+    }
+
+    fn injected(&self, call: &'static str, index: u32) -> bool {
+        let file = match call {
+            CREATE => mig::FAIL_CREATE_FILE,
+            _ => mig::FAIL_DESTROY_FILE,
+        };
+        lock(&self.failing_mig).contains(&(call, index))
+            || self
+                .state_dir
+                .as_ref()
+                .is_some_and(|d| d.join(file).exists())
+    }
+
+    fn raw_gpu(&self, index: u32) -> Result<&RawGpu, BackendError> {
+        self.topology
+            .gpus
+            .get(index as usize)
+            .ok_or_else(|| BackendError::Query {
+                call: "nvmlDeviceGetHandleByIndex_v2",
+                index,
+                message: "Invalid Argument".into(),
+            })
     }
 
     fn record(&self, call: String) {
         lock(&self.calls).push(call);
     }
 }
+
+const CREATE: &str = "create_mig_device";
+const DESTROY: &str = "destroy_mig_device";
 
 /// A poisoned lock only means another test thread panicked; the data is still usable.
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -290,15 +389,71 @@ impl GpuBackend for FakeBackend {
         if lock(&self.failing_gpus).contains(&index) {
             return Err(BackendError::Injected { call: "gpu", index });
         }
-        self.topology
-            .gpus
-            .get(index as usize)
-            .cloned()
-            .ok_or_else(|| BackendError::Query {
-                call: "nvmlDeviceGetHandleByIndex_v2",
+        let mut gpu = self.raw_gpu(index)?.clone();
+        gpu.mig_devices = self.with_mig(|state| Ok((state.devices(&gpu).to_vec(), false)))?;
+        Ok(gpu)
+    }
+
+    fn create_mig_device(
+        &self,
+        index: u32,
+        profile_id: u32,
+        placement: MigPlacement,
+    ) -> Result<RawMigDevice, BackendError> {
+        self.record(format!(
+            "{CREATE}({index}, {profile_id}, {}+{})",
+            placement.start, placement.size
+        ));
+        if self.injected(CREATE, index) {
+            return Err(BackendError::Injected {
+                call: CREATE,
                 index,
-                message: "Invalid Argument".into(),
-            })
+            });
+        }
+        let gpu = self.raw_gpu(index)?;
+        self.with_mig(|state| {
+            let mut devices = state.devices(gpu).to_vec();
+            let device = mig::create(gpu, &devices, profile_id, placement, state.created + 1)
+                .map_err(|message| BackendError::Query {
+                    call: "nvmlDeviceCreateGpuInstanceWithPlacement",
+                    index,
+                    message,
+                })?;
+            state.created += 1;
+            devices.push(device.clone());
+            state.gpus.insert(gpu.uuid.clone(), devices);
+            Ok((device, true))
+        })
+    }
+
+    fn destroy_mig_device(
+        &self,
+        index: u32,
+        gpu_instance_id: u32,
+        compute_instance_id: u32,
+    ) -> Result<bool, BackendError> {
+        self.record(format!(
+            "{DESTROY}({index}, {gpu_instance_id}, {compute_instance_id})"
+        ));
+        if self.injected(DESTROY, index) {
+            return Err(BackendError::Injected {
+                call: DESTROY,
+                index,
+            });
+        }
+        let gpu = self.raw_gpu(index)?;
+        self.with_mig(|state| {
+            let mut devices = state.devices(gpu).to_vec();
+            let before = devices.len();
+            // The compute instance, then its GPU instance: with one compute instance per GPU
+            // instance, the device goes entirely.
+            devices.retain(|m| m.gpu_instance_id != gpu_instance_id);
+            if devices.len() == before {
+                return Ok((false, false));
+            }
+            state.gpus.insert(gpu.uuid.clone(), devices);
+            Ok((true, true))
+        })
     }
 
     fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
@@ -391,5 +546,177 @@ gpus:
                 .to_string();
             assert!(err.contains(needle) && err.contains("bad.yaml"), "{err}");
         }
+    }
+
+    const A100_MIG: &str = r#"
+system: {driverVersion: "550.54.15", cudaDriverVersion: 12040}
+gpus:
+  - {index: 0, minor: 0, uuid: GPU-m, name: NVIDIA A100-SXM4-80GB, brand: Nvidia,
+     architecture: Ampere, cudaComputeCapabilityMajor: 8, cudaComputeCapabilityMinor: 0,
+     memoryTotalBytes: 85899345920, multiprocessorCount: 108, pciBusId: "00000000:07:00.0",
+     numaNode: 0, migMode: enabled,
+     migDevices: [{uuid: MIG-pre, gpuInstanceId: 2, profileId: 2, placement: {start: 4, size: 4}}]}
+  - {index: 1, minor: 1, uuid: GPU-d, name: NVIDIA A100-SXM4-80GB, brand: Nvidia,
+     architecture: Ampere, cudaComputeCapabilityMajor: 8, cudaComputeCapabilityMinor: 0,
+     memoryTotalBytes: 85899345920, multiprocessorCount: 108, pciBusId: "00000000:0F:00.0",
+     numaNode: 0, migMode: disabled}
+"#;
+
+    fn a100() -> FakeBackend {
+        FakeBackend::new(Topology::parse(A100_MIG, "a100").expect("valid"))
+    }
+
+    fn at(start: u32, size: u32) -> MigPlacement {
+        MigPlacement { start, size }
+    }
+
+    #[test]
+    fn created_mig_devices_get_the_drivers_instance_ids_and_are_listed_until_destroyed() {
+        let fake = a100();
+        let one = fake
+            .create_mig_device(0, 0, at(1, 1))
+            .expect("1g.10gb at 1");
+        assert_eq!((one.gpu_instance_id, one.compute_instance_id), (8, 0));
+        let two = fake
+            .create_mig_device(0, 1, at(2, 2))
+            .expect("2g.20gb at 2");
+        assert_eq!(two.gpu_instance_id, 4);
+        assert!(
+            one.uuid.starts_with("MIG-") && one.uuid.len() == 40,
+            "{}",
+            one.uuid
+        );
+        assert_ne!(one.uuid, two.uuid);
+        let listed: Vec<u32> = fake
+            .gpu(0)
+            .expect("gpu")
+            .mig_devices
+            .iter()
+            .map(|m| m.gpu_instance_id)
+            .collect();
+        assert_eq!(listed, [2, 8, 4]);
+        assert!(fake.destroy_mig_device(0, 8, 0).expect("destroy"));
+        assert!(!fake.destroy_mig_device(0, 8, 0).expect("already gone"));
+        // The topology's own device can be destroyed too; the GPU is then empty.
+        assert!(fake.destroy_mig_device(0, 2, 0).expect("destroy"));
+        assert!(fake.destroy_mig_device(0, 4, 0).expect("destroy"));
+        assert!(fake.gpu(0).expect("gpu").mig_devices.is_empty());
+        // Created again at the same place: the same id, a new UUID.
+        let again = fake.create_mig_device(0, 0, at(1, 1)).expect("again");
+        assert_eq!(again.gpu_instance_id, 8);
+        assert_ne!(again.uuid, one.uuid);
+    }
+
+    #[test]
+    fn mig_creation_follows_nvmls_placement_rules() {
+        let fake = a100();
+        fake.create_mig_device(0, 7, at(0, 1))
+            .expect("1g.10gb+me at 0");
+        let cases = [
+            (1, 0, at(0, 1), "MIG mode is Disabled"),
+            (0, 99, at(0, 1), "profile 99 is not a profile"),
+            (0, 1, at(1, 2), "not a placement of profile 1"),
+            (0, 3, at(0, 4), "overlaps GPU instance 7"),
+            (0, 0, at(5, 1), "overlaps GPU instance 2"),
+            (0, 7, at(1, 1), "profile 7 allows 1 instance"),
+            (0, 4, at(0, 8), "overlaps"),
+        ];
+        for (index, profile, placement, needle) in cases {
+            let err = fake
+                .create_mig_device(index, profile, placement)
+                .expect_err(needle)
+                .to_string();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+        // Nothing refused was created.
+        assert_eq!(fake.gpu(0).expect("gpu").mig_devices.len(), 2);
+    }
+
+    #[test]
+    fn the_same_operations_give_the_same_uuids() {
+        let (a, b) = (a100(), a100());
+        for fake in [&a, &b] {
+            fake.create_mig_device(0, 0, at(0, 1)).expect("create");
+            fake.create_mig_device(0, 0, at(3, 1)).expect("create");
+        }
+        assert_eq!(a.gpu(0).expect("gpu"), b.gpu(0).expect("gpu"));
+    }
+
+    #[test]
+    fn mig_devices_outlive_the_backend_in_the_state_dir() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let topology = Topology::parse(A100_MIG, "a100").expect("valid");
+        let first = FakeBackend::new(topology.clone()).with_state_dir(dir.path());
+        let made = first.create_mig_device(0, 0, at(0, 1)).expect("create");
+        // A restarted plugin (a new backend on the same dir) sees it and can destroy it.
+        let second = FakeBackend::new(topology.clone()).with_state_dir(dir.path());
+        assert!(second.gpu(0).expect("gpu").mig_devices.contains(&made));
+        assert!(
+            second
+                .destroy_mig_device(0, made.gpu_instance_id, 0)
+                .expect("destroy")
+        );
+        assert!(!first.gpu(0).expect("gpu").mig_devices.contains(&made));
+        let text = std::fs::read_to_string(dir.path().join("mig.json")).expect("state file");
+        assert!(
+            text.contains("\"created\": 1") && text.contains("GPU-m"),
+            "{text}"
+        );
+        // A damaged state file is a named error, not a panic or an empty GPU.
+        std::fs::write(dir.path().join("mig.json"), b"{").expect("write");
+        let err = second.gpu(0).expect_err("corrupt").to_string();
+        assert!(err.contains("mig.json"), "{err}");
+    }
+
+    #[test]
+    fn injected_mig_faults_change_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fake = FakeBackend::new(Topology::parse(A100_MIG, "a100").expect("valid"))
+            .with_state_dir(dir.path());
+        std::fs::write(dir.path().join("fail-mig-create"), b"").expect("arm");
+        assert!(matches!(
+            fake.create_mig_device(0, 0, at(0, 1)),
+            Err(BackendError::Injected { index: 0, .. })
+        ));
+        std::fs::remove_file(dir.path().join("fail-mig-create")).expect("disarm");
+        let made = fake.create_mig_device(0, 0, at(0, 1)).expect("create");
+        fake.fail_mig_destroy(0);
+        assert!(fake.destroy_mig_device(0, made.gpu_instance_id, 0).is_err());
+        assert!(fake.gpu(0).expect("gpu").mig_devices.contains(&made));
+        fake.fail_mig_create(0);
+        assert!(fake.create_mig_device(0, 0, at(1, 1)).is_err());
+        assert_eq!(fake.gpu(0).expect("gpu").mig_devices.len(), 2);
+    }
+
+    #[test]
+    fn the_partitionable_pool_does_not_change_when_mig_devices_are_created() {
+        use crate::model::{MigStrategy, discover};
+        let fake = a100();
+        let before = discover(&fake).expect("discover");
+        fake.create_mig_device(0, 0, at(0, 1)).expect("create");
+        fake.create_mig_device(0, 1, at(2, 2)).expect("create");
+        fake.destroy_mig_device(0, 2, 0).expect("destroy");
+        let after = discover(&fake).expect("discover");
+        assert_ne!(
+            before.mig_devices, after.mig_devices,
+            "the inventory sees them"
+        );
+        assert_eq!(
+            before.pool(MigStrategy::Partitionable),
+            after.pool(MigStrategy::Partitionable)
+        );
+    }
+
+    #[test]
+    fn capability_minors_follow_the_drivers_numbering() {
+        // Values from the mig-minors table of a real driver.
+        assert_eq!(mig::capability_minor(0, 0, None), 3);
+        assert_eq!(mig::capability_minor(0, 0, Some(0)), 4);
+        assert_eq!(mig::capability_minor(0, 1, None), 12);
+        assert_eq!(mig::capability_minor(3, 3, Some(3)), 439);
+        assert_eq!(mig::capability_minor(6, 11, Some(7)), 920);
+        let table = mig::capability_table(2);
+        assert_eq!(table.lines().count(), 2 + 2 * 15 * 9);
+        assert!(table.contains("gpu1/gi14/ci7/access 272\n"), "{table}");
     }
 }

@@ -15,6 +15,13 @@
 //! - Version 1 (no envelope: `{"version":1,"claims":{…}}`, written by the first drust builds) is
 //!   read and upgraded on the next write. It could not record in-progress claims or the boot,
 //!   so its claims read as completed in the current boot.
+//! - Version 3 adds `devices[].mig` ([`CreatedMig`]): the MIG device prepare created for a
+//!   partitionable placement, which unprepare must destroy. A version 2 reader would ignore the
+//!   field and leave the MIG device behind, so a file holding any `mig` is written with
+//!   `minReaderVersion` 3; without one it stays 2, and a downgrade keeps working where dynamic
+//!   MIG is not used. (A downgraded plugin refuses the file as too new, rebuilds its claims from
+//!   the CDI specs, and cannot destroy the devices; after the next upgrade they are reclaimed as
+//!   orphans at start.)
 
 use std::collections::BTreeMap;
 use std::io;
@@ -27,12 +34,17 @@ use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 use crate::cdi::Spec;
+use crate::hardware::CreatedMig;
 use crate::storage::{Fs, write_atomic};
 
 /// The checkpoint format version this build writes.
-pub const VERSION: u32 = 2;
-/// The oldest reader version that can read what this build writes.
+pub const VERSION: u32 = 3;
+/// The oldest reader version that can read what this build writes when no claim holds a created
+/// MIG device.
 pub const MIN_READER_VERSION: u32 = 2;
+/// The oldest reader version that can read a checkpoint holding a created MIG device
+/// (`devices[].mig`, which it must act on at unprepare).
+pub const MIN_READER_VERSION_MIG: u32 = 3;
 
 /// How far prepare got for a claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,9 +95,13 @@ pub struct RecordedDevice {
     #[serde(default)]
     pub admin_access: bool,
     /// The sharing configured for this device (class then claim config), applied after the
-    /// hardware step and undone at unprepare; absent when none.
+    /// hardware step and undone at unprepare; absent when none. Since version 3.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharing: Option<crate::claim_config::Sharing>,
+    /// The MIG device prepare created for this device (a partitionable placement), recorded
+    /// durably before its CDI spec is written; unprepare destroys exactly this. Since version 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<CreatedMig>,
 }
 
 impl From<&RecordedDevice> for PreparedDevice {
@@ -96,6 +112,22 @@ impl From<&RecordedDevice> for PreparedDevice {
             device_name: d.device_name.clone(),
             cdi_device_ids: d.cdi_device_ids.clone(),
             share_id: None,
+        }
+    }
+}
+
+impl Checkpoint {
+    /// The oldest reader that can act on this content correctly.
+    pub fn min_reader_version(&self) -> u32 {
+        let mig = self
+            .claims
+            .values()
+            .flat_map(|r| &r.devices)
+            .any(|d| d.mig.is_some());
+        if mig {
+            MIN_READER_VERSION_MIG
+        } else {
+            MIN_READER_VERSION
         }
     }
 }
@@ -286,8 +318,9 @@ impl CheckpointFile {
         };
         let data = serde_json::to_vec(checkpoint).map_err(|e| write_err(e.into()))?;
         let mut bytes = format!(
-            "{{\"version\":{VERSION},\"minReaderVersion\":{MIN_READER_VERSION},\
+            "{{\"version\":{VERSION},\"minReaderVersion\":{},\
              \"checksum\":\"sha256:{}\",\"data\":",
+            checkpoint.min_reader_version(),
             sha256_hex(&data)
         )
         .into_bytes();
@@ -340,6 +373,7 @@ fn upgrade_v1(claims: BTreeMap<String, V1Claim>) -> Checkpoint {
                         uuid: String::new(),
                         admin_access: false,
                         sharing: None,
+                        mig: None,
                     })
                     .collect(),
                 cdi_spec_path: c.cdi_spec,
@@ -383,6 +417,7 @@ mod tests {
                     uuid: "GPU-1".into(),
                     admin_access: false,
                     sharing: None,
+                    mig: None,
                 }],
                 cdi_spec_path: "/var/run/cdi/x.json".into(),
                 cdi_spec: Spec::default(),
@@ -439,12 +474,12 @@ mod tests {
         assert_eq!(r.state, ClaimState::PrepareCompleted);
         assert_eq!(r.devices[0].device_name, "gpu-3");
         assert_eq!(r.cdi_spec_path, PathBuf::from("/cdi/x.json"));
-        // The next write is version 2 and reads back the same.
+        // The next write is the current version, readable by version 2, and reads back the same.
         f.store(&c).expect("store");
         assert!(
             std::fs::read_to_string(f.path())
                 .expect("read")
-                .starts_with("{\"version\":2")
+                .starts_with("{\"version\":3,\"minReaderVersion\":2,")
         );
         assert_eq!(f.load().expect("load"), Some(c));
     }
@@ -490,5 +525,43 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn a_created_mig_device_is_recorded_and_needs_a_reader_that_destroys_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = file(dir.path());
+        let mut c = sample();
+        let mig = CreatedMig {
+            parent_uuid: "GPU-1".into(),
+            uuid: "MIG-1".into(),
+            profile_id: 0,
+            placement_start: 3,
+            placement_size: 1,
+            gpu_instance_id: 10,
+            compute_instance_id: 0,
+        };
+        if let Some(r) = c.claims.get_mut("u") {
+            r.devices[0].mig = Some(mig.clone());
+        }
+        f.store(&c).expect("store");
+        let text = std::fs::read_to_string(f.path()).expect("read");
+        assert!(
+            text.starts_with("{\"version\":3,\"minReaderVersion\":3,"),
+            "{text}"
+        );
+        assert!(text.contains("\"gpuInstanceId\":10"), "{text}");
+        assert_eq!(f.load().expect("load"), Some(c.clone()));
+        // Once the device is gone from every record, older readers may read the file again.
+        if let Some(r) = c.claims.get_mut("u") {
+            r.devices[0].mig = None;
+        }
+        f.store(&c).expect("store");
+        let text = std::fs::read_to_string(f.path()).expect("read");
+        assert!(
+            text.starts_with("{\"version\":3,\"minReaderVersion\":2,"),
+            "{text}"
+        );
+        assert!(!text.contains("\"mig\""), "{text}");
     }
 }

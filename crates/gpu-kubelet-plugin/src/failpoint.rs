@@ -22,6 +22,15 @@ pub const ALL: [&str; 10] = [
     "unprepare/after-checkpoint",
 ];
 
+/// Failpoints only a dynamic MIG device passes (partitionable mode): around the creation of its
+/// MIG device at prepare, and after its destruction at unprepare. A prepare passes them between
+/// `prepare/after-started-checkpoint` and `prepare/after-hardware`.
+pub const MIG: [&str; 3] = [
+    "prepare/before-mig-create",
+    "prepare/after-mig-create",
+    "unprepare/after-mig-destroy",
+];
+
 struct Armed {
     name: String,
     nth: u32,

@@ -3,18 +3,32 @@
 //! For whole GPUs and existing MIG devices, preparing is checking: the GPU at the published index
 //! still has the published UUID and minor (so the wrong GPU is never injected), an existing MIG
 //! device still exists with the same instance ids, and every device node the container needs
-//! exists. Later issues add real actions here (creating MIG instances, sharing).
+//! exists.
+//!
+//! A partitionable MIG placement ([`NodeDevice::MigPlacement`]) is created at prepare: a GPU
+//! instance of the placement's profile at its memory slices and a compute instance spanning it
+//! ([`gpu_inventory::GpuBackend::create_mig_device`]). Prepare returns what it created
+//! ([`CreatedMig`]); the claim controller records that in the checkpoint before anything else
+//! happens, and unprepare destroys exactly the recorded device (an already destroyed one is
+//! success). In partitionable mode the plugin owns every MIG device on the GPUs it publishes
+//! placements for: at start, devices no prepared claim records are destroyed as orphans of a
+//! crash between creation and the checkpoint write (see [`crate::claims`]).
 //!
 //! MIG devices are reached through capability nodes: `/dev/nvidia-caps/nvidia-cap<m>` for the GPU
 //! instance and for the compute instance, where `<m>` comes from the driver's table
 //! `/proc/driver/nvidia-caps/mig-minors` (lines `gpu<minor>/gi<id>/access <m>` and
 //! `gpu<minor>/gi<id>/ci<id>/access <m>`), as NVIDIA's container toolkit reads it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use gpu_inventory::backend::{MigPlacement, RawMigDevice};
 use gpu_inventory::{Gpu, GpuBackend, Inventory, MigDevice, MigStrategy};
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+use crate::failpoint;
 
 use crate::claim_config::TimeSlice;
 
@@ -36,7 +50,64 @@ pub enum NodeDevice {
         parent: Gpu,
         /// Its device name.
         name: String,
+        /// Profile name, e.g. `1g.10gb`.
+        profile: String,
+        /// NVML GPU instance profile id.
+        profile_id: u32,
+        /// Memory slices it occupies.
+        placement: MigPlacement,
     },
+}
+
+/// A MIG device that prepare created for a claim, as recorded in the checkpoint
+/// (`devices[].mig`), so that unprepare and start-up recovery destroy exactly it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedMig {
+    /// UUID of the GPU it lives on.
+    pub parent_uuid: String,
+    /// `MIG-...`, what `NVIDIA_VISIBLE_DEVICES` names.
+    pub uuid: String,
+    /// NVML GPU instance profile id.
+    pub profile_id: u32,
+    /// First memory slice.
+    pub placement_start: u32,
+    /// Memory slices.
+    pub placement_size: u32,
+    /// GPU instance id.
+    pub gpu_instance_id: u32,
+    /// Compute instance id within the GPU instance.
+    pub compute_instance_id: u32,
+}
+
+impl CreatedMig {
+    /// The record of `raw` on the GPU `parent_uuid`.
+    pub fn new(parent_uuid: &str, raw: &RawMigDevice) -> Self {
+        Self {
+            parent_uuid: parent_uuid.to_owned(),
+            uuid: raw.uuid.clone(),
+            profile_id: raw.profile_id,
+            placement_start: raw.placement.start,
+            placement_size: raw.placement.size,
+            gpu_instance_id: raw.gpu_instance_id,
+            compute_instance_id: raw.compute_instance_id,
+        }
+    }
+}
+
+impl std::fmt::Display for CreatedMig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (GPU instance {}, compute instance {}, profile {}, memory slices {}..{})",
+            self.uuid,
+            self.gpu_instance_id,
+            self.compute_instance_id,
+            self.profile_id,
+            self.placement_start,
+            self.placement_start + self.placement_size
+        )
+    }
 }
 
 impl NodeDevice {
@@ -64,8 +135,18 @@ impl NodeDevice {
     /// Device memory in bytes: the GPU's, or the MIG device's.
     pub fn memory_bytes(&self) -> u64 {
         match self {
+            Self::Gpu(g) => g.raw.memory_total_bytes,
             Self::Mig { mig, .. } => mig.memory_bytes,
-            other => other.gpu().raw.memory_total_bytes,
+            // The profile's memory (NVML counts it in MiB); the whole GPU if the profile is
+            // unknown, which only makes the config check more lenient.
+            Self::MigPlacement {
+                parent, profile_id, ..
+            } => parent
+                .raw
+                .mig_profiles
+                .iter()
+                .find(|p| p.id == *profile_id)
+                .map_or(parent.raw.memory_total_bytes, |p| p.memory_size_mib << 20),
         }
     }
 
@@ -79,7 +160,9 @@ impl NodeDevice {
 }
 
 /// Every device `inventory` publishes under `strategy`, by name: whole GPUs, existing MIG devices,
-/// and partitionable MIG placements.
+/// and partitionable MIG placements. On a GPU published as partitionable, every MIG name is a
+/// placement, also where a MIG device exists now (it shares the placement's name): the plugin
+/// creates and destroys the devices there.
 pub fn node_devices(inventory: &Inventory, strategy: MigStrategy) -> BTreeMap<String, NodeDevice> {
     let by_name: BTreeMap<&str, &Gpu> = inventory
         .gpus
@@ -91,11 +174,16 @@ pub fn node_devices(inventory: &Inventory, strategy: MigStrategy) -> BTreeMap<St
         .iter()
         .map(|g| (g.raw.uuid.as_str(), g))
         .collect();
+    let pool = inventory.pool(strategy);
+    let partitioned: BTreeSet<&str> = pool.counter_sets.iter().map(|c| c.name.as_str()).collect();
     let mut out = BTreeMap::new();
     for g in &inventory.gpus {
         out.insert(g.name.clone(), NodeDevice::Gpu(g.clone()));
     }
     for m in &inventory.mig_devices {
+        if partitioned.contains(m.parent.as_str()) {
+            continue;
+        }
         if let Some(parent) = by_name.get(m.parent.as_str()) {
             out.insert(
                 m.name.clone(),
@@ -106,7 +194,7 @@ pub fn node_devices(inventory: &Inventory, strategy: MigStrategy) -> BTreeMap<St
             );
         }
     }
-    for d in inventory.pool(strategy).devices {
+    for d in pool.devices {
         if out.contains_key(&d.name) {
             continue;
         }
@@ -116,12 +204,19 @@ pub fn node_devices(inventory: &Inventory, strategy: MigStrategy) -> BTreeMap<St
             .and_then(|a| a.get("parentUUID"))
             .and_then(|a| a.string.as_deref())
             .and_then(|u| by_uuid.get(u));
-        if let Some(parent) = parent {
+        let Some(parent) = parent else { continue };
+        let placement = gpu_inventory::mig::placements(parent)
+            .into_iter()
+            .find(|p| p.name == d.name);
+        if let Some(p) = placement {
             out.insert(
                 d.name.clone(),
                 NodeDevice::MigPlacement {
                     parent: (*parent).clone(),
                     name: d.name.clone(),
+                    profile: p.profile,
+                    profile_id: p.profile_id,
+                    placement: p.placement,
                 },
             );
         }
@@ -200,11 +295,8 @@ pub enum HardwareError {
         /// The table read.
         table: PathBuf,
     },
-    /// The device is a MIG placement that prepare would have to create.
-    #[error(
-        "device {device}: creating MIG instances at prepare (partitionable mode) is not supported \
-         by this version; use existing MIG devices"
-    )]
+    /// A MIG placement's device nodes were asked for before its MIG device was created.
+    #[error("device {device}: the MIG device of this placement has not been created")]
     MigNotCreated {
         /// The device name.
         device: String,
@@ -216,6 +308,39 @@ pub enum HardwareError {
         device: String,
         /// What was being set.
         action: &'static str,
+        /// The cause.
+        source: gpu_inventory::BackendError,
+    },
+    /// Creating the MIG device of a placement failed; nothing was left behind.
+    #[error(
+        "device {device}: creating MIG device {profile} (profile id {profile_id}) at memory \
+         slices {start}..{end} on GPU {parent}: {source}"
+    )]
+    CreateMig {
+        /// The device name.
+        device: String,
+        /// Profile name.
+        profile: String,
+        /// NVML profile id.
+        profile_id: u32,
+        /// First memory slice.
+        start: u32,
+        /// One past the last memory slice.
+        end: u32,
+        /// The parent GPU's UUID.
+        parent: String,
+        /// The cause.
+        source: gpu_inventory::BackendError,
+    },
+    /// Destroying a MIG device failed; it still exists.
+    #[error("device {device}: destroying MIG device {mig} on GPU {parent}: {source}")]
+    DestroyMig {
+        /// The device name.
+        device: String,
+        /// The MIG device.
+        mig: Box<CreatedMig>,
+        /// The parent GPU's UUID.
+        parent: String,
         /// The cause.
         source: gpu_inventory::BackendError,
     },
@@ -233,23 +358,35 @@ pub enum HardwareError {
 /// synchronous); callers run them on blocking threads, one at a time per physical GPU.
 pub trait Hardware: Send + Sync + 'static {
     /// The device nodes (besides [`CONTROL_DEVICE_NODES`]) a container needs for `device`, as
-    /// paths inside the container. The default is the GPU's `/dev/nvidia<minor>`.
+    /// paths inside the container; `created` is what [`Hardware::prepare`] created for it. The
+    /// default is the GPU's `/dev/nvidia<minor>`.
     ///
     /// # Errors
     /// [`HardwareError`] when they cannot be determined.
-    fn device_nodes(&self, device: &NodeDevice) -> Result<Vec<String>, HardwareError> {
+    fn device_nodes(
+        &self,
+        device: &NodeDevice,
+        created: Option<&CreatedMig>,
+    ) -> Result<Vec<String>, HardwareError> {
+        let _ = created;
         Ok(vec![gpu_device_node(device.gpu().raw.minor)])
     }
-    /// Readies `device` for a container.
+    /// Readies `device` for a container; returns the MIG device it created, if any. On error
+    /// nothing it created is left behind (a crash in between is for start-up recovery).
     ///
     /// # Errors
     /// [`HardwareError`] when the device is not what was published or cannot be readied.
-    fn prepare(&self, device: &NodeDevice) -> Result<(), HardwareError>;
-    /// Undoes [`Hardware::prepare`]; must succeed when nothing was done.
+    fn prepare(&self, device: &NodeDevice) -> Result<Option<CreatedMig>, HardwareError>;
+    /// Undoes [`Hardware::prepare`], destroying `created` if given; must succeed when nothing
+    /// was done or it was undone before.
     ///
     /// # Errors
     /// [`HardwareError`] when the undo fails.
-    fn unprepare(&self, device: &NodeDevice) -> Result<(), HardwareError>;
+    fn unprepare(
+        &self,
+        device: &NodeDevice,
+        created: Option<&CreatedMig>,
+    ) -> Result<(), HardwareError>;
 
     /// Sets the compute time slice of `device`'s GPU (time-slicing; undone with
     /// [`TimeSlice::Default`]).
@@ -266,6 +403,24 @@ pub trait Hardware: Send + Sync + 'static {
                 index: device.gpu().raw.index,
             },
         })
+    }
+
+    /// The MIG devices on `gpu` now, for start-up reconciliation in partitionable mode. The
+    /// default knows of none.
+    ///
+    /// # Errors
+    /// [`HardwareError`] when the GPU cannot be queried.
+    fn mig_devices(&self, gpu: &Gpu) -> Result<Vec<CreatedMig>, HardwareError> {
+        let _ = gpu;
+        Ok(Vec::new())
+    }
+    /// Destroys a MIG device on `gpu` that no claim owns (found by [`Hardware::mig_devices`]).
+    ///
+    /// # Errors
+    /// [`HardwareError`] when it cannot be destroyed.
+    fn destroy_mig(&self, gpu: &Gpu, mig: &CreatedMig) -> Result<(), HardwareError> {
+        let _ = (gpu, mig);
+        Ok(())
     }
 }
 
@@ -324,48 +479,19 @@ impl BackendHardware {
     }
 }
 
-impl Hardware for BackendHardware {
-    fn device_nodes(&self, device: &NodeDevice) -> Result<Vec<String>, HardwareError> {
-        let gpu = device.gpu();
-        let mut nodes = vec![gpu_device_node(gpu.raw.minor)];
-        match device {
-            NodeDevice::Gpu(_) => {}
-            NodeDevice::MigPlacement { name, .. } => {
-                return Err(HardwareError::MigNotCreated {
-                    device: name.clone(),
-                });
-            }
-            NodeDevice::Mig { mig, .. } => {
-                let Some((gi, ci)) = mig.instance_ids else {
-                    return Err(HardwareError::MigNotCreated {
-                        device: mig.name.clone(),
-                    });
-                };
-                let minor = gpu.raw.minor;
-                for key in [
-                    format!("gpu{minor}/gi{gi}/access"),
-                    format!("gpu{minor}/gi{gi}/ci{ci}/access"),
-                ] {
-                    let m = self.mig_minor(&mig.name, &key)?;
-                    nodes.push(format!("/dev/nvidia-caps/nvidia-cap{m}"));
-                }
-            }
-        }
-        Ok(nodes)
-    }
-
-    fn prepare(&self, device: &NodeDevice) -> Result<(), HardwareError> {
-        let gpu = device.gpu();
+impl BackendHardware {
+    /// The GPU as the backend sees it now, refusing another GPU at the published index.
+    fn current(&self, device: &str, gpu: &Gpu) -> Result<gpu_inventory::RawGpu, HardwareError> {
         let now = self
             .backend
             .gpu(gpu.raw.index)
             .map_err(|source| HardwareError::Query {
-                device: device.name().to_owned(),
+                device: device.to_owned(),
                 source,
             })?;
         if now.uuid != gpu.raw.uuid || now.minor != gpu.raw.minor {
             return Err(HardwareError::WrongGpu {
-                device: device.name().to_owned(),
+                device: device.to_owned(),
                 index: gpu.raw.index,
                 published: gpu.raw.uuid.clone(),
                 published_minor: gpu.raw.minor,
@@ -373,6 +499,140 @@ impl Hardware for BackendHardware {
                 found_minor: now.minor,
             });
         }
+        Ok(now)
+    }
+
+    /// Creates the MIG device of a placement and checks its device nodes; destroys it again
+    /// when they are missing.
+    fn create(
+        &self,
+        device: &NodeDevice,
+        profile: &str,
+        profile_id: u32,
+        placement: MigPlacement,
+    ) -> Result<CreatedMig, HardwareError> {
+        let gpu = device.gpu();
+        failpoint::hit("prepare/before-mig-create");
+        let raw = self
+            .backend
+            .create_mig_device(gpu.raw.index, profile_id, placement)
+            .map_err(|source| HardwareError::CreateMig {
+                device: device.name().to_owned(),
+                profile: profile.to_owned(),
+                profile_id,
+                start: placement.start,
+                end: placement.start + placement.size,
+                parent: gpu.raw.uuid.clone(),
+                source,
+            })?;
+        let created = CreatedMig::new(&gpu.raw.uuid, &raw);
+        failpoint::hit("prepare/after-mig-create");
+        let nodes = self.device_nodes(device, Some(&created)).and_then(|nodes| {
+            nodes
+                .iter()
+                .map(String::as_str)
+                .chain(CONTROL_DEVICE_NODES)
+                .try_for_each(|n| self.check_node(device.name(), n))
+        });
+        if let Err(e) = nodes {
+            if let Err(undo) = self.destroy(device.name(), gpu, &created) {
+                warn!(device = device.name(), mig = %created, error = %undo,
+                    "destroying a MIG device whose device nodes are missing failed; it is \
+                     reclaimed at the next start");
+            }
+            return Err(e);
+        }
+        Ok(created)
+    }
+
+    /// Destroys `mig` if it still exists on `gpu` (matched by UUID, so a device created later
+    /// with the same instance ids is never touched).
+    fn destroy(&self, device: &str, gpu: &Gpu, mig: &CreatedMig) -> Result<(), HardwareError> {
+        let now = self.current(device, gpu)?;
+        let Some(m) = now.mig_devices.iter().find(|m| m.uuid == mig.uuid) else {
+            return Ok(());
+        };
+        self.backend
+            .destroy_mig_device(gpu.raw.index, m.gpu_instance_id, m.compute_instance_id)
+            .map(|_| ())
+            .map_err(|source| HardwareError::DestroyMig {
+                device: device.to_owned(),
+                mig: Box::new(mig.clone()),
+                parent: gpu.raw.uuid.clone(),
+                source,
+            })
+    }
+
+    fn capability_nodes(
+        &self,
+        device: &str,
+        minor: u32,
+        gi: u32,
+        ci: u32,
+    ) -> Result<Vec<String>, HardwareError> {
+        [
+            format!("gpu{minor}/gi{gi}/access"),
+            format!("gpu{minor}/gi{gi}/ci{ci}/access"),
+        ]
+        .iter()
+        .map(|key| {
+            self.mig_minor(device, key)
+                .map(|m| format!("/dev/nvidia-caps/nvidia-cap{m}"))
+        })
+        .collect()
+    }
+}
+
+impl Hardware for BackendHardware {
+    fn device_nodes(
+        &self,
+        device: &NodeDevice,
+        created: Option<&CreatedMig>,
+    ) -> Result<Vec<String>, HardwareError> {
+        let gpu = device.gpu();
+        let minor = gpu.raw.minor;
+        let mut nodes = vec![gpu_device_node(minor)];
+        match device {
+            NodeDevice::Gpu(_) => {}
+            NodeDevice::MigPlacement { name, .. } => {
+                let Some(c) = created else {
+                    return Err(HardwareError::MigNotCreated {
+                        device: name.clone(),
+                    });
+                };
+                nodes.extend(self.capability_nodes(
+                    name,
+                    minor,
+                    c.gpu_instance_id,
+                    c.compute_instance_id,
+                )?);
+            }
+            NodeDevice::Mig { mig, .. } => {
+                let Some((gi, ci)) = mig.instance_ids else {
+                    return Err(HardwareError::MigNotCreated {
+                        device: mig.name.clone(),
+                    });
+                };
+                nodes.extend(self.capability_nodes(&mig.name, minor, gi, ci)?);
+            }
+        }
+        Ok(nodes)
+    }
+
+    fn prepare(&self, device: &NodeDevice) -> Result<Option<CreatedMig>, HardwareError> {
+        let now = self.current(device.name(), device.gpu())?;
+        if let NodeDevice::MigPlacement {
+            profile,
+            profile_id,
+            placement,
+            ..
+        } = device
+        {
+            return self
+                .create(device, profile, *profile_id, *placement)
+                .map(Some);
+        }
+        let gpu = device.gpu();
         if let NodeDevice::Mig { mig, .. } = device {
             let uuid = mig.uuid.clone().unwrap_or_default();
             let still_there = now.mig_devices.iter().any(|m| {
@@ -387,17 +647,37 @@ impl Hardware for BackendHardware {
                 });
             }
         }
-        for node in self.device_nodes(device)? {
+        for node in self.device_nodes(device, None)? {
             self.check_node(device.name(), &node)?;
         }
         for node in CONTROL_DEVICE_NODES {
             self.check_node(device.name(), node)?;
         }
+        Ok(None)
+    }
+
+    fn unprepare(
+        &self,
+        device: &NodeDevice,
+        created: Option<&CreatedMig>,
+    ) -> Result<(), HardwareError> {
+        let Some(mig) = created else { return Ok(()) };
+        self.destroy(device.name(), device.gpu(), mig)?;
+        failpoint::hit("unprepare/after-mig-destroy");
         Ok(())
     }
 
-    fn unprepare(&self, _device: &NodeDevice) -> Result<(), HardwareError> {
-        Ok(())
+    fn mig_devices(&self, gpu: &Gpu) -> Result<Vec<CreatedMig>, HardwareError> {
+        let now = self.current(&gpu.name, gpu)?;
+        Ok(now
+            .mig_devices
+            .iter()
+            .map(|m| CreatedMig::new(&gpu.raw.uuid, m))
+            .collect())
+    }
+
+    fn destroy_mig(&self, gpu: &Gpu, mig: &CreatedMig) -> Result<(), HardwareError> {
+        self.destroy(&gpu.name, gpu, mig)
     }
 
     fn set_time_slice(&self, device: &NodeDevice, slice: TimeSlice) -> Result<(), HardwareError> {

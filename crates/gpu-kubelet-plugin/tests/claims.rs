@@ -14,9 +14,7 @@ use gpu_inventory::{FakeBackend, Topology};
 use gpu_kubelet_plugin::cdi::CdiWriter;
 use gpu_kubelet_plugin::checkpoint::CheckpointFile;
 use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig, RecoveryReport};
-use gpu_kubelet_plugin::hardware::{
-    BackendHardware, Hardware, NodeDevice, node_devices as catalogue,
-};
+use gpu_kubelet_plugin::hardware::{BackendHardware, Hardware, node_devices as catalogue};
 use gpu_kubelet_plugin::storage::RealFs;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
@@ -462,7 +460,7 @@ async fn the_wrong_gpu_or_a_missing_device_node_is_refused_at_prepare() {
 }
 
 #[tokio::test]
-async fn an_existing_mig_device_is_prepared_with_its_capability_nodes_and_a_placement_is_refused() {
+async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
     let root = tempfile::tempdir().unwrap();
     let topology = Topology::from_file(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -502,7 +500,7 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes_and_a_plac
         std::fs::write(dev.join(n), b"").unwrap();
     }
 
-    let devices = catalogue(&inventory, gpu_inventory::MigStrategy::Partitionable);
+    let devices = catalogue(&inventory, gpu_inventory::MigStrategy::Existing);
     let f = Fixture::new(vec![claim(
         "slice",
         "um",
@@ -547,22 +545,6 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes_and_a_plac
         spec["containerEdits"]["env"][0],
         format!("NVIDIA_VISIBLE_DEVICES={}", mig.uuid.clone().unwrap())
     );
-
-    // A partitionable placement would need a MIG instance created: a clear error for now.
-    let placement = devices
-        .values()
-        .find(|d| matches!(d, NodeDevice::MigPlacement { .. }))
-        .expect("partitionable placements are published")
-        .name()
-        .to_owned();
-    f.cluster.put(claim(
-        "new-slice",
-        "up",
-        &[(DRIVER, NODE, placement.as_str())],
-    ));
-    let r = c.prepare(vec![claim_ref("new-slice", "up")]).await;
-    let err = r["up"].as_ref().expect_err("not supported yet").to_string();
-    assert!(err.contains("creating MIG instances at prepare"), "{err}");
 }
 
 /// Counts checkpoint stores (renames onto the checkpoint file) on the real filesystem.

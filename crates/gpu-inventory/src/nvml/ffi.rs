@@ -8,8 +8,10 @@ use std::mem;
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try, nvml_try_count};
 use nvml_wrapper::{Device, Nvml};
 use nvml_wrapper_sys::bindings::{
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_GPU_FABRIC_STATE_COMPLETED, NVML_GPU_FABRIC_STATE_IN_PROGRESS,
-    NVML_GPU_FABRIC_STATE_NOT_STARTED, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t,
+    NVML_GPU_FABRIC_STATE_NOT_STARTED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
+    nvmlComputeInstanceProfileInfo_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t,
     nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU,
@@ -115,6 +117,102 @@ pub(super) fn gpu_instance_info(
             size: info.placement.size,
         },
     })
+}
+
+/// Creates a GPU instance of `profile` at `placement` (`nvmlDeviceCreateGpuInstanceWithPlacement`)
+/// and a compute instance spanning it: the first compute instance profile whose slice count is
+/// `slice_count` (`nvmlGpuInstanceGetComputeInstanceProfileInfo`, shared engines), created with
+/// `nvmlGpuInstanceCreateComputeInstance`. Returns the GPU and compute instance ids. When the
+/// compute instance cannot be made, the GPU instance is destroyed again before the error returns.
+pub(super) fn create_mig(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    profile: u32,
+    placement: MigPlacement,
+    slice_count: u32,
+) -> Result<(u32, u32), NvmlError> {
+    let lib = nvml.lib();
+    let create_gi = nvml_sym(lib.nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())?;
+    let gi_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref())?;
+    let ci_profile = nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceProfileInfo.as_ref())?;
+    let create_ci = nvml_sym(lib.nvmlGpuInstanceCreateComputeInstance.as_ref())?;
+    let ci_info = nvml_sym(lib.nvmlComputeInstanceGetInfo_v2.as_ref())?;
+    let destroy_gi = nvml_sym(lib.nvmlGpuInstanceDestroy.as_ref())?;
+
+    let at = nvmlGpuInstancePlacement_t {
+        start: placement.start,
+        size: placement.size,
+    };
+    let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+    // SAFETY: `device` is a live GPU handle; `at` is a valid placement we own for the call;
+    // `gi` is a valid out-pointer for the new instance's handle.
+    nvml_try(unsafe { create_gi(device.handle(), profile, &at, &mut gi) })?;
+    let made = (|| {
+        // SAFETY: an all-zero nvmlGpuInstanceInfo_t is a valid value (integers and a null pointer).
+        let mut info: nvmlGpuInstanceInfo_t = unsafe { mem::zeroed() };
+        // SAFETY: `gi` was just created by NVML; `info` is a valid out-pointer.
+        nvml_try(unsafe { gi_info(gi, &mut info) })?;
+        let mut chosen = None;
+        for id in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+            // SAFETY: an all-zero profile info is a valid value (integers only).
+            let mut p: nvmlComputeInstanceProfileInfo_t = unsafe { mem::zeroed() };
+            // SAFETY: `gi` is live; `p` is a valid out-pointer. Unsupported ids answer an error.
+            let r =
+                unsafe { ci_profile(gi, id, NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, &mut p) };
+            if nvml_try(r).is_ok() && p.sliceCount == slice_count {
+                chosen = Some(p.id);
+                break;
+            }
+        }
+        let ci_profile_id = chosen.ok_or(NvmlError::NotSupported)?;
+        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+        // SAFETY: `gi` is live; `ci` is a valid out-pointer for the new compute instance.
+        nvml_try(unsafe { create_ci(gi, ci_profile_id, &mut ci) })?;
+        // SAFETY: an all-zero nvmlComputeInstanceInfo_t is a valid value (integers, null handles).
+        let mut cinfo: nvmlComputeInstanceInfo_t = unsafe { mem::zeroed() };
+        // SAFETY: `ci` was just created by NVML; `cinfo` is a valid out-pointer.
+        nvml_try(unsafe { ci_info(ci, &mut cinfo) })?;
+        Ok((info.id, cinfo.id))
+    })();
+    if made.is_err() {
+        // SAFETY: `gi` is the live instance created above, destroyed once here and not used
+        // afterwards.
+        let _ = nvml_try(unsafe { destroy_gi(gi) });
+    }
+    made
+}
+
+/// Destroys compute instance `ci` of GPU instance `gi` (`nvmlComputeInstanceDestroy`), then the
+/// GPU instance (`nvmlGpuInstanceDestroy`). `Ok(false)` when the GPU instance does not exist; a
+/// missing compute instance is skipped.
+pub(super) fn destroy_mig(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    gi: u32,
+    ci: u32,
+) -> Result<bool, NvmlError> {
+    let lib = nvml.lib();
+    let gi_by_id = nvml_sym(lib.nvmlDeviceGetGpuInstanceById.as_ref())?;
+    let ci_by_id = nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceById.as_ref())?;
+    let destroy_ci = nvml_sym(lib.nvmlComputeInstanceDestroy.as_ref())?;
+    let destroy_gi = nvml_sym(lib.nvmlGpuInstanceDestroy.as_ref())?;
+    let mut instance: nvmlGpuInstance_t = std::ptr::null_mut();
+    // SAFETY: `device` is a live GPU handle; `instance` is a valid out-pointer.
+    match nvml_try(unsafe { gi_by_id(device.handle(), gi, &mut instance) }) {
+        Err(NvmlError::NotFound) => return Ok(false),
+        other => other?,
+    }
+    let mut compute: nvmlComputeInstance_t = std::ptr::null_mut();
+    // SAFETY: `instance` came from NVML just above; `compute` is a valid out-pointer.
+    match nvml_try(unsafe { ci_by_id(instance, ci, &mut compute) }) {
+        Err(NvmlError::NotFound) => {}
+        Err(e) => return Err(e),
+        // SAFETY: `compute` is the live compute instance NVML just returned, used once.
+        Ok(()) => nvml_try(unsafe { destroy_ci(compute) })?,
+    }
+    // SAFETY: `instance` is live (its compute instance is gone); not used after this call.
+    nvml_try(unsafe { destroy_gi(instance) })?;
+    Ok(true)
 }
 
 /// `nvmlDeviceGetGpuFabricInfoV` (struct version 3); `None` where unsupported, not registered

@@ -8,7 +8,11 @@
 //! them wrong: `nvmlDeviceGetNvLinkRemoteDeviceType` (the wrapper returns `Unknown` always),
 //! `nvmlDeviceGetGpuInstancePossiblePlacements_v2` (the wrapper returns an empty list),
 //! `nvmlDeviceGetGpuInstanceId` + `nvmlDeviceGetGpuInstanceById` + `nvmlGpuInstanceGetInfo`
-//! (not wrapped) and `nvmlDeviceGetGpuFabricInfoV` (not wrapped).
+//! (not wrapped), `nvmlDeviceGetGpuFabricInfoV` (not wrapped), and MIG creation and
+//! destruction (`nvmlDeviceCreateGpuInstanceWithPlacement`,
+//! `nvmlGpuInstanceGetComputeInstanceProfileInfo`, `nvmlGpuInstanceCreateComputeInstance`,
+//! `nvmlDeviceGetGpuInstanceById`, `nvmlGpuInstanceGetComputeInstanceById`,
+//! `nvmlComputeInstanceDestroy`, `nvmlGpuInstanceDestroy`; not wrapped).
 
 mod ffi;
 
@@ -20,8 +24,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use crate::backend::{
-    BackendError, GpuBackend, MigAttributes, MigMode, MigProfile, NvLinkGroup, RawGpu,
-    RawMigDevice, SystemInfo,
+    BackendError, GpuBackend, MigAttributes, MigMode, MigPlacement, MigProfile, NvLinkGroup,
+    RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::mig_tables::PROFILE_COUNT;
 
@@ -314,6 +318,46 @@ impl GpuBackend for NvmlBackend {
                 String::from_utf8_lossy(&out.stderr).trim()
             )))
         }
+    }
+
+    fn create_mig_device(
+        &self,
+        index: u32,
+        profile_id: u32,
+        placement: MigPlacement,
+    ) -> Result<RawMigDevice, BackendError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
+        let slices = d
+            .profile_info(profile_id)
+            .map_err(query("nvmlDeviceGetGpuInstanceProfileInfo", index))?
+            .slice_count;
+        let (gi, ci) = ffi::create_mig(&self.nvml, &d, profile_id, placement, slices)
+            .map_err(query("nvmlDeviceCreateGpuInstanceWithPlacement", index))?;
+        self.mig_devices(&d, index)?
+            .into_iter()
+            .find(|m| m.gpu_instance_id == gi && m.compute_instance_id == ci)
+            .ok_or_else(|| BackendError::Query {
+                call: "nvmlDeviceGetMigDeviceHandleByIndex",
+                index,
+                message: format!("created GPU instance {gi} compute instance {ci} is not listed"),
+            })
+    }
+
+    fn destroy_mig_device(
+        &self,
+        index: u32,
+        gpu_instance_id: u32,
+        compute_instance_id: u32,
+    ) -> Result<bool, BackendError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
+        ffi::destroy_mig(&self.nvml, &d, gpu_instance_id, compute_instance_id)
+            .map_err(query("nvmlGpuInstanceDestroy", index))
     }
 }
 

@@ -3,9 +3,18 @@
 //! Lifecycle of a claim (each arrow is a durable checkpoint write, see [`crate::checkpoint`]):
 //!
 //! ```text
-//! prepare:   -> PrepareStarted -> hardware, per device -> CDI spec -> PrepareCompleted
+//! prepare:   -> PrepareStarted -> hardware, per device [-> created MIG devices] -> CDI spec
+//!            -> PrepareCompleted
 //! unprepare: -> UnprepareStarted -> remove CDI spec -> hardware undo -> (record removed)
 //! ```
+//!
+//! Dynamic MIG (partitionable mode): the hardware step creates the MIG device of each allocated
+//! placement; what it created is written to the checkpoint (`devices[].mig`) before the CDI
+//! spec, which is computed only then (the new device's capability nodes and UUID). A failure
+//! destroys what the record lists; unprepare destroys exactly that. A crash between creation and
+//! that write leaves a MIG device no record owns: in partitionable mode the plugin owns every
+//! MIG device on the GPUs it publishes placements for, and start-up recovery destroys those no
+//! prepared claim records, logging each.
 //!
 //! A crash anywhere leaves a record saying what may exist; [`ClaimController::start`] finishes
 //! or rolls back every record that is not `PrepareCompleted`, regenerates missing CDI specs of
@@ -40,8 +49,12 @@ use crate::cdi::CdiWriter;
 use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, ClaimState, RecordedDevice};
 use crate::claim_config::{Sharing, TimeSlice};
 use crate::failpoint;
-use crate::hardware::{Hardware, NodeDevice};
+use crate::hardware::{CreatedMig, Hardware, NodeDevice};
 use crate::mps::MpsControl;
+
+/// A hardware action on one device, run on a blocking thread.
+type DeviceAction<H, T> =
+    Arc<dyn Fn(&H, &NodeDevice) -> Result<T, crate::hardware::HardwareError> + Send + Sync>;
 
 /// Default deadline of one prepare or unprepare, well below the kubelet's 45 s.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -305,44 +318,82 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         groups.into_iter().collect()
     }
 
-    /// Runs the hardware action for every device in `names`: GPU by GPU in name order (so two
-    /// claims never deadlock), each GPU's devices on a blocking thread that holds the GPU's lock
-    /// until the action ends, even if the caller stops waiting.
-    async fn hardware<'a>(
+    /// Runs `action` for every device in `names`: GPU by GPU in name order (so two claims never
+    /// deadlock), each GPU's devices on a blocking thread that holds the GPU's lock until the
+    /// action ends. Stops at the first failure. Returns what each device's action gave, for the
+    /// devices that succeeded, with the outcome, so a caller can record what was made even when
+    /// a later device failed.
+    async fn on_devices<'a, T: Send + 'static>(
         &self,
         claim: &ClaimRef,
         names: impl IntoIterator<Item = &'a str>,
-        undo: bool,
-    ) -> Result<(), ClaimError> {
+        action: DeviceAction<H, T>,
+    ) -> (Vec<(String, T)>, Result<(), ClaimError>) {
+        let mut done = Vec::new();
         for (gpu, devices) in self.by_gpu(names) {
             let Some(lock) = self.inner.gpu_locks.get(&gpu) else {
                 continue;
             };
             let guard = Arc::clone(lock).lock_owned().await;
             let hw = Arc::clone(&self.inner.hardware);
+            let action = Arc::clone(&action);
             let result = tokio::task::spawn_blocking(move || {
                 let _guard: OwnedMutexGuard<()> = guard;
-                devices
-                    .iter()
-                    .try_for_each(|d| if undo { hw.unprepare(d) } else { hw.prepare(d) })
+                let mut ok = Vec::new();
+                for d in &devices {
+                    match action(&hw, d) {
+                        Ok(t) => ok.push((d.name().to_owned(), t)),
+                        Err(e) => return (ok, Err(e)),
+                    }
+                }
+                (ok, Ok(()))
             })
             .await;
             match result {
-                Ok(r) => r.map_err(|source| ClaimError::Hardware {
-                    claim: claim.clone(),
-                    source,
-                })?,
+                Ok((ok, r)) => {
+                    done.extend(ok);
+                    if let Err(source) = r {
+                        let e = ClaimError::Hardware {
+                            claim: claim.clone(),
+                            source,
+                        };
+                        return (done, Err(e));
+                    }
+                }
                 // The action panicked; fail the claim so what it started is rolled back.
                 Err(e) => {
-                    return Err(ClaimError::TaskFailed {
+                    let e = ClaimError::TaskFailed {
                         claim: claim.clone(),
                         action: "hardware action",
                         message: format!("GPU {gpu}: {e}"),
-                    });
+                    };
+                    return (done, Err(e));
                 }
             }
         }
-        Ok(())
+        (done, Ok(()))
+    }
+
+    /// Undoes the hardware step for `record`'s devices, destroying the MIG devices it lists.
+    async fn unprepare_hardware(
+        &self,
+        claim: &ClaimRef,
+        record: &ClaimRecord,
+    ) -> Result<(), ClaimError> {
+        let created: BTreeMap<String, CreatedMig> = record
+            .devices
+            .iter()
+            .filter_map(|d| d.mig.clone().map(|m| (d.device_name.clone(), m)))
+            .collect();
+        let undo: DeviceAction<H, ()> =
+            Arc::new(move |hw: &H, d: &NodeDevice| hw.unprepare(d, created.get(d.name())));
+        self.on_devices(
+            claim,
+            record.devices.iter().map(|d| d.device_name.as_str()),
+            undo,
+        )
+        .await
+        .1
     }
 
     fn plan_context(&self) -> plan::PlanContext<'_> {
@@ -463,27 +514,40 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let guard = tokio::time::timeout_at(deadline, self.claim_lock(&claim.uid).lock_owned())
             .await
             .map_err(|_| missed(&claim))?;
-        match tokio::time::timeout_at(deadline, self.prepare_locked(&claim)).await {
-            Ok(Ok(devices)) => Ok(devices),
-            Ok(Err(e)) => {
-                // Undo what this attempt made; a claim that was never started has nothing.
-                if let Err(rollback) = self.release_locked(&claim).await {
-                    warn!(claim = %claim, error = %rollback, "rollback after a failed prepare failed");
-                }
-                Err(e)
-            }
+        // The attempt runs as its own task, never dropped half-way: what its hardware step
+        // creates is always recorded, so the rollback destroys it.
+        let mut work = {
+            let this = self.clone();
+            let c = claim.clone();
+            tokio::spawn(async move { this.prepare_locked(&c).await })
+        };
+        let failed = match tokio::time::timeout_at(deadline, &mut work).await {
+            Ok(Ok(Ok(devices))) => return Ok(devices),
+            Ok(Ok(Err(e))) => e,
+            Ok(Err(e)) => ClaimError::TaskFailed {
+                claim: claim.clone(),
+                action: "prepare",
+                message: e.to_string(),
+            },
             Err(_) => {
                 let this = self.clone();
                 let c = claim.clone();
                 tokio::spawn(async move {
                     let _guard = guard;
+                    // Let the attempt finish first; then undo whatever it got to.
+                    let _ = work.await;
                     if let Err(e) = this.release_locked(&c).await {
                         warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
                     }
                 });
-                Err(missed(&claim))
+                return Err(missed(&claim));
             }
+        };
+        // Undo what this attempt made; a claim that was never started has nothing.
+        if let Err(rollback) = self.release_locked(&claim).await {
+            warn!(claim = %claim, error = %rollback, "rollback after a failed prepare failed");
         }
+        Err(failed)
     }
 
     async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
@@ -528,7 +592,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             state: ClaimState::PrepareStarted,
             devices: plan.devices.clone(),
             cdi_spec_path: inner.cdi.spec_path(&claim.uid),
-            cdi_spec: plan.spec.clone(),
+            cdi_spec: plan.spec.clone().unwrap_or_default(),
         };
         self.update(claim, |c| {
             check_conflicts(c, claim, &record)?;
@@ -538,19 +602,71 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         .await?;
         failpoint::hit("prepare/after-started-checkpoint");
 
-        self.hardware(
-            claim,
-            plan.devices.iter().map(|d| d.device_name.as_str()),
-            false,
-        )
-        .await?;
+        let prepare: DeviceAction<H, Option<CreatedMig>> =
+            Arc::new(|hw: &H, d: &NodeDevice| hw.prepare(d));
+        let (made, outcome) = self
+            .on_devices(
+                claim,
+                plan.devices.iter().map(|d| d.device_name.as_str()),
+                prepare,
+            )
+            .await;
+        let created: BTreeMap<String, CreatedMig> = made
+            .into_iter()
+            .filter_map(|(name, c)| c.map(|c| (name, c)))
+            .collect();
+        let spec = match plan.spec {
+            Some(spec) => Ok(spec),
+            None => {
+                let used: Vec<&NodeDevice> = plan.used.iter().collect();
+                let mps = plan::uses_mps(&plan.devices).then_some(&inner.config.mps);
+                plan::spec(
+                    claim,
+                    &used,
+                    &created,
+                    mps,
+                    inner.hardware.as_ref(),
+                    &inner.cdi,
+                )
+            }
+        };
+        // The devices as prepared: a created MIG device is reached by its own UUID.
+        let mut devices = plan.devices.clone();
+        for d in &mut devices {
+            if let Some(m) = created.get(&d.device_name) {
+                d.uuid.clone_from(&m.uuid);
+                d.mig = Some(m.clone());
+            }
+        }
+        if !created.is_empty() {
+            // Durable before anything else: from here on, a failure or a crash destroys exactly
+            // these MIG devices (a crash before this point leaves orphans for start-up).
+            let record_spec = spec.as_ref().ok().cloned();
+            self.update(claim, |c| {
+                if let Some(r) = c.claims.get_mut(&claim.uid) {
+                    for d in &mut r.devices {
+                        if let Some(m) = created.get(&d.device_name) {
+                            d.uuid.clone_from(&m.uuid);
+                            d.mig = Some(m.clone());
+                        }
+                    }
+                    if let Some(spec) = record_spec {
+                        r.cdi_spec = spec;
+                    }
+                }
+                Ok(())
+            })
+            .await?;
+        }
+        outcome?;
+        let spec = spec?;
         failpoint::hit("prepare/after-hardware");
-        self.share(claim, &plan.devices).await?;
+        self.share(claim, &devices).await?;
         failpoint::hit("prepare/after-sharing");
 
         inner
             .cdi
-            .write(&claim.uid, &plan.spec)
+            .write(&claim.uid, &spec)
             .map_err(|source| ClaimError::Cdi {
                 claim: claim.clone(),
                 source,
@@ -627,12 +743,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             })?;
         failpoint::hit("unprepare/after-cdi-remove");
         self.unshare(claim, &record.devices).await?;
-        self.hardware(
-            claim,
-            record.devices.iter().map(|d| d.device_name.as_str()),
-            true,
-        )
-        .await?;
+        self.unprepare_hardware(claim, &record).await?;
         failpoint::hit("unprepare/after-hardware");
         self.update(claim, |c| {
             c.claims.remove(&claim.uid);

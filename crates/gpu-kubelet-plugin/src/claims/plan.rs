@@ -12,14 +12,18 @@ use crate::cdi::{
 };
 use crate::checkpoint::RecordedDevice;
 use crate::claim_config::{self, ConfigTarget, DeviceKind, Sharing};
-use crate::hardware::{CONTROL_DEVICE_NODES, Hardware, NodeDevice};
+use crate::hardware::{CONTROL_DEVICE_NODES, CreatedMig, Hardware, NodeDevice};
 use crate::mps::MpsControl;
 
 /// The devices of one claim on this node, and the CDI spec that exposes them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub(crate) devices: Vec<RecordedDevice>,
-    pub(crate) spec: Spec,
+    /// The node devices behind `devices`, in the same order.
+    pub(crate) used: Vec<NodeDevice>,
+    /// The CDI spec; `None` when a device is a MIG placement whose device nodes and UUID are
+    /// known only once prepare created it.
+    pub(crate) spec: Option<Spec>,
 }
 
 /// What a plan is made against: this driver's pool, devices and settings.
@@ -65,7 +69,7 @@ pub(crate) fn plan(
         .unwrap_or_default();
 
     let mut devices: Vec<RecordedDevice> = Vec::new();
-    let mut used: Vec<&NodeDevice> = Vec::new();
+    let mut used: Vec<NodeDevice> = Vec::new();
     for (index, r) in results.iter().enumerate() {
         if r.driver != driver || r.pool != pool {
             continue;
@@ -82,7 +86,7 @@ pub(crate) fn plan(
             d.request_names.push(r.request.clone());
             continue;
         }
-        used.push(device);
+        used.push(device.clone());
         devices.push(RecordedDevice {
             request_names: vec![r.request.clone()],
             pool_name: r.pool.clone(),
@@ -91,6 +95,7 @@ pub(crate) fn plan(
             uuid: device.visible_id().to_owned(),
             admin_access: r.admin_access.unwrap_or(false),
             sharing: None,
+            mig: None,
         });
     }
     if devices.is_empty() {
@@ -124,9 +129,26 @@ pub(crate) fn plan(
     for (d, s) in devices.iter_mut().zip(sharing) {
         d.sharing = s;
     }
-    let mps = uses_mps(&devices).then_some(cx.mps);
+    let created_later = used
+        .iter()
+        .any(|d| matches!(d, NodeDevice::MigPlacement { .. }));
+    let spec = if created_later {
+        None
+    } else {
+        let refs: Vec<&NodeDevice> = used.iter().collect();
+        let mps = uses_mps(&devices).then_some(cx.mps);
+        Some(spec(
+            claim,
+            &refs,
+            &BTreeMap::new(),
+            mps,
+            cx.hardware,
+            cx.cdi,
+        )?)
+    };
     Ok(Plan {
-        spec: spec(claim, &used, mps, cx.hardware, cx.cdi)?,
+        spec,
+        used,
         devices,
     })
 }
@@ -142,19 +164,28 @@ pub(crate) fn uses_mps(devices: &[RecordedDevice]) -> bool {
 /// (`/dev/nvidia<minor>`, plus the MIG capability nodes of a MIG device); the control nodes and
 /// `NVIDIA_VISIBLE_DEVICES` (the claim's GPU or MIG UUIDs) at spec level, since one spec holds
 /// exactly one claim's devices, and with `mps` the claim's MPS pipe directory and its
-/// environment. Annotations name the claim for recovery from disk.
+/// environment. Annotations name the claim for recovery from disk. `created` holds the MIG
+/// devices prepare created, by device name.
 pub(crate) fn spec(
     claim: &ClaimRef,
     used: &[&NodeDevice],
+    created: &BTreeMap<String, CreatedMig>,
     mps: Option<&MpsControl>,
     hardware: &dyn Hardware,
     cdi: &CdiWriter,
 ) -> Result<Spec, ClaimError> {
-    let uuids: Vec<&str> = used.iter().map(|d| d.visible_id()).collect();
+    let uuids: Vec<&str> = used
+        .iter()
+        .map(|d| {
+            created
+                .get(d.name())
+                .map_or_else(|| d.visible_id(), |c| c.uuid.as_str())
+        })
+        .collect();
     let mut cdi_devices = Vec::with_capacity(used.len());
     for d in used {
         let nodes = hardware
-            .device_nodes(d)
+            .device_nodes(d, created.get(d.name()))
             .map_err(|source| ClaimError::Hardware {
                 claim: claim.clone(),
                 source,

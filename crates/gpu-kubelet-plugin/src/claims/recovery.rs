@@ -1,6 +1,12 @@
 //! Start-up reconciliation of checkpoint, CDI specs and hardware.
+//!
+//! Order: load (or rebuild) the checkpoint; finish or roll back every claim that is not
+//! `PrepareCompleted` (destroying the MIG devices its record lists); in partitionable mode,
+//! destroy the MIG devices that no remaining claim records on the GPUs that publish placements
+//! (orphans of a crash between their creation and the checkpoint write: the plugin owns every
+//! MIG device there); regenerate missing CDI specs; remove CDI specs no claim owns.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use dra_kubelet::ClaimRef;
 use tracing::{info, warn};
@@ -8,7 +14,7 @@ use tracing::{info, warn};
 use super::{ClaimController, ClaimError, Cluster, plan};
 use crate::cdi::{ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID};
 use crate::checkpoint::{Checkpoint, ClaimRecord, ClaimState};
-use crate::hardware::Hardware;
+use crate::hardware::{CreatedMig, Hardware, NodeDevice};
 
 /// What start-up reconciliation did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -27,6 +33,9 @@ pub struct RecoveryReport {
     pub orphans_removed: Vec<String>,
     /// Completed claims whose MPS daemon was not running and was started again.
     pub mps_restarted: Vec<String>,
+    /// MIG devices no claim owns on GPUs published as partitionable, destroyed (UUID, GPU,
+    /// instance ids, profile and placement).
+    pub mig_orphans_destroyed: Vec<String>,
 }
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
@@ -86,6 +95,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
+        report.mig_orphans_destroyed = self.destroy_mig_orphans().await;
+
         let kept: Vec<String> = inner
             .checkpoint
             .lock()
@@ -141,6 +152,85 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(report)
     }
 
+    /// In partitionable mode: destroys every MIG device on a GPU that publishes placements (and
+    /// has MIG enabled) that no claim in the checkpoint records. Failures are logged and left
+    /// for the next start; a placement still taken fails its prepare with a clear error.
+    async fn destroy_mig_orphans(&self) -> Vec<String> {
+        let inner = &self.inner;
+        let owned: BTreeSet<String> = inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .values()
+            .flat_map(|r| &r.devices)
+            .filter_map(|d| d.mig.as_ref().map(|m| m.uuid.clone()))
+            .collect();
+        let mut gpus = BTreeMap::new();
+        for d in inner.devices.values() {
+            if let NodeDevice::MigPlacement { parent, .. } = d
+                && parent.raw.mig_mode == gpu_inventory::backend::MigMode::Enabled
+            {
+                gpus.entry(parent.name.clone())
+                    .or_insert_with(|| parent.clone());
+            }
+        }
+        let mut destroyed = Vec::new();
+        for gpu in gpus.values() {
+            let found = match inner.hardware.mig_devices(gpu) {
+                Ok(found) => found,
+                Err(e) => {
+                    warn!(gpu = %gpu.name, error = %e, "listing MIG devices for orphans failed");
+                    continue;
+                }
+            };
+            for mig in found.iter().filter(|m| !owned.contains(&m.uuid)) {
+                match inner.hardware.destroy_mig(gpu, mig) {
+                    Ok(()) => {
+                        warn!(gpu = %gpu.name, mig = %mig,
+                            "destroyed a MIG device no prepared claim owns (partitionable mode \
+                             owns every MIG device on this GPU)");
+                        destroyed.push(format!("{mig} on {}", gpu.name));
+                    }
+                    Err(e) => warn!(gpu = %gpu.name, mig = %mig, error = %e,
+                        "destroying an orphaned MIG device failed; retried at the next start"),
+                }
+            }
+        }
+        destroyed
+    }
+
+    /// For a record rebuilt without the checkpoint: the MIG device now at each placement it
+    /// holds is taken to be the one its prepare created, so it is kept and later destroyed.
+    fn adopt_mig_devices(&self, devices: &mut [crate::checkpoint::RecordedDevice]) {
+        for d in devices.iter_mut().filter(|d| d.mig.is_none()) {
+            let Some(NodeDevice::MigPlacement {
+                parent,
+                profile_id,
+                placement,
+                ..
+            }) = self.inner.devices.get(&d.device_name)
+            else {
+                continue;
+            };
+            let found: Vec<CreatedMig> = match self.inner.hardware.mig_devices(parent) {
+                Ok(found) => found,
+                Err(e) => {
+                    warn!(device = %d.device_name, error = %e, "cannot look up its MIG device");
+                    continue;
+                }
+            };
+            if let Some(m) = found.into_iter().find(|m| {
+                m.profile_id == *profile_id
+                    && m.placement_start == placement.start
+                    && m.placement_size == placement.size
+            }) {
+                d.uuid.clone_from(&m.uuid);
+                d.mig = Some(m);
+            }
+        }
+    }
+
     /// Rewrites a completed claim's CDI spec when it is missing or differs from the record.
     /// Records upgraded from checkpoint version 1 carry no spec; it is rebuilt from the devices.
     fn ensure_spec(&self, claim: &ClaimRef, record: &ClaimRecord) -> Result<bool, ClaimError> {
@@ -151,8 +241,20 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .iter()
                 .filter_map(|d| inner.devices.get(&d.device_name))
                 .collect();
+            let created: BTreeMap<String, CreatedMig> = record
+                .devices
+                .iter()
+                .filter_map(|d| d.mig.clone().map(|m| (d.device_name.clone(), m)))
+                .collect();
             let mps = plan::uses_mps(&record.devices).then_some(&inner.config.mps);
-            plan::spec(claim, &used, mps, inner.hardware.as_ref(), &inner.cdi)?
+            plan::spec(
+                claim,
+                &used,
+                &created,
+                mps,
+                inner.hardware.as_ref(),
+                &inner.cdi,
+            )?
         } else {
             record.cdi_spec.clone()
         };
@@ -187,6 +289,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 uuid: d.visible_id().to_owned(),
                 admin_access: false,
                 sharing: None,
+                mig: None,
             })
             .collect()
     }
@@ -218,7 +321,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             if claim.uid != uid || claim.name.is_empty() {
                 continue;
             }
-            let devices = match inner.cluster.get_claim(&claim.namespace, &claim.name).await {
+            let mut devices = match inner.cluster.get_claim(&claim.namespace, &claim.name).await {
                 Ok(Some(rc)) => match plan::plan(&claim, &rc, &self.plan_context()) {
                     Ok(p) => p.devices,
                     Err(_) => continue,
@@ -229,6 +332,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     self.devices_from_spec(&claim, &spec)
                 }
             };
+            self.adopt_mig_devices(&mut devices);
             claims.insert(
                 uid.clone(),
                 ClaimRecord {

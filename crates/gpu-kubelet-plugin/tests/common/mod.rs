@@ -13,7 +13,7 @@ use dra_kubelet::ClaimRef;
 use gpu_inventory::{FakeBackend, Gpu, Topology, discover};
 use gpu_kubelet_plugin::claim_config::TimeSlice;
 use gpu_kubelet_plugin::claims::Cluster;
-use gpu_kubelet_plugin::hardware::{Hardware, HardwareError, NodeDevice};
+use gpu_kubelet_plugin::hardware::{CreatedMig, Hardware, HardwareError, NodeDevice};
 use gpu_kubelet_plugin::mps::MpsControl;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
@@ -86,7 +86,7 @@ pub struct ScriptedHardware {
 }
 
 impl Hardware for ScriptedHardware {
-    fn prepare(&self, device: &NodeDevice) -> Result<(), HardwareError> {
+    fn prepare(&self, device: &NodeDevice) -> Result<Option<CreatedMig>, HardwareError> {
         let gpu = device.gpu();
         let delay = self.delays.lock().unwrap().get(&gpu.name).copied();
         if let Some(d) = delay {
@@ -102,10 +102,14 @@ impl Hardware for ScriptedHardware {
                 message: "injected".into(),
             });
         }
-        Ok(())
+        Ok(None)
     }
 
-    fn unprepare(&self, device: &NodeDevice) -> Result<(), HardwareError> {
+    fn unprepare(
+        &self,
+        device: &NodeDevice,
+        _created: Option<&CreatedMig>,
+    ) -> Result<(), HardwareError> {
         let gpu = device.gpu();
         self.calls
             .lock()
