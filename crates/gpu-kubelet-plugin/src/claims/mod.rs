@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use dra_kubelet::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use tracing::{info, warn};
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, info, warn};
 
 pub use cluster::{Cluster, KubeCluster};
 pub use error::ClaimError;
@@ -84,6 +85,8 @@ struct Inner<C, H> {
     checkpoint: Mutex<Checkpoint>,
     commit: std::sync::Mutex<Commit>,
     committed: tokio::sync::Notify,
+    /// Work that outlives the kubelet's call (rollbacks, unprepares); see [`ClaimController::quiesce`].
+    background: TaskTracker,
 }
 
 /// Group-commit bookkeeping: changes are numbered (epochs) as they are staged.
@@ -143,6 +146,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 checkpoint: Mutex::new(Checkpoint::default()),
                 commit: std::sync::Mutex::default(),
                 committed: tokio::sync::Notify::new(),
+                background: TaskTracker::new(),
             }),
         };
         let report = controller.recover().await?;
@@ -160,6 +164,24 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
             .map(|(uid, _)| uid.clone())
             .collect()
+    }
+
+    /// `(claims, devices)`: how many claims are prepared and how many devices they hold.
+    pub async fn prepared_summary(&self) -> (usize, usize) {
+        let checkpoint = self.inner.checkpoint.lock().await;
+        checkpoint
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::PrepareCompleted)
+            .fold((0, 0), |(c, d), r| (c + 1, d + r.devices.len()))
+    }
+
+    /// Waits until no work started by this controller is still running: calls must have
+    /// returned already; this waits for the rollbacks and unprepares they left running in the
+    /// background. Call before handing the node's state to another instance.
+    pub async fn quiesce(&self) {
+        self.inner.background.close();
+        self.inner.background.wait().await;
     }
 
     fn claim_lock(&self, uid: &str) -> Arc<Mutex<()>> {
@@ -314,13 +336,17 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             };
             let guard = Arc::clone(lock).lock_owned().await;
             let hw = Arc::clone(&self.inner.hardware);
-            let result = tokio::task::spawn_blocking(move || {
-                let _guard: OwnedMutexGuard<()> = guard;
-                devices
-                    .iter()
-                    .try_for_each(|d| if undo { hw.unprepare(d) } else { hw.prepare(d) })
-            })
-            .await;
+            // Tracked: the action runs on even if the caller stops waiting.
+            let result = self
+                .inner
+                .background
+                .spawn_blocking(move || {
+                    let _guard: OwnedMutexGuard<()> = guard;
+                    devices
+                        .iter()
+                        .try_for_each(|d| if undo { hw.unprepare(d) } else { hw.prepare(d) })
+                })
+                .await;
             match result {
                 Ok(r) => r.map_err(|source| ClaimError::Hardware {
                     claim: claim.clone(),
@@ -339,6 +365,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(())
     }
 
+    #[tracing::instrument(name = "prepare", skip_all,
+        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
     async fn prepare_claim(&self, claim: ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
         let timeout = self.inner.config.timeout;
         let deadline = tokio::time::Instant::now() + timeout;
@@ -362,12 +390,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Err(_) => {
                 let this = self.clone();
                 let c = claim.clone();
-                tokio::spawn(async move {
-                    let _guard = guard;
-                    if let Err(e) = this.release_locked(&c).await {
-                        warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
+                self.inner.background.spawn(
+                    async move {
+                        let _guard = guard;
+                        if let Err(e) = this.release_locked(&c).await {
+                            warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
+                        }
                     }
-                });
+                    .in_current_span(),
+                );
                 Err(missed(&claim))
             }
         }
@@ -456,6 +487,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(plan.devices.iter().map(PreparedDevice::from).collect())
     }
 
+    #[tracing::instrument(name = "unprepare", skip_all,
+        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
     async fn unprepare_claim(&self, claim: ClaimRef) -> Result<(), ClaimError> {
         let timeout = self.inner.config.timeout;
         let missed = || ClaimError::Deadline {
@@ -472,10 +505,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let claim = claim.clone();
             // Unprepare runs to completion even if the kubelet stops waiting: a half-done
             // unprepare is still recorded and finished on restart, but finishing now is better.
-            tokio::spawn(async move {
-                let _guard = guard;
-                this.release_locked(&claim).await
-            })
+            self.inner.background.spawn(
+                async move {
+                    let _guard = guard;
+                    this.release_locked(&claim).await
+                }
+                .in_current_span(),
+            )
         };
         match tokio::time::timeout_at(deadline, work).await {
             Ok(Ok(r)) => r,
