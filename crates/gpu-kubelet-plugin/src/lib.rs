@@ -315,6 +315,8 @@ pub async fn run(
     let active = match taken {
         Some(Ok(active)) => {
             metrics.set_active(true, Some(started.elapsed()));
+            let (claims, devices) = active.controller.prepared_summary().await;
+            metrics.set_prepared(claims, devices);
             Some(active)
         }
         Some(Err(e)) => {
