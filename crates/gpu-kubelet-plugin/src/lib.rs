@@ -296,50 +296,52 @@ pub async fn run(
         r = &mut served => return server_ended(r),
     };
     let taken = match lock {
-        Some(Ok(lock)) => Some(
-            take_over(
+        Some(Ok(lock)) => {
+            role.send_replace(Role::TakingOver);
+            let recovered = take_over(
                 lock,
                 &config,
-                client,
-                backend,
+                client.clone(),
+                &backend,
                 &inventory,
-                pool,
-                &role,
                 &activation,
             )
-            .await,
-        ),
+            .await;
+            if recovered.is_ok() {
+                metrics.set_active(true, Some(started.elapsed()));
+            }
+            Some(recovered)
+        }
         Some(Err(e)) => Some(Err(e)),
         None => None,
     };
-    let active = match taken {
-        Some(Ok(active)) => {
-            metrics.set_active(true, Some(started.elapsed()));
-            let (claims, devices) = active.controller.prepared_summary().await;
-            metrics.set_prepared(claims, devices);
-            Some(active)
-        }
-        Some(Err(e)) => {
-            drop(activation);
-            let _ = stop_serving.send(());
-            let _ = served.await;
-            return Err(e);
-        }
-        None => None,
+    let mut server_result = None;
+    let (mut active, mut result) = match taken {
+        Some(Ok(active)) => (Some(active), Ok(())),
+        Some(Err(e)) => (None, Err(e)),
+        None => (None, Ok(())),
     };
-    let result = match &active {
-        Some(_) => tokio::select! {
-            () = &mut shutdown => Ok(()),
-            r = &mut served => return stop_after(server_ended(r), active, &metrics).await,
-        },
-        None => Ok(()),
-    };
+    if let Some(active) = &mut active {
+        let (claims, devices) = active.controller.prepared_summary().await;
+        metrics.set_prepared(claims, devices);
+        result = active.run_tasks(&config, client, &backend, pool).await;
+        if result.is_ok() {
+            role.send_replace(Role::Active);
+            tokio::select! {
+                () = &mut shutdown => {}
+                r = &mut served => server_result = Some(server_ended(r)),
+            }
+        }
+    }
 
     // Unregister and let calls in flight finish (a standby instance answers its waiting calls
     // at once); then the active instance's background work; then hand the lock over.
     drop(activation);
     let _ = stop_serving.send(());
-    let served = server_ended(served.await);
+    let served = match server_result {
+        Some(r) => r,
+        None => server_ended(served.await),
+    };
     drop(http);
     stop_after(result.and(served), active, &metrics).await
 }
@@ -422,22 +424,17 @@ async fn wait_for_lock(lock_path: &std::path::Path) -> Result<ActiveLock, Error>
     Ok(lock)
 }
 
-/// Holding the lock: recovers the claims, opens the gate, publishes the slices and starts the
-/// periodic tasks.
-#[allow(clippy::too_many_arguments)]
+/// Holding the lock: recovers the claims and opens the gate. On success the claims flow; the
+/// caller then starts [`Active::run_tasks`].
 async fn take_over(
     lock: ActiveLock,
     config: &Config,
     client: kube::Client,
-    backend: Arc<dyn GpuBackend>,
+    backend: &Arc<dyn GpuBackend>,
     inventory: &Inventory,
-    pool: Pool,
-    role: &watch::Sender<Role>,
     activation: &Activation<KubeCluster, BackendHardware>,
 ) -> Result<Active, Error> {
-    let waiting = Instant::now();
-    role.send_replace(Role::TakingOver);
-
+    let recovering = Instant::now();
     let boot_id = std::fs::read_to_string(&config.boot_id_path)
         .map_err(|source| Error::BootId {
             path: config.boot_id_path.clone(),
@@ -447,9 +444,9 @@ async fn take_over(
         .to_owned();
     let fs: Arc<dyn Fs> = Arc::new(RealFs);
     let (controller, _report) = ClaimController::start(
-        KubeCluster::new(client.clone(), &config.driver_name, &config.node_name),
+        KubeCluster::new(client, &config.driver_name, &config.node_name),
         Arc::new(BackendHardware::new(
-            Arc::clone(&backend),
+            Arc::clone(backend),
             &config.dev_root,
             &config.proc_root,
         )),
@@ -466,33 +463,46 @@ async fn take_over(
     .await?;
     // Claims flow from here on; the slices of the previous instance are still in place.
     activation.send_replace(Some(controller.clone()));
-    info!(recovery = ?waiting.elapsed(), "active: serving claims");
-
-    let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
-    publish_with_retry(&publisher, &pool).await?;
-    let rediscovery =
-        publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
-            let (config, backend) = (config.clone(), Arc::clone(&backend));
-            move || rediscover(&config, backend.as_ref())
-        });
-    let stale = {
-        let controller = controller.clone();
-        let period = config.stale_claim_interval;
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                controller.unprepare_stale().await;
-            }
-        })
-    };
-    role.send_replace(Role::Active);
+    info!(recovery = ?recovering.elapsed(), "active: serving claims");
     Ok(Active {
         lock,
         controller,
-        tasks: vec![AbortOnDrop(rediscovery), AbortOnDrop(stale)],
+        tasks: Vec::new(),
     })
+}
+
+impl Active {
+    /// Publishes the slices and starts the periodic tasks (re-discovery, stale claims).
+    async fn run_tasks(
+        &mut self,
+        config: &Config,
+        client: kube::Client,
+        backend: &Arc<dyn GpuBackend>,
+        pool: Pool,
+    ) -> Result<(), Error> {
+        let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
+        publish_with_retry(&publisher, &pool).await?;
+        let rediscovery =
+            publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
+                let (config, backend) = (config.clone(), Arc::clone(backend));
+                move || rediscover(&config, backend.as_ref())
+            });
+        self.tasks.push(AbortOnDrop(rediscovery));
+        let stale = {
+            let controller = self.controller.clone();
+            let period = config.stale_claim_interval;
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(period);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    controller.unprepare_stale().await;
+                }
+            })
+        };
+        self.tasks.push(AbortOnDrop(stale));
+        Ok(())
+    }
 }
 
 /// Root-only state: the plugin directory (ours alone) is mode 0700, the checkpoint and our CDI
