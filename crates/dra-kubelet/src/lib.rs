@@ -6,10 +6,12 @@
 //!   answers type `DRAPlugin`, the driver name, the DRA socket path and the supported service
 //!   versions (`v1.DRAPlugin`, then `v1beta1.DRAPlugin`).
 //! - `<plugin-dir>/dra.sock` serves `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin` and its v1beta1 twin.
+//! - With an instance ID (rolling updates), both names carry it; see [`PluginSockets`].
 //!
 //! Per-claim results at the RPC boundary: a bad claim yields an error entry for that claim and
 //! never fails the whole RPC.
 
+mod calls;
 pub mod client;
 mod convert;
 mod driver;
@@ -18,9 +20,13 @@ mod registration;
 mod server;
 mod service;
 
+pub use calls::{CallObserver, CallRecord, Method};
 pub use driver::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
 pub use registration::RegistrationStatus;
-pub use server::{PluginServer, PluginSockets, SHUTDOWN_GRACE, ServeError};
+pub use server::{
+    DEFAULT_DRAIN_TIMEOUT, PluginServer, PluginSockets, SHUTDOWN_GRACE, ServeError,
+    valid_instance_id,
+};
 pub use service::{DraPluginV1, DraPluginV1beta1};
 
 /// The plugin type the kubelet's plugin watcher routes to its DRA manager

@@ -2,32 +2,47 @@
 
 use std::future::Future;
 use std::io;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
-use tracing::info;
+use tracing::{info, warn};
 
+use crate::calls::{CallObserver, InFlight};
 use crate::driver::Driver;
 use crate::proto::{dra_v1, dra_v1beta1, pluginregistration};
 use crate::registration::{RegistrationService, RegistrationStatus};
-use crate::service::{DraPluginV1, DraPluginV1beta1};
+use crate::service::{DraPluginV1, DraPluginV1beta1, Shared};
 
-/// How long shutdown waits for connected clients to hang up.
-pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long shutdown waits for connected clients to hang up once no call is in flight.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// How long shutdown waits, by default, for calls in flight to finish: the kubelet's own
+/// deadline for one call (`defaultClientCallTimeout`, pkg/kubelet/cm/dra/plugin/dra_plugin.go).
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// Where the sockets live. Defaults are the kubelet's
 /// (`/var/lib/kubelet/plugins/<driver>` and `/var/lib/kubelet/plugins_registry`).
+///
+/// With an `instance_id` (the pod UID under a DaemonSet), both socket names carry it, as the
+/// `RollingUpdate` option of k8s.io/dynamic-resource-allocation/kubeletplugin (v1.36) names
+/// them: `<driver>-<id>-reg.sock` and `dra-<id>.sock`. Two instances of one driver can then
+/// serve side by side during a rolling update (pkg/kubelet/pluginmanager/pluginwatcher/README.md,
+/// "Seamless Upgrade"); the kubelet tracks both registrations and calls the most recently
+/// registered one that is connected, falling back to the other when one unregisters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PluginSockets {
     /// Directory of the DRA service socket `dra.sock`.
     pub plugin_dir: PathBuf,
     /// The kubelet plugin watcher's directory; our registration socket goes here.
     pub registrar_dir: PathBuf,
+    /// This instance's ID, carried in both socket names; `None`: the classic names.
+    pub instance_id: Option<String>,
 }
 
 impl PluginSockets {
@@ -36,18 +51,42 @@ impl PluginSockets {
         Self {
             plugin_dir: Path::new("/var/lib/kubelet/plugins").join(driver_name),
             registrar_dir: PathBuf::from("/var/lib/kubelet/plugins_registry"),
+            instance_id: None,
         }
     }
 
-    /// `<plugin-dir>/dra.sock`, the endpoint advertised in `GetInfo`.
-    pub fn dra_socket(&self) -> PathBuf {
-        self.plugin_dir.join("dra.sock")
+    /// `-<id>` with an instance ID, else empty.
+    fn instance_part(&self) -> String {
+        self.instance_id
+            .as_deref()
+            .map_or_else(String::new, |id| format!("-{id}"))
     }
 
-    /// `<registrar-dir>/<driver>-reg.sock`, the socket the plugin watcher discovers.
-    pub fn registration_socket(&self, driver_name: &str) -> PathBuf {
-        self.registrar_dir.join(format!("{driver_name}-reg.sock"))
+    /// `<plugin-dir>/dra.sock` (`dra-<id>.sock` with an instance ID), the endpoint advertised
+    /// in `GetInfo`.
+    pub fn dra_socket(&self) -> PathBuf {
+        self.plugin_dir
+            .join(format!("dra{}.sock", self.instance_part()))
     }
+
+    /// `<registrar-dir>/<driver>-reg.sock` (`<driver>-<id>-reg.sock` with an instance ID), the
+    /// socket the plugin watcher discovers.
+    pub fn registration_socket(&self, driver_name: &str) -> PathBuf {
+        self.registrar_dir
+            .join(format!("{driver_name}{}-reg.sock", self.instance_part()))
+    }
+}
+
+/// Whether `id` can be part of a socket file name: non-empty, at most 128 bytes of ASCII
+/// letters, digits, `-`, `_` and `.`, not starting with `.` (the plugin watcher ignores hidden
+/// files). A pod UID always qualifies.
+pub fn valid_instance_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// Serving failed.
@@ -85,6 +124,9 @@ pub struct PluginServer<D> {
     sockets: PluginSockets,
     driver: Arc<D>,
     status: watch::Sender<RegistrationStatus>,
+    serving: watch::Sender<bool>,
+    observer: Option<Arc<dyn CallObserver>>,
+    drain_timeout: Duration,
 }
 
 impl<D: Driver> PluginServer<D> {
@@ -95,7 +137,24 @@ impl<D: Driver> PluginServer<D> {
             sockets,
             driver,
             status: watch::Sender::new(RegistrationStatus::Pending),
+            serving: watch::Sender::new(false),
+            observer: None,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
         }
+    }
+
+    /// Reports every answered call with claims to `observer` (metrics).
+    #[must_use]
+    pub fn with_observer(mut self, observer: Arc<dyn CallObserver>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// How long shutdown lets calls in flight finish (default [`DEFAULT_DRAIN_TIMEOUT`]).
+    #[must_use]
+    pub fn with_drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
     }
 
     /// Follows what the kubelet reports through `NotifyRegistrationStatus`.
@@ -103,9 +162,20 @@ impl<D: Driver> PluginServer<D> {
         self.status.subscribe()
     }
 
-    /// Binds both sockets (owner-only, mode 0600), serves until `shutdown` completes, then
-    /// removes the socket files. The DRA socket is bound before the registration socket appears,
-    /// so the kubelet never dials an endpoint that is not there yet.
+    /// `true` from when both sockets accept calls until shutdown begins.
+    pub fn serving(&self) -> watch::Receiver<bool> {
+        self.serving.subscribe()
+    }
+
+    /// Binds both sockets (owner-only, mode 0600; a directory we create is mode 0700), serves
+    /// until `shutdown` completes, then removes this instance's socket files and no others.
+    /// The DRA socket is bound before the registration socket appears, so the kubelet never
+    /// dials an endpoint that is not there yet.
+    ///
+    /// Shutdown first removes the registration socket (the kubelet unregisters this instance
+    /// and sends new calls to another one, if any), stops accepting connections, lets the calls
+    /// in flight finish (at most the drain timeout, see [`PluginServer::with_drain_timeout`])
+    /// and then waits at most [`SHUTDOWN_GRACE`] for clients to hang up.
     ///
     /// # Errors
     /// [`ServeError`] when a directory or socket cannot be created or a server fails.
@@ -113,8 +183,20 @@ impl<D: Driver> PluginServer<D> {
         let dra_path = self.sockets.dra_socket();
         let reg_path = self.sockets.registration_socket(&self.driver_name);
         let dra_listener = bind(&dra_path)?;
-        let reg_listener = bind(&reg_path)?;
+        let reg_listener = match bind(&reg_path) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = std::fs::remove_file(&dra_path);
+                return Err(e);
+            }
+        };
         info!(dra = %dra_path.display(), registration = %reg_path.display(), "serving kubelet plugin sockets");
+        let shared = Arc::new(Shared {
+            driver: Arc::clone(&self.driver),
+            in_flight: InFlight::default(),
+            observer: self.observer.clone(),
+        });
+        let in_flight = shared.in_flight.clone();
 
         let (stop_tx, stop_rx) = watch::channel(false);
         let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -124,10 +206,10 @@ impl<D: Driver> PluginServer<D> {
 
         let dra = Server::builder()
             .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(
-                DraPluginV1(Arc::clone(&self.driver)),
+                DraPluginV1(Arc::clone(&shared)),
             ))
             .add_service(dra_v1beta1::dra_plugin_server::DraPluginServer::new(
-                DraPluginV1beta1(Arc::clone(&self.driver)),
+                DraPluginV1beta1(shared),
             ))
             .serve_with_incoming_shutdown(
                 UnixListenerStream::new(dra_listener),
@@ -161,12 +243,25 @@ impl<D: Driver> PluginServer<D> {
             )
         };
         tokio::pin!(servers);
+        self.serving.send_replace(true);
         let result = tokio::select! {
             r = &mut servers => r.map(|_| ()),
             () = shutdown => {
-                // Unregister first: the plugin watcher sees the socket go away.
+                self.serving.send_replace(false);
+                // Unregister first: the plugin watcher sees the socket go away and the kubelet
+                // sends new calls to another instance, if one is registered.
                 let _ = std::fs::remove_file(&reg_path);
                 stop_tx.send_replace(true);
+                // Calls in flight run on their connections' tasks; let them finish so their
+                // answers reach the kubelet.
+                let running = in_flight.count();
+                if running > 0 {
+                    info!(calls = running, "letting calls in flight finish");
+                    if tokio::time::timeout(self.drain_timeout, in_flight.idle()).await.is_err() {
+                        warn!(calls = in_flight.count(), timeout = ?self.drain_timeout,
+                            "calls still in flight after the drain timeout; stopping anyway");
+                    }
+                }
                 // Graceful shutdown waits for clients to hang up; a kubelet that keeps its
                 // connection open must not keep us from exiting.
                 match tokio::time::timeout(SHUTDOWN_GRACE, &mut servers).await {
@@ -178,6 +273,7 @@ impl<D: Driver> PluginServer<D> {
                 }
             }
         };
+        self.serving.send_replace(false);
         let _ = std::fs::remove_file(&reg_path);
         let _ = std::fs::remove_file(&dra_path);
         result
@@ -186,10 +282,16 @@ impl<D: Driver> PluginServer<D> {
 
 fn bind(path: &Path) -> Result<UnixListener, ServeError> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|source| ServeError::CreateDir {
-            path: dir.to_owned(),
-            source,
-        })?;
+        // Directories we create are owner-only; existing ones (the kubelet's registry) are
+        // left as they are.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|source| ServeError::CreateDir {
+                path: dir.to_owned(),
+                source,
+            })?;
     }
     let bind_err = |source| ServeError::Bind {
         path: path.to_owned(),

@@ -2,13 +2,43 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
+use crate::calls::{CallObserver, CallRecord, InFlight, Method};
 use crate::convert::InvalidClaim;
 use crate::driver::{ClaimRef, Driver, PreparedDevice};
 use crate::proto::{dra_v1, dra_v1beta1};
+
+/// What every DRAPlugin adapter shares: the driver, the in-flight count, the observer.
+pub(crate) struct Shared<D> {
+    pub(crate) driver: Arc<D>,
+    pub(crate) in_flight: InFlight,
+    pub(crate) observer: Option<Arc<dyn CallObserver>>,
+}
+
+impl<D> Shared<D> {
+    /// Reports a finished call to the observer, if any.
+    fn finished<T>(
+        &self,
+        method: Method,
+        api_version: &'static str,
+        started: Instant,
+        outcome: &Outcome<T>,
+    ) {
+        if let Some(observer) = &self.observer {
+            observer.call_finished(&CallRecord {
+                method,
+                api_version,
+                claims: outcome.len(),
+                failed: outcome.values().filter(|r| r.is_err()).count(),
+                elapsed: started.elapsed(),
+            });
+        }
+    }
+}
 
 /// Per-claim outcome with the driver's error already rendered for the kubelet.
 type Outcome<T> = BTreeMap<String, Result<T, String>>;
@@ -86,7 +116,7 @@ async fn unprepare<D: Driver>(
 macro_rules! dra_plugin_service {
     ($name:ident, $version:literal, $proto:ident) => {
         #[doc = concat!("The `", $version, ".DRAPlugin` gRPC service over a [`Driver`].")]
-        pub struct $name<D>(pub Arc<D>);
+        pub struct $name<D>(pub(crate) Arc<Shared<D>>);
 
         impl<D> Clone for $name<D> {
             fn clone(&self) -> Self {
@@ -101,9 +131,18 @@ macro_rules! dra_plugin_service {
                 request: Request<$proto::NodePrepareResourcesRequest>,
             ) -> Result<Response<$proto::NodePrepareResourcesResponse>, Status> {
                 let req = request.into_inner();
+                // An empty call (a liveness probe) proves the server answers; the driver is not
+                // asked, so it answers even while the driver waits to become active.
+                if req.claims.is_empty() {
+                    return Ok(Response::new(Default::default()));
+                }
+                let _in_flight = self.0.in_flight.enter();
+                let started = Instant::now();
                 let (valid, invalid) = sort_claims(&req.claims, |c| &c.uid);
-                let claims = prepare(&*self.0, valid, invalid)
-                    .await
+                let outcome = prepare(&*self.0.driver, valid, invalid).await;
+                self.0
+                    .finished(Method::Prepare, $version, started, &outcome);
+                let claims = outcome
                     .into_iter()
                     .map(|(uid, r)| {
                         let resp = match r {
@@ -129,9 +168,16 @@ macro_rules! dra_plugin_service {
                 request: Request<$proto::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$proto::NodeUnprepareResourcesResponse>, Status> {
                 let req = request.into_inner();
+                if req.claims.is_empty() {
+                    return Ok(Response::new(Default::default()));
+                }
+                let _in_flight = self.0.in_flight.enter();
+                let started = Instant::now();
                 let (valid, invalid) = sort_claims(&req.claims, |c| &c.uid);
-                let claims = unprepare(&*self.0, valid, invalid)
-                    .await
+                let outcome = unprepare(&*self.0.driver, valid, invalid).await;
+                self.0
+                    .finished(Method::Unprepare, $version, started, &outcome);
+                let claims = outcome
                     .into_iter()
                     .map(|(uid, r)| {
                         let error = r.err().unwrap_or_default();

@@ -67,6 +67,7 @@ async fn start() -> Running {
     let sockets = PluginSockets {
         plugin_dir: dir.path().join("plugins/example.com"),
         registrar_dir: dir.path().join("plugins_registry"),
+        instance_id: None,
     };
     let driver = Arc::new(Recorder::default());
     let server = PluginServer::new("example.com", sockets.clone(), Arc::clone(&driver));
@@ -231,6 +232,7 @@ async fn a_stale_socket_file_from_a_crashed_run_is_replaced() {
     let sockets = PluginSockets {
         plugin_dir: dir.path().join("p"),
         registrar_dir: dir.path().join("r"),
+        instance_id: None,
     };
     std::fs::create_dir_all(&sockets.plugin_dir).unwrap();
     std::fs::write(sockets.dra_socket(), b"stale").unwrap();
@@ -255,4 +257,147 @@ async fn a_stale_socket_file_from_a_crashed_run_is_replaced() {
     assert_eq!(resp.claims["u"].error, "");
     stop.send(()).unwrap();
     task.await.unwrap().unwrap();
+}
+
+/// Prepares after a pause, so a call can be in flight when shutdown begins.
+struct Slow(Duration);
+
+impl Driver for Slow {
+    type Error = String;
+
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult<String>> {
+        tokio::time::sleep(self.0).await;
+        claims.into_iter().map(|c| (c.uid, Ok(vec![]))).collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, UnprepareResult<String>> {
+        claims.into_iter().map(|c| (c.uid, Ok(()))).collect()
+    }
+}
+
+async fn wait_for(path: &std::path::Path) {
+    for _ in 0..250 {
+        if path.exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+#[tokio::test]
+async fn two_instances_serve_side_by_side_and_each_removes_only_its_own_sockets() {
+    let dir = tempfile::tempdir().unwrap();
+    let sockets = |id: &str| PluginSockets {
+        plugin_dir: dir.path().join("plugins/example.com"),
+        registrar_dir: dir.path().join("plugins_registry"),
+        instance_id: Some(id.into()),
+    };
+    let (a, b) = (sockets("uid-a"), sockets("uid-b"));
+    assert_eq!(
+        a.registration_socket("example.com"),
+        dir.path()
+            .join("plugins_registry/example.com-uid-a-reg.sock")
+    );
+    assert_eq!(
+        a.dra_socket(),
+        dir.path().join("plugins/example.com/dra-uid-a.sock")
+    );
+    let mut stops = Vec::new();
+    let mut tasks = Vec::new();
+    for s in [&a, &b] {
+        let server = PluginServer::new("example.com", s.clone(), Arc::new(Recorder::default()));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tasks.push(tokio::spawn(server.serve(async {
+            let _ = stopped.await;
+        })));
+        stops.push(stop);
+        wait_for(&s.registration_socket("example.com")).await;
+    }
+    // Both registrations advertise their own DRA socket, and both answer.
+    for s in [&a, &b] {
+        let mut reg =
+            RegistrationClient::new(connect(s.registration_socket("example.com")).await.unwrap());
+        let info = reg
+            .get_info(pluginregistration::InfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(info.endpoint, s.dra_socket().to_string_lossy());
+        let mut dra = DraPluginV1Client::new(connect(s.dra_socket()).await.unwrap());
+        let resp = dra
+            .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+                claims: vec![v1_claim("ns", "c", "u")],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(resp.claims["u"].error, "");
+    }
+    // Stopping A leaves B's sockets alone.
+    let stop_a = stops.remove(0);
+    stop_a.send(()).unwrap();
+    tasks.remove(0).await.unwrap().unwrap();
+    assert!(!a.dra_socket().exists() && !a.registration_socket("example.com").exists());
+    assert!(b.dra_socket().exists() && b.registration_socket("example.com").exists());
+    let mut dra = DraPluginV1Client::new(connect(b.dra_socket()).await.unwrap());
+    dra.node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
+        claims: vec![v1_claim("ns", "c", "u")],
+    })
+    .await
+    .unwrap();
+    stops.remove(0).send(()).unwrap();
+    tasks.remove(0).await.unwrap().unwrap();
+}
+
+#[test]
+fn instance_ids_must_be_plain_file_name_parts() {
+    for ok in ["0f8b2c3e-1d2a-4c1b-9a7e-5b6c7d8e9f00", "a", "pod_1.2"] {
+        assert!(dra_kubelet::valid_instance_id(ok), "{ok}");
+    }
+    for bad in ["", ".hidden", "a/b", "../x", "a b", &"x".repeat(129)] {
+        assert!(!dra_kubelet::valid_instance_id(bad), "{bad}");
+    }
+}
+
+#[tokio::test]
+async fn serve_returns_only_after_a_call_in_flight_at_shutdown_was_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let sockets = PluginSockets {
+        plugin_dir: dir.path().join("p"),
+        registrar_dir: dir.path().join("r"),
+        instance_id: None,
+    };
+    // Longer than the grace for clients, so only the drain keeps the server up long enough:
+    // once `serve` returns, the process exits and a call still running would be lost.
+    let pause = dra_kubelet::SHUTDOWN_GRACE + Duration::from_millis(500);
+    let server = PluginServer::new("example.com", sockets.clone(), Arc::new(Slow(pause)));
+    let serving = server.serving();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve(async {
+        let _ = stopped.await;
+    }));
+    wait_for(&sockets.registration_socket("example.com")).await;
+    assert!(*serving.borrow());
+    let mut dra = DraPluginV1Client::new(connect(sockets.dra_socket()).await.unwrap());
+    let call = tokio::spawn(async move {
+        dra.node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+            claims: vec![v1_claim("ns", "c", "slow")],
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    assert!(
+        call.is_finished(),
+        "serve returned before the call in flight was answered"
+    );
+    let resp = call
+        .await
+        .unwrap()
+        .expect("the call in flight was answered");
+    assert_eq!(resp.into_inner().claims["slow"].error, "");
+    assert!(!*serving.borrow());
+    assert!(!sockets.dra_socket().exists());
 }

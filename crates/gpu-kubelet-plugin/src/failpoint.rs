@@ -1,6 +1,8 @@
 //! Crash points for fault-injection tests: `DRUST_FAILPOINT=<name>[@<n>]` makes the process
-//! SIGKILL itself the n-th time (default: first) it reaches the named step. Unset, a failpoint
-//! costs one relaxed atomic load.
+//! SIGKILL itself the n-th time (default: first) it reaches the named step;
+//! `DRUST_FAILPOINT=<name>[@<n>]:pause=<ms>` makes it stall there for that long instead (a
+//! slow step, e.g. to have a call in flight at shutdown). Unset, a failpoint costs one relaxed
+//! atomic load.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -34,6 +36,8 @@ pub const MIG: [&str; 3] = [
 struct Armed {
     name: String,
     nth: u32,
+    /// `Some(ms)`: stall instead of dying.
+    pause_ms: Option<u64>,
     hits: AtomicU32,
 }
 
@@ -42,6 +46,10 @@ fn armed() -> Option<&'static Armed> {
     ARMED
         .get_or_init(|| {
             let spec = std::env::var(ENV).ok()?;
+            let (spec, pause_ms) = match spec.split_once(":pause=") {
+                Some((spec, ms)) => (spec.to_owned(), ms.parse().ok()),
+                None => (spec, None),
+            };
             let (name, nth) = match spec.split_once('@') {
                 Some((name, n)) => (name.to_owned(), n.parse().unwrap_or(1)),
                 None => (spec, 1),
@@ -49,16 +57,29 @@ fn armed() -> Option<&'static Armed> {
             Some(Armed {
                 name,
                 nth,
+                pause_ms,
                 hits: AtomicU32::new(0),
             })
         })
         .as_ref()
 }
 
-/// Marks reaching step `name`; kills the process there if armed for it.
+/// Marks reaching step `name`; kills the process there (or stalls) if armed for it.
 pub fn hit(name: &'static str) {
     let Some(a) = armed() else { return };
     if a.name == name && a.hits.fetch_add(1, Ordering::Relaxed) + 1 == a.nth {
+        if let Some(ms) = a.pause_ms {
+            tracing::warn!(failpoint = name, ms, "failpoint armed: pausing");
+            let pause = || std::thread::sleep(std::time::Duration::from_millis(ms));
+            // Hand this worker's other tasks to another thread while we stall it.
+            match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                    tokio::task::block_in_place(pause);
+                }
+                _ => pause(),
+            }
+            return;
+        }
         tracing::warn!(failpoint = name, "failpoint armed: SIGKILL");
         let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
     }

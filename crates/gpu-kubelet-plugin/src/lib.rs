@@ -15,6 +15,9 @@ pub mod claims;
 pub mod config;
 pub mod failpoint;
 pub mod hardware;
+pub mod http;
+pub mod instance;
+pub mod metrics;
 pub mod mps;
 pub mod publisher;
 pub mod storage;
@@ -22,12 +25,13 @@ pub mod storage;
 use std::future::Future;
 use std::io::Write;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dra_kubelet::PluginServer;
 use gpu_inventory::Pool;
 use gpu_inventory::slices::pool_slices;
 use gpu_inventory::{FakeBackend, GpuBackend, Inventory, NvmlBackend, Topology};
+use tokio::sync::watch;
 use tracing::{info, warn};
 
 pub use config::{Backend, Config, DEFAULT_DRIVER_NAME, OutputFormat};
@@ -36,6 +40,8 @@ use crate::cdi::CdiWriter;
 use crate::checkpoint::CheckpointFile;
 use crate::claims::{ClaimController, ControllerConfig, KubeCluster};
 use crate::hardware::BackendHardware;
+use crate::instance::{Activation, ActiveLock, Gate, Role};
+use crate::metrics::Metrics;
 use crate::publisher::SlicePublisher;
 use crate::storage::{Fs, RealFs};
 
@@ -79,6 +85,34 @@ pub enum Error {
     /// Writing `--dry-run` output failed.
     #[error("writing dry-run output: {0}")]
     Output(String),
+    /// `--instance-id` cannot be part of a file name.
+    #[error(
+        "instance ID {0:?} (--instance-id, POD_UID): must be 1-128 ASCII letters, digits, '-', \
+         '_' or '.', not starting with '.' (it becomes part of the socket file names)"
+    )]
+    InstanceId(String),
+    /// The active lock could not be taken.
+    #[error("taking the active lock")]
+    Instance(#[from] instance::InstanceError),
+    /// The HTTP endpoint could not start.
+    #[error("starting the HTTP endpoint")]
+    Http(#[from] http::HttpError),
+    /// A state file or directory could not be made owner-only.
+    #[error("restricting {path} to its owner: {source}")]
+    Secure {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A task of the plugin ended abnormally.
+    #[error("{task} ended abnormally: {message}")]
+    TaskFailed {
+        /// Which task.
+        task: &'static str,
+        /// The panic or cancellation.
+        message: String,
+    },
 }
 
 /// Opens the configured backend.
@@ -189,12 +223,25 @@ pub async fn kube_client(config: &Config) -> Result<kube::Client, Error> {
     })
 }
 
-/// Runs the plugin until `shutdown` completes: discover, publish, serve the kubelet.
+/// Runs the plugin until `shutdown` completes: discover, serve the kubelet, and once this
+/// instance holds the active lock, recover the claims, publish the slices and prepare claims.
 /// With `config.dry_run` set, prints the slices to stdout and returns.
+///
+/// Two instances may run side by side during a rolling update; see [`instance`] for how they
+/// hand over.
 ///
 /// # Errors
 /// [`Error`] for any start-up failure or a failing server.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+pub async fn run(
+    mut config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    if let Some(id) = &config.instance_id
+        && !dra_kubelet::valid_instance_id(id)
+    {
+        return Err(Error::InstanceId(id.clone()));
+    }
+    config.sockets.instance_id = config.instance_id.clone();
     let backend = open_backend(&config)?;
     let inventory = gpu_inventory::discover(backend.as_ref())?;
     let pool = inventory.pool(config.mig_strategy);
@@ -203,16 +250,193 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     if let Some(format) = config.dry_run {
         return write_dry_run(&config, &pool, format, &mut std::io::stdout().lock());
     }
-
     let client = kube_client(&config).await?;
-    let publisher = SlicePublisher::new(client.clone(), &config.driver_name, &config.node_name);
-    publish_with_retry(&publisher, &pool).await?;
-    let rediscovery =
-        publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
-            let (config, backend) = (config.clone(), Arc::clone(&backend));
-            move || rediscover(&config, backend.as_ref())
-        });
+    secure_state(&config)?;
 
+    // The kubelet side first: it answers (and registers) while another instance is active.
+    let metrics = Arc::new(Metrics::new());
+    let lock_path = config.sockets.plugin_dir.join(instance::LOCK_FILE);
+    let (activation, gate) = Gate::new(
+        instance::handover_wait(config.claim_timeout),
+        lock_path.clone(),
+        Arc::clone(&metrics),
+    );
+    let server = PluginServer::new(
+        config.driver_name.clone(),
+        config.sockets.clone(),
+        Arc::new(gate),
+    )
+    .with_observer(Arc::clone(&metrics) as Arc<dyn dra_kubelet::CallObserver>);
+    let role = watch::Sender::new(Role::Standby);
+    let http = match config.http_address {
+        Some(address) => {
+            let listener = http::bind(address).await?;
+            let probes = Arc::new(http::Probes {
+                metrics: Arc::clone(&metrics),
+                sockets: config.sockets.clone(),
+                driver_name: config.driver_name.clone(),
+                serving: server.serving(),
+                registration: server.registration_status(),
+                role: role.subscribe(),
+            });
+            Some(AbortOnDrop(tokio::spawn(http::serve(listener, probes))))
+        }
+        None => None,
+    };
+    let (stop_serving, serving_stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut served = tokio::spawn(server.serve(async {
+        let _ = serving_stopped.await;
+    }));
+
+    tokio::pin!(shutdown);
+    let started = Instant::now();
+    // Standing by is cancelled by shutdown; taking over, once the lock is held, is not (it
+    // ends with the claims recovered or with an error).
+    let lock = tokio::select! {
+        r = wait_for_lock(&lock_path) => Some(r),
+        () = &mut shutdown => None,
+        r = &mut served => return server_ended(r),
+    };
+    let taken = match lock {
+        Some(Ok(lock)) => {
+            role.send_replace(Role::TakingOver);
+            let recovered = take_over(
+                lock,
+                &config,
+                client.clone(),
+                &backend,
+                &inventory,
+                &activation,
+            )
+            .await;
+            if recovered.is_ok() {
+                metrics.set_active(true, Some(started.elapsed()));
+            }
+            Some(recovered)
+        }
+        Some(Err(e)) => Some(Err(e)),
+        None => None,
+    };
+    let mut server_result = None;
+    let (mut active, mut result) = match taken {
+        Some(Ok(active)) => (Some(active), Ok(())),
+        Some(Err(e)) => (None, Err(e)),
+        None => (None, Ok(())),
+    };
+    if let Some(active) = &mut active {
+        let (claims, devices) = active.controller.prepared_summary().await;
+        metrics.set_prepared(claims, devices);
+        result = active.run_tasks(&config, client, &backend, pool).await;
+        if result.is_ok() {
+            role.send_replace(Role::Active);
+            tokio::select! {
+                () = &mut shutdown => {}
+                r = &mut served => server_result = Some(server_ended(r)),
+            }
+        }
+    }
+
+    // Unregister and let calls in flight finish (a standby instance answers its waiting calls
+    // at once); then the active instance's background work; then hand the lock over.
+    drop(activation);
+    let _ = stop_serving.send(());
+    let served = match server_result {
+        Some(r) => r,
+        None => server_ended(served.await),
+    };
+    drop(http);
+    stop_after(result.and(served), active, &metrics).await
+}
+
+/// Stops the active instance's tasks, waits for its background claim work, releases the lock.
+async fn stop_after(
+    result: Result<(), Error>,
+    active: Option<Active>,
+    metrics: &Metrics,
+) -> Result<(), Error> {
+    if let Some(active) = active {
+        active.stop().await;
+        metrics.set_active(false, None);
+    }
+    if result.is_ok() {
+        info!("stopped");
+    }
+    result
+}
+
+fn server_ended(
+    r: Result<Result<(), dra_kubelet::ServeError>, tokio::task::JoinError>,
+) -> Result<(), Error> {
+    match r {
+        Ok(r) => Ok(r?),
+        Err(e) => Err(Error::TaskFailed {
+            task: "kubelet server",
+            message: e.to_string(),
+        }),
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What only the active instance runs.
+struct Active {
+    lock: ActiveLock,
+    controller: ClaimController<KubeCluster, BackendHardware>,
+    tasks: Vec<AbortOnDrop<()>>,
+}
+
+impl Active {
+    /// How long stopping waits for background claim work (rollbacks, unprepares) to end.
+    const QUIESCE_TIMEOUT: Duration = Duration::from_secs(30);
+
+    async fn stop(self) {
+        drop(self.tasks);
+        if tokio::time::timeout(Self::QUIESCE_TIMEOUT, self.controller.quiesce())
+            .await
+            .is_err()
+        {
+            // Releasing the lock now could let the next instance recover a claim this one still
+            // works on; keep it until the process exits (the kernel then releases it).
+            warn!(lock = %self.lock.path().display(), timeout = ?Self::QUIESCE_TIMEOUT,
+                "claim work still running; keeping the active lock until exit");
+            std::mem::forget(self.lock);
+            return;
+        }
+        info!(lock = %self.lock.path().display(), "released the active lock");
+    }
+}
+
+/// Takes the active lock, waiting while another instance holds it.
+async fn wait_for_lock(lock_path: &std::path::Path) -> Result<ActiveLock, Error> {
+    if let Some(lock) = ActiveLock::try_acquire(lock_path)? {
+        return Ok(lock);
+    }
+    info!(lock = %lock_path.display(),
+        "another instance is active; standing by until it releases the lock");
+    let waiting = Instant::now();
+    let lock = ActiveLock::acquire(lock_path, instance::LOCK_POLL).await?;
+    info!(waited = ?waiting.elapsed(), "the other instance released the active lock");
+    Ok(lock)
+}
+
+/// Holding the lock: recovers the claims and opens the gate. On success the claims flow; the
+/// caller then starts [`Active::run_tasks`].
+async fn take_over(
+    lock: ActiveLock,
+    config: &Config,
+    client: kube::Client,
+    backend: &Arc<dyn GpuBackend>,
+    inventory: &Inventory,
+    activation: &Activation<KubeCluster, BackendHardware>,
+) -> Result<Active, Error> {
+    let recovering = Instant::now();
     let boot_id = std::fs::read_to_string(&config.boot_id_path)
         .map_err(|source| Error::BootId {
             path: config.boot_id_path.clone(),
@@ -224,7 +448,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
     let (controller, _report) = ClaimController::start(
         KubeCluster::new(client, &config.driver_name, &config.node_name),
         Arc::new(BackendHardware::new(
-            Arc::clone(&backend),
+            Arc::clone(backend),
             &config.dev_root,
             &config.proc_root,
         )),
@@ -240,35 +464,80 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
                 start_timeout: config.mps_start_timeout,
             },
         },
-        hardware::node_devices(&inventory, config.mig_strategy).into_values(),
+        hardware::node_devices(inventory, config.mig_strategy).into_values(),
         CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name),
         CheckpointFile::new(fs, &config.checkpoint_path),
     )
     .await?;
+    // Claims flow from here on; the slices of the previous instance are still in place.
+    activation.send_replace(Some(controller.clone()));
+    info!(recovery = ?recovering.elapsed(), "active: serving claims");
+    Ok(Active {
+        lock,
+        controller,
+        tasks: Vec::new(),
+    })
+}
 
-    let stale = {
-        let controller = controller.clone();
-        let period = config.stale_claim_interval;
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            tick.tick().await;
-            loop {
+impl Active {
+    /// Publishes the slices and starts the periodic tasks (re-discovery, stale claims).
+    async fn run_tasks(
+        &mut self,
+        config: &Config,
+        client: kube::Client,
+        backend: &Arc<dyn GpuBackend>,
+        pool: Pool,
+    ) -> Result<(), Error> {
+        let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
+        publish_with_retry(&publisher, &pool).await?;
+        let rediscovery =
+            publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
+                let (config, backend) = (config.clone(), Arc::clone(backend));
+                move || rediscover(&config, backend.as_ref())
+            });
+        self.tasks.push(AbortOnDrop(rediscovery));
+        let stale = {
+            let controller = self.controller.clone();
+            let period = config.stale_claim_interval;
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(period);
                 tick.tick().await;
-                controller.unprepare_stale().await;
-            }
-        })
+                loop {
+                    tick.tick().await;
+                    controller.unprepare_stale().await;
+                }
+            })
+        };
+        self.tasks.push(AbortOnDrop(stale));
+        Ok(())
+    }
+}
+
+/// Root-only state: the plugin directory (ours alone) is mode 0700, the checkpoint and our CDI
+/// specs 0600, whatever an older version or an operator left. Files written later are created
+/// owner-only ([`RealFs`]); the CDI directory, shared with other vendors, is only created 0700
+/// when we create it.
+///
+/// # Errors
+/// [`Error::Secure`] naming the path.
+pub fn secure_state(config: &Config) -> Result<(), Error> {
+    let err = |path: &std::path::Path| {
+        let path = path.to_owned();
+        move |source| Error::Secure { path, source }
     };
-    let served = PluginServer::new(
-        config.driver_name.clone(),
-        config.sockets.clone(),
-        Arc::new(controller),
-    )
-    .serve(shutdown)
-    .await;
-    stale.abort();
-    rediscovery.abort();
-    served?;
-    info!("stopped");
+    let dir = &config.sockets.plugin_dir;
+    RealFs.create_dir_all(dir).map_err(err(dir))?;
+    storage::restrict_to_owner(dir).map_err(err(dir))?;
+    if let Some(parent) = config.checkpoint_path.parent() {
+        RealFs.create_dir_all(parent).map_err(err(parent))?;
+    }
+    storage::restrict_to_owner(&config.checkpoint_path).map_err(err(&config.checkpoint_path))?;
+    let cdi = CdiWriter::new(Arc::new(RealFs), &config.cdi_root, &config.driver_name);
+    if let Ok(specs) = cdi.list() {
+        for (_, path) in specs {
+            storage::restrict_to_owner(&path).map_err(err(&path))?;
+        }
+    }
     Ok(())
 }
 

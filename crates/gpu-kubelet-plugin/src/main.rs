@@ -152,6 +152,7 @@ impl Args {
             Format::Json => OutputFormat::Json,
         });
         config.instance_id = self.instance_id.filter(|id| !id.is_empty());
+
         config.http_address = self.http_address;
         config.sharing = self.sharing;
         config.health_monitoring = self.health_monitoring;
@@ -189,6 +190,10 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let config = args.into_config()?;
+    // Everything we create (sockets, state files, directories) is for root alone. Each path is
+    // also given its mode explicitly; the umask closes the window between a socket's bind and
+    // its chmod.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     gpu_kubelet_plugin::run(config, shutdown_signal()).await?;
     Ok(())
 }

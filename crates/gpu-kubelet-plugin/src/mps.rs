@@ -19,6 +19,7 @@
 //! start-up recovery starts the daemons of prepared claims again, but running clients of the old
 //! daemon lose it.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -141,11 +142,18 @@ impl MpsControl {
         self.stop(uid).await?;
         let pipe = self.pipe_dir(uid);
         let log = self.claim_dir(uid).join("log");
-        for dir in [&pipe, &log] {
-            std::fs::create_dir_all(dir).map_err(|source| MpsError::Dir {
-                path: dir.clone(),
-                source,
-            })?;
+        // Containers of any user reach the daemon through the pipe directory; the plugin's own
+        // umask (077) would shut them out.
+        let claim_dir = self.claim_dir(uid);
+        for dir in [&claim_dir, &pipe, &log] {
+            std::fs::create_dir_all(dir)
+                .and_then(|()| {
+                    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+                })
+                .map_err(|source| MpsError::Dir {
+                    path: dir.clone(),
+                    source,
+                })?;
         }
         let result = self.start_in(uid, &pipe, &log, visible_ids, limits).await;
         if result.is_err()
@@ -165,9 +173,12 @@ impl MpsControl {
         limits: &MpsLimits,
     ) -> Result<(), MpsError> {
         let started = tokio::time::Instant::now();
-        let mut daemon = Command::new(&self.binary);
+        // The daemon creates its pipes with the umask it inherits; give it the usual 022.
+        let mut daemon = Command::new("sh");
         daemon
-            .arg("-d")
+            .arg("-c")
+            .arg("umask 022 && exec \"$0\" -d")
+            .arg(&self.binary)
             .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
             .env("CUDA_MPS_LOG_DIRECTORY", log)
             .env("CUDA_VISIBLE_DEVICES", visible_ids.join(","));

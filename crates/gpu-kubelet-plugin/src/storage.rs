@@ -5,6 +5,7 @@
 //! (see `tests/power_cut.rs`). [`RealFs`] is `std::fs`.
 
 use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// Syscall-sized filesystem operations. Nothing is durable until synced: file contents by
@@ -62,7 +63,15 @@ impl Fs for RealFs {
     }
 
     fn write(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
-        let mut f = std::fs::File::create(path)?;
+        // Owner-only: checkpoint and CDI specs are for root (the plugin and the container
+        // runtime). An existing file keeps its mode on open, so set it explicitly.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)?;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
         f.write_all(bytes)
     }
 
@@ -97,8 +106,29 @@ impl Fs for RealFs {
     }
 
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        std::fs::create_dir_all(dir)
+        // Directories we create are owner-only; existing ones keep their mode.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
     }
+}
+
+/// Removes group and other permissions from `path` (a file becomes at most 0600, a directory
+/// at most 0700); a missing path is fine.
+///
+/// # Errors
+/// Any I/O error other than `NotFound`.
+pub fn restrict_to_owner(path: &Path) -> io::Result<()> {
+    let mode = match std::fs::metadata(path) {
+        Ok(m) => m.permissions().mode(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode & 0o700))?;
+    }
+    Ok(())
 }
 
 fn parent(path: &Path) -> io::Result<&Path> {

@@ -74,6 +74,7 @@ impl NodePlugin {
         config.sockets = PluginSockets {
             plugin_dir: dir.path().join("plugins").join(driver_name),
             registrar_dir: dir.path().join("plugins_registry"),
+            instance_id: None,
         };
         config.checkpoint_path = config.sockets.plugin_dir.join("checkpoint.json");
         config.cdi_root = dir.path().join("cdi");

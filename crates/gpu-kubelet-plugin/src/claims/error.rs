@@ -142,3 +142,26 @@ pub enum ClaimError {
         timeout_ms: u128,
     },
 }
+
+impl ClaimError {
+    /// A short, stable name of the failure kind, for metric labels
+    /// (`drust_claim_errors_total{reason}`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ClaimError::Fetch { .. } => "api-server",
+            ClaimError::NotFound { .. } => "not-found",
+            ClaimError::UidMismatch { .. } => "uid-mismatch",
+            ClaimError::NotAllocated { .. } => "not-allocated",
+            ClaimError::NotOurs { .. } => "not-ours",
+            ClaimError::UnknownDevice { .. } => "unknown-device",
+            ClaimError::DeviceInUse { .. } => "device-in-use",
+            ClaimError::Config { .. } => "config",
+            ClaimError::Mps { .. } => "mps",
+            ClaimError::Hardware { .. } => "hardware",
+            ClaimError::Cdi { .. } => "cdi",
+            ClaimError::Checkpoint { .. } => "checkpoint",
+            ClaimError::TaskFailed { .. } => "task-failed",
+            ClaimError::Deadline { .. } => "deadline",
+        }
+    }
+}

@@ -39,7 +39,8 @@ use std::time::Duration;
 
 use dra_kubelet::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use tracing::{info, warn};
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, info, warn};
 
 pub use cluster::{Cluster, KubeCluster};
 pub use error::ClaimError;
@@ -103,6 +104,8 @@ struct Inner<C, H> {
     checkpoint: Mutex<Checkpoint>,
     commit: std::sync::Mutex<Commit>,
     committed: tokio::sync::Notify,
+    /// Work that outlives the kubelet's call (rollbacks, unprepares); see [`ClaimController::quiesce`].
+    background: TaskTracker,
 }
 
 /// Group-commit bookkeeping: changes are numbered (epochs) as they are staged.
@@ -162,6 +165,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 checkpoint: Mutex::new(Checkpoint::default()),
                 commit: std::sync::Mutex::default(),
                 committed: tokio::sync::Notify::new(),
+                background: TaskTracker::new(),
             }),
         };
         let report = controller.recover().await?;
@@ -179,6 +183,24 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
             .map(|(uid, _)| uid.clone())
             .collect()
+    }
+
+    /// `(claims, devices)`: how many claims are prepared and how many devices they hold.
+    pub async fn prepared_summary(&self) -> (usize, usize) {
+        let checkpoint = self.inner.checkpoint.lock().await;
+        checkpoint
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::PrepareCompleted)
+            .fold((0, 0), |(c, d), r| (c + 1, d + r.devices.len()))
+    }
+
+    /// Waits until no work started by this controller is still running: calls must have
+    /// returned already; this waits for the rollbacks and unprepares they left running in the
+    /// background. Call before handing the node's state to another instance.
+    pub async fn quiesce(&self) {
+        self.inner.background.close();
+        self.inner.background.wait().await;
     }
 
     fn claim_lock(&self, uid: &str) -> Arc<Mutex<()>> {
@@ -337,18 +359,22 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let guard = Arc::clone(lock).lock_owned().await;
             let hw = Arc::clone(&self.inner.hardware);
             let action = Arc::clone(&action);
-            let result = tokio::task::spawn_blocking(move || {
-                let _guard: OwnedMutexGuard<()> = guard;
-                let mut ok = Vec::new();
-                for d in &devices {
-                    match action(&hw, d) {
-                        Ok(t) => ok.push((d.name().to_owned(), t)),
-                        Err(e) => return (ok, Err(e)),
+            // Tracked: the action runs on even if the caller stops waiting.
+            let result = self
+                .inner
+                .background
+                .spawn_blocking(move || {
+                    let _guard: OwnedMutexGuard<()> = guard;
+                    let mut ok = Vec::new();
+                    for d in &devices {
+                        match action(&hw, d) {
+                            Ok(t) => ok.push((d.name().to_owned(), t)),
+                            Err(e) => return (ok, Err(e)),
+                        }
                     }
-                }
-                (ok, Ok(()))
-            })
-            .await;
+                    (ok, Ok(()))
+                })
+                .await;
             match result {
                 Ok((ok, r)) => {
                     done.extend(ok);
@@ -481,11 +507,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             };
             let guard = Arc::clone(lock).lock_owned().await;
             let hw = Arc::clone(&self.inner.hardware);
-            let result = tokio::task::spawn_blocking(move || {
-                let _guard: OwnedMutexGuard<()> = guard;
-                hw.set_time_slice(&device, slice)
-            })
-            .await;
+            // Tracked: the action runs on even if the caller stops waiting.
+            let result = self
+                .inner
+                .background
+                .spawn_blocking(move || {
+                    let _guard: OwnedMutexGuard<()> = guard;
+                    hw.set_time_slice(&device, slice)
+                })
+                .await;
             match result {
                 Ok(r) => r.map_err(|source| ClaimError::Hardware {
                     claim: claim.clone(),
@@ -503,6 +533,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(())
     }
 
+    #[tracing::instrument(name = "prepare", skip_all,
+        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
     async fn prepare_claim(&self, claim: ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
         let timeout = self.inner.config.timeout;
         let deadline = tokio::time::Instant::now() + timeout;
@@ -519,7 +551,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let mut work = {
             let this = self.clone();
             let c = claim.clone();
-            tokio::spawn(async move { this.prepare_locked(&c).await })
+            self.inner
+                .background
+                .spawn(async move { this.prepare_locked(&c).await }.in_current_span())
         };
         let failed = match tokio::time::timeout_at(deadline, &mut work).await {
             Ok(Ok(Ok(devices))) => return Ok(devices),
@@ -532,14 +566,17 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Err(_) => {
                 let this = self.clone();
                 let c = claim.clone();
-                tokio::spawn(async move {
-                    let _guard = guard;
-                    // Let the attempt finish first; then undo whatever it got to.
-                    let _ = work.await;
-                    if let Err(e) = this.release_locked(&c).await {
-                        warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
+                self.inner.background.spawn(
+                    async move {
+                        let _guard = guard;
+                        // Let the attempt finish first; then undo whatever it got to.
+                        let _ = work.await;
+                        if let Err(e) = this.release_locked(&c).await {
+                            warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
+                        }
                     }
-                });
+                    .in_current_span(),
+                );
                 return Err(missed(&claim));
             }
         };
@@ -679,6 +716,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(plan.devices.iter().map(PreparedDevice::from).collect())
     }
 
+    #[tracing::instrument(name = "unprepare", skip_all,
+        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
     async fn unprepare_claim(&self, claim: ClaimRef) -> Result<(), ClaimError> {
         let timeout = self.inner.config.timeout;
         let missed = || ClaimError::Deadline {
@@ -695,10 +734,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let claim = claim.clone();
             // Unprepare runs to completion even if the kubelet stops waiting: a half-done
             // unprepare is still recorded and finished on restart, but finishing now is better.
-            tokio::spawn(async move {
-                let _guard = guard;
-                this.release_locked(&claim).await
-            })
+            self.inner.background.spawn(
+                async move {
+                    let _guard = guard;
+                    this.release_locked(&claim).await
+                }
+                .in_current_span(),
+            )
         };
         match tokio::time::timeout_at(deadline, work).await {
             Ok(Ok(r)) => r,
