@@ -27,6 +27,7 @@
 
 pub mod binary;
 pub mod claims;
+pub mod helm;
 mod controlplane;
 pub mod kubelet;
 pub mod manifests;
