@@ -17,7 +17,7 @@ if [[ -x "$bin" && -f "$cache/.complete" ]]; then
   exit 0
 fi
 
-echo "helm ${helm_version}: building into $cache (first run only; a few minutes on 2 cores)" >&2
+echo "helm ${helm_version}: building into $cache (first run only; ~5 CPU-minutes plus module downloads)" >&2
 mkdir -p "$cache"
 tmp=$(mktemp -d "$cache/.build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT

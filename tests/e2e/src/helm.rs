@@ -62,6 +62,10 @@ pub fn chart_path() -> PathBuf {
 /// # Errors
 /// [`HelmError`] when the script cannot run or fails.
 pub async fn helm_binary() -> Result<PathBuf, HelmError> {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(bin) = BUILT.get() {
+        return Ok(bin.clone());
+    }
     let child = tokio::process::Command::new("bash")
         .arg(BUILD_SCRIPT)
         .stdin(Stdio::null())
@@ -99,7 +103,7 @@ pub async fn helm_binary() -> Result<PathBuf, HelmError> {
             printed,
         });
     }
-    Ok(bin)
+    Ok(BUILT.get_or_init(|| bin).clone())
 }
 
 /// Runs `helm <args>` and returns its stdout.

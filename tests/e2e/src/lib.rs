@@ -27,8 +27,8 @@
 
 pub mod binary;
 pub mod claims;
-pub mod helm;
 mod controlplane;
+pub mod helm;
 pub mod kubelet;
 pub mod manifests;
 pub mod plugin;

@@ -141,7 +141,11 @@ async fn every_example_is_allocated_by_the_real_scheduler_or_pending_for_its_rea
     let client = cp.client().await?;
     let scratch = tempfile::tempdir()?;
     for class in ["gpu.yaml", "mig.yaml", "gpu-extended.yaml"] {
-        apply_file(&client, &repo_path(&format!("deploy/deviceclasses/{class}"))).await?;
+        apply_file(
+            &client,
+            &repo_path(&format!("deploy/deviceclasses/{class}")),
+        )
+        .await?;
     }
 
     // Phase 1: only the mixed node (2 x A100 80GB PCIe at 17:00.0 and 65:00.0, 2 x L4 24GB).
@@ -246,7 +250,12 @@ async fn every_example_is_allocated_by_the_real_scheduler_or_pending_for_its_rea
             .iter()
             .flat_map(|s| s.spec.devices.iter().flatten())
             .find(|d| d.name == r.device)
-            .and_then(|d| d.attributes.as_ref()?.get("resource.kubernetes.io/numaNode")?.int)
+            .and_then(|d| {
+                d.attributes
+                    .as_ref()?
+                    .get("resource.kubernetes.io/numaNode")?
+                    .int
+            })
             .with_context(|| format!("{} has no numaNode", r.device))?;
         numa.insert(n);
     }
@@ -274,8 +283,10 @@ async fn every_example_is_allocated_by_the_real_scheduler_or_pending_for_its_rea
             .flatten()
             .map(|r| r.name.clone())
             .collect();
-        Ok((reserved == BTreeSet::from(["sharer-a".to_owned(), "sharer-b".to_owned()]))
-            .then_some(c))
+        Ok(
+            (reserved == BTreeSet::from(["sharer-a".to_owned(), "sharer-b".to_owned()]))
+                .then_some(c),
+        )
     })
     .await?;
     let config = shared

@@ -15,6 +15,7 @@ use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
@@ -197,11 +198,11 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     ensure!(kinds(&docs)["DeviceClass"] == 2, "{:?}", kinds(&docs));
     ensure!(!kinds(&docs).contains_key("Service"), "{:?}", kinds(&docs));
     for class in ["gpu.example.com", "mig.example.com"] {
-        let expression = find(&docs, "DeviceClass", class)?["spec"]["selectors"][0]["cel"]
-            ["expression"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
+        let expression =
+            find(&docs, "DeviceClass", class)?["spec"]["selectors"][0]["cel"]["expression"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
         ensure!(
             expression.contains(r#"device.driver == "gpu.example.com""#)
                 && expression.contains(r#"device.attributes["gpu.example.com"]"#),
@@ -218,10 +219,9 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
     }
     ensure!(
-        container(&docs)?["env"]
-            .as_array()
-            .is_some_and(|e| e.iter().any(|e| e["name"] == "DRIVER_NAME"
-                && e["value"] == "gpu.example.com")),
+        container(&docs)?["env"].as_array().is_some_and(|e| e
+            .iter()
+            .any(|e| e["name"] == "DRIVER_NAME" && e["value"] == "gpu.example.com")),
         "DRIVER_NAME"
     );
 
@@ -241,8 +241,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "{c}"
     );
     ensure!(
-        find(&docs, "DaemonSet", "drust-kubelet-plugin")?["spec"]["template"]["spec"]
-            ["runtimeClassName"]
+        find(&docs, "DaemonSet", "drust-kubelet-plugin")?["spec"]["template"]["spec"]["runtimeClassName"]
             == "nvidia",
         "runtimeClassName"
     );
@@ -377,7 +376,12 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         )
         .await?;
     let rendered = template(RELEASE, NAMESPACE, &[]).await?;
-    apply_yaml(&admin, &rendered, Path::new("helm template deploy/helm/drust")).await?;
+    apply_yaml(
+        &admin,
+        &rendered,
+        Path::new("helm template deploy/helm/drust"),
+    )
+    .await?;
 
     // 2. The DaemonSet controller and the scheduler put one plugin pod on each GPU node and
     //    none on the CPU node (no kubelet runs them; they stay Pending, bound).
@@ -428,10 +432,20 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     // The policy is loaded by an informer: wait until a dry-run write for another node is
     // refused by it before trusting any outcome below.
     until("the slice policy enforced", TIMEOUT, || async {
-        let probe = slice("policy-probe", "gpu-node-b", json!({"nodeName": "gpu-node-b"}))
-            .map_err(|e| e.to_string())?;
+        let probe = slice(
+            "policy-probe",
+            "gpu-node-b",
+            json!({"nodeName": "gpu-node-b"}),
+        )
+        .map_err(|e| e.to_string())?;
         match slices
-            .create(&PostParams { dry_run: true, ..Default::default() }, &probe)
+            .create(
+                &PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                },
+                &probe,
+            )
             .await
         {
             Err(kube::Error::Api(e)) if e.message.contains(POLICY) => Ok(Some(())),
@@ -490,7 +504,11 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         slices
             .create(
                 &PostParams::default(),
-                &slice("b-by-plugin", "gpu-node-b", json!({"nodeName": "gpu-node-b"}))?,
+                &slice(
+                    "b-by-plugin",
+                    "gpu-node-b",
+                    json!({"nodeName": "gpu-node-b"}),
+                )?,
             )
             .await,
         &[&policy, other],
@@ -499,10 +517,18 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     Api::<ResourceSlice>::all(admin.clone())
         .create(
             &PostParams::default(),
-            &slice("b-by-admin", "gpu-node-b", json!({"nodeName": "gpu-node-b"}))?,
+            &slice(
+                "b-by-admin",
+                "gpu-node-b",
+                json!({"nodeName": "gpu-node-b"}),
+            )?,
         )
         .await?;
-    let mut changed = slice("b-by-admin", "gpu-node-b", json!({"nodeName": "gpu-node-b"}))?;
+    let mut changed = slice(
+        "b-by-admin",
+        "gpu-node-b",
+        json!({"nodeName": "gpu-node-b"}),
+    )?;
     changed.spec.devices = Some(vec![serde_json::from_value(json!({"name": "gpu-1"}))?]);
     denied(
         "update gpu-node-b's slice",
@@ -546,7 +572,10 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     // 6. Denied by RBAC: writing Nodes, writing Pods, reading Secrets, events elsewhere.
     let user = format!("system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}");
     let nodes: Api<Node> = Api::all(plugin_client.clone());
-    nodes.get("gpu-node-a").await.context("the plugin may read its Node")?;
+    nodes
+        .get("gpu-node-a")
+        .await
+        .context("the plugin may read its Node")?;
     denied(
         "label a Node",
         nodes
@@ -589,9 +618,28 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             &[&user, r#"cannot get resource "secrets""#],
         )?;
     }
+    // The plugin's own Warning event about its Node (what it reports after rebuilding a damaged
+    // checkpoint), through its real code path.
+    KubeCluster::new(plugin_client.clone(), DRIVER, "gpu-node-a")
+        .warn(
+            "CheckpointRecovered",
+            "helm_chart e2e: RBAC allows this event",
+        )
+        .await;
+    let events = Api::<Event>::namespaced(admin.clone(), "default")
+        .list(&ListParams::default())
+        .await?
+        .items;
+    ensure!(
+        events
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("CheckpointRecovered")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("gpu-node-a")),
+        "the plugin's Warning event was not recorded: {events:?}"
+    );
     let event = |namespace: &str| -> anyhow::Result<Event> {
         Ok(serde_json::from_value(json!({
-            "metadata": {"generateName": "gpu-node-a.", "namespace": namespace},
+            "metadata": {"generateName": "gpu-node-a-", "namespace": namespace},
             "eventTime": "2026-01-01T00:00:00.000000Z",
             "type": "Warning", "reason": "CheckpointRecovered", "action": "Recover",
             "reportingController": "gpu.drust.dev/kubelet-plugin",
@@ -599,10 +647,6 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             "regarding": {"apiVersion": "v1", "kind": "Node", "name": "gpu-node-a"},
         }))?)
     };
-    Api::<Event>::namespaced(plugin_client.clone(), "default")
-        .create(&PostParams::default(), &event("default")?)
-        .await
-        .context("the plugin may report events about its Node in default")?;
     denied(
         "create an Event outside default",
         Api::<Event>::namespaced(plugin_client.clone(), NAMESPACE)
@@ -623,7 +667,11 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         Api::<ResourceSlice>::all(client_from(&unbound).await?)
             .create(
                 &PostParams::default(),
-                &slice("a-unbound", "gpu-node-a-2", json!({"nodeName": "gpu-node-a"}))?,
+                &slice(
+                    "a-unbound",
+                    "gpu-node-a-2",
+                    json!({"nodeName": "gpu-node-a"}),
+                )?,
             )
             .await,
         &[&policy, "not bound to a Pod on a node"],
