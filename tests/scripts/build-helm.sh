@@ -26,7 +26,7 @@ start=$SECONDS
 # `go install pkg@version` builds the module exactly as released (its own go.mod and go.sum),
 # outside any module of ours. The version string helm prints comes from -X on its version
 # package, as its Makefile does.
-CGO_ENABLED=0 GOBIN="$tmp" GOFLAGS=-mod=mod go install -trimpath \
+CGO_ENABLED=0 GOBIN="$tmp" go install -trimpath \
   -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=${helm_version}" \
   "helm.sh/helm/v4/cmd/helm@${helm_version}" >&2
 mv "$tmp/helm" "$bin"

@@ -1,7 +1,7 @@
 //! Helm, built from its Go module by `tests/scripts/build-helm.sh`, run against the chart in
 //! `deploy/helm/drust`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use crate::manifests::repo_path;
@@ -111,8 +111,25 @@ pub async fn helm_binary() -> Result<PathBuf, HelmError> {
 /// # Errors
 /// [`HelmError::Failed`] with helm's stderr when it exits non-zero.
 pub async fn helm(args: &[&str]) -> Result<String, HelmError> {
+    helm_in(None, args).await
+}
+
+/// Runs `helm <args>` with its cache, configuration and data (`HELM_CACHE_HOME`,
+/// `HELM_CONFIG_HOME`, `HELM_DATA_HOME`) under `home` when given, so a test leaves nothing in
+/// the user's home; returns its stdout.
+///
+/// # Errors
+/// [`HelmError::Failed`] with helm's stderr when it exits non-zero.
+pub async fn helm_in(home: Option<&Path>, args: &[&str]) -> Result<String, HelmError> {
     let bin = helm_binary().await?;
-    let output = tokio::process::Command::new(&bin)
+    let mut command = tokio::process::Command::new(&bin);
+    if let Some(home) = home {
+        command
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"));
+    }
+    let output = command
         .args(args)
         .stdin(Stdio::null())
         .output()

@@ -9,15 +9,15 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use drust_e2e::helm::{helm, template};
+use drust_e2e::helm::{helm, helm_in, template};
 use drust_e2e::kubelet::Kubelet;
-use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Secret};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
@@ -368,20 +368,27 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         .await?;
     cp.register_node("cpu-node", &[]).await?;
 
-    // 1. The chart, rendered with default values, applied as an install would.
-    Api::<Namespace>::all(admin.clone())
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?,
-        )
-        .await?;
-    let rendered = template(RELEASE, NAMESPACE, &[]).await?;
-    apply_yaml(
-        &admin,
-        &rendered,
-        Path::new("helm template deploy/helm/drust"),
+    // 1. The chart installed as the README says (plus this control plane's kubeconfig).
+    let chart = drust_e2e::helm::chart_path();
+    let kubeconfig_flag = format!("--kubeconfig={}", cp.kubeconfig_path().display());
+    let installed = helm_in(
+        Some(&scratch.path().join("helm-home")),
+        &[
+            "install",
+            RELEASE,
+            &chart.to_string_lossy(),
+            "--namespace",
+            NAMESPACE,
+            "--create-namespace",
+            "--set",
+            "image.repository=registry.example.com/drust/gpu-kubelet-plugin",
+            "--set",
+            "image.tag=0.1.0",
+            &kubeconfig_flag,
+        ],
     )
     .await?;
+    ensure!(installed.contains("STATUS: deployed"), "{installed}");
 
     // 2. The DaemonSet controller and the scheduler put one plugin pod on each GPU node and
     //    none on the CPU node (no kubelet runs them; they stay Pending, bound).
