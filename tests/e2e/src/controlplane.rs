@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -633,10 +633,46 @@ impl ControlPlane {
         namespace: &str,
         name: &str,
     ) -> Result<String, Error> {
+        self.request_token(namespace, name, None).await
+    }
+
+    /// Issues a token for ServiceAccount `namespace/name` bound to the Pod `pod_name` (uid
+    /// `pod_uid`) in the same namespace, as the kubelet's projected token of that Pod is. When
+    /// the Pod is on a node, the API server adds the node's name and UID to the token
+    /// (ServiceAccountTokenPodNodeInfo, GA) and the authenticated user's extra then carries
+    /// `authentication.kubernetes.io/node-name`. The token is valid while the Pod exists.
+    ///
+    /// # Errors
+    ///
+    /// As [`ControlPlane::service_account_token`]; the API server refuses a Pod that does not
+    /// exist, has another UID or runs as another ServiceAccount.
+    pub async fn pod_bound_service_account_token(
+        &self,
+        namespace: &str,
+        name: &str,
+        pod_name: &str,
+        pod_uid: &str,
+    ) -> Result<String, Error> {
+        self.request_token(namespace, name, Some((pod_name, pod_uid)))
+            .await
+    }
+
+    async fn request_token(
+        &self,
+        namespace: &str,
+        name: &str,
+        pod: Option<(&str, &str)>,
+    ) -> Result<String, Error> {
         let api: Api<ServiceAccount> = Api::namespaced(self.client().await?, namespace);
         let request = TokenRequest {
             spec: Some(TokenRequestSpec {
                 expiration_seconds: Some(3600),
+                bound_object_ref: pod.map(|(pod_name, pod_uid)| BoundObjectReference {
+                    api_version: Some("v1".to_owned()),
+                    kind: Some("Pod".to_owned()),
+                    name: Some(pod_name.to_owned()),
+                    uid: Some(pod_uid.to_owned()),
+                }),
                 ..TokenRequestSpec::default()
             }),
             ..TokenRequest::default()

@@ -28,6 +28,7 @@
 pub mod binary;
 pub mod claims;
 mod controlplane;
+pub mod helm;
 pub mod kubelet;
 pub mod manifests;
 pub mod plugin;

@@ -40,14 +40,33 @@ pub async fn apply_file(
     client: &kube::Client,
     path: &Path,
 ) -> Result<Vec<DynamicObject>, ManifestError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ManifestError {
+        path: path.to_owned(),
+        document: 0,
+        problem: e.to_string(),
+    })?;
+    apply_yaml(client, &text, path).await
+}
+
+/// Server-side applies every document of the multi-document YAML `text` (for example the output
+/// of `helm template`), as [`apply_file`] does; `origin` names it in errors. Objects without a
+/// namespace go to `default` when namespaced.
+///
+/// # Errors
+/// [`ManifestError`] naming `origin`, the document and the object.
+pub async fn apply_yaml(
+    client: &kube::Client,
+    text: &str,
+    origin: &Path,
+) -> Result<Vec<DynamicObject>, ManifestError> {
+    let path = origin;
     let err = |document: usize, problem: String| ManifestError {
         path: path.to_owned(),
         document,
         problem,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(0, e.to_string()))?;
     let mut applied = Vec::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(&text).enumerate() {
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
         let value = serde_yaml_ng::Value::deserialize(doc).map_err(|e| err(i, e.to_string()))?;
         if value.is_null() {
             continue;

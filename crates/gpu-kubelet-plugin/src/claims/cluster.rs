@@ -57,14 +57,16 @@ impl Cluster for KubeCluster {
 
     async fn warn(&self, reason: &str, message: &str) {
         warn!(reason, message, "warning event");
-        let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
+        let now = k8s_openapi::jiff::Timestamp::now();
         let event = Event {
             metadata: ObjectMeta {
-                generate_name: Some(format!("{}.", self.node_name)),
+                // Named as client-go's recorder names events, `<object>.<unix ns in hex>`. A
+                // generateName `<node>.` is refused: a name prefix must not end in a dot.
+                name: Some(format!("{}.{:x}", self.node_name, now.as_nanosecond())),
                 namespace: Some("default".into()),
                 ..Default::default()
             },
-            event_time: Some(now),
+            event_time: Some(MicroTime(now)),
             type_: Some("Warning".into()),
             reason: Some(reason.into()),
             note: Some(message.chars().take(1024).collect()),

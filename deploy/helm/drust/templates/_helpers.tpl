@@ -1,0 +1,73 @@
+{{/* Names, labels and checks shared by the templates. */}}
+
+{{- define "drust.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release's prefix for namespaced and cluster-wide objects. */}}
+{{- define "drust.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "drust.labels" -}}
+app.kubernetes.io/name: {{ include "drust.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "drust.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "drust.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: kubelet-plugin
+{{- end -}}
+
+{{- define "drust.serviceAccountName" -}}
+{{- default (printf "%s-kubelet-plugin" (include "drust.fullname" .)) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{/* The user name the API server gives the plugin's ServiceAccount tokens. */}}
+{{- define "drust.serviceAccountUser" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "drust.serviceAccountName" .) -}}
+{{- end -}}
+
+{{/* DeviceClass names: <kind>.<domain>, domain = the driver name without a leading "gpu.". */}}
+{{- define "drust.classDomain" -}}
+{{- trimPrefix "gpu." .Values.driverName -}}
+{{- end -}}
+
+{{- define "drust.gpuClassName" -}}
+{{- default (printf "gpu.%s" (include "drust.classDomain" .)) .Values.deviceClasses.gpu.name -}}
+{{- end -}}
+
+{{- define "drust.migClassName" -}}
+{{- default (printf "mig.%s" (include "drust.classDomain" .)) .Values.deviceClasses.mig.name -}}
+{{- end -}}
+
+{{- define "drust.extendedClassName" -}}
+{{- default (printf "gpu-extended.%s" (include "drust.classDomain" .)) .Values.deviceClasses.extendedResource.name -}}
+{{- end -}}
+
+{{- define "drust.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Combinations the schema cannot express; fails the install with the reason. */}}
+{{- define "drust.validate" -}}
+{{- if eq .Values.security.deviceAccess "runtime" -}}
+{{- if eq .Values.features.migStrategy "partitionable" -}}
+{{- fail "security.deviceAccess=runtime cannot be combined with features.migStrategy=partitionable: creating MIG devices needs CAP_SYS_ADMIN and /dev/nvidia-caps, so the plugin must be privileged" -}}
+{{- end -}}
+{{- if .Values.features.sharing -}}
+{{- fail "security.deviceAccess=runtime cannot be combined with features.sharing=true: time-slicing and MPS change the GPU's compute policy and start the MPS control daemon, so the plugin must be privileged (or set features.sharing=false)" -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) -}}
+{{- fail "serviceAccount.create=false needs serviceAccount.name: the existing ServiceAccount the plugin runs as" -}}
+{{- end -}}
+{{- end -}}

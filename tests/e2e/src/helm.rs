@@ -1,0 +1,164 @@
+//! Helm, built from its Go module by `tests/scripts/build-helm.sh`, run against the chart in
+//! `deploy/helm/drust`.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use crate::manifests::repo_path;
+
+/// Path of the build script, from this crate's manifest directory (`tests/e2e`).
+const BUILD_SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/scripts/build-helm.sh"
+);
+
+/// Running Helm failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HelmError {
+    /// The build script or helm itself could not be started.
+    #[error("running {program}: {source}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The build script failed; its output went to stderr.
+    #[error("{script} failed ({status}); its output is above")]
+    Build {
+        /// The script.
+        script: String,
+        /// How it exited.
+        status: std::process::ExitStatus,
+    },
+    /// The build script's last line is not an executable.
+    #[error("{script} printed {printed:?}, which is not the helm binary")]
+    BinaryMissing {
+        /// The script.
+        script: String,
+        /// Its last stdout line.
+        printed: String,
+    },
+    /// helm ran and failed.
+    #[error("helm {args} failed ({status}): {stderr}")]
+    Failed {
+        /// Its arguments, space-separated.
+        args: String,
+        /// How it exited.
+        status: std::process::ExitStatus,
+        /// What it printed to stderr.
+        stderr: String,
+    },
+}
+
+/// The chart's directory.
+pub fn chart_path() -> PathBuf {
+    repo_path("deploy/helm/drust")
+}
+
+/// Builds Helm once (cached in `$DRUST_CACHE_DIR/helm/<version>/`, default `~/.cache/drust`)
+/// and returns the binary; the build's progress goes to stderr.
+///
+/// # Errors
+/// [`HelmError`] when the script cannot run or fails.
+pub async fn helm_binary() -> Result<PathBuf, HelmError> {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(bin) = BUILT.get() {
+        return Ok(bin.clone());
+    }
+    let child = tokio::process::Command::new("bash")
+        .arg(BUILD_SCRIPT)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|source| HelmError::Spawn {
+            program: BUILD_SCRIPT.to_owned(),
+            source,
+        })?;
+    let output = child
+        .wait_with_output()
+        .await
+        .map_err(|source| HelmError::Spawn {
+            program: BUILD_SCRIPT.to_owned(),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(HelmError::Build {
+            script: BUILD_SCRIPT.to_owned(),
+            status: output.status,
+        });
+    }
+    let printed = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim()
+        .to_owned();
+    let bin = PathBuf::from(&printed);
+    if !bin.is_file() {
+        return Err(HelmError::BinaryMissing {
+            script: BUILD_SCRIPT.to_owned(),
+            printed,
+        });
+    }
+    Ok(BUILT.get_or_init(|| bin).clone())
+}
+
+/// Runs `helm <args>` and returns its stdout.
+///
+/// # Errors
+/// [`HelmError::Failed`] with helm's stderr when it exits non-zero.
+pub async fn helm(args: &[&str]) -> Result<String, HelmError> {
+    helm_in(None, args).await
+}
+
+/// Runs `helm <args>` with its cache, configuration and data (`HELM_CACHE_HOME`,
+/// `HELM_CONFIG_HOME`, `HELM_DATA_HOME`) under `home` when given, so a test leaves nothing in
+/// the user's home; returns its stdout.
+///
+/// # Errors
+/// [`HelmError::Failed`] with helm's stderr when it exits non-zero.
+pub async fn helm_in(home: Option<&Path>, args: &[&str]) -> Result<String, HelmError> {
+    let bin = helm_binary().await?;
+    let mut command = tokio::process::Command::new(&bin);
+    if let Some(home) = home {
+        command
+            .env("HELM_CACHE_HOME", home.join("cache"))
+            .env("HELM_CONFIG_HOME", home.join("config"))
+            .env("HELM_DATA_HOME", home.join("data"));
+    }
+    let output = command
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .map_err(|source| HelmError::Spawn {
+            program: bin.display().to_string(),
+            source,
+        })?;
+    if !output.status.success() {
+        return Err(HelmError::Failed {
+            args: args.join(" "),
+            status: output.status,
+            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// `helm template <release> deploy/helm/drust --namespace <namespace>` with `--set` for each of
+/// `set` (`key=value`): the manifests an install would apply.
+///
+/// # Errors
+/// [`HelmError::Failed`] with helm's message (a schema violation, a failed check).
+pub async fn template(release: &str, namespace: &str, set: &[&str]) -> Result<String, HelmError> {
+    let chart = chart_path();
+    let chart = chart.to_string_lossy();
+    let mut args = vec!["template", release, &chart, "--namespace", namespace];
+    for s in set {
+        args.extend(["--set", s]);
+    }
+    helm(&args).await
+}

@@ -1,0 +1,697 @@
+//! The Helm chart `deploy/helm/drust`: `helm lint` and `helm template` (Helm built from its Go
+//! module) for default and non-default values, bad values refused with the schema's message, the
+//! rendered DaemonSet's flags accepted by the real binary; then the rendered chart on a real
+//! control plane, where the node plugin runs with the chart's ServiceAccount token (real
+//! authentication, RBAC and admission) and every privilege it must not have is denied.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use drust_e2e::helm::{helm, helm_in, template};
+use drust_e2e::kubelet::Kubelet;
+use drust_e2e::manifests::{apply_file, repo_path};
+use drust_e2e::plugin::NodePlugin;
+use drust_e2e::wait::until;
+use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+
+const TIMEOUT: Duration = Duration::from_secs(90);
+const RELEASE: &str = "drust";
+const NAMESPACE: &str = "drust-system";
+const SERVICE_ACCOUNT: &str = "drust-kubelet-plugin";
+const POLICY: &str = "drust-resourceslices-own-node";
+const DRIVER: &str = "gpu.drust.dev";
+
+/// The documents of a rendered chart, as JSON values.
+fn documents(rendered: &str) -> anyhow::Result<Vec<Value>> {
+    let mut docs = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(rendered) {
+        let value = serde_yaml_ng::Value::deserialize(doc)?;
+        if !value.is_null() {
+            docs.push(serde_json::to_value(value)?);
+        }
+    }
+    Ok(docs)
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> anyhow::Result<&'a Value> {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .with_context(|| format!("no {kind} {name} rendered"))
+}
+
+fn kinds(docs: &[Value]) -> BTreeMap<String, usize> {
+    let mut kinds = BTreeMap::new();
+    for d in docs {
+        *kinds
+            .entry(d["kind"].as_str().unwrap_or("?").to_owned())
+            .or_default() += 1;
+    }
+    kinds
+}
+
+fn container(docs: &[Value]) -> anyhow::Result<&Value> {
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet rendered")?;
+    Ok(&ds["spec"]["template"]["spec"]["containers"][0])
+}
+
+fn args(docs: &[Value]) -> anyhow::Result<Vec<String>> {
+    Ok(container(docs)?["args"]
+        .as_array()
+        .context("container has no args")?
+        .iter()
+        .filter_map(|a| a.as_str().map(str::to_owned))
+        .collect())
+}
+
+/// The message of a failed `helm template` with `set`.
+async fn refused(set: &[&str]) -> anyhow::Result<String> {
+    match template(RELEASE, NAMESPACE, set).await {
+        Ok(_) => bail!("helm template accepted {set:?}"),
+        Err(e) => Ok(e.to_string()),
+    }
+}
+
+#[tokio::test]
+async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Result<()> {
+    let began = Instant::now();
+    let version = helm(&["version", "--short"]).await?;
+    eprintln!(
+        "helm {} ready in {} ms",
+        version.trim(),
+        began.elapsed().as_millis()
+    );
+    let chart = drust_e2e::helm::chart_path();
+    let chart = chart.to_string_lossy();
+
+    // Lint, default and non-default values.
+    helm(&["lint", "--strict", &chart]).await?;
+    helm(&[
+        "lint",
+        "--strict",
+        &chart,
+        "--set",
+        "driverName=gpu.example.com,features.migStrategy=partitionable",
+    ])
+    .await?;
+
+    // Default values: every object, the DeviceClasses exactly as in deploy/deviceclasses/.
+    let docs = documents(&template(RELEASE, NAMESPACE, &[]).await?)?;
+    let want: BTreeMap<String, usize> = [
+        ("ClusterRole", 1),
+        ("ClusterRoleBinding", 1),
+        ("DaemonSet", 1),
+        ("DeviceClass", 3),
+        ("Role", 1),
+        ("RoleBinding", 1),
+        ("Service", 1),
+        ("ServiceAccount", 1),
+        ("ValidatingAdmissionPolicy", 1),
+        ("ValidatingAdmissionPolicyBinding", 1),
+    ]
+    .into_iter()
+    .map(|(k, n)| (k.to_owned(), n))
+    .collect();
+    ensure!(kinds(&docs) == want, "rendered {:?}", kinds(&docs));
+    for (file, class) in [
+        ("gpu.yaml", "gpu.drust.dev"),
+        ("mig.yaml", "mig.drust.dev"),
+        ("gpu-extended.yaml", "gpu-extended.drust.dev"),
+    ] {
+        let text = std::fs::read_to_string(repo_path(&format!("deploy/deviceclasses/{file}")))?;
+        let plain = documents(&text)?;
+        let rendered = find(&docs, "DeviceClass", class)?;
+        ensure!(
+            plain.len() == 1 && plain[0]["spec"] == rendered["spec"],
+            "deploy/deviceclasses/{file} and the chart's {class} differ: {} vs {}",
+            plain[0]["spec"],
+            rendered["spec"]
+        );
+    }
+    let a = args(&docs)?;
+    for flag in [
+        "--plugin-dir=/var/lib/kubelet/plugins/gpu.drust.dev",
+        "--registrar-dir=/var/lib/kubelet/plugins_registry",
+        "--mig-strategy=existing",
+        "--sharing=true",
+        "--health-monitoring=true",
+        "--http-address=0.0.0.0:9477",
+    ] {
+        ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
+    }
+    let ds = find(&docs, "DaemonSet", "drust-kubelet-plugin")?;
+    ensure!(
+        ds["spec"]["updateStrategy"]
+            == json!({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}),
+        "{}",
+        ds["spec"]["updateStrategy"]
+    );
+    let c = container(&docs)?;
+    ensure!(c["securityContext"]["privileged"] == true, "{c}");
+    ensure!(c["livenessProbe"]["httpGet"]["path"] == "/healthz", "{c}");
+    ensure!(c["readinessProbe"]["httpGet"]["path"] == "/readyz", "{c}");
+    let env = c["env"].as_array().context("env")?;
+    for (name, field) in [("NODE_NAME", "spec.nodeName"), ("POD_UID", "metadata.uid")] {
+        ensure!(
+            env.iter()
+                .any(|e| e["name"] == name && e["valueFrom"]["fieldRef"]["fieldPath"] == field),
+            "{name} not from {field}: {env:?}"
+        );
+    }
+    let service = find(&docs, "Service", "drust-metrics")?;
+    ensure!(
+        service["spec"]["selector"] == ds["spec"]["selector"]["matchLabels"],
+        "the metrics Service does not select the plugin pods"
+    );
+
+    // Non-default values: another driver name flows into flags, class names and selectors;
+    // partitionable MIG; sharing, health and the extended-resource class off.
+    let docs = documents(
+        &template(
+            RELEASE,
+            NAMESPACE,
+            &[
+                "driverName=gpu.example.com",
+                "features.migStrategy=partitionable",
+                "features.sharing=false",
+                "features.healthMonitoring=false",
+                "deviceClasses.extendedResource.enabled=false",
+                "metrics.service.enabled=false",
+            ],
+        )
+        .await?,
+    )?;
+    ensure!(kinds(&docs)["DeviceClass"] == 2, "{:?}", kinds(&docs));
+    ensure!(!kinds(&docs).contains_key("Service"), "{:?}", kinds(&docs));
+    for class in ["gpu.example.com", "mig.example.com"] {
+        let expression =
+            find(&docs, "DeviceClass", class)?["spec"]["selectors"][0]["cel"]["expression"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+        ensure!(
+            expression.contains(r#"device.driver == "gpu.example.com""#)
+                && expression.contains(r#"device.attributes["gpu.example.com"]"#),
+            "{class}: {expression}"
+        );
+    }
+    let a = args(&docs)?;
+    for flag in [
+        "--plugin-dir=/var/lib/kubelet/plugins/gpu.example.com",
+        "--mig-strategy=partitionable",
+        "--sharing=false",
+        "--health-monitoring=false",
+    ] {
+        ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
+    }
+    ensure!(
+        container(&docs)?["env"].as_array().is_some_and(|e| e
+            .iter()
+            .any(|e| e["name"] == "DRIVER_NAME" && e["value"] == "gpu.example.com")),
+        "DRIVER_NAME"
+    );
+
+    // Unprivileged: the NVIDIA runtime injects the devices.
+    let docs = documents(
+        &template(
+            RELEASE,
+            NAMESPACE,
+            &["security.deviceAccess=runtime", "features.sharing=false"],
+        )
+        .await?,
+    )?;
+    let c = container(&docs)?;
+    ensure!(c["securityContext"]["privileged"] == false, "{c}");
+    ensure!(
+        c["securityContext"]["capabilities"]["drop"] == json!(["ALL"]),
+        "{c}"
+    );
+    ensure!(
+        find(&docs, "DaemonSet", "drust-kubelet-plugin")?["spec"]["template"]["spec"]["runtimeClassName"]
+            == "nvidia",
+        "runtimeClassName"
+    );
+
+    // Bad values fail with the schema's (or the chart's) message naming the value.
+    let message = refused(&["features.migStrategy=dynamic"]).await?;
+    eprintln!("bad migStrategy: {message}");
+    ensure!(
+        message.contains("values don't meet the specifications of the schema")
+            && message.contains("/features/migStrategy")
+            && message.contains("'existing', 'partitionable'"),
+        "{message}"
+    );
+    let message = refused(&["driverName=GPU_Drust"]).await?;
+    eprintln!("bad driverName: {message}");
+    ensure!(
+        message.contains("/driverName") && message.contains("does not match pattern"),
+        "{message}"
+    );
+    let message = refused(&["http.port=0"]).await?;
+    ensure!(message.contains("/http/port"), "{message}");
+    let message = refused(&["feature.sharing=false"]).await?;
+    eprintln!("misspelt key: {message}");
+    ensure!(
+        message.contains("additional properties 'feature' not allowed"),
+        "{message}"
+    );
+    let message = refused(&["security.deviceAccess=runtime"]).await?;
+    eprintln!("runtime with sharing: {message}");
+    ensure!(
+        message.contains(
+            "security.deviceAccess=runtime cannot be combined with features.sharing=true"
+        ),
+        "{message}"
+    );
+
+    // The rendered flags are the binary's: it parses them (plus a fake topology) and publishes
+    // under the rendered driver name.
+    let docs = documents(&template(RELEASE, NAMESPACE, &["driverName=gpu.example.com"]).await?)?;
+    let a = args(&docs)?;
+    let binary = tokio::task::spawn_blocking(drust_e2e::binary::plugin_binary)
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    let out = tokio::process::Command::new(binary)
+        .args(&a)
+        .args(["--dry-run", "--fake-topology"])
+        .arg(repo_path("examples/topologies/dgx-h100.yaml"))
+        .env("DRIVER_NAME", "gpu.example.com")
+        .env("NODE_NAME", "node-a")
+        .output()
+        .await?;
+    ensure!(
+        out.status.success(),
+        "gpu-kubelet-plugin {a:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    ensure!(printed.contains("driver: gpu.example.com"), "{printed}");
+    Ok(())
+}
+
+/// A ResourceSlice of one device for driver gpu.drust.dev; `placement` is merged into its spec
+/// (`nodeName`, `allNodes` or `nodeSelector`).
+fn slice(name: &str, pool: &str, placement: Value) -> anyhow::Result<ResourceSlice> {
+    let mut spec = json!({
+        "driver": DRIVER,
+        "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
+        "devices": [{"name": "gpu-0"}],
+    });
+    if let (Some(spec), Some(placement)) = (spec.as_object_mut(), placement.as_object()) {
+        spec.extend(placement.clone());
+    }
+    Ok(serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": spec,
+    }))?)
+}
+
+/// Asserts `result` is the API server's 403 whose message contains every one of `needles`.
+fn denied<T: std::fmt::Debug>(
+    what: &str,
+    result: Result<T, kube::Error>,
+    needles: &[&str],
+) -> anyhow::Result<()> {
+    match result {
+        Err(kube::Error::Api(e)) if e.code == 403 => {
+            for n in needles {
+                ensure!(
+                    e.message.contains(n),
+                    "{what}: denied, but the message lacks {n:?}: {}",
+                    e.message
+                );
+            }
+            eprintln!("denied as expected: {what}: {}", e.message);
+            Ok(())
+        }
+        other => bail!("{what}: expected 403 Forbidden, got {other:?}"),
+    }
+}
+
+async fn client_from(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
+    let config = kube::Config::from_custom_kubeconfig(
+        Kubeconfig::read_from(kubeconfig)?,
+        &KubeConfigOptions::default(),
+    )
+    .await?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+#[tokio::test]
+async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane()
+-> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let admin = cp.client().await?;
+    let scratch = tempfile::tempdir()?;
+    cp.register_node(
+        "gpu-node-a",
+        &[("feature.node.kubernetes.io/pci-10de.present", "true")],
+    )
+    .await?;
+    cp.register_node("gpu-node-b", &[("nvidia.com/gpu.present", "true")])
+        .await?;
+    cp.register_node("cpu-node", &[]).await?;
+
+    // 1. The chart installed as the README says (plus this control plane's kubeconfig).
+    let chart = drust_e2e::helm::chart_path();
+    let kubeconfig_flag = format!("--kubeconfig={}", cp.kubeconfig_path().display());
+    let installed = helm_in(
+        Some(&scratch.path().join("helm-home")),
+        &[
+            "install",
+            RELEASE,
+            &chart.to_string_lossy(),
+            "--namespace",
+            NAMESPACE,
+            "--create-namespace",
+            "--set",
+            "image.repository=registry.example.com/drust/gpu-kubelet-plugin",
+            "--set",
+            "image.tag=0.1.0",
+            &kubeconfig_flag,
+        ],
+    )
+    .await?;
+    ensure!(installed.contains("STATUS: deployed"), "{installed}");
+
+    // 2. The DaemonSet controller and the scheduler put one plugin pod on each GPU node and
+    //    none on the CPU node (no kubelet runs them; they stay Pending, bound).
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NAMESPACE);
+    let placed = until("a plugin pod bound on each GPU node", TIMEOUT, || async {
+        let list = pods
+            .list(&ListParams::default().labels("app.kubernetes.io/instance=drust"))
+            .await
+            .map_err(|e| e.to_string())?;
+        let nodes: BTreeMap<String, Pod> = list
+            .items
+            .into_iter()
+            .filter_map(|p| Some((p.spec.as_ref()?.node_name.clone()?, p)))
+            .collect();
+        Ok((nodes.len() >= 2).then_some(nodes))
+    })
+    .await?;
+    ensure!(
+        placed.keys().map(String::as_str).collect::<Vec<_>>() == ["gpu-node-a", "gpu-node-b"],
+        "plugin pods on {:?}",
+        placed.keys()
+    );
+    let ds = Api::<DaemonSet>::namespaced(admin.clone(), NAMESPACE)
+        .get("drust-kubelet-plugin")
+        .await?;
+    ensure!(
+        ds.status.as_ref().map(|s| s.desired_number_scheduled) == Some(2),
+        "{:?}",
+        ds.status
+    );
+
+    // 3. The plugin's identity: a token of the chart's ServiceAccount bound to its pod on
+    //    gpu-node-a, as the kubelet projects it.
+    let pod_a = &placed["gpu-node-a"];
+    let token = cp
+        .pod_bound_service_account_token(
+            NAMESPACE,
+            SERVICE_ACCOUNT,
+            pod_a.metadata.name.as_deref().unwrap_or_default(),
+            pod_a.metadata.uid.as_deref().unwrap_or_default(),
+        )
+        .await?;
+    let kubeconfig = scratch.path().join("plugin.kubeconfig");
+    cp.write_kubeconfig(&kubeconfig, &token)?;
+    let plugin_client = client_from(&kubeconfig).await?;
+    let slices: Api<ResourceSlice> = Api::all(plugin_client.clone());
+
+    // The policy is loaded by an informer: wait until a dry-run write for another node is
+    // refused by it before trusting any outcome below.
+    until("the slice policy enforced", TIMEOUT, || async {
+        let probe = slice(
+            "policy-probe",
+            "gpu-node-b",
+            json!({"nodeName": "gpu-node-b"}),
+        )
+        .map_err(|e| e.to_string())?;
+        match slices
+            .create(
+                &PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                },
+                &probe,
+            )
+            .await
+        {
+            Err(kube::Error::Api(e)) if e.message.contains(POLICY) => Ok(Some(())),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+
+    // 4. The plugin, as that identity, publishes its node's slices and prepares a claim.
+    let mut plugin = NodePlugin::start_with(
+        &cp,
+        DRIVER,
+        "gpu-node-a",
+        &repo_path("examples/topologies/dgx-h100.yaml"),
+        |c| c.kubeconfig = Some(kubeconfig.clone()),
+    )?;
+    let published = plugin.wait_ready(&admin, TIMEOUT).await?;
+    ensure!(
+        !published.is_empty()
+            && published
+                .iter()
+                .all(|s| s.spec.node_name.as_deref() == Some("gpu-node-a")),
+        "{published:?}"
+    );
+    eprintln!(
+        "the plugin published {} slices with the chart's ServiceAccount",
+        published.len()
+    );
+    apply_file(&admin, &repo_path("examples/single-gpu/single-gpu.yaml")).await?;
+    let claim = {
+        let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+        let claims: Api<ResourceClaim> = Api::namespaced(admin.clone(), "default");
+        drust_e2e::pods::bound_with_claim(&pods, &claims, "cuda-one-gpu", TIMEOUT)
+            .await?
+            .1
+    };
+    let (mut kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let uid = claim.metadata.uid.clone().unwrap_or_default();
+    let prepared = kubelet.prepare_v1(&[&claim]).await?;
+    ensure!(
+        prepared.claims[&uid].error.is_empty(),
+        "prepare with the chart's ServiceAccount: {}",
+        prepared.claims[&uid].error
+    );
+    ensure!(
+        !prepared.claims[&uid].devices.is_empty(),
+        "no devices prepared"
+    );
+
+    // 5. Denied, each by the policy: a slice for another node (create, update, delete of one
+    //    that exists), a slice for all nodes, a slice with a node selector.
+    let other = "the kubelet plugin on node gpu-node-a may only write ResourceSlices with spec.nodeName gpu-node-a, not gpu-node-b";
+    let policy = format!("ValidatingAdmissionPolicy '{POLICY}'");
+    denied(
+        "create a slice for gpu-node-b",
+        slices
+            .create(
+                &PostParams::default(),
+                &slice(
+                    "b-by-plugin",
+                    "gpu-node-b",
+                    json!({"nodeName": "gpu-node-b"}),
+                )?,
+            )
+            .await,
+        &[&policy, other],
+    )?;
+    // The admin may: the policy is about the plugin's identity only.
+    Api::<ResourceSlice>::all(admin.clone())
+        .create(
+            &PostParams::default(),
+            &slice(
+                "b-by-admin",
+                "gpu-node-b",
+                json!({"nodeName": "gpu-node-b"}),
+            )?,
+        )
+        .await?;
+    let mut changed = slice(
+        "b-by-admin",
+        "gpu-node-b",
+        json!({"nodeName": "gpu-node-b"}),
+    )?;
+    changed.spec.devices = Some(vec![serde_json::from_value(json!({"name": "gpu-1"}))?]);
+    denied(
+        "update gpu-node-b's slice",
+        slices
+            .patch(
+                "b-by-admin",
+                &PatchParams::apply("gpu.drust.dev/kubelet-plugin").force(),
+                &Patch::Apply(&changed),
+            )
+            .await,
+        &[&policy, other],
+    )?;
+    denied(
+        "delete gpu-node-b's slice",
+        slices.delete("b-by-admin", &DeleteParams::default()).await,
+        &[&policy, other],
+    )?;
+    denied(
+        "create a slice for all nodes",
+        slices
+            .create(
+                &PostParams::default(),
+                &slice("all-by-plugin", "everywhere", json!({"allNodes": true}))?,
+            )
+            .await,
+        &[&policy, "for all nodes (spec.allNodes)"],
+    )?;
+    let selector = json!({"nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["gpu-node-a"]}]}]}});
+    denied(
+        "create a slice with a node selector",
+        slices
+            .create(
+                &PostParams::default(),
+                &slice("selector-by-plugin", "selected", selector)?,
+            )
+            .await,
+        &[&policy, "with a node selector (spec.nodeSelector)"],
+    )?;
+
+    // 6. Denied by RBAC: writing Nodes, writing Pods, reading Secrets, events elsewhere.
+    let user = format!("system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}");
+    let nodes: Api<Node> = Api::all(plugin_client.clone());
+    nodes
+        .get("gpu-node-a")
+        .await
+        .context("the plugin may read its Node")?;
+    denied(
+        "label a Node",
+        nodes
+            .patch(
+                "gpu-node-a",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": {"pwned": "true"}}})),
+            )
+            .await,
+        &[&user, r#"cannot patch resource "nodes""#],
+    )?;
+    denied(
+        "delete a Node",
+        nodes.delete("gpu-node-b", &DeleteParams::default()).await,
+        &[&user, r#"cannot delete resource "nodes""#],
+    )?;
+    denied(
+        "create a Pod",
+        Api::<Pod>::namespaced(plugin_client.clone(), NAMESPACE)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": {"name": "escalate"},
+                    "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+                }))?,
+            )
+            .await,
+        &[&user, r#"cannot create resource "pods""#],
+    )?;
+    for namespace in [NAMESPACE, "kube-system"] {
+        let secrets: Api<Secret> = Api::namespaced(plugin_client.clone(), namespace);
+        denied(
+            &format!("list Secrets in {namespace}"),
+            secrets.list(&ListParams::default()).await,
+            &[&user, r#"cannot list resource "secrets""#],
+        )?;
+        denied(
+            &format!("get a Secret in {namespace}"),
+            secrets.get("anything").await,
+            &[&user, r#"cannot get resource "secrets""#],
+        )?;
+    }
+    // The plugin's own Warning event about its Node (what it reports after rebuilding a damaged
+    // checkpoint), through its real code path.
+    KubeCluster::new(plugin_client.clone(), DRIVER, "gpu-node-a")
+        .warn(
+            "CheckpointRecovered",
+            "helm_chart e2e: RBAC allows this event",
+        )
+        .await;
+    let events = Api::<Event>::namespaced(admin.clone(), "default")
+        .list(&ListParams::default())
+        .await?
+        .items;
+    ensure!(
+        events
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("CheckpointRecovered")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("gpu-node-a")),
+        "the plugin's Warning event was not recorded: {events:?}"
+    );
+    let event = |namespace: &str| -> anyhow::Result<Event> {
+        Ok(serde_json::from_value(json!({
+            "metadata": {"generateName": "gpu-node-a-", "namespace": namespace},
+            "eventTime": "2026-01-01T00:00:00.000000Z",
+            "type": "Warning", "reason": "CheckpointRecovered", "action": "Recover",
+            "reportingController": "gpu.drust.dev/kubelet-plugin",
+            "reportingInstance": "gpu.drust.dev/kubelet-plugin-gpu-node-a",
+            "regarding": {"apiVersion": "v1", "kind": "Node", "name": "gpu-node-a"},
+        }))?)
+    };
+    denied(
+        "create an Event outside default",
+        Api::<Event>::namespaced(plugin_client.clone(), NAMESPACE)
+            .create(&PostParams::default(), &event(NAMESPACE)?)
+            .await,
+        &[&user, r#"cannot create resource "events""#],
+    )?;
+
+    // 7. A token of the same ServiceAccount that is bound to no pod (so to no node) may not
+    //    write any slice, not even one for gpu-node-a.
+    let unbound = scratch.path().join("unbound.kubeconfig");
+    cp.write_kubeconfig(
+        &unbound,
+        &cp.service_account_token(NAMESPACE, SERVICE_ACCOUNT).await?,
+    )?;
+    denied(
+        "create a slice with a token bound to no node",
+        Api::<ResourceSlice>::all(client_from(&unbound).await?)
+            .create(
+                &PostParams::default(),
+                &slice(
+                    "a-unbound",
+                    "gpu-node-a-2",
+                    json!({"nodeName": "gpu-node-a"}),
+                )?,
+            )
+            .await,
+        &[&policy, "not bound to a Pod on a node"],
+    )?;
+
+    // The plugin's own slices are untouched by all this.
+    let still = Api::<ResourceSlice>::all(admin.clone())
+        .list(&ListParams::default().fields("spec.nodeName=gpu-node-a"))
+        .await?
+        .items;
+    ensure!(still.len() == published.len(), "{still:?}");
+
+    plugin.stop().await?;
+    cp.stop().await?;
+    Ok(())
+}
