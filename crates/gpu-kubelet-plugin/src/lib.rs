@@ -14,6 +14,7 @@ pub mod claims;
 pub mod config;
 pub mod failpoint;
 pub mod hardware;
+pub mod health;
 pub mod publisher;
 pub mod storage;
 
@@ -250,13 +251,28 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()> + Send) -> R
             }
         })
     };
-    let served = PluginServer::new(
+    let mut server = PluginServer::new(
         config.driver_name.clone(),
         config.sockets.clone(),
         Arc::new(controller),
-    )
-    .serve(shutdown)
-    .await;
+    );
+    let health = config.health_monitoring.then(|| {
+        let monitor = health::HealthMonitor::start(
+            Arc::clone(&backend),
+            inventory.gpus.iter().map(|g| g.raw.uuid.clone()).collect(),
+            publisher.wanted_pool(),
+            health::HealthConfig::new(&config.node_name),
+        );
+        let taints = publisher::spawn_taint_publisher(publisher.clone(), monitor.gpu_health());
+        (monitor, taints)
+    });
+    if let Some((monitor, _)) = &health {
+        server = server.with_health(monitor.device_health());
+    }
+    let served = server.serve(shutdown).await;
+    if let Some((_, taints)) = health {
+        taints.abort();
+    }
     stale.abort();
     rediscovery.abort();
     served?;
