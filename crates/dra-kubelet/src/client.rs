@@ -8,6 +8,7 @@ use tonic::transport::{Channel, Endpoint};
 
 pub use crate::proto::dra_v1::dra_plugin_client::DraPluginClient as DraPluginV1Client;
 pub use crate::proto::dra_v1beta1::dra_plugin_client::DraPluginClient as DraPluginV1beta1Client;
+pub use crate::proto::health_v1alpha1::dra_resource_health_client::DraResourceHealthClient;
 pub use crate::proto::pluginregistration::registration_client::RegistrationClient;
 
 /// Opens a gRPC channel to the Unix socket at `path`.

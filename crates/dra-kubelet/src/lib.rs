@@ -4,8 +4,10 @@
 //! Shape, as the kubelet sees it (KEP-4381 "DRA: structured parameters", kubelet plugin watcher):
 //! - `<registrar-dir>/<driver>-reg.sock` serves `pluginregistration.Registration`; `GetInfo`
 //!   answers type `DRAPlugin`, the driver name, the DRA socket path and the supported service
-//!   versions (`v1.DRAPlugin`, then `v1beta1.DRAPlugin`).
-//! - `<plugin-dir>/dra.sock` serves `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin` and its v1beta1 twin.
+//!   versions (`v1.DRAPlugin`, then `v1beta1.DRAPlugin`), then `v1alpha1.DRAResourceHealth`
+//!   when device health is served.
+//! - `<plugin-dir>/dra.sock` serves `k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin` and its v1beta1 twin,
+//!   and with [`PluginServer::with_health`] the `v1alpha1.DRAResourceHealth` stream ([`health`]).
 //! - With an instance ID (rolling updates), both names carry it; see [`PluginSockets`].
 //!
 //! Per-claim results at the RPC boundary: a bad claim yields an error entry for that claim and
@@ -15,6 +17,7 @@ mod calls;
 pub mod client;
 mod convert;
 mod driver;
+pub mod health;
 pub mod proto;
 mod registration;
 mod server;
@@ -22,6 +25,7 @@ mod service;
 
 pub use calls::{CallObserver, CallRecord, Method};
 pub use driver::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
+pub use health::{DeviceHealth, HEALTH_SERVICE, HealthStatus};
 pub use registration::RegistrationStatus;
 pub use server::{
     DEFAULT_DRAIN_TIMEOUT, PluginServer, PluginSockets, SHUTDOWN_GRACE, ServeError,

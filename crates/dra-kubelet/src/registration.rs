@@ -6,11 +6,11 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::{error, info};
 
+use crate::DRA_PLUGIN_TYPE;
 use crate::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus as RegistrationStatusMsg,
     RegistrationStatusResponse, registration_server::Registration,
 };
-use crate::{DRA_PLUGIN_TYPE, SUPPORTED_VERSIONS};
 
 /// What the kubelet last told us through `NotifyRegistrationStatus`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -28,6 +28,8 @@ pub enum RegistrationStatus {
 pub(crate) struct RegistrationService {
     pub(crate) driver_name: String,
     pub(crate) endpoint: PathBuf,
+    /// The DRAPlugin versions, then the other services served (e.g. the health service).
+    pub(crate) supported_versions: Vec<String>,
     pub(crate) status: watch::Sender<RegistrationStatus>,
 }
 
@@ -38,7 +40,7 @@ impl Registration for RegistrationService {
             r#type: DRA_PLUGIN_TYPE.to_owned(),
             name: self.driver_name.clone(),
             endpoint: self.endpoint.to_string_lossy().into_owned(),
-            supported_versions: SUPPORTED_VERSIONS.iter().map(|v| (*v).to_owned()).collect(),
+            supported_versions: self.supported_versions.clone(),
         }))
     }
 

@@ -13,9 +13,11 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 use tracing::{info, warn};
 
+use crate::SUPPORTED_VERSIONS;
 use crate::calls::{CallObserver, InFlight};
 use crate::driver::Driver;
-use crate::proto::{dra_v1, dra_v1beta1, pluginregistration};
+use crate::health::{DeviceHealth, HEALTH_SERVICE, HealthService};
+use crate::proto::{dra_v1, dra_v1beta1, health_v1alpha1, pluginregistration};
 use crate::registration::{RegistrationService, RegistrationStatus};
 use crate::service::{DraPluginV1, DraPluginV1beta1, Shared};
 
@@ -127,6 +129,7 @@ pub struct PluginServer<D> {
     serving: watch::Sender<bool>,
     observer: Option<Arc<dyn CallObserver>>,
     drain_timeout: Duration,
+    health: Option<watch::Receiver<Vec<DeviceHealth>>>,
 }
 
 impl<D: Driver> PluginServer<D> {
@@ -140,6 +143,7 @@ impl<D: Driver> PluginServer<D> {
             serving: watch::Sender::new(false),
             observer: None,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+            health: None,
         }
     }
 
@@ -155,6 +159,25 @@ impl<D: Driver> PluginServer<D> {
     pub fn with_drain_timeout(mut self, timeout: Duration) -> Self {
         self.drain_timeout = timeout;
         self
+    }
+
+    /// Also serves `v1alpha1.DRAResourceHealth` on the DRA socket, streaming the snapshots of
+    /// `health`, and advertises it at registration ([`crate::health`] has the kubelet's rules:
+    /// send fresh `last_updated` times more often than the devices' timeout).
+    pub fn with_health(mut self, health: watch::Receiver<Vec<DeviceHealth>>) -> Self {
+        self.health = Some(health);
+        self
+    }
+
+    /// The service names `GetInfo` advertises: the DRAPlugin versions, then the health service
+    /// when it is served.
+    pub fn supported_services(&self) -> Vec<String> {
+        let mut services: Vec<String> =
+            SUPPORTED_VERSIONS.iter().map(|v| (*v).to_owned()).collect();
+        if self.health.is_some() {
+            services.push(HEALTH_SERVICE.to_owned());
+        }
+        services
     }
 
     /// Follows what the kubelet reports through `NotifyRegistrationStatus`.
@@ -204,6 +227,15 @@ impl<D: Driver> PluginServer<D> {
             let _ = rx.wait_for(|s| *s).await;
         };
 
+        let supported_versions = self.supported_services();
+        let health = self.health.clone().map(|health| {
+            health_v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(
+                HealthService {
+                    health,
+                    stop: stop_rx.clone(),
+                },
+            )
+        });
         let dra = Server::builder()
             .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(
                 DraPluginV1(Arc::clone(&shared)),
@@ -211,6 +243,7 @@ impl<D: Driver> PluginServer<D> {
             .add_service(dra_v1beta1::dra_plugin_server::DraPluginServer::new(
                 DraPluginV1beta1(shared),
             ))
+            .add_optional_service(health)
             .serve_with_incoming_shutdown(
                 UnixListenerStream::new(dra_listener),
                 stopped(stop_rx.clone()),
@@ -221,6 +254,7 @@ impl<D: Driver> PluginServer<D> {
                     RegistrationService {
                         driver_name: self.driver_name.clone(),
                         endpoint: dra_path.clone(),
+                        supported_versions,
                         status: self.status.clone(),
                     },
                 ),

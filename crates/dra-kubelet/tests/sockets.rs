@@ -4,11 +4,13 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dra_kubelet::client::{DraPluginV1Client, DraPluginV1beta1Client, RegistrationClient, connect};
-use dra_kubelet::proto::{dra_v1, dra_v1beta1, pluginregistration};
+use dra_kubelet::client::{
+    DraPluginV1Client, DraPluginV1beta1Client, DraResourceHealthClient, RegistrationClient, connect,
+};
+use dra_kubelet::proto::{dra_v1, dra_v1beta1, health_v1alpha1, pluginregistration};
 use dra_kubelet::{
-    ClaimRef, Driver, PluginServer, PluginSockets, PrepareResult, PreparedDevice,
-    RegistrationStatus, UnprepareResult,
+    ClaimRef, DeviceHealth, Driver, HealthStatus, PluginServer, PluginSockets, PrepareResult,
+    PreparedDevice, RegistrationStatus, UnprepareResult,
 };
 
 /// Prepares any claim whose name does not start with "bad"; records every call.
@@ -400,4 +402,162 @@ async fn serve_returns_only_after_a_call_in_flight_at_shutdown_was_answered() {
     assert_eq!(resp.into_inner().claims["slow"].error, "");
     assert!(!*serving.borrow());
     assert!(!sockets.dra_socket().exists());
+}
+
+fn health(device: &str, status: HealthStatus, message: &str) -> DeviceHealth {
+    DeviceHealth {
+        pool_name: "node-a".into(),
+        device_name: device.into(),
+        status,
+        message: message.into(),
+        last_updated: std::time::SystemTime::now(),
+        timeout: Some(Duration::from_secs(60)),
+    }
+}
+
+async fn start_with_health(
+    initial: Vec<DeviceHealth>,
+) -> (
+    Running,
+    tokio::sync::watch::Sender<Vec<DeviceHealth>>,
+    Vec<String>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let sockets = PluginSockets {
+        plugin_dir: dir.path().join("plugins/example.com"),
+        registrar_dir: dir.path().join("plugins_registry"),
+        instance_id: None,
+    };
+    let driver = Arc::new(Recorder::default());
+    let (tx, rx) = tokio::sync::watch::channel(initial);
+    let server =
+        PluginServer::new("example.com", sockets.clone(), Arc::clone(&driver)).with_health(rx);
+    let advertised = server.supported_services();
+    let status = server.registration_status();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(server.serve(async {
+        let _ = stopped.await;
+    }));
+    let reg = sockets.registration_socket("example.com");
+    for _ in 0..100 {
+        if reg.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let running = Running {
+        _dir: dir,
+        sockets,
+        driver,
+        status,
+        stop,
+        task,
+    };
+    (running, tx, advertised)
+}
+
+#[tokio::test]
+async fn registration_advertises_the_health_service_after_the_dra_versions_when_served() {
+    let (r, _tx, advertised) = start_with_health(vec![]).await;
+    let mut reg = RegistrationClient::new(
+        connect(r.sockets.registration_socket("example.com"))
+            .await
+            .unwrap(),
+    );
+    let info = reg
+        .get_info(pluginregistration::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        info.supported_versions,
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth"
+        ]
+    );
+    assert_eq!(info.supported_versions, advertised);
+}
+
+#[tokio::test]
+async fn the_health_stream_sends_the_current_snapshot_then_every_change() {
+    let (r, tx, _) = start_with_health(vec![health("gpu-0", HealthStatus::Healthy, "")]).await;
+    let mut client = DraResourceHealthClient::new(connect(r.sockets.dra_socket()).await.unwrap());
+    let mut stream = client
+        .node_watch_resources(health_v1alpha1::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.message().await.unwrap().expect("initial snapshot");
+    assert_eq!(first.devices.len(), 1);
+    assert_eq!(
+        first.devices[0].health(),
+        health_v1alpha1::HealthStatus::Healthy
+    );
+    assert_eq!(first.devices[0].health_check_timeout_seconds, 60);
+
+    tx.send_replace(vec![
+        health("gpu-0", HealthStatus::Unhealthy, "xid-79"),
+        health("gpu-1", HealthStatus::Healthy, ""),
+    ]);
+    let second = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("a change is sent")
+        .unwrap()
+        .expect("stream open");
+    let by_name: BTreeMap<_, _> = second
+        .devices
+        .iter()
+        .map(|d| {
+            (
+                d.device.as_ref().unwrap().device_name.clone(),
+                (d.health(), d.message.clone()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_name["gpu-0"],
+        (
+            health_v1alpha1::HealthStatus::Unhealthy,
+            "xid-79".to_owned()
+        )
+    );
+    assert_eq!(by_name["gpu-1"].0, health_v1alpha1::HealthStatus::Healthy);
+
+    // The plugin dropping its sender ends the stream; the kubelet would call again.
+    drop(tx);
+    let end = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("the stream ends");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+}
+
+#[tokio::test]
+async fn shutdown_ends_open_health_streams_instead_of_waiting_for_them() {
+    let (r, _tx, _) = start_with_health(vec![health("gpu-0", HealthStatus::Healthy, "")]).await;
+    let mut client = DraResourceHealthClient::new(connect(r.sockets.dra_socket()).await.unwrap());
+    let mut stream = client
+        .node_watch_resources(health_v1alpha1::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    stream.message().await.unwrap().expect("initial snapshot");
+    r.stop.send(()).unwrap();
+    let end = tokio::time::timeout(dra_kubelet::SHUTDOWN_GRACE, stream.message())
+        .await
+        .expect("the stream ends before the grace period is over");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    r.task.await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn without_health_the_service_is_neither_served_nor_advertised() {
+    let r = start().await;
+    let mut client = DraResourceHealthClient::new(connect(r.sockets.dra_socket()).await.unwrap());
+    let err = client
+        .node_watch_resources(health_v1alpha1::NodeWatchResourcesRequest {})
+        .await
+        .expect_err("not served");
+    assert_eq!(err.code(), tonic::Code::Unimplemented);
 }

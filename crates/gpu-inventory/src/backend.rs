@@ -1,6 +1,10 @@
 //! The hardware seam: NVML-shaped queries answered by NVML itself or by a fake.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
+
+use crate::health::{HealthEvent, RecoveryProbe};
 
 /// Node-wide facts, from `nvmlSystemGetDriverVersion` and `nvmlSystemGetCudaDriverVersion_v2`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -252,6 +256,22 @@ pub enum BackendError {
         /// What went wrong.
         message: String,
     },
+    /// An injected health event file could not be used (fake backend); it was set aside.
+    #[error("health event file {path}: {problem}")]
+    EventFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it, naming the field.
+        problem: String,
+    },
+    /// Setting up or waiting for NVML health events failed.
+    #[error("NVML health events ({call}): {message}")]
+    Events {
+        /// The NVML function.
+        call: &'static str,
+        /// NVML's error text.
+        message: String,
+    },
     /// A fake backend was told to fail this query.
     #[error("injected fault: {call} for GPU {index}")]
     Injected {
@@ -356,5 +376,28 @@ pub trait GpuBackend: Send + Sync {
             call: "destroy_mig_device",
             index,
         })
+    }
+
+    /// Blocks the calling thread for at most `timeout` until a GPU reports a health event, and
+    /// returns it; `Ok(None)` when none came. Call it from a blocking thread.
+    ///
+    /// The default reports nothing: it sleeps for `timeout` and returns `Ok(None)`.
+    ///
+    /// # Errors
+    /// [`BackendError`] when events cannot be set up or waited for; the caller may retry.
+    fn wait_health_event(&self, timeout: Duration) -> Result<Option<HealthEvent>, BackendError> {
+        std::thread::sleep(timeout);
+        Ok(None)
+    }
+
+    /// Whether the GPU `gpu_uuid`, which reported errors, looks usable again. Blocking.
+    ///
+    /// The default cannot tell ([`RecoveryProbe::Unsupported`]).
+    ///
+    /// # Errors
+    /// [`BackendError`] when the probe itself fails.
+    fn probe_recovery(&self, gpu_uuid: &str) -> Result<RecoveryProbe, BackendError> {
+        let _ = gpu_uuid;
+        Ok(RecoveryProbe::Unsupported)
     }
 }

@@ -47,12 +47,19 @@
 //! for a separate process, the files `<state_dir>/fail-mig-create` and
 //! `<state_dir>/fail-mig-destroy`: while one exists (any content) every creation (destruction)
 //! fails with [`BackendError::Injected`] and changes nothing.
+//!
+//! # Health events
+//! Tests inject them in memory with [`FakeBackend::inject_event`], or as files in
+//! `<state_dir>/events/` (format and ordering in [`crate::health`]); a waiting
+//! [`GpuBackend::wait_health_event`] returns in-memory events first, then files, polling the
+//! directory every [`crate::health::EVENT_POLL_INTERVAL`].
 
 pub mod mig;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -60,6 +67,7 @@ use crate::backend::{
     BackendError, GpuBackend, MigAttributes, MigMode, MigPlacement, RawGpu, RawMigDevice,
     SystemInfo,
 };
+use crate::health::{EVENT_POLL_INTERVAL, HealthEvent, events_dir, take_event_file};
 use crate::mig_tables::builtin_profiles;
 
 /// The contents of a topology file.
@@ -244,6 +252,8 @@ pub struct FakeBackend {
     /// read-modify-write of the state file within the process.
     mig: Mutex<mig::MigState>,
     failing_mig: Mutex<BTreeSet<(&'static str, u32)>>,
+    injected: Mutex<VecDeque<HealthEvent>>,
+    injected_ready: Condvar,
 }
 
 impl FakeBackend {
@@ -257,7 +267,15 @@ impl FakeBackend {
             time_slices: Mutex::new(BTreeMap::new()),
             mig: Mutex::new(mig::MigState::default()),
             failing_mig: Mutex::new(BTreeSet::new()),
+            injected: Mutex::new(VecDeque::new()),
+            injected_ready: Condvar::new(),
         }
+    }
+
+    /// Queues a health event for [`GpuBackend::wait_health_event`], waking a waiting caller.
+    pub fn inject_event(&self, event: HealthEvent) {
+        lock(&self.injected).push_back(event);
+        self.injected_ready.notify_all();
     }
 
     /// Keeps what outlives a process on real hardware (created MIG instances) under `dir`, and
@@ -486,6 +504,37 @@ impl GpuBackend for FakeBackend {
         }
         Ok(())
     }
+
+    fn wait_health_event(&self, timeout: Duration) -> Result<Option<HealthEvent>, BackendError> {
+        let deadline = Instant::now() + timeout;
+        let mut queue = lock(&self.injected);
+        loop {
+            if let Some(event) = queue.pop_front() {
+                self.record(format!("health_event({})", event.gpu_uuid));
+                return Ok(Some(event));
+            }
+            if let Some(dir) = &self.state_dir {
+                match take_event_file(&events_dir(dir)) {
+                    Ok(Some(event)) => {
+                        self.record(format!("health_event({})", event.gpu_uuid));
+                        return Ok(Some(event));
+                    }
+                    Ok(None) => {}
+                    Err((path, problem)) => return Err(BackendError::EventFile { path, problem }),
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            let wait = EVENT_POLL_INTERVAL.min(deadline - now);
+            queue = self
+                .injected_ready
+                .wait_timeout(queue, wait)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -519,6 +568,71 @@ gpus:
             Err(BackendError::Injected { index: 0, .. })
         ));
         assert!(fake.system().is_ok());
+    }
+
+    #[test]
+    fn injected_events_come_before_event_files_and_each_is_delivered_once() {
+        use crate::health::HealthEventKind;
+        let state = tempfile::tempdir().expect("tempdir");
+        let events = events_dir(state.path());
+        std::fs::create_dir_all(&events).expect("mkdir");
+        std::fs::write(
+            events.join("001.json"),
+            r#"{"gpuUuid":"GPU-a","event":"xid","code":79}"#,
+        )
+        .expect("write");
+        let fake = FakeBackend::new(Topology::parse(ONE_GPU, "t").expect("valid"))
+            .with_state_dir(state.path());
+        fake.inject_event(HealthEvent {
+            gpu_uuid: "GPU-a".into(),
+            kind: HealthEventKind::GpuLost,
+        });
+        let wait = Duration::from_millis(10);
+        let kinds: Vec<_> = std::iter::from_fn(|| fake.wait_health_event(wait).expect("ok"))
+            .map(|e| e.kind)
+            .collect();
+        assert_eq!(
+            kinds,
+            [HealthEventKind::GpuLost, HealthEventKind::Xid { code: 79 }]
+        );
+        assert!(!events.join("001.json").exists());
+    }
+
+    #[test]
+    fn an_injected_event_wakes_a_waiting_caller() {
+        let fake = std::sync::Arc::new(FakeBackend::new(
+            Topology::parse(ONE_GPU, "t").expect("valid"),
+        ));
+        let waiter = {
+            let fake = std::sync::Arc::clone(&fake);
+            std::thread::spawn(move || fake.wait_health_event(Duration::from_secs(30)))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        fake.inject_event(HealthEvent {
+            gpu_uuid: "GPU-a".into(),
+            kind: crate::health::HealthEventKind::DoubleBitEcc,
+        });
+        let event = waiter.join().expect("joined").expect("ok").expect("event");
+        assert_eq!(event.gpu_uuid, "GPU-a");
+    }
+
+    #[test]
+    fn a_bad_event_file_is_an_error_naming_it() {
+        let state = tempfile::tempdir().expect("tempdir");
+        let events = events_dir(state.path());
+        std::fs::create_dir_all(&events).expect("mkdir");
+        std::fs::write(events.join("001.json"), "{").expect("write");
+        let fake = FakeBackend::new(Topology::parse(ONE_GPU, "t").expect("valid"))
+            .with_state_dir(state.path());
+        let err = fake
+            .wait_health_event(Duration::from_millis(10))
+            .expect_err("bad file");
+        assert!(err.to_string().contains("001.json"), "{err}");
+        assert_eq!(
+            fake.wait_health_event(Duration::from_millis(10))
+                .expect("ok"),
+            None
+        );
     }
 
     #[test]

@@ -36,10 +36,13 @@
 //! | MIG mode | `nvmlDeviceGetMigMode` (current) |
 //! | existing MIG devices | `nvmlDeviceGetMaxMigDeviceCount`, `nvmlDeviceGetMigDeviceHandleByIndex` |
 //!
+//! Health events (XID, ECC, GPU lost) come from [`GpuBackend::wait_health_event`] ([`health`]).
+//!
 //! Device names: [`naming`]. NVLink domains: [`nvlink`]. Partitionable MIG model: [`mig`].
 
 pub mod backend;
 pub mod fake;
+pub mod health;
 pub mod mig;
 pub mod mig_tables;
 pub mod model;
@@ -52,6 +55,7 @@ pub mod validate;
 
 pub use backend::{BackendError, GpuBackend, RawGpu, SystemInfo};
 pub use fake::{FakeBackend, Topology, TopologyError};
+pub use health::{HealthEvent, HealthEventKind, RecoveryProbe};
 pub use mig::MigDevice;
 pub use model::{DiscoveryError, Gpu, Inventory, MigStrategy, discover};
 pub use nvml::NvmlBackend;

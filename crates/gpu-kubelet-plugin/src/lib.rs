@@ -15,6 +15,7 @@ pub mod claims;
 pub mod config;
 pub mod failpoint;
 pub mod hardware;
+pub mod health;
 pub mod http;
 pub mod instance;
 pub mod metrics;
@@ -261,12 +262,18 @@ pub async fn run(
         lock_path.clone(),
         Arc::clone(&metrics),
     );
-    let server = PluginServer::new(
+    let mut server = PluginServer::new(
         config.driver_name.clone(),
         config.sockets.clone(),
         Arc::new(gate),
     )
     .with_observer(Arc::clone(&metrics) as Arc<dyn dra_kubelet::CallObserver>);
+    // Device health for the kubelet: advertised from the start, fed once this instance is
+    // active (its monitor watches the GPUs).
+    let device_health = watch::Sender::new(Vec::<dra_kubelet::DeviceHealth>::new());
+    if config.health_monitoring {
+        server = server.with_health(device_health.subscribe());
+    }
     let role = watch::Sender::new(Role::Standby);
     let http = match config.http_address {
         Some(address) => {
@@ -326,7 +333,19 @@ pub async fn run(
     if let Some(active) = &mut active {
         let (claims, devices) = active.controller.prepared_summary().await;
         metrics.set_prepared(claims, devices);
-        result = active.run_tasks(&config, client, &backend, pool).await;
+        result = active
+            .run_tasks(
+                &config,
+                client,
+                &backend,
+                &inventory,
+                pool,
+                Health {
+                    kubelet: &device_health,
+                    metrics: &metrics,
+                },
+            )
+            .await;
         if result.is_ok() {
             role.send_replace(Role::Active);
             tokio::select! {
@@ -390,6 +409,14 @@ struct Active {
     lock: ActiveLock,
     controller: ClaimController<KubeCluster, BackendHardware>,
     tasks: Vec<AbortOnDrop<()>>,
+    monitor: Option<health::HealthMonitor>,
+}
+
+/// Where device health goes besides the slices' taints.
+struct Health<'a> {
+    /// The kubelet's `NodeWatchResources` stream.
+    kubelet: &'a watch::Sender<Vec<dra_kubelet::DeviceHealth>>,
+    metrics: &'a Arc<Metrics>,
 }
 
 impl Active {
@@ -398,6 +425,7 @@ impl Active {
 
     async fn stop(self) {
         drop(self.tasks);
+        drop(self.monitor);
         if tokio::time::timeout(Self::QUIESCE_TIMEOUT, self.controller.quiesce())
             .await
             .is_err()
@@ -476,20 +504,50 @@ async fn take_over(
         lock,
         controller,
         tasks: Vec::new(),
+        monitor: None,
     })
 }
 
 impl Active {
-    /// Publishes the slices and starts the periodic tasks (re-discovery, stale claims).
+    /// Publishes the slices and starts the periodic tasks (re-discovery, stale claims) and,
+    /// with health monitoring, the GPU health monitor whose taints the publisher applies.
     async fn run_tasks(
         &mut self,
         config: &Config,
         client: kube::Client,
         backend: &Arc<dyn GpuBackend>,
+        inventory: &Inventory,
         pool: Pool,
+        health: Health<'_>,
     ) -> Result<(), Error> {
         let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
         publish_with_retry(&publisher, &pool).await?;
+        if config.health_monitoring {
+            let monitor = health::HealthMonitor::start(
+                Arc::clone(backend),
+                inventory.gpus.iter().map(|g| g.raw.uuid.clone()).collect(),
+                publisher.wanted_pool(),
+                health::HealthConfig::new(&config.node_name),
+            );
+            let taints = publisher::spawn_taint_publisher(publisher.clone(), monitor.gpu_health());
+            self.tasks.push(AbortOnDrop(taints));
+            let mut devices = monitor.device_health();
+            let (kubelet, metrics) = (health.kubelet.clone(), Arc::clone(health.metrics));
+            self.tasks.push(AbortOnDrop(tokio::spawn(async move {
+                loop {
+                    let now = devices.borrow_and_update().clone();
+                    for d in &now {
+                        let healthy = d.status != dra_kubelet::HealthStatus::Unhealthy;
+                        metrics.set_device_health(&d.device_name, healthy);
+                    }
+                    kubelet.send_replace(now);
+                    if devices.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })));
+            self.monitor = Some(monitor);
+        }
         let rediscovery =
             publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
                 let (config, backend) = (config.clone(), Arc::clone(backend));

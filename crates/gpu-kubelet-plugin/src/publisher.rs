@@ -6,17 +6,33 @@
 //! slices equal what the API server holds, nothing is written. Before anything is written the
 //! desired slices are checked against the API server's rules ([`gpu_inventory::validate`]), so a
 //! pool the server would reject (or accept only in part) is never half-published.
+//!
+//! Device taints (from [`crate::health`]) are part of what is published: the publisher keeps the
+//! wanted pool and the wanted taints, and every publish, whoever triggers it (start-up,
+//! re-discovery, a health change), writes the pool with the latest taints applied. Publishes are
+//! serialized and each reads the wanted state only once it holds the lock, so the last one to
+//! finish always wrote the latest state. Health changes are republished by
+//! [`spawn_taint_publisher`], which retries failed writes with exponential backoff ([`Backoff`]).
+
+use std::collections::BTreeMap;
+use std::fmt::Display;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use gpu_inventory::Pool;
 use gpu_inventory::slices::{NODE_LABEL, pool_slices};
 use gpu_inventory::validate::{InvalidSlice, validate_pool};
 use k8s_openapi::Resource;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client};
+use tokio::sync::watch;
 use tracing::{info, warn};
+
+use crate::health::{GpuHealthMap, apply_taints, taints};
 
 /// What a publish did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,12 +95,23 @@ pub enum PublishError {
     },
 }
 
-/// Publishes one node's pool for one driver.
+/// Publishes one node's pool for one driver. Clones share the wanted state and the write lock.
 #[derive(Clone)]
 pub struct SlicePublisher {
     client: Client,
     driver: String,
     node: String,
+    shared: Arc<Shared>,
+}
+
+/// What every clone of a publisher shares.
+struct Shared {
+    /// Held for a whole publish, so publishes never interleave.
+    write: tokio::sync::Mutex<()>,
+    /// The pool last handed to [`SlicePublisher::publish_pool`], without taints.
+    wanted: watch::Sender<Pool>,
+    /// Our taints by physical GPU UUID.
+    taints: Mutex<BTreeMap<String, DeviceTaint>>,
 }
 
 impl SlicePublisher {
@@ -94,7 +121,47 @@ impl SlicePublisher {
             client,
             driver: driver.to_owned(),
             node: node.to_owned(),
+            shared: Arc::new(Shared {
+                write: tokio::sync::Mutex::new(()),
+                wanted: watch::Sender::new(Pool::default()),
+                taints: Mutex::new(BTreeMap::new()),
+            }),
         }
+    }
+
+    /// Follows the wanted pool (untainted), as last handed to [`SlicePublisher::publish_pool`].
+    pub fn wanted_pool(&self) -> watch::Receiver<Pool> {
+        self.shared.wanted.subscribe()
+    }
+
+    /// Sets the taints every later publish applies, by physical GPU UUID (see
+    /// [`crate::health::apply_taints`]); returns whether they changed.
+    pub fn set_taints(&self, taints: BTreeMap<String, DeviceTaint>) -> bool {
+        let mut current = self
+            .shared
+            .taints
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let changed = *current != taints;
+        *current = taints;
+        changed
+    }
+
+    /// Publishes the wanted pool with the current taints.
+    ///
+    /// # Errors
+    /// As [`SlicePublisher::publish_pool`].
+    pub async fn republish(&self) -> Result<PublishOutcome, PublishError> {
+        let _write = self.shared.write.lock().await;
+        let pool = {
+            let taints = self
+                .shared
+                .taints
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            apply_taints(&self.driver, &self.shared.wanted.borrow(), &taints)
+        };
+        self.write_pool(&pool).await
     }
 
     /// The field manager of our server-side applies.
@@ -110,13 +177,19 @@ impl SlicePublisher {
         self.publish_pool(&Pool::from(devices.to_vec())).await
     }
 
-    /// Makes the API server hold exactly `pool` (devices and counter sets) as this node's pool,
-    /// split into slices as [`pool_slices`] lays them out.
+    /// Makes `pool` (devices and counter sets) the wanted pool and makes the API server hold it,
+    /// with the current taints applied, split into slices as [`pool_slices`] lays them out.
     ///
     /// # Errors
     /// [`PublishError::Invalid`] before any write when a slice would break an API rule;
     /// otherwise [`PublishError`] naming the object whose read or write failed.
     pub async fn publish_pool(&self, pool: &Pool) -> Result<PublishOutcome, PublishError> {
+        self.shared.wanted.send_replace(pool.clone());
+        self.republish().await
+    }
+
+    /// Writes exactly `pool`; the caller holds the write lock.
+    async fn write_pool(&self, pool: &Pool) -> Result<PublishOutcome, PublishError> {
         validate_pool(&pool_slices(&self.driver, &self.node, 1, pool))?;
         let node = Api::<Node>::all(self.client.clone())
             .get(&self.node)
@@ -278,4 +351,188 @@ where
             last = pool;
         }
     })
+}
+
+/// Exponential backoff: `initial`, doubling up to `max`; [`Backoff::reset`] after a success.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    /// Starts at `initial`, doubling up to `max`.
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial,
+            max,
+            next: initial,
+        }
+    }
+
+    /// The delay before the next retry; each call doubles the following one, up to `max`.
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        d
+    }
+
+    /// Back to `initial`.
+    pub fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+impl Default for Backoff {
+    /// 200 ms doubling to 30 s.
+    fn default() -> Self {
+        Self::new(Duration::from_millis(200), Duration::from_secs(30))
+    }
+}
+
+/// Publishes the latest value of `wanted` with `publish`: once at start, then on every change;
+/// a failure is retried after the [`Backoff`] delay, or at once when a newer value arrives (the
+/// latest wanted state wins; intermediate values may be skipped, never reordered). Returns when
+/// the sender is gone.
+pub async fn publish_latest<S, F, Fut, E>(
+    mut wanted: watch::Receiver<S>,
+    mut backoff: Backoff,
+    mut publish: F,
+) where
+    S: Clone,
+    F: FnMut(S) -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+    E: Display,
+{
+    wanted.mark_changed();
+    let mut retry: Option<tokio::time::Instant> = None;
+    loop {
+        let retry_at = retry;
+        tokio::select! {
+            changed = wanted.changed() => if changed.is_err() { return },
+            () = async {
+                match retry_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => {}
+        }
+        let state = wanted.borrow_and_update().clone();
+        match publish(state).await {
+            Ok(()) => {
+                backoff.reset();
+                retry = None;
+            }
+            Err(e) => {
+                let delay = backoff.next_delay();
+                warn!(error = %e, retry_in = ?delay, "publishing device taints failed; retrying");
+                retry = Some(tokio::time::Instant::now() + delay);
+            }
+        }
+    }
+}
+
+/// Republishes the pool whenever GPU health changes, with the taints of `health` applied
+/// ([`publish_latest`] with the default [`Backoff`]). Abort the returned task to stop.
+pub fn spawn_taint_publisher(
+    publisher: SlicePublisher,
+    health: watch::Receiver<GpuHealthMap>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(publish_latest(health, Backoff::default(), move |gpus| {
+        let publisher = publisher.clone();
+        async move {
+            let wanted = taints(&publisher.driver, &gpus);
+            publisher.set_taints(wanted);
+            match publisher.republish().await {
+                Ok(outcome) => {
+                    info!(?outcome, "published device taints");
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(500));
+        let delays: Vec<_> = (0..5).map(|_| b.next_delay().as_millis()).collect();
+        assert_eq!(delays, [100, 200, 400, 500, 500]);
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_millis(100));
+    }
+
+    #[tokio::test]
+    async fn failed_publishes_are_retried_and_the_latest_state_wins() {
+        let attempts = Arc::new(Mutex::new(Vec::<u32>::new()));
+        let (tx, rx) = watch::channel(1u32);
+        let task = {
+            let attempts = Arc::clone(&attempts);
+            tokio::spawn(publish_latest(
+                rx,
+                Backoff::new(Duration::from_millis(5), Duration::from_millis(20)),
+                move |state| {
+                    let attempts = Arc::clone(&attempts);
+                    async move {
+                        let mut a = attempts.lock().unwrap();
+                        a.push(state);
+                        // The API server refuses the first three writes.
+                        if a.len() <= 3 {
+                            Err(format!("API server unavailable (attempt {})", a.len()))
+                        } else {
+                            Ok(())
+                        }
+                    }
+                },
+            ))
+        };
+        // A newer state arrives once the first has failed.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while attempts.lock().unwrap().is_empty() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("first attempt");
+        tx.send_replace(2);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if attempts.lock().unwrap().len() >= 4 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("retried until success");
+        let seen = attempts.lock().unwrap().clone();
+        assert_eq!(seen.first(), Some(&1), "{seen:?}");
+        assert_eq!(
+            seen.last(),
+            Some(&2),
+            "the last (successful) write is the latest state: {seen:?}"
+        );
+        // After the success nothing more is written until the state changes again.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(attempts.lock().unwrap().len(), 4);
+        tx.send_replace(3);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while attempts.lock().unwrap().last() != Some(&3) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the next change is published");
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("ends when the sender is gone")
+            .expect("no panic");
+    }
 }

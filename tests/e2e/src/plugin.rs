@@ -104,6 +104,34 @@ impl NodePlugin {
         &self.config
     }
 
+    /// Drops a health event for the fake backend into `<state_dir>/events/<seq>.json` (written
+    /// under a temporary name and renamed, so the plugin never reads half a file). Events are
+    /// consumed in `seq` order.
+    ///
+    /// # Errors
+    /// [`PluginError`] when the plugin has no fake state dir or the file cannot be written.
+    pub fn inject_health_event(
+        &self,
+        seq: u32,
+        event: &gpu_inventory::HealthEvent,
+    ) -> Result<(), PluginError> {
+        let problem = |e: String| PluginError { problem: e };
+        let Backend::Fake {
+            state_dir: Some(state_dir),
+            ..
+        } = &self.config.backend
+        else {
+            return Err(problem("no fake state dir to inject events into".into()));
+        };
+        let dir = gpu_inventory::health::events_dir(state_dir);
+        std::fs::create_dir_all(&dir).map_err(|e| problem(format!("{}: {e}", dir.display())))?;
+        let json = serde_json::to_vec(event).map_err(|e| problem(e.to_string()))?;
+        let tmp = dir.join(format!("{seq:06}.json.tmp"));
+        std::fs::write(&tmp, json).map_err(|e| problem(format!("{}: {e}", tmp.display())))?;
+        let path = dir.join(format!("{seq:06}.json"));
+        std::fs::rename(&tmp, &path).map_err(|e| problem(format!("{}: {e}", path.display())))
+    }
+
     /// The DRA socket.
     pub fn dra_socket(&self) -> PathBuf {
         self.config.sockets.dra_socket()

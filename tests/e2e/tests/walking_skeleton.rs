@@ -153,9 +153,14 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
     assert_eq!(info.r#type, "DRAPlugin");
     assert_eq!(info.name, DRIVER);
     assert_eq!(info.endpoint, plugin.dra_socket().to_string_lossy());
+    // Health monitoring is on by default, so the health service follows the DRAPlugin versions.
     assert_eq!(
         info.supported_versions,
-        ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        [
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth"
+        ]
     );
 
     // 5. Prepare (v1): CDI device ID, CDI spec file, checkpoint entry.

@@ -11,11 +11,12 @@ use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_GPU_FABRIC_STATE_COMPLETED, NVML_GPU_FABRIC_STATE_IN_PROGRESS,
     NVML_GPU_FABRIC_STATE_NOT_STARTED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
-    nvmlComputeInstanceProfileInfo_t, nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t,
-    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlComputeInstanceProfileInfo_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuFabricInfo_v3_t,
+    nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH, nvmlIntNvLinkDeviceType_t,
+    nvmlReturn_t,
 };
 
 use crate::backend::{FabricInfo, FabricState, MigPlacement, NvLinkRemote};
@@ -238,6 +239,132 @@ pub(super) fn fabric_info(nvml: &Nvml, device: &Device<'_>) -> Option<FabricInfo
         clique_id: info.cliqueId,
         state,
     })
+}
+
+/// An NVML event set with the GPUs registered on it (`nvmlEventSetCreate`,
+/// `nvmlDeviceRegisterEvents`), freed on drop (`nvmlEventSetFree`).
+///
+/// nvml-wrapper's `EventSet` borrows its `Nvml`, so it cannot live in the backend beside it;
+/// this owns the raw handle instead. The owner must drop it before the `Nvml` it came from
+/// (`NvmlBackend` declares its event state before `nvml`, and fields drop in order).
+pub(super) struct EventWatch {
+    set: nvmlEventSet_t,
+    free: unsafe extern "C" fn(nvmlEventSet_t) -> nvmlReturn_t,
+    /// Raw device handle (as an address) and UUID of each registered GPU.
+    gpus: Vec<(usize, String)>,
+}
+
+// SAFETY: NVML handles are process-wide and valid on any thread; operations on one event set
+// are not thread-safe, which the owner guarantees by keeping the watch behind a mutex.
+unsafe impl Send for EventWatch {}
+
+impl Drop for EventWatch {
+    fn drop(&mut self) {
+        // SAFETY: `set` came from nvmlEventSetCreate and is freed exactly once, here, while the
+        // library is still loaded (see the type's docs).
+        let _ = unsafe { (self.free)(self.set) };
+    }
+}
+
+impl EventWatch {
+    /// The UUIDs of the registered GPUs.
+    pub(super) fn uuids(&self) -> impl Iterator<Item = &str> {
+        self.gpus.iter().map(|(_, u)| u.as_str())
+    }
+}
+
+/// One event from `nvmlEventSetWait_v2`.
+pub(super) struct RawEvent {
+    /// The UUID of the GPU it came from, when that GPU is one we registered.
+    pub uuid: Option<String>,
+    /// `nvmlEventType*` bits.
+    pub event_type: u64,
+    /// The XID for `nvmlEventTypeXidCriticalError`.
+    pub data: u64,
+}
+
+/// Creates an event set and registers `event_types` (masked by what each GPU supports) for
+/// every GPU in `gpus`; a GPU that cannot be registered is left out and returned in the second
+/// list with NVML's reason.
+pub(super) fn watch_events(
+    nvml: &Nvml,
+    gpus: &[(Device<'_>, String)],
+    event_types: u64,
+) -> Result<(EventWatch, Vec<(String, NvmlError)>), NvmlError> {
+    let lib = nvml.lib();
+    let create = nvml_sym(lib.nvmlEventSetCreate.as_ref())?;
+    let register = nvml_sym(lib.nvmlDeviceRegisterEvents.as_ref())?;
+    let free = *nvml_sym(lib.nvmlEventSetFree.as_ref())?;
+    let mut set: nvmlEventSet_t = std::ptr::null_mut();
+    // SAFETY: `set` is a valid out-pointer for the new set's handle.
+    nvml_try(unsafe { create(&mut set) })?;
+    let mut watch = EventWatch {
+        set,
+        free,
+        gpus: Vec::new(),
+    };
+    let mut skipped = Vec::new();
+    for (device, uuid) in gpus {
+        let supported = match device.supported_event_types() {
+            Ok(t) => t.bits(),
+            Err(e) => {
+                skipped.push((uuid.clone(), e));
+                continue;
+            }
+        };
+        // SAFETY: `device` is a live handle from this `nvml` and `watch.set` a live set.
+        let handle = unsafe { device.handle() };
+        // SAFETY: as above; NVML only reads its arguments.
+        match nvml_try(unsafe { register(handle, event_types & supported, watch.set) }) {
+            Ok(()) => watch.gpus.push((handle as usize, uuid.clone())),
+            Err(e) => skipped.push((uuid.clone(), e)),
+        }
+    }
+    Ok((watch, skipped))
+}
+
+/// `nvmlEventSetWait_v2`: the next event within `timeout_ms`, `None` on timeout.
+pub(super) fn wait_event(
+    nvml: &Nvml,
+    watch: &EventWatch,
+    timeout_ms: u32,
+) -> Result<Option<RawEvent>, NvmlError> {
+    let wait = nvml_sym(nvml.lib().nvmlEventSetWait_v2.as_ref())?;
+    // SAFETY: an all-zero nvmlEventData_t is valid (a null device handle and integers).
+    let mut data: nvmlEventData_t = unsafe { mem::zeroed() };
+    // SAFETY: `watch.set` is a live set; `data` is a valid out-pointer.
+    match nvml_try(unsafe { wait(watch.set, &mut data, timeout_ms) }) {
+        Ok(()) => {}
+        Err(NvmlError::Timeout) => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let uuid = watch
+        .gpus
+        .iter()
+        .find(|(h, _)| *h == data.device as usize)
+        .map(|(_, u)| u.clone());
+    Ok(Some(RawEvent {
+        uuid,
+        event_type: data.eventType,
+        data: data.eventData,
+    }))
+}
+
+/// `nvmlDeviceGetRemappedRows`: (a remapping is pending until reset, a remapping failed).
+pub(super) fn remapped_rows(nvml: &Nvml, device: &Device<'_>) -> Result<(bool, bool), NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetRemappedRows.as_ref())?;
+    let (mut corrected, mut uncorrected, mut pending, mut failed) = (0u32, 0u32, 0u32, 0u32);
+    // SAFETY: `device` is a live handle; the four counters are valid out-pointers.
+    nvml_try(unsafe {
+        sym(
+            device.handle(),
+            &mut corrected,
+            &mut uncorrected,
+            &mut pending,
+            &mut failed,
+        )
+    })?;
+    Ok((pending != 0, failed != 0))
 }
 
 /// 16 bytes as `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.

@@ -12,12 +12,31 @@
 //! destruction (`nvmlDeviceCreateGpuInstanceWithPlacement`,
 //! `nvmlGpuInstanceGetComputeInstanceProfileInfo`, `nvmlGpuInstanceCreateComputeInstance`,
 //! `nvmlDeviceGetGpuInstanceById`, `nvmlGpuInstanceGetComputeInstanceById`,
-//! `nvmlComputeInstanceDestroy`, `nvmlGpuInstanceDestroy`; not wrapped).
+//! `nvmlComputeInstanceDestroy`, `nvmlGpuInstanceDestroy`; not wrapped). Health events use raw event
+//! sets too ([`ffi::EventWatch`]): nvml-wrapper's `EventSet` borrows the `Nvml` it came from and
+//! so cannot be kept beside it.
+//!
+//! # Health events
+//!
+//! The first [`GpuBackend::wait_health_event`] registers every GPU for
+//! `nvmlEventTypeXidCriticalError` and `nvmlEventTypeDoubleBitEccError` (as far as each GPU
+//! supports them; a GPU that cannot be registered is logged and not watched). Single-bit ECC
+//! errors are corrected by the hardware and not reported. When waiting fails with
+//! `NVML_ERROR_GPU_IS_LOST`, every watched GPU is asked for its UUID and each one that answers
+//! GPU_IS_LOST is reported as [`HealthEventKind::GpuLost`].
+//!
+//! [`GpuBackend::probe_recovery`] says a GPU is healthy when NVML finds it by UUID and answers a
+//! PCI info query, no page retirement is pending (`nvmlDeviceGetRetiredPagesPendingStatus`) and
+//! no row remapping is pending or failed (`nvmlDeviceGetRemappedRows`): the conditions NVIDIA's
+//! memory error management guides name as cleared by a GPU reset.
 
 mod ffi;
 
+use std::collections::VecDeque;
 use std::ffi::OsStr;
 use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::Brand;
 use nvml_wrapper::error::NvmlError;
@@ -27,13 +46,24 @@ use crate::backend::{
     BackendError, GpuBackend, MigAttributes, MigMode, MigPlacement, MigProfile, NvLinkGroup,
     RawGpu, RawMigDevice, SystemInfo,
 };
+use crate::health::{HealthEvent, HealthEventKind, RecoveryProbe};
 use crate::mig_tables::PROFILE_COUNT;
 
 /// The soname the NVIDIA driver installs (the unversioned `.so` ships only with dev packages).
 pub const DEFAULT_LIBRARY: &str = "libnvidia-ml.so.1";
 
+/// The event state of [`NvmlBackend`]: the registered event set and events found but not yet
+/// returned.
+#[derive(Default)]
+struct Events {
+    watch: Option<ffi::EventWatch>,
+    pending: VecDeque<HealthEvent>,
+}
+
 /// NVML, initialized.
 pub struct NvmlBackend {
+    // Declared before `nvml`: the event set must be freed while the library is loaded.
+    events: Mutex<Events>,
     nvml: Nvml,
     sysfs_root: PathBuf,
 }
@@ -62,7 +92,59 @@ impl NvmlBackend {
                     library: library.to_string_lossy().into_owned(),
                     message: e.to_string(),
                 })?;
-        Ok(Self { nvml, sysfs_root })
+        Ok(Self {
+            events: Mutex::new(Events::default()),
+            nvml,
+            sysfs_root,
+        })
+    }
+
+    /// Registers every GPU for the health events we watch.
+    fn watch_events(&self) -> Result<ffi::EventWatch, BackendError> {
+        let events = |call: &'static str| {
+            move |e: NvmlError| BackendError::Events {
+                call,
+                message: e.to_string(),
+            }
+        };
+        let count = self
+            .nvml
+            .device_count()
+            .map_err(events("nvmlDeviceGetCount_v2"))?;
+        let mut gpus = Vec::new();
+        for index in 0..count {
+            let d = self
+                .nvml
+                .device_by_index(index)
+                .map_err(events("nvmlDeviceGetHandleByIndex_v2"))?;
+            let uuid = d.uuid().map_err(events("nvmlDeviceGetUUID"))?;
+            gpus.push((d, uuid));
+        }
+        let types = u64::from(nvml_wrapper_sys::bindings::nvmlEventTypeXidCriticalError)
+            | u64::from(nvml_wrapper_sys::bindings::nvmlEventTypeDoubleBitEccError);
+        let (watch, skipped) =
+            ffi::watch_events(&self.nvml, &gpus, types).map_err(events("nvmlEventSetCreate"))?;
+        for (uuid, e) in skipped {
+            tracing::warn!(gpu = %uuid, error = %e, "cannot watch health events of this GPU");
+        }
+        Ok(watch)
+    }
+
+    /// After `NVML_ERROR_GPU_IS_LOST`: which watched GPUs are lost.
+    fn lost_gpus(&self, watch: &ffi::EventWatch) -> Vec<HealthEvent> {
+        watch
+            .uuids()
+            .filter(|uuid| {
+                matches!(
+                    self.nvml.device_by_uuid(*uuid).and_then(|d| d.uuid()),
+                    Err(NvmlError::GpuLost)
+                )
+            })
+            .map(|uuid| HealthEvent {
+                gpu_uuid: uuid.to_owned(),
+                kind: HealthEventKind::GpuLost,
+            })
+            .collect()
     }
 
     /// NUMA node from sysfs for drivers whose NVML lacks `nvmlDeviceGetNumaNodeId`.
@@ -358,6 +440,85 @@ impl GpuBackend for NvmlBackend {
             .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
         ffi::destroy_mig(&self.nvml, &d, gpu_instance_id, compute_instance_id)
             .map_err(query("nvmlGpuInstanceDestroy", index))
+    }
+
+    fn wait_health_event(&self, timeout: Duration) -> Result<Option<HealthEvent>, BackendError> {
+        let mut events = self
+            .events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(e) = events.pending.pop_front() {
+            return Ok(Some(e));
+        }
+        if events.watch.is_none() {
+            events.watch = Some(self.watch_events()?);
+        }
+        let Some(watch) = events.watch.as_ref() else {
+            return Ok(None);
+        };
+        let timeout_ms = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+        match ffi::wait_event(&self.nvml, watch, timeout_ms) {
+            Ok(None) => Ok(None),
+            Ok(Some(raw)) => {
+                let Some(gpu_uuid) = raw.uuid else {
+                    return Ok(None);
+                };
+                let kind = if raw.event_type
+                    & u64::from(nvml_wrapper_sys::bindings::nvmlEventTypeXidCriticalError)
+                    != 0
+                {
+                    HealthEventKind::Xid { code: raw.data }
+                } else if raw.event_type
+                    & u64::from(nvml_wrapper_sys::bindings::nvmlEventTypeDoubleBitEccError)
+                    != 0
+                {
+                    HealthEventKind::DoubleBitEcc
+                } else {
+                    return Ok(None);
+                };
+                Ok(Some(HealthEvent { gpu_uuid, kind }))
+            }
+            Err(NvmlError::GpuLost) => {
+                let lost = self.lost_gpus(watch);
+                events.pending.extend(lost);
+                let first = events.pending.pop_front();
+                if first.is_none() {
+                    // Nobody answers GPU_IS_LOST for itself: do not spin on the failing wait.
+                    drop(events);
+                    std::thread::sleep(timeout);
+                }
+                Ok(first)
+            }
+            Err(e) => Err(BackendError::Events {
+                call: "nvmlEventSetWait_v2",
+                message: e.to_string(),
+            }),
+        }
+    }
+
+    fn probe_recovery(&self, gpu_uuid: &str) -> Result<RecoveryProbe, BackendError> {
+        let d = match self.nvml.device_by_uuid(gpu_uuid) {
+            Ok(d) => d,
+            Err(e) => return Ok(RecoveryProbe::Unhealthy(format!("not reachable: {e}"))),
+        };
+        if let Err(e) = d.pci_info() {
+            return Ok(RecoveryProbe::Unhealthy(format!(
+                "PCI info query fails: {e}"
+            )));
+        }
+        if let Ok(true) = d.are_pages_pending_retired() {
+            return Ok(RecoveryProbe::Unhealthy(
+                "page retirement pending until reset".into(),
+            ));
+        }
+        match ffi::remapped_rows(&self.nvml, &d) {
+            Ok((true, _)) => Ok(RecoveryProbe::Unhealthy(
+                "row remapping pending until reset".into(),
+            )),
+            Ok((_, true)) => Ok(RecoveryProbe::Unhealthy("row remapping failed".into())),
+            // NOT_SUPPORTED before Ampere: nothing to wait for.
+            _ => Ok(RecoveryProbe::Healthy),
+        }
     }
 }
 
