@@ -213,41 +213,31 @@ impl NodePlugin {
 }
 
 /// Creates what a GPU node has and the fake topology implies: `dev/nvidiactl`,
-/// `dev/nvidia-uvm`, `dev/nvidia-uvm-tools`, `dev/nvidia<minor>` per GPU, for existing MIG
-/// devices the driver's capability table `driver/nvidia-caps/mig-minors` and its
-/// `dev/nvidia-caps/nvidia-cap<m>` nodes, and a `boot_id` file. Use `root` as both the device
-/// root and the proc root.
+/// `dev/nvidia-uvm`, `dev/nvidia-uvm-tools`, `dev/nvidia<minor>` per GPU, the driver's full MIG
+/// capability table `driver/nvidia-caps/mig-minors` (every `gpu<minor>/gi<0..=14>/access` and
+/// `.../ci<0..=7>/access` of every GPU minor, numbered as the driver does:
+/// [`gpu_inventory::fake::mig::capability_table`]) with a `dev/nvidia-caps/nvidia-cap<m>` node for
+/// each, and a `boot_id` file. Use `root` as both the device root and the proc root.
 ///
 /// # Errors
 /// A description of the file that could not be written or the topology that could not be read.
 pub fn fake_host(root: &Path, topology: &Path) -> Result<(), String> {
+    use gpu_inventory::fake::mig::{capability_minor, capability_table};
     let topology = gpu_inventory::Topology::from_file(topology).map_err(|e| e.to_string())?;
     let dev = root.join("dev");
     let mut nodes: Vec<String> = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
         .map(String::from)
         .to_vec();
     nodes.extend(topology.gpus.iter().map(|g| format!("nvidia{}", g.minor)));
-    let mut table = String::from("config 1\nmonitor 2\n");
-    let mut next = 100;
-    for g in &topology.gpus {
-        for m in &g.mig_devices {
-            let gi = format!("gpu{}/gi{}/access", g.minor, m.gpu_instance_id);
-            let ci = format!(
-                "gpu{}/gi{}/ci{}/access",
-                g.minor, m.gpu_instance_id, m.compute_instance_id
-            );
-            for key in [gi, ci] {
-                if !table.contains(&format!("{key} ")) {
-                    table.push_str(&format!("{key} {next}\n"));
-                    nodes.push(format!("nvidia-caps/nvidia-cap{next}"));
-                    next += 1;
-                }
-            }
-        }
+    let gpus = topology.gpus.iter().map(|g| g.minor + 1).max().unwrap_or(0);
+    if gpus > 0 {
+        let last = capability_minor(gpus - 1, 14, Some(7));
+        nodes.extend((3..=last).map(|m| format!("nvidia-caps/nvidia-cap{m}")));
     }
     let caps = root.join("driver/nvidia-caps");
     std::fs::create_dir_all(&caps).map_err(|e| format!("{}: {e}", caps.display()))?;
-    std::fs::write(caps.join("mig-minors"), table).map_err(|e| format!("mig-minors: {e}"))?;
+    std::fs::write(caps.join("mig-minors"), capability_table(gpus))
+        .map_err(|e| format!("mig-minors: {e}"))?;
     std::fs::create_dir_all(dev.join("nvidia-caps"))
         .map_err(|e| format!("{}: {e}", dev.display()))?;
     for n in nodes {
