@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{DRIVER, NODE, Shared, claim, claim_ref};
+use common::{DRIVER, NODE, Shared, claim, claim_ref, mps_control};
 use dra_kubelet::Driver;
 use gpu_inventory::fake::mig::{capability_minor, capability_table};
 use gpu_inventory::{FakeBackend, GpuBackend, MigStrategy, Topology, discover};
@@ -101,6 +101,8 @@ impl Node {
                 node_name: NODE.into(),
                 timeout: Duration::from_secs(10),
                 boot_id: "boot-1".into(),
+                sharing: true,
+                mps: mps_control(&self.dir.path().join("mps")),
             },
             devices.into_values(),
             CdiWriter::new(Arc::new(RealFs), self.dir.path().join("cdi"), DRIVER),

@@ -137,7 +137,7 @@ async fn a_scheduled_1g_claim_creates_its_mig_device_at_prepare_and_destroys_it_
     };
     let cdi_root = plugin.config().cdi_root.clone();
     let scratch = tempfile::tempdir()?;
-    apply_file(&client, &repo_path("examples/mig/mig.yaml")).await?;
+    apply_file(&client, &repo_path("deploy/deviceclasses/mig.yaml")).await?;
 
     // The scheduler allocates a 1g.10gb placement on GPU 3.
     let claim = scheduled_claim(&client, scratch.path(), "dyn-1g").await?;
