@@ -199,7 +199,7 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
 
     // 3. A 1g.10gb MIG claim lands on an existing MIG device of the DGX A100.
     apply_file(&client, &repo_path("deploy/deviceclasses/mig.yaml")).await?;
-    apply_file(&client, &repo_path("deploy/deviceclasses/mig.yaml")).await?;
+    apply_file(&client, &repo_path("examples/mig/mig.yaml")).await?;
     let (node, devices) = allocated(&client, "cuda-1g-10gb").await?;
     ensure!(node == node_of("dgx-a100-mig"), "MIG pod on {node}");
     let a100 = slices_of(&client, DRIVER, &node).await?;
