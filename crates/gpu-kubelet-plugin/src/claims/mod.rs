@@ -406,11 +406,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         record: &ClaimRecord,
     ) -> Result<(), ClaimError> {
-        let created: BTreeMap<String, CreatedMig> = record
-            .devices
-            .iter()
-            .filter_map(|d| d.mig.clone().map(|m| (d.device_name.clone(), m)))
-            .collect();
+        let created = plan::created_migs(&record.devices);
         let undo: DeviceAction<H, ()> =
             Arc::new(move |hw: &H, d: &NodeDevice| hw.unprepare(d, created.get(d.name())));
         self.on_devices(

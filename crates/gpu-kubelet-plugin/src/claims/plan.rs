@@ -153,6 +153,14 @@ pub(crate) fn plan(
     })
 }
 
+/// The MIG devices prepare created for `devices`, by device name.
+pub(crate) fn created_migs(devices: &[RecordedDevice]) -> BTreeMap<String, CreatedMig> {
+    devices
+        .iter()
+        .filter_map(|d| d.mig.clone().map(|m| (d.device_name.clone(), m)))
+        .collect()
+}
+
 /// Whether any of `devices` is shared through MPS (the claim then has a daemon).
 pub(crate) fn uses_mps(devices: &[RecordedDevice]) -> bool {
     devices

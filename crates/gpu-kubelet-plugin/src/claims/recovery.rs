@@ -241,11 +241,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .iter()
                 .filter_map(|d| inner.devices.get(&d.device_name))
                 .collect();
-            let created: BTreeMap<String, CreatedMig> = record
-                .devices
-                .iter()
-                .filter_map(|d| d.mig.clone().map(|m| (d.device_name.clone(), m)))
-                .collect();
+            let created = plan::created_migs(&record.devices);
             let mps = plan::uses_mps(&record.devices).then_some(&inner.config.mps);
             plan::spec(
                 claim,
