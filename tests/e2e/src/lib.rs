@@ -29,6 +29,7 @@ pub mod binary;
 pub mod claims;
 mod controlplane;
 pub mod helm;
+pub mod host;
 pub mod kubelet;
 pub mod manifests;
 pub mod plugin;

@@ -7,17 +7,15 @@
 //! including between creating the MIG device and recording it: every restart ends with either
 //! the claim prepared once with exactly one MIG device, or nothing at all (orphans destroyed).
 
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use drust_e2e::binary::plugin_binary;
 use drust_e2e::claims::allocated_claim;
+use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
-use drust_e2e::plugin::{NodePlugin, fake_host};
+use drust_e2e::plugin::NodePlugin;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::backend::RawMigDevice;
 use gpu_inventory::fake::mig::{MigState, capability_minor};
@@ -259,81 +257,32 @@ async fn a_scheduled_1g_claim_creates_its_mig_device_at_prepare_and_destroys_it_
     Ok(())
 }
 
-/// A plugin process, killed if the test fails while it runs.
-struct PluginProcess(Child);
+struct Host(BinaryHost);
 
-impl Drop for PluginProcess {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
+impl std::ops::Deref for Host {
+    type Target = BinaryHost;
+    fn deref(&self) -> &BinaryHost {
+        &self.0
     }
-}
-
-struct Host {
-    dir: tempfile::TempDir,
-    binary: PathBuf,
-    kubeconfig: PathBuf,
-    node: String,
 }
 
 impl Host {
     fn state(&self) -> PathBuf {
-        self.dir.path().join("fake-gpu-state")
-    }
-    fn plugin_dir(&self) -> PathBuf {
-        self.dir.path().join("plugins").join(DRIVER)
+        self.state_dir()
     }
     fn registration_socket(&self) -> PathBuf {
-        self.dir
-            .path()
-            .join("registry")
-            .join(format!("{DRIVER}-reg.sock"))
-    }
-    fn cdi_root(&self) -> PathBuf {
-        self.dir.path().join("cdi")
+        self.registry().join(format!("{DRIVER}-reg.sock"))
     }
     fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("plugin.log")).unwrap_or_default()
+        std::fs::read_to_string(self.root().join("plugin.log")).unwrap_or_default()
     }
 
     fn start(&self, failpoint: Option<&str>) -> anyhow::Result<PluginProcess> {
         let _ = std::fs::remove_file(self.registration_socket());
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("plugin.log"))?;
-        let mut cmd = Command::new(&self.binary);
-        cmd.args(["--driver-name", DRIVER, "--node-name", &self.node])
-            .args(["--mig-strategy", "partitionable"])
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--fake-topology")
-            .arg(topology())
+        let mut cmd = self.command(&self.root().join("plugin.log"), failpoint)?;
+        cmd.args(["--mig-strategy", "partitionable"])
             .arg("--fake-state-dir")
-            .arg(self.state())
-            .arg("--plugin-dir")
-            .arg(self.plugin_dir())
-            .arg("--registrar-dir")
-            .arg(self.dir.path().join("registry"))
-            .arg("--cdi-root")
-            .arg(self.cdi_root())
-            .arg("--proc-root")
-            .arg(self.dir.path())
-            .arg("--dev-root")
-            .arg(self.dir.path())
-            .arg("--boot-id-file")
-            .arg(self.dir.path().join("boot_id"))
-            .env("RUST_LOG", "info")
-            .env_remove(failpoint::ENV)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        if let Some(fp) = failpoint {
-            cmd.env(failpoint::ENV, fp);
-        }
-        drust_e2e::die_with_parent(&mut cmd);
+            .arg(self.state());
         let start = Instant::now();
         let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
         while !self.registration_socket().exists() {
@@ -351,43 +300,19 @@ impl Host {
     }
 }
 
-async fn stop(mut child: PluginProcess) -> anyhow::Result<()> {
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.0.id())?);
-    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-    while child.0.try_wait()?.is_none() {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    Ok(())
-}
-
-async fn expect_killed(mut child: PluginProcess, fp: &str) -> anyhow::Result<()> {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.0.try_wait()? {
-            ensure!(
-                status.signal() == Some(9),
-                "{fp}: ended with {status}, not SIGKILL"
-            );
-            return Ok(());
-        }
-        ensure!(start.elapsed() < TIMEOUT, "{fp}: failpoint never reached");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_or_none()
 -> anyhow::Result<()> {
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
     let client = cp.client().await?;
-    let host = Host {
-        dir: tempfile::Builder::new().prefix("drust-dynmig-").tempdir()?,
-        binary: plugin_binary().map_err(anyhow::Error::msg)?,
-        kubeconfig: cp.kubeconfig_path().to_owned(),
-        node: "node-dgx-a100-crash".into(),
-    };
-    cp.register_node(&host.node, &[]).await?;
-    fake_host(host.dir.path(), &topology()).map_err(anyhow::Error::msg)?;
+    let host = Host(BinaryHost::new(
+        "drust-dynmig-",
+        cp.kubeconfig_path(),
+        &topology(),
+        DRIVER,
+        "node-dgx-a100-crash",
+    )?);
+    cp.register_node(host.node(), &[]).await?;
     let device = "gpu-0000-4e-00-0-mig-1g-10gb-0".to_owned();
     let fps: Vec<&str> = failpoint::MIG
         .iter()
@@ -400,7 +325,7 @@ async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_
             &client,
             &format!("crash-{n}"),
             DRIVER,
-            &host.node,
+            host.node(),
             std::slice::from_ref(&device),
         )
         .await?;
@@ -409,7 +334,7 @@ async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_
             let child = host.start(Some(fp))?;
             let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
             let _ = k.prepare_v1(&[&claim]).await;
-            expect_killed(child, fp).await?;
+            expect_killed(child, fp, TIMEOUT).await?;
         } else {
             let child = host.start(None)?;
             let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
@@ -424,7 +349,7 @@ async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_
             let child = host.start(Some(fp))?;
             let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
             let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
-            expect_killed(child, fp).await?;
+            expect_killed(child, fp, TIMEOUT).await?;
         }
         let after_crash = mig_on_gpu3(&host.state())?;
 

@@ -4,17 +4,14 @@
 //! exactly once or cleanly unprepared, no device in two claims, and no stray files.
 
 use std::collections::BTreeMap;
-use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use drust_e2e::binary::plugin_binary;
 use drust_e2e::claims::allocated_claim;
+use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::repo_path;
-use drust_e2e::plugin::fake_host;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::failpoint;
 
@@ -23,90 +20,28 @@ const NODE: &str = "gpu-node-0";
 /// Runs per failpoint; half retry the prepare after the crash, half give up and unprepare.
 const REPS: usize = 20;
 
-/// A plugin process that is killed if the test fails while it runs.
-struct PluginProcess(Child);
+struct Host(BinaryHost);
 
-impl std::ops::Deref for PluginProcess {
-    type Target = Child;
-    fn deref(&self) -> &Child {
+impl std::ops::Deref for Host {
+    type Target = BinaryHost;
+    fn deref(&self) -> &BinaryHost {
         &self.0
     }
 }
 
-impl std::ops::DerefMut for PluginProcess {
-    fn deref_mut(&mut self) -> &mut Child {
-        &mut self.0
-    }
-}
-
-impl Drop for PluginProcess {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-struct Host {
-    dir: tempfile::TempDir,
-    binary: PathBuf,
-    kubeconfig: PathBuf,
-    topology: PathBuf,
-}
-
 impl Host {
-    fn plugin_dir(&self) -> PathBuf {
-        self.dir.path().join("plugins").join(DRIVER)
-    }
     fn registration_socket(&self) -> PathBuf {
-        self.dir
-            .path()
-            .join("registry")
-            .join(format!("{DRIVER}-reg.sock"))
-    }
-    fn cdi_root(&self) -> PathBuf {
-        self.dir.path().join("cdi")
+        self.registry().join(format!("{DRIVER}-reg.sock"))
     }
 
     /// Starts the plugin, armed with `failpoint` if given, and waits for its sockets.
     fn start(&self, failpoint: Option<&str>) -> anyhow::Result<PluginProcess> {
         let _ = std::fs::remove_file(self.registration_socket());
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("plugin.log"))?;
-        let mut cmd = Command::new(&self.binary);
-        cmd.args(["--driver-name", DRIVER, "--node-name", NODE])
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--fake-topology")
-            .arg(&self.topology)
-            .arg("--plugin-dir")
-            .arg(self.plugin_dir())
-            .arg("--registrar-dir")
-            .arg(self.dir.path().join("registry"))
-            .arg("--cdi-root")
-            .arg(self.cdi_root())
-            .arg("--proc-root")
-            .arg(self.dir.path())
-            .arg("--dev-root")
-            .arg(self.dir.path())
-            .arg("--boot-id-file")
-            .arg(self.dir.path().join("boot_id"))
-            .env("RUST_LOG", "info")
-            .env_remove(failpoint::ENV)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        if let Some(fp) = failpoint {
-            cmd.env(failpoint::ENV, fp);
-        }
-        drust_e2e::die_with_parent(&mut cmd);
+        let mut cmd = self.command(&self.root().join("plugin.log"), failpoint)?;
         let start = Instant::now();
         let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
         while !self.registration_socket().exists() {
-            if let Some(status) = child.try_wait()? {
+            if let Some(status) = child.0.try_wait()? {
                 bail!("plugin exited at start: {status}; log: {}", self.log_tail());
             }
             ensure!(
@@ -120,7 +55,7 @@ impl Host {
     }
 
     fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join("plugin.log")).unwrap_or_default();
+        let log = std::fs::read_to_string(self.root().join("plugin.log")).unwrap_or_default();
         let lines: Vec<&str> = log.lines().collect();
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
@@ -156,51 +91,22 @@ impl Host {
     }
 }
 
-/// SIGTERM and wait, yielding to the runtime so dropped kubelet connections actually close
-/// (the plugin's graceful shutdown waits for them).
-async fn stop(mut child: PluginProcess) -> anyhow::Result<()> {
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
-    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-    while child.try_wait()?.is_none() {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    Ok(())
-}
-
-/// Waits for the armed plugin to have killed itself.
-fn expect_killed(mut child: PluginProcess, fp: &str) -> anyhow::Result<()> {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait()? {
-            ensure!(
-                status.signal() == Some(9),
-                "{fp}: plugin ended with {status}, not SIGKILL"
-            );
-            return Ok(());
-        }
-        if start.elapsed() > Duration::from_secs(10) {
-            let _ = child.kill();
-            bail!("{fp}: failpoint never reached");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 #[tokio::test]
 async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_unprepared()
 -> anyhow::Result<()> {
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
-    let host = Host {
-        dir: tempfile::Builder::new().prefix("drust-fault-").tempdir()?,
-        binary: plugin_binary().map_err(anyhow::Error::msg)?,
-        kubeconfig: cp.kubeconfig_path().to_owned(),
-        topology: repo_path("examples/topologies/dgx-h100.yaml"),
-    };
-    fake_host(host.dir.path(), &host.topology).map_err(anyhow::Error::msg)?;
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let host = Host(BinaryHost::new(
+        "drust-fault-",
+        cp.kubeconfig_path(),
+        &topology,
+        DRIVER,
+        NODE,
+    )?);
     let names: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
-        gpu_inventory::Topology::from_file(&host.topology)?,
+        gpu_inventory::Topology::from_file(&topology)?,
     ))?
     .gpus
     .into_iter()
@@ -237,7 +143,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
                 let child = host.start(Some(fp))?;
                 let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
                 let _ = k.prepare_v1(&[&claim]).await; // the plugin dies mid-call
-                expect_killed(child, fp)?;
+                expect_killed(child, fp, Duration::from_secs(60)).await?;
             } else {
                 let child = host.start(None)?;
                 let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
@@ -253,7 +159,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
                 let child = host.start(Some(fp))?;
                 let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
                 let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
-                expect_killed(child, fp)?;
+                expect_killed(child, fp, Duration::from_secs(60)).await?;
             }
             *kills.entry(fp).or_default() += 1;
 

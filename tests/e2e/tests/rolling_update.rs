@@ -11,18 +11,16 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use dra_kubelet::proto::{dra_v1, dra_v1beta1};
-use drust_e2e::binary::plugin_binary;
 use drust_e2e::claims::allocated_claim;
+use drust_e2e::host::BinaryHost;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::repo_path;
-use drust_e2e::plugin::fake_host;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
-use gpu_kubelet_plugin::failpoint;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const DRIVER: &str = "gpu.drust.dev";
@@ -46,66 +44,32 @@ impl Drop for PluginProcess {
     }
 }
 
-struct Host {
-    dir: tempfile::TempDir,
-    binary: PathBuf,
-    kubeconfig: PathBuf,
-    topology: PathBuf,
+struct Host(BinaryHost);
+
+impl std::ops::Deref for Host {
+    type Target = BinaryHost;
+    fn deref(&self) -> &BinaryHost {
+        &self.0
+    }
 }
 
 impl Host {
-    fn plugin_dir(&self) -> PathBuf {
-        self.dir.path().join("plugins").join(DRIVER)
-    }
-    fn registry(&self) -> PathBuf {
-        self.dir.path().join("registry")
-    }
     fn registration_socket(&self, id: &str) -> PathBuf {
         self.registry().join(format!("{DRIVER}-{id}-reg.sock"))
     }
-    fn cdi_root(&self) -> PathBuf {
-        self.dir.path().join("cdi")
-    }
     fn log(&self, id: &str) -> PathBuf {
-        self.dir.path().join(format!("plugin-{id}.log"))
+        self.root().join(format!("plugin-{id}.log"))
     }
 
     /// Starts instance `id`, armed with `failpoint` if given, and waits for its registration
     /// socket.
     fn start(&self, id: &'static str, failpoint: Option<&str>) -> anyhow::Result<PluginProcess> {
         let http = free_port()?;
-        let log = std::fs::File::create(self.log(id))?;
-        let mut cmd = Command::new(&self.binary);
-        cmd.args(["--driver-name", DRIVER, "--node-name", NODE])
-            .args(["--instance-id", id])
+        let _ = std::fs::remove_file(self.log(id));
+        let mut cmd = self.command(&self.log(id), failpoint)?;
+        cmd.args(["--instance-id", id])
             .arg("--http-address")
-            .arg(format!("127.0.0.1:{http}"))
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--fake-topology")
-            .arg(&self.topology)
-            .arg("--plugin-dir")
-            .arg(self.plugin_dir())
-            .arg("--registrar-dir")
-            .arg(self.registry())
-            .arg("--cdi-root")
-            .arg(self.cdi_root())
-            .arg("--proc-root")
-            .arg(self.dir.path())
-            .arg("--dev-root")
-            .arg(self.dir.path())
-            .arg("--boot-id-file")
-            .arg(self.dir.path().join("boot_id"))
-            .env("RUST_LOG", "info")
-            .env_remove("POD_UID")
-            .env_remove(failpoint::ENV)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        if let Some(fp) = failpoint {
-            cmd.env(failpoint::ENV, fp);
-        }
-        drust_e2e::die_with_parent(&mut cmd);
+            .arg(format!("127.0.0.1:{http}"));
         let start = Instant::now();
         let mut p = PluginProcess {
             child: cmd.spawn().context("spawning gpu-kubelet-plugin")?,
@@ -295,17 +259,16 @@ async fn a_rolling_update_hands_over_between_two_plugin_processes_without_a_fail
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
-    let host = Host {
-        dir: tempfile::Builder::new()
-            .prefix("drust-rolling-")
-            .tempdir()?,
-        binary: plugin_binary().map_err(anyhow::Error::msg)?,
-        kubeconfig: cp.kubeconfig_path().to_owned(),
-        topology: repo_path("examples/topologies/dgx-h100.yaml"),
-    };
-    fake_host(host.dir.path(), &host.topology).map_err(anyhow::Error::msg)?;
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let host = Host(BinaryHost::new(
+        "drust-rolling-",
+        cp.kubeconfig_path(),
+        &topology,
+        DRIVER,
+        NODE,
+    )?);
     let gpus: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
-        gpu_inventory::Topology::from_file(&host.topology)?,
+        gpu_inventory::Topology::from_file(&topology)?,
     ))?
     .gpus
     .into_iter()
