@@ -9,7 +9,8 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{Context, ensure};
+use anyhow::{Context, bail, ensure};
+use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
@@ -304,6 +305,55 @@ async fn every_example_is_allocated_by_the_real_scheduler_or_pending_for_its_rea
         "{config:?}"
     );
     ensure!(claim_a.metadata.name.as_deref() == Some("shared-gpu"));
+    // Prepared through the kubelet API, the config reaches the GPU: its time slice is Long
+    // (nvidia-smi's 3) while the claim is prepared and back to Default (0) after.
+    let plugin = if node_a == H100 { &dgx } else { &mixed };
+    let gpu_index = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
+        gpu_inventory::Topology::from_file(match &plugin.config().backend {
+            gpu_kubelet_plugin::Backend::Fake { topology, .. } => topology,
+            gpu_kubelet_plugin::Backend::Nvml { .. } => bail!("fake backend expected"),
+        })?,
+    ))?
+    .gpus
+    .iter()
+    .find(|g| g.name == results_a[0].device)
+    .map(|g| g.raw.index)
+    .context("the shared GPU")?;
+    let time_slice = || -> anyhow::Result<Option<u64>> {
+        let gpu_kubelet_plugin::Backend::Fake {
+            state_dir: Some(state),
+            ..
+        } = &plugin.config().backend
+        else {
+            bail!("fake state dir expected");
+        };
+        let Ok(text) = std::fs::read_to_string(state.join("time-slices.json")) else {
+            return Ok(None);
+        };
+        let v: serde_json::Value = serde_json::from_str(&text)?;
+        Ok(v[gpu_index.to_string()].as_u64())
+    };
+    let (mut kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let uid = shared.metadata.uid.clone().context("uid")?;
+    let answer = kubelet.prepare_v1(&[&shared]).await?;
+    ensure!(
+        answer.claims[&uid].error.is_empty(),
+        "{}",
+        answer.claims[&uid].error
+    );
+    ensure!(
+        time_slice()? == Some(3),
+        "time slice while prepared: {:?}",
+        time_slice()?
+    );
+    let r = kubelet.unprepare_v1(vec![v1_claim(&shared)]).await?;
+    ensure!(r.claims[&uid].error.is_empty(), "{}", r.claims[&uid].error);
+    ensure!(
+        time_slice()? == Some(0),
+        "time slice after unprepare: {:?}",
+        time_slice()?
+    );
+    drop(kubelet);
 
     // resources.limits: {nvidia.com/gpu: 1}: the scheduler creates and allocates a claim of
     // the extended-resource class for the pod.
