@@ -179,8 +179,7 @@ async fn shutdown_signal() {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -194,6 +193,14 @@ async fn main() -> anyhow::Result<()> {
     // also given its mode explicitly; the umask closes the window between a socket's bind and
     // its chmod.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
-    gpu_kubelet_plugin::run(config, shutdown_signal()).await?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let result = runtime.block_on(gpu_kubelet_plugin::run(config, shutdown_signal()));
+    // `run` returns after the claim work it started has ended (hardware actions included). What
+    // may still block a thread is the health monitor's wait for the next GPU event, which only
+    // ends on its own timeout; exit without waiting for it.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(100));
+    result?;
     Ok(())
 }
