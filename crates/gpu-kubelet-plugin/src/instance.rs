@@ -248,15 +248,38 @@ impl<C: Cluster, H: Hardware> Gate<C, H> {
             .collect()
     }
 
-    async fn after_call(&self, controller: &ClaimController<C, H>) {
-        let (claims, devices) = controller.prepared_summary().await;
-        self.metrics.set_prepared(claims, devices);
-    }
-
-    fn count_errors<'a>(&self, method: Method, errors: impl Iterator<Item = &'a GateError>) {
-        for e in errors {
+    /// Runs `call` on the active controller (waiting for it at most the gate's wait), or fails
+    /// every claim as not active; then updates the prepared-state gauges and counts the errors.
+    async fn gated<T, Fut>(
+        &self,
+        method: Method,
+        claims: Vec<ClaimRef>,
+        call: impl FnOnce(ClaimController<C, H>, Vec<ClaimRef>) -> Fut,
+    ) -> BTreeMap<String, Result<T, GateError>>
+    where
+        Fut: std::future::Future<Output = BTreeMap<String, Result<T, ClaimError>>>,
+    {
+        let results: BTreeMap<String, Result<T, GateError>> = match self.controller().await {
+            Ok(controller) => {
+                let r = call(controller.clone(), claims)
+                    .await
+                    .into_iter()
+                    .map(|(uid, r)| (uid, r.map_err(GateError::Claim)))
+                    .collect();
+                let (claims, devices) = controller.prepared_summary().await;
+                self.metrics.set_prepared(claims, devices);
+                r
+            }
+            Err(waited) => self
+                .not_active(&claims, waited)
+                .into_iter()
+                .map(|(uid, e)| (uid, Err(e)))
+                .collect(),
+        };
+        for e in results.values().filter_map(|r| r.as_ref().err()) {
             self.metrics.claim_failed(method, e.reason());
         }
+        results
     }
 }
 
@@ -264,56 +287,20 @@ impl<C: Cluster, H: Hardware> Driver for Gate<C, H> {
     type Error = GateError;
 
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult<GateError>> {
-        let results: BTreeMap<String, PrepareResult<GateError>> = match self.controller().await {
-            Ok(controller) => {
-                let r = controller
-                    .prepare(claims)
-                    .await
-                    .into_iter()
-                    .map(|(uid, r)| (uid, r.map_err(GateError::Claim)))
-                    .collect();
-                self.after_call(&controller).await;
-                r
-            }
-            Err(waited) => self
-                .not_active(&claims, waited)
-                .into_iter()
-                .map(|(uid, e)| (uid, Err(e)))
-                .collect(),
-        };
-        self.count_errors(
-            Method::Prepare,
-            results.values().filter_map(|r| r.as_ref().err()),
-        );
-        results
+        self.gated(Method::Prepare, claims, |c, claims| async move {
+            c.prepare(claims).await
+        })
+        .await
     }
 
     async fn unprepare(
         &self,
         claims: Vec<ClaimRef>,
     ) -> BTreeMap<String, UnprepareResult<GateError>> {
-        let results: BTreeMap<String, UnprepareResult<GateError>> = match self.controller().await {
-            Ok(controller) => {
-                let r = controller
-                    .unprepare(claims)
-                    .await
-                    .into_iter()
-                    .map(|(uid, r)| (uid, r.map_err(GateError::Claim)))
-                    .collect();
-                self.after_call(&controller).await;
-                r
-            }
-            Err(waited) => self
-                .not_active(&claims, waited)
-                .into_iter()
-                .map(|(uid, e)| (uid, Err(e)))
-                .collect(),
-        };
-        self.count_errors(
-            Method::Unprepare,
-            results.values().filter_map(|r| r.as_ref().err()),
-        );
-        results
+        self.gated(Method::Unprepare, claims, |c, claims| async move {
+            c.unprepare(claims).await
+        })
+        .await
     }
 }
 

@@ -5,40 +5,10 @@
 mod common;
 
 use std::io::Write;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use common::*;
 use dra_kubelet::Driver;
-use gpu_kubelet_plugin::cdi::CdiWriter;
-use gpu_kubelet_plugin::checkpoint::CheckpointFile;
-use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig};
-use gpu_kubelet_plugin::storage::RealFs;
-
-async fn controller(
-    dir: &Path,
-    cluster: Shared,
-    hardware: Arc<ScriptedHardware>,
-) -> ClaimController<Shared, ScriptedHardware> {
-    ClaimController::start(
-        cluster,
-        hardware,
-        ControllerConfig {
-            driver_name: DRIVER.into(),
-            node_name: NODE.into(),
-            timeout: std::time::Duration::from_secs(5),
-            boot_id: "boot-1".into(),
-            sharing: true,
-            mps: mps_control(&dir.join("mps")),
-        },
-        node_devices(),
-        CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),
-        CheckpointFile::new(Arc::new(RealFs), dir.join("plugin/checkpoint.json")),
-    )
-    .await
-    .unwrap()
-    .0
-}
 
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -73,7 +43,7 @@ async fn every_log_line_of_a_claim_carries_its_uid_namespace_and_name() {
     cluster.put(claim("broken", "u2", &[(DRIVER, NODE, dev(1))]));
     let hardware = Arc::new(ScriptedHardware::default());
     hardware.failing.lock().unwrap().insert(dev(1).to_owned());
-    let c = controller(dir.path(), cluster, Arc::clone(&hardware)).await;
+    let c = controller_in(dir.path(), cluster, Arc::clone(&hardware)).await;
     let r = c
         .prepare(vec![claim_ref("good", "u1"), claim_ref("broken", "u2")])
         .await;

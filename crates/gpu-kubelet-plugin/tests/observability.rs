@@ -9,36 +9,7 @@ use std::sync::Arc;
 
 use common::*;
 use dra_kubelet::Driver;
-use gpu_kubelet_plugin::cdi::CdiWriter;
-use gpu_kubelet_plugin::checkpoint::CheckpointFile;
-use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig};
-use gpu_kubelet_plugin::storage::RealFs;
 use gpu_kubelet_plugin::{Backend, Config};
-
-async fn controller(
-    dir: &Path,
-    cluster: Shared,
-    hardware: Arc<ScriptedHardware>,
-) -> ClaimController<Shared, ScriptedHardware> {
-    ClaimController::start(
-        cluster,
-        hardware,
-        ControllerConfig {
-            driver_name: DRIVER.into(),
-            node_name: NODE.into(),
-            timeout: std::time::Duration::from_secs(5),
-            boot_id: "boot-1".into(),
-            sharing: true,
-            mps: mps_control(&dir.join("mps")),
-        },
-        node_devices(),
-        CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),
-        CheckpointFile::new(Arc::new(RealFs), dir.join("plugin/checkpoint.json")),
-    )
-    .await
-    .unwrap()
-    .0
-}
 
 fn mode(path: &Path) -> u32 {
     std::fs::metadata(path)
@@ -53,7 +24,7 @@ async fn the_checkpoint_cdi_specs_and_directories_we_create_are_owner_only() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = Shared::default();
     cluster.put(claim("good", "u1", &[(DRIVER, NODE, dev(0))]));
-    let c = controller(dir.path(), cluster, Arc::default()).await;
+    let c = controller_in(dir.path(), cluster, Arc::default()).await;
     assert!(c.prepare(vec![claim_ref("good", "u1")]).await["u1"].is_ok());
     assert_eq!(mode(&dir.path().join("plugin/checkpoint.json")), 0o600);
     assert_eq!(mode(&dir.path().join("plugin")), 0o700);

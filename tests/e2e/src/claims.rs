@@ -2,7 +2,8 @@
 //! tests and benchmarks that drive prepare without waiting for scheduling.
 
 use k8s_openapi::api::resource::v1::{
-    DeviceClaim, DeviceRequest, ExactDeviceRequest, ResourceClaim, ResourceClaimSpec,
+    DeviceClaim, DeviceRequest, DeviceRequestAllocationResult, ExactDeviceRequest, ResourceClaim,
+    ResourceClaimSpec,
 };
 use kube::Api;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
@@ -51,4 +52,18 @@ pub async fn allocated_claim(
     let status = serde_json::json!({"status": {"allocation": {"devices": {"results": results}}}});
     api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
         .await
+}
+
+/// The claim's allocation results (`status.allocation.devices.results`); `None` while it is not
+/// allocated.
+pub fn allocation_results(claim: &ResourceClaim) -> Option<&[DeviceRequestAllocationResult]> {
+    claim
+        .status
+        .as_ref()?
+        .allocation
+        .as_ref()?
+        .devices
+        .as_ref()?
+        .results
+        .as_deref()
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use drust_e2e::claims::allocated_claim;
+use drust_e2e::claims::{allocated_claim, allocation_results};
 use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
@@ -104,12 +104,7 @@ async fn scheduled_claim(
 }
 
 fn allocated_device(claim: &ResourceClaim) -> anyhow::Result<String> {
-    claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
+    allocation_results(claim)
         .and_then(|r| r.first())
         .map(|r| r.device.clone())
         .context("claim not allocated")

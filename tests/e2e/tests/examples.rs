@@ -10,6 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
+use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
@@ -37,13 +38,9 @@ async fn allocated(
         .spec
         .and_then(|s| s.node_name)
         .context("bound pod has no node")?;
-    let results = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.clone())
-        .context("claim has no allocation")?;
+    let results = allocation_results(&claim)
+        .context("claim has no allocation")?
+        .to_vec();
     Ok((node, claim, results))
 }
 
@@ -393,13 +390,7 @@ async fn every_example_is_allocated_by_the_real_scheduler_or_pending_for_its_rea
         "{status:?}"
     );
     let claim = claims.get(&status.resource_claim_name).await?;
-    let results = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.clone())
-        .context("extended-resource claim not allocated")?;
+    let results = allocation_results(&claim).context("extended-resource claim not allocated")?;
     ensure!(
         results.len() == 1 && results[0].driver == DRIVER,
         "{results:?}"

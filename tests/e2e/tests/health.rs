@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use dra_kubelet::client::{DraResourceHealthClient, connect};
 use dra_kubelet::proto::health_v1alpha1::{HealthStatus, NodeWatchResourcesRequest};
+use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
@@ -313,12 +314,7 @@ async fn gpu_faults_taint_only_their_devices_until_the_gpu_recovers() -> anyhow:
     let (bound, claim) =
         drust_e2e::pods::bound_with_claim(&pods, &claims, "on-gpu-4", TIMEOUT).await?;
     ensure!(bound.spec.and_then(|s| s.node_name).as_deref() == Some(NODE));
-    let allocated = claim
-        .status
-        .and_then(|s| s.allocation)
-        .and_then(|a| a.devices)
-        .and_then(|d| d.results)
-        .unwrap_or_default();
+    let allocated = allocation_results(&claim).unwrap_or_default();
     ensure!(
         allocated.len() == 1 && allocated[0].device == whole_name,
         "the recovered GPU is allocated: {allocated:?}"

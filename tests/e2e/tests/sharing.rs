@@ -10,6 +10,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
@@ -91,12 +92,7 @@ async fn a_claim_shares_a_dynamic_mig_device_through_mps_while_health_is_monitor
         drust_e2e::pods::bound_with_claim(&pods, &claims, "mps-client-a", TIMEOUT).await?;
     drust_e2e::pods::bound_with_claim(&pods, &claims, "mps-client-b", TIMEOUT).await?;
     let uid = claim.metadata.uid.clone().context("claim uid")?;
-    let device = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
+    let device = allocation_results(&claim)
         .and_then(|r| r.first())
         .map(|r| r.device.clone())
         .context("claim not allocated")?;

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use drust_e2e::claims::allocation_results;
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
@@ -63,13 +64,8 @@ async fn allocated(client: &kube::Client, pod: &str) -> anyhow::Result<(String, 
         .spec
         .and_then(|s| s.node_name)
         .context("bound pod has no node")?;
-    let results = claim
-        .status
-        .and_then(|s| s.allocation)
-        .and_then(|a| a.devices)
-        .and_then(|d| d.results)
-        .context("claim has no allocation")?;
-    Ok((node, results.into_iter().map(|r| r.device).collect()))
+    let results = allocation_results(&claim).context("claim has no allocation")?;
+    Ok((node, results.iter().map(|r| r.device.clone()).collect()))
 }
 
 async fn unschedulable(client: &kube::Client, pod: &str) -> anyhow::Result<String> {

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
+use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
@@ -125,13 +126,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
         Some(NODE)
     );
-    let results = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.clone())
-        .context("claim has no allocation results")?;
+    let results = allocation_results(&claim).context("claim has no allocation results")?;
     assert_eq!(results.len(), 1);
     let allocated = &results[0];
     assert_eq!(

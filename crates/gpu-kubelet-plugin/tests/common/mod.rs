@@ -11,10 +11,13 @@ use std::time::Duration;
 
 use dra_kubelet::ClaimRef;
 use gpu_inventory::{FakeBackend, Gpu, Topology, discover};
+use gpu_kubelet_plugin::cdi::CdiWriter;
+use gpu_kubelet_plugin::checkpoint::CheckpointFile;
 use gpu_kubelet_plugin::claim_config::TimeSlice;
-use gpu_kubelet_plugin::claims::Cluster;
+use gpu_kubelet_plugin::claims::{ClaimController, Cluster, ControllerConfig};
 use gpu_kubelet_plugin::hardware::{CreatedMig, Hardware, HardwareError, NodeDevice};
 use gpu_kubelet_plugin::mps::MpsControl;
+use gpu_kubelet_plugin::storage::RealFs;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
     DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
@@ -234,4 +237,31 @@ pub fn node_devices() -> Vec<NodeDevice> {
 /// The published device name of the GPU at NVML index `i`.
 pub fn dev(i: usize) -> &'static str {
     Box::leak(gpus()[i].name.clone().into_boxed_str())
+}
+
+/// A claim controller over the fake DGX H100 with its CDI specs, checkpoint (`plugin/`) and MPS
+/// directories under `dir`.
+pub async fn controller_in(
+    dir: &Path,
+    cluster: Shared,
+    hardware: Arc<ScriptedHardware>,
+) -> ClaimController<Shared, ScriptedHardware> {
+    ClaimController::start(
+        cluster,
+        hardware,
+        ControllerConfig {
+            driver_name: DRIVER.into(),
+            node_name: NODE.into(),
+            timeout: Duration::from_secs(5),
+            boot_id: "boot-1".into(),
+            sharing: true,
+            mps: mps_control(&dir.join("mps")),
+        },
+        node_devices(),
+        CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),
+        CheckpointFile::new(Arc::new(RealFs), dir.join("plugin/checkpoint.json")),
+    )
+    .await
+    .unwrap()
+    .0
 }
