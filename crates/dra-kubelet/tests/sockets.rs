@@ -1,7 +1,7 @@
 //! The public API over real Unix sockets: we act as the kubelet against a recording driver.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use dra_kubelet::client::{
@@ -9,99 +9,12 @@ use dra_kubelet::client::{
 };
 use dra_kubelet::proto::{dra_v1, dra_v1beta1, health_v1alpha1, pluginregistration};
 use dra_kubelet::{
-    ClaimRef, DeviceHealth, Driver, HealthStatus, PluginServer, PluginSockets, PrepareResult,
-    PreparedDevice, RegistrationStatus, UnprepareResult,
+    ClaimRef, Driver, HealthStatus, PluginServer, PluginSockets, PrepareResult, RegistrationStatus,
+    UnprepareResult,
 };
 
-/// Prepares any claim whose name does not start with "bad"; records every call.
-#[derive(Default)]
-struct Recorder {
-    calls: Mutex<Vec<(&'static str, Vec<ClaimRef>)>>,
-}
-
-impl Driver for Recorder {
-    type Error = String;
-
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult<String>> {
-        self.calls.lock().unwrap().push(("prepare", claims.clone()));
-        claims
-            .into_iter()
-            .map(|c| {
-                let r = if c.name.starts_with("bad") {
-                    Err(format!(
-                        "claim {}/{}: not allocated to us",
-                        c.namespace, c.name
-                    ))
-                } else {
-                    Ok(vec![PreparedDevice {
-                        request_names: vec!["gpu".into()],
-                        pool_name: "node-a".into(),
-                        device_name: "gpu-0".into(),
-                        cdi_device_ids: vec![format!("example.com/claim={}-gpu-0", c.uid)],
-                        share_id: None,
-                    }])
-                };
-                (c.uid, r)
-            })
-            .collect()
-    }
-
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, UnprepareResult<String>> {
-        self.calls
-            .lock()
-            .unwrap()
-            .push(("unprepare", claims.clone()));
-        claims.into_iter().map(|c| (c.uid, Ok(()))).collect()
-    }
-}
-
-struct Running {
-    _dir: tempfile::TempDir,
-    sockets: PluginSockets,
-    driver: Arc<Recorder>,
-    status: tokio::sync::watch::Receiver<RegistrationStatus>,
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), dra_kubelet::ServeError>>,
-}
-
-async fn start() -> Running {
-    let dir = tempfile::tempdir().unwrap();
-    let sockets = PluginSockets {
-        plugin_dir: dir.path().join("plugins/example.com"),
-        registrar_dir: dir.path().join("plugins_registry"),
-        instance_id: None,
-    };
-    let driver = Arc::new(Recorder::default());
-    let server = PluginServer::new("example.com", sockets.clone(), Arc::clone(&driver));
-    let status = server.registration_status();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.serve(async {
-        let _ = stopped.await;
-    }));
-    let reg = sockets.registration_socket("example.com");
-    for _ in 0..100 {
-        if reg.exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Running {
-        _dir: dir,
-        sockets,
-        driver,
-        status,
-        stop,
-        task,
-    }
-}
-
-fn v1_claim(ns: &str, name: &str, uid: &str) -> dra_v1::Claim {
-    dra_v1::Claim {
-        namespace: ns.into(),
-        name: name.into(),
-        uid: uid.into(),
-    }
-}
+mod common;
+use common::*;
 
 #[tokio::test]
 async fn registration_advertises_both_dra_versions_and_the_dra_socket() {
@@ -402,58 +315,6 @@ async fn serve_returns_only_after_a_call_in_flight_at_shutdown_was_answered() {
     assert_eq!(resp.into_inner().claims["slow"].error, "");
     assert!(!*serving.borrow());
     assert!(!sockets.dra_socket().exists());
-}
-
-fn health(device: &str, status: HealthStatus, message: &str) -> DeviceHealth {
-    DeviceHealth {
-        pool_name: "node-a".into(),
-        device_name: device.into(),
-        status,
-        message: message.into(),
-        last_updated: std::time::SystemTime::now(),
-        timeout: Some(Duration::from_secs(60)),
-    }
-}
-
-async fn start_with_health(
-    initial: Vec<DeviceHealth>,
-) -> (
-    Running,
-    tokio::sync::watch::Sender<Vec<DeviceHealth>>,
-    Vec<String>,
-) {
-    let dir = tempfile::tempdir().unwrap();
-    let sockets = PluginSockets {
-        plugin_dir: dir.path().join("plugins/example.com"),
-        registrar_dir: dir.path().join("plugins_registry"),
-        instance_id: None,
-    };
-    let driver = Arc::new(Recorder::default());
-    let (tx, rx) = tokio::sync::watch::channel(initial);
-    let server =
-        PluginServer::new("example.com", sockets.clone(), Arc::clone(&driver)).with_health(rx);
-    let advertised = server.supported_services();
-    let status = server.registration_status();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.serve(async {
-        let _ = stopped.await;
-    }));
-    let reg = sockets.registration_socket("example.com");
-    for _ in 0..100 {
-        if reg.exists() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let running = Running {
-        _dir: dir,
-        sockets,
-        driver,
-        status,
-        stop,
-        task,
-    };
-    (running, tx, advertised)
 }
 
 #[tokio::test]
