@@ -10,6 +10,9 @@
 //!   and with [`PluginServer::with_health`] the `v1alpha1.DRAResourceHealth` stream ([`health`]).
 //! - With an instance ID (rolling updates), both names carry it; see [`PluginSockets`].
 //!
+//! Transport-level failures on either socket (a stream the HTTP/2 layer resets, a rejected
+//! header) are logged at warn with the socket and the request ([`transport`]).
+//!
 //! Per-claim results at the RPC boundary: a bad claim yields an error entry for that claim and
 //! never fails the whole RPC.
 
@@ -22,6 +25,7 @@ pub mod proto;
 mod registration;
 mod server;
 mod service;
+pub mod transport;
 
 pub use calls::{CallObserver, CallRecord, Method};
 pub use driver::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};

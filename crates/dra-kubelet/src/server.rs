@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio::sync::watch;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 use tracing::{info, warn};
@@ -20,6 +21,7 @@ use crate::health::{DeviceHealth, HEALTH_SERVICE, HealthService};
 use crate::proto::{dra_v1, dra_v1beta1, health_v1alpha1, pluginregistration};
 use crate::registration::{RegistrationService, RegistrationStatus};
 use crate::service::{DraPluginV1, DraPluginV1beta1, Shared};
+use crate::transport::{Tapped, TransportObserver, WarnLog};
 
 /// How long shutdown waits for connected clients to hang up once no call is in flight.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -130,6 +132,7 @@ pub struct PluginServer<D> {
     observer: Option<Arc<dyn CallObserver>>,
     drain_timeout: Duration,
     health: Option<watch::Receiver<Vec<DeviceHealth>>>,
+    transport: Arc<dyn TransportObserver>,
 }
 
 impl<D: Driver> PluginServer<D> {
@@ -144,7 +147,17 @@ impl<D: Driver> PluginServer<D> {
             observer: None,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             health: None,
+            transport: Arc::new(WarnLog),
         }
+    }
+
+    /// Reports transport-level failures on both sockets (streams the HTTP/2 layer resets,
+    /// connections closed with an error, peers that do not speak HTTP/2) to `observer` instead
+    /// of logging them at warn ([`crate::transport`]).
+    #[must_use]
+    pub fn with_transport_observer(mut self, observer: Arc<dyn TransportObserver>) -> Self {
+        self.transport = observer;
+        self
     }
 
     /// Reports every answered call with claims to `observer` (metrics).
@@ -245,7 +258,7 @@ impl<D: Driver> PluginServer<D> {
             ))
             .add_optional_service(health)
             .serve_with_incoming_shutdown(
-                UnixListenerStream::new(dra_listener),
+                tapped(dra_listener, &dra_path, &self.transport),
                 stopped(stop_rx.clone()),
             );
         let registration = Server::builder()
@@ -259,7 +272,10 @@ impl<D: Driver> PluginServer<D> {
                     },
                 ),
             )
-            .serve_with_incoming_shutdown(UnixListenerStream::new(reg_listener), stopped(stop_rx));
+            .serve_with_incoming_shutdown(
+                tapped(reg_listener, &reg_path, &self.transport),
+                stopped(stop_rx),
+            );
         let servers = async {
             tokio::try_join!(
                 async {
@@ -312,6 +328,18 @@ impl<D: Driver> PluginServer<D> {
         let _ = std::fs::remove_file(&dra_path);
         result
     }
+}
+
+/// The connections accepted on `listener`, each watched for transport-level failures.
+fn tapped(
+    listener: UnixListener,
+    path: &Path,
+    observer: &Arc<dyn TransportObserver>,
+) -> impl tokio_stream::Stream<Item = io::Result<Tapped<tokio::net::UnixStream>>> + use<> {
+    let socket: Arc<str> = Arc::from(path.to_string_lossy().as_ref());
+    let observer = Arc::clone(observer);
+    UnixListenerStream::new(listener)
+        .map(move |conn| conn.map(|c| Tapped::new(c, Arc::clone(&socket), Arc::clone(&observer))))
 }
 
 fn bind(path: &Path) -> Result<UnixListener, ServeError> {

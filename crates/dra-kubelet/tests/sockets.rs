@@ -422,3 +422,94 @@ async fn without_health_the_service_is_neither_served_nor_advertised() {
         .expect_err("not served");
     assert_eq!(err.code(), tonic::Code::Unimplemented);
 }
+
+/// A `MakeWriter` that keeps everything logged.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Self;
+    fn make_writer(&'a self) -> Self {
+        self.clone()
+    }
+}
+
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len();
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+#[tokio::test]
+async fn a_request_the_http2_layer_resets_is_logged_at_warn_with_the_socket_and_the_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let r = start().await;
+    let socket = r.sockets.registration_socket("example.com");
+    let mut conn = tokio::net::UnixStream::connect(&socket).await.unwrap();
+    // A request without :scheme, which RFC 9113 calls malformed: h2 resets it itself.
+    let block = loona_hpack::Encoder::new().encode([
+        (&b":method"[..], &b"POST"[..]),
+        (b":path", b"/pluginregistration.Registration/GetInfo"),
+        (b":authority", b"localhost"),
+        (b"user-agent", b"malformed-test/1"),
+    ]);
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(0x4, 0, 0, &[]));
+    out.extend(h2_frame(0x1, 0x4 | 0x1, 1, &block));
+    conn.write_all(&out).await.unwrap();
+    // Read until the server's RST_STREAM for stream 1 arrives.
+    let mut seen = Vec::new();
+    let reset = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "connection closed without a reset");
+            seen.extend_from_slice(&buf[..n]);
+            let mut at = 0;
+            while seen.len() >= at + 9 {
+                let len = usize::from(seen[at]) << 16
+                    | usize::from(seen[at + 1]) << 8
+                    | usize::from(seen[at + 2]);
+                if seen[at + 3] == 0x3 && seen.len() >= at + 9 + len {
+                    return u32::from_be_bytes(seen[at + 9..at + 13].try_into().unwrap());
+                }
+                at += 9 + len;
+            }
+        }
+    })
+    .await
+    .expect("the server resets the stream");
+    assert_eq!(reset, 1, "PROTOCOL_ERROR");
+    let logged = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let line = logged
+        .lines()
+        .find(|l| l.contains("reset the peer's request"))
+        .unwrap_or_else(|| panic!("no warning in {logged:?}"));
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains(&*socket.to_string_lossy()), "{line}");
+    assert!(line.contains("PROTOCOL_ERROR"), "{line}");
+    assert!(
+        line.contains("/pluginregistration.Registration/GetInfo"),
+        "{line}"
+    );
+    assert!(line.contains("malformed-test/1"), "{line}");
+}
