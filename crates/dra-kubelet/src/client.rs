@@ -1,4 +1,11 @@
-//! Dialing a plugin's Unix sockets the way the kubelet does: for tests and tools.
+//! Dialing a plugin's Unix sockets from Rust, for tests of what the kubelet never sends and for
+//! tools.
+//!
+//! This is not how the kubelet dials: its plugin watcher uses grpc-go's `DialContext` on the bare
+//! socket path, which sends the percent-encoded path as `:authority`, while this client sends a
+//! fixed `[::]:50051`. Tests of the kubelet's behaviour use its own code
+//! (`tests/gotools/cmd/kubeletpeer`, `drust_gotools::KubeletPeer`); a client of ours would share
+//! our assumptions, which is how issue 11 went unnoticed.
 
 use std::path::{Path, PathBuf};
 

@@ -45,51 +45,11 @@ pub fn plugin_binary() -> Result<PathBuf, String> {
         .ok_or_else(|| "cargo reported no gpu-kubelet-plugin executable".into())
 }
 
-/// Builds the Go test tool `tests/gotools/cmd/<name>` once per hash of its source and the
-/// module's go.mod/go.sum, into `$DRUST_CACHE_DIR` (default `~/.cache/drust`)`/<name>/<hash>/`.
+/// Builds the Go test tool `tests/gotools/cmd/<name>` once per hash of its sources
+/// ([`drust_gotools::go_tool`]).
 ///
 /// # Errors
 /// A description of the failed build.
 pub fn go_tool(name: &str) -> Result<PathBuf, String> {
-    use sha2::{Digest, Sha256};
-    let gotools = repo_root().join("tests/gotools");
-    let mut h = Sha256::new();
-    for f in [
-        format!("cmd/{name}/main.go"),
-        "go.mod".into(),
-        "go.sum".into(),
-    ] {
-        h.update(std::fs::read(gotools.join(&f)).map_err(|e| format!("reading {f}: {e}"))?);
-    }
-    let hash: String = h.finalize()[..6]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let cache = std::env::var_os("DRUST_CACHE_DIR").map_or_else(
-        || {
-            PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/tmp".into()))
-                .join(".cache/drust")
-        },
-        PathBuf::from,
-    );
-    let bin = cache.join(name).join(hash).join(name);
-    if bin.exists() {
-        return Ok(bin);
-    }
-    if let Some(dir) = bin.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    let tmp = bin.with_extension(format!("tmp{}", std::process::id()));
-    let status = Command::new("go")
-        .args(["build", "-o"])
-        .arg(&tmp)
-        .arg(format!("./cmd/{name}"))
-        .current_dir(&gotools)
-        .status()
-        .map_err(|e| format!("running go build: {e}"))?;
-    if !status.success() {
-        return Err(format!("go build ./cmd/{name}: {status}"));
-    }
-    std::fs::rename(&tmp, &bin).map_err(|e| format!("{}: {e}", bin.display()))?;
-    Ok(bin)
+    drust_gotools::go_tool(name)
 }

@@ -150,7 +150,7 @@ async fn a_scheduled_1g_claim_creates_its_mig_device_at_prepare_and_destroys_it_
         "no MIG device before prepare"
     );
 
-    let (mut kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
     let started = Instant::now();
     let answer = kubelet.prepare_v1(&[&claim]).await?;
     let took = started.elapsed();
@@ -327,12 +327,12 @@ async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_
         let uid = claim.metadata.uid.clone().context("uid")?;
         if fp.starts_with("prepare/") {
             let child = host.start(Some(fp))?;
-            let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+            let (k, _) = Kubelet::register(&host.registration_socket()).await?;
             let _ = k.prepare_v1(&[&claim]).await;
             expect_killed(child, fp, TIMEOUT).await?;
         } else {
             let child = host.start(None)?;
-            let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+            let (k, _) = Kubelet::register(&host.registration_socket()).await?;
             let r = k.prepare_v1(&[&claim]).await?;
             ensure!(
                 r.claims[&uid].error.is_empty(),
@@ -342,7 +342,7 @@ async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_
             drop(k);
             stop(child).await?;
             let child = host.start(Some(fp))?;
-            let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+            let (k, _) = Kubelet::register(&host.registration_socket()).await?;
             let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
             expect_killed(child, fp, TIMEOUT).await?;
         }
@@ -352,7 +352,7 @@ async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_
         let child = host.start(None)?;
         let recovered = mig_on_gpu3(&host.state())?;
         ensure!(recovered.len() <= 1, "{fp}: after restart {recovered:?}");
-        let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+        let (k, _) = Kubelet::register(&host.registration_socket()).await?;
         if n % 2 == 0 {
             // The kubelet retries the prepare: exactly one MIG device, the one recorded.
             let r = k.prepare_v1(&[&claim]).await?;

@@ -330,7 +330,7 @@ async fn every_example_is_allocated_by_the_real_scheduler_or_pending_for_its_rea
         let v: serde_json::Value = serde_json::from_str(&text)?;
         Ok(v[gpu_index.to_string()].as_u64())
     };
-    let (mut kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
     let uid = shared.metadata.uid.clone().context("uid")?;
     let answer = kubelet.prepare_v1(&[&shared]).await?;
     ensure!(

@@ -118,7 +118,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
         allocated_claim(&client, "bystander", DRIVER, NODE, &[names[0].clone()]).await?;
     let bystander_uid = bystander.metadata.uid.clone().context("uid")?;
     let child = host.start(None)?;
-    let (mut kubelet, _) = Kubelet::register(&host.registration_socket()).await?;
+    let (kubelet, _) = Kubelet::register(&host.registration_socket()).await?;
     let answer = kubelet.prepare_v1(&[&bystander]).await?.claims[&bystander_uid].clone();
     ensure!(answer.error.is_empty(), "{}", answer.error);
     drop(kubelet);
@@ -141,12 +141,12 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
 
             if fp.starts_with("prepare/") {
                 let child = host.start(Some(fp))?;
-                let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
                 let _ = k.prepare_v1(&[&claim]).await; // the plugin dies mid-call
                 expect_killed(child, fp, Duration::from_secs(60)).await?;
             } else {
                 let child = host.start(None)?;
-                let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
                 let r = k.prepare_v1(&[&claim]).await?;
                 ensure!(
                     r.claims[&uid].error.is_empty(),
@@ -157,7 +157,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
                 drop(k);
                 stop(child).await?;
                 let child = host.start(Some(fp))?;
-                let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
                 let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
                 expect_killed(child, fp, Duration::from_secs(60)).await?;
             }
@@ -165,7 +165,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
 
             // Restart and repeat what the kubelet would do next.
             let child = host.start(None)?;
-            let (mut k, _) = Kubelet::register(&host.registration_socket()).await?;
+            let (k, _) = Kubelet::register(&host.registration_socket()).await?;
             let retry_prepare = rep % 2 == 0;
             if retry_prepare {
                 let r = k.prepare_v1(&[&claim]).await?;

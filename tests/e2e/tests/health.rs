@@ -9,10 +9,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use dra_kubelet::client::{DraResourceHealthClient, connect};
-use dra_kubelet::proto::health_v1alpha1::{HealthStatus, NodeWatchResourcesRequest};
+use dra_kubelet::proto::health_v1alpha1::HealthStatus;
 use drust_e2e::claims::allocation_results;
-use drust_e2e::kubelet::Kubelet;
+use drust_e2e::kubelet::{HealthStream, Kubelet};
 use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
@@ -131,7 +130,7 @@ fn event(gpu: &str, kind: HealthEventKind) -> HealthEvent {
 
 /// Reads the health stream until every device of `gpu` (by name in `names`) has `want`.
 async fn stream_until(
-    stream: &mut tonic::Streaming<dra_kubelet::proto::health_v1alpha1::NodeWatchResourcesResponse>,
+    stream: &mut HealthStream,
     names: &[String],
     want: HealthStatus,
 ) -> anyhow::Result<String> {
@@ -182,7 +181,7 @@ async fn gpu_faults_taint_only_their_devices_until_the_gpu_recovers() -> anyhow:
     let app_gpu = topology.gpus[5].uuid.clone();
 
     // The kubelet registers the plugin, sees the health service and opens the stream.
-    let (_kubelet, info) = Kubelet::register(&plugin.registration_socket()).await?;
+    let (kubelet, info) = Kubelet::register(&plugin.registration_socket()).await?;
     ensure!(
         info.supported_versions
             .iter()
@@ -190,12 +189,11 @@ async fn gpu_faults_taint_only_their_devices_until_the_gpu_recovers() -> anyhow:
         "health service not advertised: {:?}",
         info.supported_versions
     );
-    let mut health = DraResourceHealthClient::new(connect(plugin.dra_socket()).await?);
-    let mut stream = health
-        .node_watch_resources(NodeWatchResourcesRequest {})
-        .await?
-        .into_inner();
-    let first = stream.message().await?.context("no initial health")?;
+    let mut stream = kubelet.health();
+    let first = tokio::time::timeout(TIMEOUT, stream.message())
+        .await
+        .context("the kubelet's health stream sent nothing")??
+        .context("no initial health")?;
     ensure!(
         !first.devices.is_empty()
             && first

@@ -489,7 +489,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             .await?
             .1
     };
-    let (mut kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
     let uid = claim.metadata.uid.clone().unwrap_or_default();
     let prepared = kubelet.prepare_v1(&[&claim]).await?;
     ensure!(

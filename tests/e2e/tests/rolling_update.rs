@@ -15,7 +15,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use dra_kubelet::proto::{dra_v1, dra_v1beta1};
+use dra_kubelet::proto::dra_v1;
 use drust_e2e::claims::allocated_claim;
 use drust_e2e::host::BinaryHost;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
@@ -204,44 +204,30 @@ fn uid(c: &ResourceClaim) -> String {
     c.metadata.uid.clone().unwrap_or_default()
 }
 
-/// One v1 prepare of `claim` on its own connection to `socket`'s plugin, answered at the
+/// One v1 prepare of `claim` by `kubelet` (on its connection to its plugin), answered at the
 /// returned instant.
 fn prepare_v1(
     kubelet: &Kubelet,
     claim: &ResourceClaim,
 ) -> tokio::task::JoinHandle<anyhow::Result<(String, Instant)>> {
-    let mut client = kubelet.v1.clone();
-    let claim = v1_claim(claim);
+    let kubelet = kubelet.clone();
+    let claim = claim.clone();
     tokio::spawn(async move {
-        let uid = claim.uid.clone();
-        let r = client
-            .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
-                claims: vec![claim],
-            })
-            .await?
-            .into_inner();
-        Ok((r.claims[&uid].error.clone(), Instant::now()))
+        let r = kubelet.prepare_v1(&[&claim]).await?;
+        Ok((r.claims[&uid(&claim)].error.clone(), Instant::now()))
     })
 }
 
+/// The same over `v1beta1.DRAPlugin`, as the kubelet calls a plugin offering only v1beta1.
 fn prepare_v1beta1(
     kubelet: &Kubelet,
     claim: &ResourceClaim,
 ) -> tokio::task::JoinHandle<anyhow::Result<(String, Instant)>> {
-    let mut client = kubelet.v1beta1.clone();
-    let c = v1_claim(claim);
+    let kubelet = kubelet.clone();
+    let claim = claim.clone();
     tokio::spawn(async move {
-        let r = client
-            .node_prepare_resources(dra_v1beta1::NodePrepareResourcesRequest {
-                claims: vec![dra_v1beta1::Claim {
-                    namespace: c.namespace,
-                    uid: c.uid.clone(),
-                    name: c.name,
-                }],
-            })
-            .await?
-            .into_inner();
-        Ok((r.claims[&c.uid].error.clone(), Instant::now()))
+        let r = kubelet.prepare_v1beta1(&[&claim]).await?;
+        Ok((r.claims[&uid(&claim)].error.clone(), Instant::now()))
     })
 }
 
@@ -418,7 +404,6 @@ async fn a_rolling_update_hands_over_between_two_plugin_processes_without_a_fail
     ensure!(!host.plugin_dir().join("dra-instance-a.sock").exists());
 
     // B unprepares a claim A prepared.
-    let mut kb = kb;
     let r = kb.unprepare_v1(vec![v1_claim(c1)]).await?;
     ensure!(r.claims[&uid(c1)].error.is_empty(), "{r:?}");
     ensure!(!host.checkpoint_claims()?.contains_key(&uid(c1)));
@@ -441,7 +426,6 @@ async fn a_rolling_update_hands_over_between_two_plugin_processes_without_a_fail
     wait_exit(b, &host).await?;
 
     // C unprepares everything, whoever prepared it.
-    let mut kc = kc;
     let rest: Vec<dra_v1::Claim> = [c2, c3, c4, c5, c6].iter().map(|c| v1_claim(c)).collect();
     let r = kc.unprepare_v1(rest).await?;
     ensure!(r.claims.values().all(|a| a.error.is_empty()), "{r:?}");

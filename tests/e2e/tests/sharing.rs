@@ -100,7 +100,7 @@ async fn a_claim_shares_a_dynamic_mig_device_through_mps_while_health_is_monitor
     let gpu_name = parent_of(&device).to_owned();
 
     // 2. Prepare: the MIG device is created, the MPS daemon serves it with the limits.
-    let (mut kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
     let started = Instant::now();
     let answer = kubelet.prepare_v1(&[&claim]).await?;
     let took = started.elapsed();

@@ -237,7 +237,7 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
         Api::<k8s_openapi::api::resource::v1::ResourceClaim>::namespaced(client.clone(), "default")
             .get(&claim_name)
             .await?;
-    let (mut kubelet, _) =
+    let (kubelet, _) =
         drust_e2e::kubelet::Kubelet::register(&a100_plugin.registration_socket()).await?;
     let uid = claim.metadata.uid.clone().unwrap_or_default();
     let prepared = kubelet.prepare_v1(&[&claim]).await?.claims[&uid].clone();

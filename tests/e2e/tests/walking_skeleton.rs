@@ -144,7 +144,7 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         .context("allocated device is not in the topology")?;
 
     // 4. Registration, as the kubelet's plugin watcher does it.
-    let (mut kubelet, info) = Kubelet::register(&plugin.registration_socket()).await?;
+    let (kubelet, info) = Kubelet::register(&plugin.registration_socket()).await?;
     assert_eq!(info.r#type, "DRAPlugin");
     assert_eq!(info.name, DRIVER);
     assert_eq!(info.endpoint, plugin.dra_socket().to_string_lossy());

@@ -84,7 +84,7 @@ struct Samples {
     unprepare: Vec<Duration>,
 }
 
-async fn call_prepare(k: &mut Kubelet, claims: &[&ResourceClaim]) -> anyhow::Result<Duration> {
+async fn call_prepare(k: &Kubelet, claims: &[&ResourceClaim]) -> anyhow::Result<Duration> {
     let t = Instant::now();
     let r = k.prepare_v1(claims).await?;
     let took = t.elapsed();
@@ -94,7 +94,7 @@ async fn call_prepare(k: &mut Kubelet, claims: &[&ResourceClaim]) -> anyhow::Res
     Ok(took)
 }
 
-async fn call_unprepare(k: &mut Kubelet, claims: &[&ResourceClaim]) -> anyhow::Result<Duration> {
+async fn call_unprepare(k: &Kubelet, claims: &[&ResourceClaim]) -> anyhow::Result<Duration> {
     let t = Instant::now();
     let r = k
         .unprepare_v1(claims.iter().map(|c| v1_claim(c)).collect())
@@ -143,37 +143,36 @@ async fn bench(
             .await?,
         );
     }
-    let (mut k, _) = Kubelet::register(&plugin.registration).await?;
-    let mut kubelets = Vec::new();
-    for _ in 0..8 {
-        kubelets.push(Kubelet::register(&plugin.registration).await?.0);
-    }
+    let (k, _) = Kubelet::register(&plugin.registration).await?;
+    // Eight pods' claims at once, as the kubelet sends them: concurrent calls on its one
+    // connection to the plugin.
+    let kubelets = vec![k.clone(); 8];
     let mut out: [Samples; 3] = Default::default();
     // One warm-up round, not counted: connections, caches.
     for round in 0..=iterations {
         let keep = round > 0;
-        let p = call_prepare(&mut k, &[&one]).await?;
-        let u = call_unprepare(&mut k, &[&one]).await?;
+        let p = call_prepare(&k, &[&one]).await?;
+        let u = call_unprepare(&k, &[&one]).await?;
         if keep {
             out[0].prepare.push(p);
             out[0].unprepare.push(u);
         }
-        let p = call_prepare(&mut k, &[&eight]).await?;
-        let u = call_unprepare(&mut k, &[&eight]).await?;
+        let p = call_prepare(&k, &[&eight]).await?;
+        let u = call_unprepare(&k, &[&eight]).await?;
         if keep {
             out[1].prepare.push(p);
             out[1].unprepare.push(u);
         }
         let prepared = futures::future::try_join_all(
             kubelets
-                .iter_mut()
+                .iter()
                 .zip(&singles)
                 .map(|(k, c)| async move { call_prepare(k, &[c]).await }),
         )
         .await?;
         let unprepared = futures::future::try_join_all(
             kubelets
-                .iter_mut()
+                .iter()
                 .zip(&singles)
                 .map(|(k, c)| async move { call_unprepare(k, &[c]).await }),
         )

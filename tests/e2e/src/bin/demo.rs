@@ -3,7 +3,7 @@
 //! Starts etcd + kube-apiserver + kube-controller-manager + kube-scheduler (building them the
 //! first time), runs the drust node plugin on a fake 8-GPU node (`examples/topologies/dgx-h100.yaml`
 //! unless `--topology` says otherwise), applies the GPU DeviceClass and `examples/single-gpu`,
-//! and then acts as the kubelet. Prints the published ResourceSlice, the scheduler's allocation,
+//! and then calls the plugin with the kubelet's own code (`tests/gotools/cmd/kubeletpeer`). Prints the published ResourceSlice, the scheduler's allocation,
 //! the prepared CDI device IDs and the CDI spec file.
 
 use std::path::PathBuf;
@@ -61,7 +61,9 @@ async fn main() -> anyhow::Result<()> {
     );
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
-    println!("registered Node {NODE} (no kubelet; the demo plays its part)");
+    println!(
+        "registered Node {NODE} (no kubelet process; the kubelet's own registration and DRA client code plays its part)"
+    );
 
     section(&format!(
         "node plugin on {NODE}, fake GPUs from {}",
@@ -90,8 +92,10 @@ async fn main() -> anyhow::Result<()> {
         yaml(&serde_json::json!({ "allocation": allocation }))?
     );
 
-    section("kubelet: registration and NodePrepareResources (v1) over the plugin's sockets");
-    let (mut kubelet, info) = Kubelet::register(&plugin.registration_socket()).await?;
+    section(
+        "kubelet (its v1.36.3 code): registration and NodePrepareResources (v1) over the plugin's sockets",
+    );
+    let (kubelet, info) = Kubelet::register(&plugin.registration_socket()).await?;
     println!(
         "GetInfo: type={} name={} endpoint={} versions={:?}",
         info.r#type, info.name, info.endpoint, info.supported_versions
