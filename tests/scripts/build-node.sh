@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds the real test node's binaries: the kubelet from the Kubernetes module pinned in
+# tests/gotools/go.mod (same replace set as the control plane), and containerd 2.x with its runc
+# shim and ctr from tests/gotools/node (a module of its own, so containerd's dependencies do not
+# fight Kubernetes' pins). Cached outside the repository like the control plane, keyed by the
+# modules' checksums; a warm cache makes this a no-op. runc and the CNI plugins are Debian's
+# (packages runc and containernetworking-plugins; ../shared/docs/real-node.md).
+#
+# Issue 12's first step: nothing runs these binaries yet.
+#
+# Prints the directory holding the binaries on its last line of stdout; progress goes to stderr.
+# Environment: DRUST_CACHE_DIR (default ~/.cache/drust).
+set -euo pipefail
+
+gotools=$(cd "$(dirname "$0")/../gotools" && pwd)
+k8s_version=$(awk '$1=="k8s.io/kubernetes"{print $2; exit}' "$gotools/go.mod")
+containerd_version=$(grep -oP '^require github.com/containerd/containerd/v2 \K\S+' "$gotools/node/go.mod")
+sum=$(cat "$gotools/go.mod" "$gotools/go.sum" "$gotools/node/go.mod" "$gotools/node/go.sum" | sha256sum | cut -c1-12)
+cache="${DRUST_CACHE_DIR:-$HOME/.cache/drust}/node/${k8s_version}-containerd-${containerd_version}-${sum}"
+
+if [[ -f "$cache/.complete" ]]; then
+  echo "node ${k8s_version} + containerd ${containerd_version}: cached in $cache" >&2
+  echo "$cache"
+  exit 0
+fi
+
+echo "node: building kubelet ${k8s_version} and containerd ${containerd_version} into $cache (first run only; ~15 min on 2 cores)" >&2
+mkdir -p "$cache"
+tmp=$(mktemp -d "$cache/.build.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+start=$SECONDS
+
+minor=${k8s_version#v1.}; minor=${minor%%.*}
+ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  ldflags+=" -X ${pkg}.gitVersion=${k8s_version} -X ${pkg}.gitMajor=1 -X ${pkg}.gitMinor=${minor}"
+done
+t=$SECONDS
+(cd "$gotools" && CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$tmp/kubelet" k8s.io/kubernetes/cmd/kubelet) >&2
+echo "  built kubelet in $((SECONDS - t))s" >&2
+
+cd "$gotools/node"
+for b in containerd containerd-shim-runc-v2 ctr; do
+  t=$SECONDS
+  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=${containerd_version}" \
+    -o "$tmp/$b" "github.com/containerd/containerd/v2/cmd/$b" >&2
+  echo "  built $b in $((SECONDS - t))s" >&2
+done
+mv "$tmp"/* "$cache/"
+date -u +%FT%TZ > "$cache/.complete"
+echo "node: built in $((SECONDS - start))s" >&2
+echo "$cache"
