@@ -698,6 +698,41 @@ mod tests {
     }
 
     #[test]
+    fn arbitrary_bytes_in_either_direction_never_panic() {
+        // A small deterministic generator (xorshift): frames with random types, flags, lengths
+        // and payloads, after a valid preface and without one, cut at random points.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for round in 0..2_000 {
+            let (mut w, _) = watch();
+            let mut bytes = if round % 4 == 0 {
+                Vec::new()
+            } else {
+                PREFACE.to_vec()
+            };
+            for _ in 0..(next() % 8) {
+                let kind = (next() % 11) as u8;
+                let flags = next() as u8;
+                let len = (next() % 64) as usize;
+                let payload: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+                bytes.extend(frame(kind, flags, (next() % 4) as u32, &payload));
+            }
+            let mut rest = &bytes[..];
+            while !rest.is_empty() {
+                let n = 1 + (next() as usize % rest.len());
+                w.read(&rest[..n]);
+                w.written(&rest[..n]);
+                rest = &rest[n..];
+            }
+        }
+    }
+
+    #[test]
     fn an_oversized_header_block_ends_observation_of_the_peer_only() {
         let (mut w, recorded) = watch();
         let mut inbound = PREFACE.to_vec();
