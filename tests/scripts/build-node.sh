@@ -6,7 +6,7 @@
 # modules' checksums; a warm cache makes this a no-op. runc and the CNI plugins are Debian's
 # (packages runc and containernetworking-plugins; ../shared/docs/real-node.md).
 #
-# Issue 12's first step: nothing runs these binaries yet.
+# Used by tests/e2e/src/node.rs (Node::start), and by .ci/run ahead of the tests.
 #
 # Prints the directory holding the binaries on its last line of stdout; progress goes to stderr.
 # Environment: DRUST_CACHE_DIR (default ~/.cache/drust).

@@ -90,8 +90,12 @@ pub struct Mount {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeviceNode {
-    /// e.g. `/dev/nvidia0`.
+    /// In the container, e.g. `/dev/nvidia0`.
     pub path: String,
+    /// On the host, when not `path` (CDI 0.5.0+): the runtime reads the node's type, major and
+    /// minor numbers there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
 }
 
 /// Writing or removing a spec failed.

@@ -371,6 +371,13 @@ pub trait Hardware: Send + Sync + 'static {
         let _ = created;
         Ok(vec![gpu_device_node(device.gpu().raw.minor)])
     }
+    /// Where the device node `node` (a path inside the container, e.g. `/dev/nvidia0`) is on
+    /// the host, when that is not the same path: the CDI spec's `hostPath`, from which the
+    /// runtime takes the node's type and numbers. The default is `None` (the same path).
+    fn host_path(&self, node: &str) -> Option<String> {
+        let _ = node;
+        None
+    }
     /// Readies `device` for a container; returns the MIG device it created, if any. On error
     /// nothing it created is left behind (a crash in between is for start-up recovery).
     ///
@@ -584,6 +591,15 @@ impl BackendHardware {
 }
 
 impl Hardware for BackendHardware {
+    /// Under a `dev_root` other than `/` (a test host), the node's path below it.
+    fn host_path(&self, node: &str) -> Option<String> {
+        (self.dev_root != Path::new("/")).then(|| {
+            self.dev_root
+                .join(Path::new(node).strip_prefix("/").unwrap_or(Path::new(node)))
+                .display()
+                .to_string()
+        })
+    }
     fn device_nodes(
         &self,
         device: &NodeDevice,

@@ -17,6 +17,14 @@ pub struct BinaryHost {
     topology: PathBuf,
     driver: String,
     node: String,
+    node_dirs: Option<NodeDirs>,
+}
+
+/// Where a real node's kubelet and containerd expect a plugin's files.
+struct NodeDirs {
+    plugin_dir: PathBuf,
+    registry: PathBuf,
+    cdi_root: PathBuf,
 }
 
 /// The host could not be set up.
@@ -27,6 +35,57 @@ pub struct HostError {
 }
 
 impl BinaryHost {
+    /// Replaces the fake device files under `<root>/dev` with character devices (`mknod`, so
+    /// root only): NVIDIA's fixed major 195 for the GPUs (`nvidia<minor>`) and `nvidiactl`
+    /// (255), and made-up dynamic majors for `nvidia-uvm`/`nvidia-uvm-tools` (236) and the MIG
+    /// capabilities (237), so a container runtime can pass them to a container. Opening one in
+    /// the container gives ENXIO (no driver), which proves access.
+    ///
+    /// # Errors
+    /// [`HostError`] when a node cannot be made.
+    pub fn make_device_nodes(&self) -> Result<(), HostError> {
+        use nix::sys::stat::{Mode, SFlag, makedev, mknod};
+        let dev = self.root().join("dev");
+        let mut nodes: Vec<PathBuf> = std::fs::read_dir(&dev)
+            .into_iter()
+            .chain(std::fs::read_dir(dev.join("nvidia-caps")))
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_file())
+            .collect();
+        nodes.sort();
+        for path in nodes {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let (major, minor) = match name.as_str() {
+                "nvidiactl" => (195, 255),
+                "nvidia-uvm" => (236, 0),
+                "nvidia-uvm-tools" => (236, 1),
+                n if n.starts_with("nvidia-cap") => {
+                    (237, n["nvidia-cap".len()..].parse().unwrap_or(0))
+                }
+                n => (195, n["nvidia".len().min(n.len())..].parse().unwrap_or(0)),
+            };
+            let fail = |e: nix::Error| HostError {
+                problem: format!("mknod {}: {e}", path.display()),
+            };
+            std::fs::remove_file(&path).map_err(|e| HostError {
+                problem: format!("{}: {e}", path.display()),
+            })?;
+            mknod(
+                &path,
+                SFlag::S_IFCHR,
+                Mode::from_bits_truncate(0o666),
+                makedev(major, minor),
+            )
+            .map_err(fail)?;
+        }
+        Ok(())
+    }
+
     /// A fresh host (temp dir prefixed `prefix`) for `driver` on `node` with the fake
     /// `topology`, talking to the API server of `kubeconfig`.
     ///
@@ -52,6 +111,7 @@ impl BinaryHost {
             topology: topology.to_owned(),
             driver: driver.to_owned(),
             node: node.to_owned(),
+            node_dirs: None,
         })
     }
 
@@ -60,19 +120,39 @@ impl BinaryHost {
         self.dir.path()
     }
 
+    /// Serve the kubelet of `node` instead of a test acting as one: the sockets go to the
+    /// kubelet's `plugins_registry` and `plugins/<driver>`, the CDI specs to the directory its
+    /// containerd reads.
+    #[must_use]
+    pub fn on_node(mut self, node: &crate::node::Node) -> Self {
+        self.node_dirs = Some(NodeDirs {
+            plugin_dir: node.plugin_dir(&self.driver),
+            registry: node.registry_dir(),
+            cdi_root: node.cdi_root(),
+        });
+        self
+    }
+
     /// `--plugin-dir`.
     pub fn plugin_dir(&self) -> PathBuf {
-        self.root().join("plugins").join(&self.driver)
+        self.node_dirs.as_ref().map_or_else(
+            || self.root().join("plugins").join(&self.driver),
+            |d| d.plugin_dir.clone(),
+        )
     }
 
     /// `--registrar-dir`.
     pub fn registry(&self) -> PathBuf {
-        self.root().join("registry")
+        self.node_dirs
+            .as_ref()
+            .map_or_else(|| self.root().join("registry"), |d| d.registry.clone())
     }
 
     /// `--cdi-root`.
     pub fn cdi_root(&self) -> PathBuf {
-        self.root().join("cdi")
+        self.node_dirs
+            .as_ref()
+            .map_or_else(|| self.root().join("cdi"), |d| d.cdi_root.clone())
     }
 
     /// `--fake-state-dir`, when a test passes it.

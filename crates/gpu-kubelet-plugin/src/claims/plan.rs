@@ -201,7 +201,13 @@ pub(crate) fn spec(
         cdi_devices.push(CdiDevice {
             name: CdiWriter::device_name(&claim.uid, d.name()),
             container_edits: ContainerEdits {
-                device_nodes: nodes.into_iter().map(|path| DeviceNode { path }).collect(),
+                device_nodes: nodes
+                    .into_iter()
+                    .map(|path| DeviceNode {
+                        host_path: hardware.host_path(&path),
+                        path,
+                    })
+                    .collect(),
                 ..ContainerEdits::default()
             },
         });
@@ -226,6 +232,7 @@ pub(crate) fn spec(
                 .iter()
                 .map(|p| DeviceNode {
                     path: (*p).to_owned(),
+                    host_path: hardware.host_path(p),
                 })
                 .collect();
             edits

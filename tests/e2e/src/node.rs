@@ -1,0 +1,723 @@
+//! A real node for the tests: containerd 2.x (with Debian's runc and CNI plugins) and kubelet
+//! v1.36.3 against a [`ControlPlane`], every path under a temp dir where the kubelet allows it.
+//!
+//! `../shared/docs/real-node.md` has the facts this follows (the host quirks, the settings that
+//! run). Binaries come from `tests/scripts/build-node.sh` (cached in `~/.cache/drust/node`); the
+//! sandbox and workload images are built locally ([`crate::images`]) and imported with `ctr`.
+//!
+//! What the node changes outside its temp dir, and how [`Node`] puts it back (on
+//! [`Node::stop`] and on drop, so also when a test fails):
+//! - sysctls the kubelet sets at start (`vm.overcommit_memory`, `kernel.panic`,
+//!   `kernel.panic_on_oops`): restored to the values read before;
+//! - `/kubepods` in every cgroup hierarchy: removed bottom-up when the node created it;
+//! - `/var/lib/kubelet` (its `device-plugins/kubelet.sock`), `/var/log/containers` and
+//!   `/var/log/pods`: removed when the node created them;
+//! - mounts (the kubelet's bind mount of its root dir, pod volumes, container rootfs, network
+//!   namespaces): every mount under the temp dir or created under `/run/netns` is unmounted;
+//! - containers: every container in the node's runc root is killed and deleted, and the shims
+//!   and any process started from the temp dir are killed;
+//! - the CNI bridge `drustbr0`: deleted.
+//!
+//! One node at a time per machine: the kubelet always uses the fixed paths above.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node as NodeObject;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use tokio::process::{Child, Command};
+
+use crate::ControlPlane;
+use crate::images;
+
+const BUILD_SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/scripts/build-node.sh"
+);
+const RUNC: &str = "/usr/sbin/runc";
+const CNI_BIN: &str = "/usr/lib/cni";
+const BRIDGE: &str = "drustbr0";
+const SYSCTLS: [&str; 3] = [
+    "vm/overcommit_memory",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+];
+/// What the kubelet creates whatever its flags say; removed on cleanup when it was not there.
+const KUBELET_FIXED: [&str; 4] = [
+    "/var/lib/kubelet/device-plugins/kubelet.sock",
+    "/var/lib/kubelet",
+    "/var/log/containers",
+    "/var/log/pods",
+];
+
+/// Starting or running the node failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// This machine cannot run a node (not root, no overlayfs, a package missing).
+    #[error("this machine cannot run a real node: {0}")]
+    Unsupported(String),
+    /// Something failed; the text says what, with log tails where useful.
+    #[error("real node: {0}")]
+    Failed(String),
+}
+
+fn failed(what: &str, e: impl std::fmt::Display) -> NodeError {
+    NodeError::Failed(format!("{what}: {e}"))
+}
+
+/// Why this machine cannot run a node, if it cannot: root, overlayfs, runc, the CNI plugins
+/// and busybox are needed (`apt-get install runc containernetworking-plugins busybox-static`).
+pub fn unsupported() -> Option<String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Some("not root".into());
+    }
+    let filesystems = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !filesystems
+        .lines()
+        .any(|l| l.trim_end().ends_with("overlay"))
+    {
+        return Some("no overlayfs in /proc/filesystems".into());
+    }
+    for (path, package) in [
+        (RUNC, "runc"),
+        ("/usr/lib/cni/bridge", "containernetworking-plugins"),
+        (images::BUSYBOX, "busybox-static"),
+    ] {
+        if !Path::new(path).exists() {
+            return Some(format!("{path} is missing: install Debian's {package}"));
+        }
+    }
+    None
+}
+
+/// A running node: containerd and the kubelet.
+pub struct Node {
+    name: String,
+    dir: Option<tempfile::TempDir>,
+    root: PathBuf,
+    bins: PathBuf,
+    containerd: Option<Child>,
+    kubelet: Option<Child>,
+    sysctls: Vec<(PathBuf, String)>,
+    created: Vec<PathBuf>,
+    netns_before: Vec<PathBuf>,
+}
+
+/// Node options.
+#[derive(Debug, Clone, Default)]
+pub struct NodeOptions {
+    /// Node labels, set by the kubelet at registration.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Node {
+    /// Starts containerd and the kubelet for node `name` against `cp`, imports the sandbox and
+    /// workload images, and waits (up to 2 minutes) for the Node to be Ready; then removes the
+    /// taints set at registration (the test control plane runs no node-lifecycle controller).
+    ///
+    /// # Errors
+    /// [`NodeError::Unsupported`] when [`unsupported`] says so; [`NodeError::Failed`] otherwise.
+    pub async fn start(
+        cp: &ControlPlane,
+        name: &str,
+        options: NodeOptions,
+    ) -> Result<Self, NodeError> {
+        if let Some(why) = unsupported() {
+            return Err(NodeError::Unsupported(why));
+        }
+        let bins = build_binaries().await?;
+        let dir = tempfile::Builder::new()
+            .prefix("drust-node-")
+            .tempdir()
+            .map_err(|e| failed("temp dir", e))?;
+        let root = dir.path().to_owned();
+        let created = KUBELET_FIXED
+            .iter()
+            .chain(std::iter::once(&"/kubepods"))
+            .map(PathBuf::from)
+            .filter(|p| !p.exists() && !cgroup_dirs(p).iter().any(|c| c.exists()))
+            .collect();
+        let mut node = Self {
+            name: name.to_owned(),
+            dir: Some(dir),
+            root,
+            bins,
+            containerd: None,
+            kubelet: None,
+            sysctls: SYSCTLS
+                .iter()
+                .map(|s| {
+                    let p = Path::new("/proc/sys").join(s);
+                    let v = std::fs::read_to_string(&p).unwrap_or_default();
+                    (p, v.trim().to_owned())
+                })
+                .collect(),
+            created,
+            netns_before: list_dir(Path::new("/run/netns")),
+        };
+        node.start_containerd().await?;
+        node.import_images().await?;
+        node.start_kubelet(cp, &options).await?;
+        node.wait_ready(cp).await?;
+        Ok(node)
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The temp dir everything lives under.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The kubelet's `--root-dir`.
+    pub fn kubelet_dir(&self) -> PathBuf {
+        self.root.join("kubelet")
+    }
+
+    /// Where a DRA plugin puts its registration socket (`<root-dir>/plugins_registry`).
+    pub fn registry_dir(&self) -> PathBuf {
+        self.kubelet_dir().join("plugins_registry")
+    }
+
+    /// Where a DRA plugin keeps its DRA socket (`<root-dir>/plugins/<driver>`).
+    pub fn plugin_dir(&self, driver: &str) -> PathBuf {
+        self.kubelet_dir().join("plugins").join(driver)
+    }
+
+    /// The CDI spec directory containerd reads (`cdi_spec_dirs`).
+    pub fn cdi_root(&self) -> PathBuf {
+        self.root.join("cdi")
+    }
+
+    /// containerd's socket.
+    pub fn containerd_socket(&self) -> PathBuf {
+        self.root.join("containerd/containerd.sock")
+    }
+
+    /// A tail of the kubelet's and containerd's logs, for failure messages.
+    pub fn log_tail(&self) -> String {
+        ["kubelet.log", "containerd.log"]
+            .iter()
+            .map(|f| {
+                let log = std::fs::read_to_string(self.root.join(f)).unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                format!(
+                    "--- {f}\n{}",
+                    lines[lines.len().saturating_sub(30)..].join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn log(&self, file: &str) -> Result<std::fs::File, NodeError> {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.root.join(file))
+            .map_err(|e| failed(file, e))
+    }
+
+    async fn start_containerd(&mut self) -> Result<(), NodeError> {
+        let r = &self.root;
+        for d in [
+            "containerd/root",
+            "containerd/state",
+            "containerd/conf.d",
+            "containerd/opt",
+            "cni/net.d",
+            "cdi",
+            "runc",
+            "shim",
+        ] {
+            std::fs::create_dir_all(r.join(d)).map_err(|e| failed(d, e))?;
+        }
+        std::fs::set_permissions(
+            r.join("cdi"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .map_err(|e| failed("cdi", e))?;
+        let config = format!(
+            r#"version = 3
+root = "{r}/containerd/root"
+state = "{r}/containerd/state"
+imports = ["{r}/containerd/conf.d/*.toml"]
+disabled_plugins = ["io.containerd.nri.v1.nri"]
+
+[grpc]
+  address = "{r}/containerd/containerd.sock"
+
+[ttrpc]
+  address = "{r}/containerd/containerd.sock.ttrpc"
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = "{r}/containerd/opt"
+
+[plugins.'io.containerd.shim.v1.manager']
+  socket_dir = "{r}/shim"
+
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = "{sandbox}"
+
+[plugins.'io.containerd.cri.v1.runtime']
+  restrict_oom_score_adj = true
+  cdi_spec_dirs = ["{r}/cdi"]
+
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = "runc"
+
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = "{RUNC}"
+        Root = "{r}/runc"
+
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["{CNI_BIN}"]
+    conf_dir = "{r}/cni/net.d"
+"#,
+            r = r.display(),
+            sandbox = images::SANDBOX_IMAGE,
+        );
+        std::fs::write(r.join("containerd/config.toml"), config)
+            .map_err(|e| failed("containerd config", e))?;
+        let cni = serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "drust",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": BRIDGE,
+                    "isGateway": true,
+                    "ipMasq": false,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": "10.88.77.0/24"}]],
+                        "dataDir": format!("{}/cni/ipam", r.display()),
+                    },
+                },
+                {"type": "loopback"},
+            ],
+        });
+        std::fs::write(r.join("cni/net.d/10-drust.conflist"), cni.to_string())
+            .map_err(|e| failed("CNI config", e))?;
+        let mut cmd = Command::new(self.bins.join("containerd"));
+        cmd.arg("--config")
+            .arg(r.join("containerd/config.toml"))
+            .env(
+                "PATH",
+                format!("{}:/usr/sbin:/usr/bin:/sbin:/bin", self.bins.display()),
+            )
+            .stdin(Stdio::null())
+            .stdout(self.log("containerd.log")?)
+            .stderr(self.log("containerd.log")?)
+            .kill_on_drop(true);
+        self.containerd = Some(cmd.spawn().map_err(|e| failed("starting containerd", e))?);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self.ctr(&["version"]).await.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(failed(
+                    "containerd did not answer within 30 s",
+                    self.log_tail(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Runs `ctr -a <socket> -n k8s.io ARGS` and returns its stdout.
+    ///
+    /// # Errors
+    /// [`NodeError::Failed`] with its stderr when it fails.
+    pub async fn ctr(&self, args: &[&str]) -> Result<String, NodeError> {
+        let out = Command::new(self.bins.join("ctr"))
+            .arg("-a")
+            .arg(self.containerd_socket())
+            .args(["-n", "k8s.io"])
+            .args(args)
+            .output()
+            .await
+            .map_err(|e| failed("running ctr", e))?;
+        if !out.status.success() {
+            return Err(failed(
+                &format!("ctr {}", args.join(" ")),
+                String::from_utf8_lossy(&out.stderr),
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Imports an OCI image archive into the CRI's namespace.
+    ///
+    /// # Errors
+    /// [`NodeError::Failed`] when `ctr images import` fails.
+    pub async fn import(&self, archive: &Path) -> Result<(), NodeError> {
+        let path = archive.to_string_lossy();
+        self.ctr(&["images", "import", "--platform", "linux/amd64", &path])
+            .await
+            .map(|_| ())
+    }
+
+    async fn import_images(&self) -> Result<(), NodeError> {
+        for image in [images::sandbox(), images::workload()] {
+            let image = image.map_err(|e| failed("image", e))?;
+            let archive = self.root.join(format!(
+                "{}.tar",
+                image
+                    .name
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or("image")
+                    .replace(':', "_")
+            ));
+            images::write_archive(&image, &archive)
+                .map_err(|e| failed("writing an image archive", e))?;
+            self.import(&archive).await?;
+        }
+        Ok(())
+    }
+
+    async fn start_kubelet(
+        &mut self,
+        cp: &ControlPlane,
+        options: &NodeOptions,
+    ) -> Result<(), NodeError> {
+        let kubelet_dir = self.kubelet_dir();
+        std::fs::create_dir_all(&kubelet_dir).map_err(|e| failed("kubelet dir", e))?;
+        let cgroup_v1 = !Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+        let config = serde_json::json!({
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": "127.0.0.1",
+            "port": free_port()?,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": free_port()?,
+            "authentication": {
+                "anonymous": {"enabled": true},
+                "webhook": {"enabled": false},
+            },
+            "authorization": {"mode": "AlwaysAllow"},
+            "cgroupDriver": "cgroupfs",
+            "failCgroupV1": !cgroup_v1,
+            "failSwapOn": false,
+            "oomScoreAdj": 0,
+            "evictionHard": {},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "resolvConf": "",
+            "makeIPTablesUtilChains": false,
+            "localStorageCapacityIsolation": false,
+            "containerRuntimeEndpoint": format!("unix://{}", self.containerd_socket().display()),
+            "serializeImagePulls": false,
+            "podLogsDir": self.root.join("pod-logs"),
+            "nodeStatusUpdateFrequency": "2s",
+            "syncFrequency": "5s",
+        });
+        let config_path = self.root.join("kubelet-config.json");
+        std::fs::write(&config_path, config.to_string())
+            .map_err(|e| failed("kubelet config", e))?;
+        let labels: Vec<String> = options
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        let mut cmd = Command::new(self.bins.join("kubelet"));
+        cmd.arg(format!("--config={}", config_path.display()))
+            .arg(format!("--kubeconfig={}", cp.kubeconfig_path().display()))
+            .arg(format!("--root-dir={}", kubelet_dir.display()))
+            .arg(format!(
+                "--cert-dir={}",
+                self.root.join("kubelet-pki").display()
+            ))
+            .arg(format!("--hostname-override={}", self.name))
+            .arg("--node-ip=127.0.0.1")
+            .arg("--v=2");
+        if !labels.is_empty() {
+            cmd.arg(format!("--node-labels={}", labels.join(",")));
+        }
+        cmd.env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .stdin(Stdio::null())
+            .stdout(self.log("kubelet.log")?)
+            .stderr(self.log("kubelet.log")?)
+            .kill_on_drop(true);
+        self.kubelet = Some(cmd.spawn().map_err(|e| failed("starting the kubelet", e))?);
+        Ok(())
+    }
+
+    async fn wait_ready(&mut self, cp: &ControlPlane) -> Result<(), NodeError> {
+        let client = cp.client().await.map_err(|e| failed("client", e))?;
+        let nodes: Api<NodeObject> = Api::all(client);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(k) = self.kubelet.as_mut()
+                && let Ok(Some(status)) = k.try_wait()
+            {
+                return Err(failed(
+                    &format!("the kubelet exited ({status})"),
+                    self.log_tail(),
+                ));
+            }
+            if let Ok(Some(node)) = nodes.get_opt(&self.name).await {
+                let ready = node
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                if ready {
+                    // Nothing in the test control plane lifts the taints set at registration.
+                    let patch = serde_json::json!({"spec": {"taints": null}});
+                    nodes
+                        .patch(&self.name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await
+                        .map_err(|e| failed("removing the node's taints", e))?;
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(failed(
+                    "the node was not Ready within 120 s",
+                    self.log_tail(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// Stops the kubelet and containerd and puts the machine back as it was.
+    ///
+    /// # Errors
+    /// [`NodeError::Failed`] when cleanup left something behind (it still does all it can).
+    pub async fn stop(mut self) -> Result<(), NodeError> {
+        if let Some(mut k) = self.kubelet.take() {
+            terminate(&mut k, Duration::from_secs(10)).await;
+        }
+        self.cleanup()
+    }
+
+    /// Everything [`Node::stop`] does after stopping the kubelet; idempotent, synchronous (also
+    /// run on drop).
+    fn cleanup(&mut self) -> Result<(), NodeError> {
+        let Some(dir) = self.dir.take() else {
+            return Ok(());
+        };
+        let mut problems = Vec::new();
+        if let Some(mut k) = self.kubelet.take() {
+            let _ = k.start_kill();
+        }
+        // Containers: kill and delete through runc, then whatever still runs from our dir
+        // (shims, containerd).
+        let runc_root = self.root.join("runc");
+        for id in list_dir(&runc_root) {
+            if let Some(id) = id.file_name().and_then(|n| n.to_str()) {
+                let _ = std::process::Command::new(RUNC)
+                    .arg("--root")
+                    .arg(&runc_root)
+                    .args(["delete", "--force", id])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
+        if let Some(mut c) = self.containerd.take() {
+            let _ = c.start_kill();
+        }
+        kill_processes_mentioning(&self.root);
+        // Mounts under our dir and new network namespaces, deepest first.
+        let mut mounts = mounts_under(&self.root);
+        for ns in list_dir(Path::new("/run/netns")) {
+            if !self.netns_before.contains(&ns) {
+                mounts.push(ns.clone());
+                let _ = std::fs::remove_file(&ns);
+            }
+        }
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
+        for m in &mounts {
+            if let Err(e) = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH)
+                && e != nix::errno::Errno::EINVAL
+                && e != nix::errno::Errno::ENOENT
+            {
+                problems.push(format!("unmounting {}: {e}", m.display()));
+            }
+        }
+        for ns in list_dir(Path::new("/run/netns")) {
+            if !self.netns_before.contains(&ns) {
+                let _ = std::fs::remove_file(&ns);
+            }
+        }
+        // The bridge the CNI plugin made.
+        let _ = std::process::Command::new("ip")
+            .args(["link", "delete", BRIDGE])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        for (path, value) in &self.sysctls {
+            if !value.is_empty() && std::fs::write(path, value).is_err() {
+                problems.push(format!("restoring {}", path.display()));
+            }
+        }
+        for p in &self.created {
+            if p == Path::new("/kubepods") {
+                for c in cgroup_dirs(p) {
+                    remove_cgroup_tree(&c);
+                }
+            } else if p.is_dir() {
+                let _ = std::fs::remove_dir_all(p);
+            } else {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        if std::env::var_os(crate::KEEP_ENV).is_some() {
+            let kept = dir.keep();
+            eprintln!("real node kept in {}", kept.display());
+        } else if let Err(e) = dir.close() {
+            problems.push(format!("removing the temp dir: {e}"));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(NodeError::Failed(problems.join("; ")))
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Err(e) = self.cleanup() {
+            eprintln!("{e}");
+        }
+    }
+}
+
+async fn terminate(child: &mut Child, grace: Duration) {
+    if let Some(pid) = child.id() {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+    }
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        let _ = child.kill().await;
+    }
+}
+
+async fn build_binaries() -> Result<PathBuf, NodeError> {
+    let out = Command::new("bash")
+        .arg(BUILD_SCRIPT)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| failed("running build-node.sh", e))?
+        .wait_with_output()
+        .await
+        .map_err(|e| failed("running build-node.sh", e))?;
+    if !out.status.success() {
+        return Err(failed("build-node.sh", out.status));
+    }
+    let dir = PathBuf::from(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next_back()
+            .unwrap_or_default()
+            .trim(),
+    );
+    for b in ["kubelet", "containerd", "containerd-shim-runc-v2", "ctr"] {
+        if !dir.join(b).is_file() {
+            return Err(failed(
+                "build-node.sh",
+                format!("{b} missing in {}", dir.display()),
+            ));
+        }
+    }
+    Ok(dir)
+}
+
+fn free_port() -> Result<u16, NodeError> {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| failed("picking a port", e))
+}
+
+fn list_dir(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .collect()
+}
+
+/// `path` (absolute, e.g. `/kubepods`) in every cgroup hierarchy mounted under /sys/fs/cgroup.
+fn cgroup_dirs(path: &Path) -> Vec<PathBuf> {
+    let rel = path.strip_prefix("/").unwrap_or(path);
+    let base = Path::new("/sys/fs/cgroup");
+    if base.join("cgroup.controllers").exists() {
+        return vec![base.join(rel)];
+    }
+    list_dir(base)
+        .into_iter()
+        .filter(|h| h.is_dir() && !h.is_symlink())
+        .map(|h| h.join(rel))
+        .collect()
+}
+
+/// Removes a cgroup directory and its children, deepest first (cgroupfs directories are
+/// removed with rmdir; their files go with them).
+fn remove_cgroup_tree(dir: &Path) {
+    for child in list_dir(dir) {
+        if child.is_dir() {
+            remove_cgroup_tree(&child);
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+/// Mount points at or under `dir`, from /proc/self/mountinfo.
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| PathBuf::from(m.replace("\\040", " ")))
+        .filter(|m| m.starts_with(dir))
+        .collect()
+}
+
+/// SIGKILLs every process whose command line mentions `dir` (containerd, shims, stray
+/// helpers), except this one.
+fn kill_processes_mentioning(dir: &Path) {
+    let needle = dir.to_string_lossy().into_owned();
+    let me = std::process::id();
+    for p in list_dir(Path::new("/proc")) {
+        let Some(pid) = p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let cmdline = std::fs::read(p.join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&needle) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}

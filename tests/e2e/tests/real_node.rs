@@ -1,0 +1,208 @@
+//! A real node: kubelet v1.36.3 and containerd 2.x on this machine, the plugin binary serving
+//! that kubelet, and the `single-gpu` example pod running with a fake GPU (mknod'ed device
+//! nodes). What the container sees is read from its own output, through the API server.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use drust_e2e::host::{BinaryHost, PluginProcess, stop};
+use drust_e2e::images::WORKLOAD_IMAGE;
+use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+use drust_e2e::node::{Node, NodeOptions};
+use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams};
+
+const DRIVER: &str = "gpu.drust.dev";
+const NODE: &str = "gpu-node-0";
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What the container reports: its device nodes with their numbers, and its NVIDIA_* variables,
+/// in its termination message (which the kubelet copies into the pod's status, so the test
+/// reads it through the API server; the API server cannot reach this kubelet for logs, whose
+/// node IP is loopback) and on stdout.
+const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -e "$f" ] && stat -c 'node %n %t:%T' "$f"; done; env | grep '^NVIDIA_' | sed 's/^/env /'; echo done; } > /dev/termination-log; cat /dev/termination-log"#;
+
+/// `examples/<file>` with every container running [`SCRIPT`] in the local busybox image
+/// instead of its CUDA image (which this machine cannot pull).
+fn example_on_busybox(file: &str) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(repo_path(file))?;
+    let mut out = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+        let mut v = <serde_yaml_ng::Value as serde::Deserialize>::deserialize(doc)?;
+        if v["kind"] == "Pod" {
+            let containers = v["spec"]["containers"]
+                .as_sequence_mut()
+                .context("containers")?;
+            for c in containers {
+                c["image"] = WORKLOAD_IMAGE.into();
+                c["imagePullPolicy"] = "Never".into();
+                c["command"] = serde_yaml_ng::to_value(["/bin/sh", "-c", SCRIPT])?;
+            }
+        }
+        out.push(serde_yaml_ng::to_string(&v)?);
+    }
+    Ok(out.join("---\n"))
+}
+
+async fn wait_pod_done(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
+    let start = Instant::now();
+    loop {
+        let pod = pods.get(name).await?;
+        let phase = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_default();
+        if phase == "Succeeded" || phase == "Failed" {
+            return Ok(pod);
+        }
+        if start.elapsed() > TIMEOUT {
+            bail!(
+                "pod {name} still {phase} after {TIMEOUT:?}: {:?}\n{}",
+                pod.status,
+                node.log_tail()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_single_gpu_example_runs_on_a_real_kubelet_and_sees_exactly_its_gpu()
+-> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let client = cp.client().await?;
+    let node = Node::start(&cp, NODE, NodeOptions::default()).await?;
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let host = BinaryHost::new(
+        "drust-real-node-",
+        cp.kubeconfig_path(),
+        &topology,
+        DRIVER,
+        NODE,
+    )?
+    .on_node(&node);
+    host.make_device_nodes()?;
+    let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
+    let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
+
+    // The plugin publishes; the kubelet registers it.
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let start = Instant::now();
+    while slices
+        .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
+        .await?
+        .items
+        .is_empty()
+    {
+        ensure!(start.elapsed() < TIMEOUT, "no ResourceSlice published");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+    let example = "examples/single-gpu/single-gpu.yaml";
+    apply_yaml(&client, &example_on_busybox(example)?, &repo_path(example)).await?;
+    // The claim generated for the pod, once allocated (it is deleted when the pod completes).
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let start = Instant::now();
+    let claim = loop {
+        let allocated = claims
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|c| c.status.as_ref().is_some_and(|s| s.allocation.is_some()));
+        if let Some(c) = allocated {
+            break c;
+        }
+        ensure!(
+            start.elapsed() < TIMEOUT,
+            "no claim allocated\n{}",
+            node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let pod = wait_pod_done(&pods, "cuda-one-gpu", &node).await?;
+    let log = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.terminated.as_ref())
+        .and_then(|t| t.message.clone())
+        .unwrap_or_default();
+    eprintln!("what the container saw:\n{log}");
+    ensure!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        "pod failed: {:?}\n{log}",
+        pod.status
+    );
+
+    // Exactly the allocated GPU's node, the control nodes, and its UUID.
+    let device = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref()?.first())
+        .map(|r| r.device.clone())
+        .context("allocation")?;
+    let gpus = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
+        gpu_inventory::Topology::from_file(&topology)?,
+    ))?
+    .gpus;
+    let gpu = gpus
+        .iter()
+        .find(|g| g.name == device)
+        .context("allocated GPU")?;
+    let nodes: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("node "))
+        .collect();
+    let mut expected = vec![
+        format!("/dev/nvidia{} c3:{:x}", gpu.raw.minor, gpu.raw.minor),
+        "/dev/nvidia-uvm ec:0".to_owned(),
+        "/dev/nvidia-uvm-tools ec:1".to_owned(),
+        "/dev/nvidiactl c3:ff".to_owned(),
+    ];
+    expected.sort();
+    let mut seen: Vec<String> = nodes.iter().map(|s| (*s).to_owned()).collect();
+    seen.sort();
+    ensure!(
+        seen == expected,
+        "device nodes: {seen:?}, expected {expected:?}"
+    );
+    ensure!(
+        log.lines()
+            .any(|l| l == format!("env NVIDIA_VISIBLE_DEVICES={}", gpu.raw.uuid)),
+        "NVIDIA_VISIBLE_DEVICES names exactly {}: {log}",
+        gpu.raw.uuid
+    );
+
+    // Deleting the pod makes the kubelet unprepare: the CDI spec goes.
+    let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
+    let spec = host
+        .cdi_root()
+        .join(format!("{DRIVER}-claim_{claim_uid}.json"));
+    pods.delete("cuda-one-gpu", &DeleteParams::default())
+        .await?;
+    let start = Instant::now();
+    while spec.exists() {
+        ensure!(
+            start.elapsed() < TIMEOUT,
+            "CDI spec still there after the pod was deleted\n{}",
+            node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    stop(plugin).await?;
+    node.stop().await?;
+    cp.stop().await?;
+    Ok(())
+}
