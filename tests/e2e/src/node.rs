@@ -102,6 +102,7 @@ pub struct Node {
     bins: PathBuf,
     containerd: Option<Child>,
     kubelet: Option<Child>,
+    kubelet_args: Vec<String>,
     sysctls: Vec<(PathBuf, String)>,
     created: Vec<PathBuf>,
     netns_before: Vec<PathBuf>,
@@ -148,6 +149,7 @@ impl Node {
             bins,
             containerd: None,
             kubelet: None,
+            kubelet_args: Vec::new(),
             sysctls: SYSCTLS
                 .iter()
                 .map(|s| {
@@ -433,21 +435,26 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
-        let mut cmd = Command::new(self.bins.join("kubelet"));
-        cmd.arg(format!("--config={}", config_path.display()))
-            .arg(format!("--kubeconfig={}", cp.kubeconfig_path().display()))
-            .arg(format!("--root-dir={}", kubelet_dir.display()))
-            .arg(format!(
-                "--cert-dir={}",
-                self.root.join("kubelet-pki").display()
-            ))
-            .arg(format!("--hostname-override={}", self.name))
-            .arg("--node-ip=127.0.0.1")
-            .arg("--v=2");
+        let mut args = vec![
+            format!("--config={}", config_path.display()),
+            format!("--kubeconfig={}", cp.kubeconfig_path().display()),
+            format!("--root-dir={}", kubelet_dir.display()),
+            format!("--cert-dir={}", self.root.join("kubelet-pki").display()),
+            format!("--hostname-override={}", self.name),
+            "--node-ip=127.0.0.1".to_owned(),
+            "--v=2".to_owned(),
+        ];
         if !labels.is_empty() {
-            cmd.arg(format!("--node-labels={}", labels.join(",")));
+            args.push(format!("--node-labels={}", labels.join(",")));
         }
-        cmd.env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        self.kubelet_args = args;
+        self.spawn_kubelet()
+    }
+
+    fn spawn_kubelet(&mut self) -> Result<(), NodeError> {
+        let mut cmd = Command::new(self.bins.join("kubelet"));
+        cmd.args(&self.kubelet_args)
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .stdin(Stdio::null())
             .stdout(self.log("kubelet.log")?)
             .stderr(self.log("kubelet.log")?)
@@ -456,7 +463,30 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         Ok(())
     }
 
+    /// Restarts the kubelet (SIGTERM, then the same command) and waits until the new process
+    /// has reported the node Ready. Containers keep running meanwhile.
+    ///
+    /// # Errors
+    /// [`NodeError::Failed`] when it does not come back within 2 minutes.
+    pub async fn restart_kubelet(&mut self, cp: &ControlPlane) -> Result<(), NodeError> {
+        if let Some(mut k) = self.kubelet.take() {
+            terminate(&mut k, Duration::from_secs(10)).await;
+        }
+        let since = k8s_openapi::jiff::Timestamp::now();
+        self.spawn_kubelet()?;
+        self.wait_ready_since(cp, Some(since)).await
+    }
+
     async fn wait_ready(&mut self, cp: &ControlPlane) -> Result<(), NodeError> {
+        self.wait_ready_since(cp, None).await
+    }
+
+    /// Waits for the Ready condition, reported (heartbeat) at or after `since` if given.
+    async fn wait_ready_since(
+        &mut self,
+        cp: &ControlPlane,
+        since: Option<k8s_openapi::jiff::Timestamp>,
+    ) -> Result<(), NodeError> {
         let client = cp.client().await.map_err(|e| failed("client", e))?;
         let nodes: Api<NodeObject> = Api::all(client);
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -474,7 +504,18 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                     .status
                     .as_ref()
                     .and_then(|s| s.conditions.as_ref())
-                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                    .is_some_and(|c| {
+                        c.iter().any(|c| {
+                            c.type_ == "Ready"
+                                && c.status == "True"
+                                && since.is_none_or(|t| {
+                                    // Heartbeats are stored in whole seconds.
+                                    c.last_heartbeat_time
+                                        .as_ref()
+                                        .is_some_and(|h| h.0.as_second() >= t.as_second())
+                                })
+                        })
+                    });
                 if ready {
                     // Nothing in the test control plane lifts the taints set at registration.
                     let patch = serde_json::json!({"spec": {"taints": null}});

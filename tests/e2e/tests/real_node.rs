@@ -1,6 +1,8 @@
 //! A real node: kubelet v1.36.3 and containerd 2.x on this machine, the plugin binary serving
 //! that kubelet, and the `single-gpu` example pod running with a fake GPU (mknod'ed device
-//! nodes). What the container sees is read from its own output, through the API server.
+//! nodes). What the container sees is read from its own output, through the API server. Then a
+//! running GPU pod survives a kubelet restart (not restarted, nothing unprepared), a new pod
+//! runs after it, and deleting the running pod makes the kubelet unprepare its claim.
 
 use std::time::{Duration, Instant};
 
@@ -13,7 +15,7 @@ use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
@@ -70,12 +72,60 @@ async fn wait_pod_done(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Resu
     }
 }
 
+async fn wait_running(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
+    let start = Instant::now();
+    loop {
+        let pod = pods.get(name).await?;
+        let phase = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_default();
+        if phase == "Running" {
+            return Ok(pod);
+        }
+        ensure!(
+            phase != "Failed" && phase != "Succeeded",
+            "pod {name} ended: {:?}",
+            pod.status
+        );
+        if start.elapsed() > TIMEOUT {
+            bail!(
+                "pod {name} still {phase} after {TIMEOUT:?}\n{}",
+                node.log_tail()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+fn container_status(pod: &Pod) -> Option<&k8s_openapi::api::core::v1::ContainerStatus> {
+    pod.status.as_ref()?.container_statuses.as_ref()?.first()
+}
+
+/// When the pod's first container started (its running state).
+fn container_started(pod: &Pod) -> Option<String> {
+    let running = container_status(pod)?.state.as_ref()?.running.as_ref()?;
+    Some(format!("{:?}", running.started_at))
+}
+
+fn restarts(pod: &Pod) -> i32 {
+    container_status(pod).map_or(-1, |c| c.restart_count)
+}
+
+/// Whether the plugin's checkpoint has a record of the claim `uid`.
+fn checkpoint_has(host: &BinaryHost, uid: &str) -> anyhow::Result<bool> {
+    let bytes = std::fs::read(host.plugin_dir().join("checkpoint.json"))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes)?;
+    Ok(v["data"]["claims"].get(uid).is_some())
+}
+
 #[tokio::test]
-async fn the_single_gpu_example_runs_on_a_real_kubelet_and_sees_exactly_its_gpu()
+async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_restart()
 -> anyhow::Result<()> {
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
     let client = cp.client().await?;
-    let node = Node::start(&cp, NODE, NodeOptions::default()).await?;
+    let mut node = Node::start(&cp, NODE, NodeOptions::default()).await?;
     let topology = repo_path("examples/topologies/dgx-h100.yaml");
     let host = BinaryHost::new(
         "drust-real-node-",
@@ -196,6 +246,86 @@ async fn the_single_gpu_example_runs_on_a_real_kubelet_and_sees_exactly_its_gpu(
         ensure!(
             start.elapsed() < TIMEOUT,
             "CDI spec still there after the pod was deleted\n{}",
+            node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // A running pod survives a kubelet restart: not restarted, not unprepared.
+    let sleeper: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "gpu-sleeper", "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 2,
+            "containers": [{
+                "name": "main",
+                "image": WORKLOAD_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
+                "resources": {"claims": [{"name": "gpu"}]},
+            }],
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-h100"}],
+        },
+    }))?;
+    pods.create(&PostParams::default(), &sleeper).await?;
+    let running = wait_running(&pods, "gpu-sleeper", &node).await?;
+    let started = container_started(&running);
+    let claim_name = running
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.resource_claim_name.clone())
+        .context("the sleeper's claim")?;
+    let sleeper_uid = claims
+        .get(&claim_name)
+        .await?
+        .metadata
+        .uid
+        .unwrap_or_default();
+    let sleeper_spec = host
+        .cdi_root()
+        .join(format!("{DRIVER}-claim_{sleeper_uid}.json"));
+    ensure!(sleeper_spec.exists(), "the sleeper's CDI spec");
+    ensure!(
+        checkpoint_has(&host, &sleeper_uid)?,
+        "the sleeper's checkpoint record"
+    );
+    node.restart_kubelet(&cp).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = pods.get("gpu-sleeper").await?;
+    ensure!(
+        after.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            && container_started(&after) == started
+            && restarts(&after) == 0,
+        "the pod kept running through the kubelet restart: {:?}",
+        after.status
+    );
+    ensure!(
+        sleeper_spec.exists() && checkpoint_has(&host, &sleeper_uid)?,
+        "nothing is unprepared by a kubelet restart"
+    );
+
+    // A new pod works after the restart (on another GPU: the sleeper holds one).
+    apply_yaml(&client, &example_on_busybox(example)?, &repo_path(example)).await?;
+    let again = wait_pod_done(&pods, "cuda-one-gpu", &node).await?;
+    ensure!(
+        again.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        "a pod after the kubelet restart: {:?}",
+        again.status
+    );
+    pods.delete("cuda-one-gpu", &DeleteParams::default())
+        .await?;
+
+    // Deleting the running pod makes the kubelet unprepare: spec and checkpoint record go.
+    pods.delete("gpu-sleeper", &DeleteParams::default()).await?;
+    let start = Instant::now();
+    while sleeper_spec.exists() || checkpoint_has(&host, &sleeper_uid)? {
+        ensure!(
+            start.elapsed() < TIMEOUT,
+            "the sleeper's claim is still prepared after its pod was deleted\n{}",
             node.log_tail()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
