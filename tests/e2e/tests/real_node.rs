@@ -2,12 +2,14 @@
 //! that kubelet, and the `single-gpu` example pod running with a fake GPU (mknod'ed device
 //! nodes). What the container sees is read from its own output, through the API server. Then a
 //! running GPU pod survives a kubelet restart (not restarted, nothing unprepared), a new pod
-//! runs after it, and deleting the running pod makes the kubelet unprepare its claim.
+//! runs after it, and deleting the running pod makes the kubelet unprepare its claim. Last, the
+//! plugin is SIGKILLed in the middle of a pod's prepare: the kubelet retries once it is back and
+//! the pod ends Running with nothing left twice.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use drust_e2e::host::{BinaryHost, PluginProcess, stop};
+use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
@@ -70,6 +72,39 @@ async fn wait_pod_done(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Resu
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// A pod holding one GPU (from the example's `one-h100` template) until it is deleted.
+fn sleeping_gpu_pod(name: &str) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 2,
+            "containers": [{
+                "name": "main",
+                "image": WORKLOAD_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
+                "resources": {"claims": [{"name": "gpu"}]},
+            }],
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-h100"}],
+        },
+    }))?)
+}
+
+/// The UID of the claim generated for `pod`'s first claim.
+async fn claim_uid_of(pod: &Pod, claims: &Api<ResourceClaim>) -> anyhow::Result<String> {
+    let name = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.resource_claim_name.clone())
+        .context("the pod's claim")?;
+    Ok(claims.get(&name).await?.metadata.uid.unwrap_or_default())
 }
 
 async fn wait_running(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
@@ -252,39 +287,11 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
     }
 
     // A running pod survives a kubelet restart: not restarted, not unprepared.
-    let sleeper: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "gpu-sleeper", "namespace": "default"},
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 2,
-            "containers": [{
-                "name": "main",
-                "image": WORKLOAD_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
-                "resources": {"claims": [{"name": "gpu"}]},
-            }],
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-h100"}],
-        },
-    }))?;
+    let sleeper = sleeping_gpu_pod("gpu-sleeper")?;
     pods.create(&PostParams::default(), &sleeper).await?;
     let running = wait_running(&pods, "gpu-sleeper", &node).await?;
     let started = container_started(&running);
-    let claim_name = running
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.resource_claim_name.clone())
-        .context("the sleeper's claim")?;
-    let sleeper_uid = claims
-        .get(&claim_name)
-        .await?
-        .metadata
-        .uid
-        .unwrap_or_default();
+    let sleeper_uid = claim_uid_of(&running, &claims).await?;
     let sleeper_spec = host
         .cdi_root()
         .join(format!("{DRIVER}-claim_{sleeper_uid}.json"));
@@ -328,6 +335,46 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
             "the sleeper's claim is still prepared after its pod was deleted\n{}",
             node.log_tail()
         );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The plugin SIGKILLed in the middle of a pod's prepare (after writing the CDI spec,
+    // before recording completion): the kubelet retries once the plugin is back, the pod ends
+    // Running, and nothing is left twice.
+    stop(plugin).await?;
+    let fp = "prepare/after-cdi-write";
+    let mut cmd = host.command(&host.root().join("plugin.log"), Some(fp))?;
+    let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
+    pods.create(
+        &PostParams::default(),
+        &sleeping_gpu_pod("killed-mid-start")?,
+    )
+    .await?;
+    expect_killed(plugin, fp, TIMEOUT).await?;
+    let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
+    let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
+    let started = Instant::now();
+    let running = wait_running(&pods, "killed-mid-start", &node).await?;
+    eprintln!(
+        "plugin restarted -> the kubelet's retried prepare -> pod Running: {} ms",
+        started.elapsed().as_millis()
+    );
+    ensure!(restarts(&running) == 0, "restarted: {:?}", running.status);
+    let uid = claim_uid_of(&running, &claims).await?;
+    let specs: Vec<String> = std::fs::read_dir(host.cdi_root())?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    ensure!(
+        specs == [format!("{DRIVER}-claim_{uid}.json")],
+        "exactly the pod's CDI spec, no temp files: {specs:?}"
+    );
+    ensure!(checkpoint_has(&host, &uid)?, "its checkpoint record");
+    pods.delete("killed-mid-start", &DeleteParams::default())
+        .await?;
+    let start = Instant::now();
+    while checkpoint_has(&host, &uid)? {
+        ensure!(start.elapsed() < TIMEOUT, "still prepared after deletion");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
