@@ -2,7 +2,8 @@
 //! that kubelet, and the `single-gpu` example pod running with a fake GPU (mknod'ed device
 //! nodes). What the container sees is read from its own output, through the API server. Then a
 //! running GPU pod survives a kubelet restart (not restarted, nothing unprepared), a new pod
-//! runs after it, and deleting the running pod makes the kubelet unprepare its claim. Last, the
+//! runs after it and after a plugin restart, and deleting the running pod makes the kubelet
+//! unprepare its claim. Last, the
 //! plugin is SIGKILLed in the middle of a pod's prepare: the kubelet retries once it is back and
 //! the pod ends Running with nothing left twice.
 
@@ -315,7 +316,24 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         "nothing is unprepared by a kubelet restart"
     );
 
-    // A new pod works after the restart (on another GPU: the sleeper holds one).
+    // The plugin restarted while the pod runs: the pod keeps running, its claim stays
+    // prepared (the checkpoint carries it over), and the kubelet registers the new process.
+    stop(plugin).await?;
+    let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
+    let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = pods.get("gpu-sleeper").await?;
+    ensure!(
+        after.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            && container_started(&after) == started
+            && restarts(&after) == 0
+            && sleeper_spec.exists()
+            && checkpoint_has(&host, &sleeper_uid)?,
+        "the pod and its claim outlive a plugin restart: {:?}",
+        after.status
+    );
+
+    // A new pod works after both restarts (on another GPU: the sleeper holds one).
     apply_yaml(&client, &example_on_busybox(example)?, &repo_path(example)).await?;
     let again = wait_pod_done(&pods, "cuda-one-gpu", &node).await?;
     ensure!(
