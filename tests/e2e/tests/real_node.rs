@@ -3,9 +3,8 @@
 //! nodes). What the container sees is read from its own output, through the API server. Then a
 //! running GPU pod survives a kubelet restart (not restarted, nothing unprepared), a new pod
 //! runs after it and after a plugin restart, and deleting the running pod makes the kubelet
-//! unprepare its claim. Last, the
-//! plugin is SIGKILLed in the middle of a pod's prepare: the kubelet retries once it is back and
-//! the pod ends Running with nothing left twice.
+//! unprepare its claim. Last, the plugin is SIGKILLed in the middle of a pod's prepare: the
+//! kubelet retries once it is back and the pod ends Running with nothing left twice.
 
 use std::time::{Duration, Instant};
 
