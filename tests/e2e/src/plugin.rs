@@ -212,6 +212,28 @@ impl NodePlugin {
     }
 }
 
+/// The GPUs the fake backend discovers from the topology file `topology`, as the plugin publishes
+/// them (names, indices, minors, UUIDs).
+///
+/// # Errors
+/// When the file cannot be read or discovery fails.
+pub fn fake_gpus(topology: &Path) -> Result<Vec<gpu_inventory::Gpu>, String> {
+    let topology = gpu_inventory::Topology::from_file(topology).map_err(|e| e.to_string())?;
+    Ok(
+        gpu_inventory::discover(&gpu_inventory::FakeBackend::new(topology))
+            .map_err(|e| e.to_string())?
+            .gpus,
+    )
+}
+
+/// The device names of [`fake_gpus`].
+///
+/// # Errors
+/// As [`fake_gpus`].
+pub fn fake_gpu_names(topology: &Path) -> Result<Vec<String>, String> {
+    Ok(fake_gpus(topology)?.into_iter().map(|g| g.name).collect())
+}
+
 /// Creates what a GPU node has and the fake topology implies: `dev/nvidiactl`,
 /// `dev/nvidia-uvm`, `dev/nvidia-uvm-tools`, `dev/nvidia<minor>` per GPU, the driver's full MIG
 /// capability table `driver/nvidia-caps/mig-minors` (every `gpu<minor>/gi<0..=14>/access` and

@@ -105,13 +105,8 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
         DRIVER,
         NODE,
     )?);
-    let names: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
-        gpu_inventory::Topology::from_file(&topology)?,
-    ))?
-    .gpus
-    .into_iter()
-    .map(|g| g.name)
-    .collect();
+    let names: Vec<String> =
+        drust_e2e::plugin::fake_gpu_names(&topology).map_err(anyhow::Error::msg)?;
 
     // A bystander claim stays prepared on the first GPU through every crash.
     let bystander =

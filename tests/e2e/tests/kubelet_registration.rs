@@ -63,13 +63,8 @@ async fn the_kubelets_plugin_manager_registers_the_plugin_binary_and_every_rpc_s
         DRIVER,
         NODE,
     )?;
-    let names: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
-        gpu_inventory::Topology::from_file(&topology)?,
-    ))?
-    .gpus
-    .into_iter()
-    .map(|g| g.name)
-    .collect();
+    let names: Vec<String> =
+        drust_e2e::plugin::fake_gpu_names(&topology).map_err(anyhow::Error::msg)?;
     let claim = allocated_claim(&client, "single", DRIVER, NODE, &[names[0].clone()]).await?;
     let beta = allocated_claim(&client, "beta", DRIVER, NODE, &[names[1].clone()]).await?;
     let uid = |c: &k8s_openapi::api::resource::v1::ResourceClaim| {

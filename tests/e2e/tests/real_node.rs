@@ -51,7 +51,30 @@ fn example_on_busybox(file: &str) -> anyhow::Result<String> {
     Ok(out.join("---\n"))
 }
 
+/// Waits for pod `name` to have completed (Succeeded or Failed).
 async fn wait_pod_done(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
+    wait_phase(pods, name, node, &["Succeeded", "Failed"]).await
+}
+
+/// Waits for pod `name` to run; fails at once if it completed instead.
+async fn wait_running(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
+    let pod = wait_phase(pods, name, node, &["Running", "Succeeded", "Failed"]).await?;
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    ensure!(
+        phase == Some("Running"),
+        "pod {name} ended: {:?}",
+        pod.status
+    );
+    Ok(pod)
+}
+
+/// Polls pod `name` until its phase is one of `phases`, for at most [`TIMEOUT`].
+async fn wait_phase(
+    pods: &Api<Pod>,
+    name: &str,
+    node: &Node,
+    phases: &[&str],
+) -> anyhow::Result<Pod> {
     let start = Instant::now();
     loop {
         let pod = pods.get(name).await?;
@@ -60,7 +83,7 @@ async fn wait_pod_done(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Resu
             .as_ref()
             .and_then(|s| s.phase.clone())
             .unwrap_or_default();
-        if phase == "Succeeded" || phase == "Failed" {
+        if phases.contains(&phase.as_str()) {
             return Ok(pod);
         }
         if start.elapsed() > TIMEOUT {
@@ -70,7 +93,7 @@ async fn wait_pod_done(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Resu
                 node.log_tail()
             );
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
 
@@ -105,33 +128,6 @@ async fn claim_uid_of(pod: &Pod, claims: &Api<ResourceClaim>) -> anyhow::Result<
         .and_then(|c| c.resource_claim_name.clone())
         .context("the pod's claim")?;
     Ok(claims.get(&name).await?.metadata.uid.unwrap_or_default())
-}
-
-async fn wait_running(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
-    let start = Instant::now();
-    loop {
-        let pod = pods.get(name).await?;
-        let phase = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.phase.clone())
-            .unwrap_or_default();
-        if phase == "Running" {
-            return Ok(pod);
-        }
-        ensure!(
-            phase != "Failed" && phase != "Succeeded",
-            "pod {name} ended: {:?}",
-            pod.status
-        );
-        if start.elapsed() > TIMEOUT {
-            bail!(
-                "pod {name} still {phase} after {TIMEOUT:?}\n{}",
-                node.log_tail()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
 }
 
 fn container_status(pod: &Pod) -> Option<&k8s_openapi::api::core::v1::ContainerStatus> {
@@ -237,10 +233,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         .and_then(|d| d.results.as_ref()?.first())
         .map(|r| r.device.clone())
         .context("allocation")?;
-    let gpus = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
-        gpu_inventory::Topology::from_file(&topology)?,
-    ))?
-    .gpus;
+    let gpus = drust_e2e::plugin::fake_gpus(&topology).map_err(anyhow::Error::msg)?;
     let gpu = gpus
         .iter()
         .find(|g| g.name == device)

@@ -253,13 +253,8 @@ async fn a_rolling_update_hands_over_between_two_plugin_processes_without_a_fail
         DRIVER,
         NODE,
     )?);
-    let gpus: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
-        gpu_inventory::Topology::from_file(&topology)?,
-    ))?
-    .gpus
-    .into_iter()
-    .map(|g| g.name)
-    .collect();
+    let gpus: Vec<String> =
+        drust_e2e::plugin::fake_gpu_names(&topology).map_err(anyhow::Error::msg)?;
     let mut claims = Vec::new();
     for (i, gpu) in gpus.iter().take(6).enumerate() {
         claims.push(

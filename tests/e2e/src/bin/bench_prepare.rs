@@ -205,13 +205,8 @@ async fn main() -> anyhow::Result<()> {
         .tempdir_in(repo_path("target"))?;
     let topology = repo_path("examples/topologies/dgx-h100.yaml");
     fake_host(dir.path(), &topology).map_err(anyhow::Error::msg)?;
-    let names: Vec<String> = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
-        gpu_inventory::Topology::from_file(&topology)?,
-    ))?
-    .gpus
-    .into_iter()
-    .map(|g| g.name)
-    .collect();
+    let names: Vec<String> =
+        drust_e2e::plugin::fake_gpu_names(&topology).map_err(anyhow::Error::msg)?;
 
     let ours_driver = "gpu.drust.dev";
     let mut cmd = Command::new(&ours_bin);
