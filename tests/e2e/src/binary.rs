@@ -5,6 +5,9 @@ use std::process::Command;
 
 use crate::manifests::repo_root;
 
+/// Builds a Go test tool once per hash of its sources (the harness re-exports it).
+pub use drust_gotools::go_tool;
+
 /// Builds (if needed) and locates `gpu-kubelet-plugin` with the same cargo that runs the tests,
 /// in the release profile when the caller is a release build (benchmarks), reading the
 /// executable's path from cargo's JSON messages.
@@ -43,13 +46,4 @@ pub fn plugin_binary() -> Result<PathBuf, String> {
         })
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
         .ok_or_else(|| "cargo reported no gpu-kubelet-plugin executable".into())
-}
-
-/// Builds the Go test tool `tests/gotools/cmd/<name>` once per hash of its sources
-/// ([`drust_gotools::go_tool`]).
-///
-/// # Errors
-/// A description of the failed build.
-pub fn go_tool(name: &str) -> Result<PathBuf, String> {
-    drust_gotools::go_tool(name)
 }

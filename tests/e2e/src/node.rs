@@ -46,6 +46,8 @@ const SYSCTLS: [&str; 3] = [
     "kernel/panic",
     "kernel/panic_on_oops",
 ];
+/// The kubelet's cgroup, in every hierarchy.
+const KUBEPODS: &str = "/kubepods";
 /// What the kubelet creates whatever its flags say; removed on cleanup when it was not there.
 const KUBELET_FIXED: [&str; 4] = [
     "/var/lib/kubelet/device-plugins/kubelet.sock",
@@ -136,12 +138,14 @@ impl Node {
             .tempdir()
             .map_err(|e| failed("temp dir", e))?;
         let root = dir.path().to_owned();
-        let created = KUBELET_FIXED
+        let mut created: Vec<PathBuf> = KUBELET_FIXED
             .iter()
-            .chain(std::iter::once(&"/kubepods"))
             .map(PathBuf::from)
-            .filter(|p| !p.exists() && !cgroup_dirs(p).iter().any(|c| c.exists()))
+            .filter(|p| !p.exists())
             .collect();
+        if !cgroup_dirs(Path::new(KUBEPODS)).iter().any(|c| c.exists()) {
+            created.push(KUBEPODS.into());
+        }
         let mut node = Self {
             name: name.to_owned(),
             dir: Some(dir),
@@ -609,7 +613,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             }
         }
         for p in &self.created {
-            if p == Path::new("/kubepods") {
+            if p == Path::new(KUBEPODS) {
                 for c in cgroup_dirs(p) {
                     remove_cgroup_tree(&c);
                 }
