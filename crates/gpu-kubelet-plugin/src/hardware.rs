@@ -66,7 +66,7 @@ pub enum NodeDevice {
 pub struct CreatedMig {
     /// UUID of the GPU it lives on.
     pub parent_uuid: String,
-    /// `MIG-...`, what `NVIDIA_VISIBLE_DEVICES` names.
+    /// `MIG-...`, what `nvidia-smi -L` shows and the CDI spec names.
     pub uuid: String,
     /// NVML GPU instance profile id.
     pub profile_id: u32,
@@ -150,7 +150,7 @@ impl NodeDevice {
         }
     }
 
-    /// What `NVIDIA_VISIBLE_DEVICES` names: the GPU or MIG UUID.
+    /// What the CDI spec names the device by: the GPU or MIG UUID.
     pub fn visible_id(&self) -> &str {
         match self {
             Self::Mig { mig, .. } => mig.uuid.as_deref().unwrap_or_default(),

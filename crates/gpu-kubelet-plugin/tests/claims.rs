@@ -542,8 +542,13 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
         ]
     );
     assert_eq!(
+        spec["devices"][0]["containerEdits"]["env"][0],
+        gpu_kubelet_plugin::claims::device_env(&mig.name, &mig.uuid.clone().unwrap()),
+        "the device's own edits name it"
+    );
+    assert_eq!(
         spec["containerEdits"]["env"][0],
-        format!("NVIDIA_VISIBLE_DEVICES={}", mig.uuid.clone().unwrap())
+        "NVIDIA_VISIBLE_DEVICES=void"
     );
 }
 

@@ -152,8 +152,8 @@ async fn a_placement_is_created_at_prepare_recorded_with_its_cdi_spec_and_destro
     let spec: serde_json::Value =
         serde_json::from_slice(&std::fs::read(node.spec_path("u1")).unwrap()).unwrap();
     assert_eq!(
-        spec["containerEdits"]["env"][0],
-        format!("NVIDIA_VISIBLE_DEVICES={}", mig[0].uuid)
+        spec["devices"][0]["containerEdits"]["env"][0],
+        gpu_kubelet_plugin::claims::device_env(ONE_G_AT_0, &mig[0].uuid)
     );
     let nodes: Vec<&str> = spec["devices"][0]["containerEdits"]["deviceNodes"]
         .as_array()

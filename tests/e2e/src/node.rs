@@ -18,7 +18,9 @@
 //!   and any process started from the temp dir are killed;
 //! - the CNI bridge `drustbr0`: deleted.
 //!
-//! One node at a time per machine: the kubelet always uses the fixed paths above.
+//! One node at a time per machine, since the kubelet always uses the fixed paths above:
+//! [`Node::start`] waits for the lock file [`LOCK`] (held until the node is stopped or dropped),
+//! so tests of one binary, and test runs side by side, take turns.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, TcpListener};
@@ -39,6 +41,8 @@ const BUILD_SCRIPT: &str = concat!(
     "/../../tests/scripts/build-node.sh"
 );
 const RUNC: &str = "/usr/sbin/runc";
+/// The machine-wide lock a running [`Node`] holds (an exclusive `flock`).
+pub const LOCK: &str = "/run/drust-node.lock";
 const CNI_BIN: &str = "/usr/lib/cni";
 const BRIDGE: &str = "drustbr0";
 const SYSCTLS: [&str; 3] = [
@@ -108,6 +112,8 @@ pub struct Node {
     sysctls: Vec<(PathBuf, String)>,
     created: Vec<PathBuf>,
     netns_before: Vec<PathBuf>,
+    /// [`LOCK`], held for the node's life (released when the file is closed).
+    _lock: nix::fcntl::Flock<std::fs::File>,
 }
 
 /// Node options.
@@ -133,6 +139,18 @@ impl Node {
             return Err(NodeError::Unsupported(why));
         }
         let bins = build_binaries().await?;
+        let lock = tokio::task::spawn_blocking(|| {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(LOCK)?;
+            nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+                .map_err(|(_, e)| std::io::Error::from(e))
+        })
+        .await
+        .map_err(|e| failed("waiting for the node lock", e))?
+        .map_err(|e| failed(&format!("locking {LOCK}"), e))?;
         let dir = tempfile::Builder::new()
             .prefix("drust-node-")
             .tempdir()
@@ -164,6 +182,7 @@ impl Node {
                 .collect(),
             created,
             netns_before: list_dir(Path::new("/run/netns")),
+            _lock: lock,
         };
         node.start_containerd().await?;
         node.import_images().await?;

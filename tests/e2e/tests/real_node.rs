@@ -14,6 +14,7 @@ use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use gpu_kubelet_plugin::claims::device_env;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
@@ -23,11 +24,12 @@ const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
 const TIMEOUT: Duration = Duration::from_secs(120);
 
-/// What the container reports: its device nodes with their numbers, and its NVIDIA_* variables,
+/// What the container reports: its device nodes with their numbers, and its `NVIDIA_*` and
+/// `DRUST_*` variables,
 /// in its termination message (which the kubelet copies into the pod's status, so the test
 /// reads it through the API server; the API server cannot reach this kubelet for logs, whose
 /// node IP is loopback) and on stdout.
-const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -e "$f" ] && stat -c 'node %n %t:%T' "$f"; done; env | grep '^NVIDIA_' | sed 's/^/env /'; echo done; } > /dev/termination-log; cat /dev/termination-log"#;
+const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -e "$f" ] && stat -c 'node %n %t:%T' "$f"; done; env | grep -E '^(NVIDIA|DRUST)_' | sort | sed 's/^/env /'; echo done; } > /dev/termination-log; cat /dev/termination-log"#;
 
 /// `examples/<file>` with every container running [`SCRIPT`] in the local busybox image
 /// instead of its CUDA image (which this machine cannot pull).
@@ -151,39 +153,88 @@ fn checkpoint_has(host: &BinaryHost, uid: &str) -> anyhow::Result<bool> {
     Ok(v["data"]["claims"].get(uid).is_some())
 }
 
+/// A control plane, a real node, and the plugin binary serving its kubelet on the fake DGX
+/// H100 (`examples/topologies/dgx-h100.yaml`), with its slices published and the `gpu.drust.dev`
+/// DeviceClass applied.
+struct RealNode {
+    cp: ControlPlane,
+    client: kube::Client,
+    node: Node,
+    host: BinaryHost,
+    plugin: PluginProcess,
+    topology: std::path::PathBuf,
+}
+
+impl RealNode {
+    async fn start(prefix: &str) -> anyhow::Result<Self> {
+        let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+        let client = cp.client().await?;
+        let node = Node::start(&cp, NODE, NodeOptions::default()).await?;
+        let topology = repo_path("examples/topologies/dgx-h100.yaml");
+        let host =
+            BinaryHost::new(prefix, cp.kubeconfig_path(), &topology, DRIVER, NODE)?.on_node(&node);
+        host.make_device_nodes()?;
+        let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
+        let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
+
+        // The plugin publishes; the kubelet registers it.
+        let slices: Api<ResourceSlice> = Api::all(client.clone());
+        let start = Instant::now();
+        while slices
+            .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
+            .await?
+            .items
+            .is_empty()
+        {
+            ensure!(start.elapsed() < TIMEOUT, "no ResourceSlice published");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+        Ok(Self {
+            cp,
+            client,
+            node,
+            host,
+            plugin,
+            topology,
+        })
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        stop(self.plugin).await?;
+        self.node.stop().await?;
+        self.cp.stop().await?;
+        Ok(())
+    }
+}
+
+/// The termination message of container `name` of `pod`: what [`SCRIPT`] printed.
+fn terminated_message(pod: &Pod, name: &str) -> Option<String> {
+    pod.status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .iter()
+        .find(|c| c.name == name)?
+        .state
+        .as_ref()?
+        .terminated
+        .as_ref()?
+        .message
+        .clone()
+}
+
 #[tokio::test]
 async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_restart()
 -> anyhow::Result<()> {
-    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
-    let client = cp.client().await?;
-    let mut node = Node::start(&cp, NODE, NodeOptions::default()).await?;
-    let topology = repo_path("examples/topologies/dgx-h100.yaml");
-    let host = BinaryHost::new(
-        "drust-real-node-",
-        cp.kubeconfig_path(),
-        &topology,
-        DRIVER,
-        NODE,
-    )?
-    .on_node(&node);
-    host.make_device_nodes()?;
-    let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
-    let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
-
-    // The plugin publishes; the kubelet registers it.
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let start = Instant::now();
-    while slices
-        .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
-        .await?
-        .items
-        .is_empty()
-    {
-        ensure!(start.elapsed() < TIMEOUT, "no ResourceSlice published");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-
-    apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+    let RealNode {
+        cp,
+        client,
+        mut node,
+        host,
+        plugin,
+        topology,
+    } = RealNode::start("drust-real-node-").await?;
     let example = "examples/single-gpu/single-gpu.yaml";
     apply_yaml(&client, &example_on_busybox(example)?, &repo_path(example)).await?;
     // The claim generated for the pod, once allocated (it is deleted when the pod completes).
@@ -208,15 +259,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
     };
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let pod = wait_pod_done(&pods, "cuda-one-gpu", &node).await?;
-    let log = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.state.as_ref())
-        .and_then(|s| s.terminated.as_ref())
-        .and_then(|t| t.message.clone())
-        .unwrap_or_default();
+    let log = terminated_message(&pod, "cuda").unwrap_or_default();
     eprintln!("what the container saw:\n{log}");
     ensure!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
@@ -255,10 +298,14 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         seen == expected,
         "device nodes: {seen:?}, expected {expected:?}"
     );
+    let env: Vec<&str> = log.lines().filter_map(|l| l.strip_prefix("env ")).collect();
+    let want_env = [
+        device_env(&device, &gpu.raw.uuid),
+        "NVIDIA_VISIBLE_DEVICES=void".to_owned(),
+    ];
     ensure!(
-        log.lines()
-            .any(|l| l == format!("env NVIDIA_VISIBLE_DEVICES={}", gpu.raw.uuid)),
-        "NVIDIA_VISIBLE_DEVICES names exactly {}: {log}",
+        env == want_env,
+        "the environment names exactly {}: {env:?}, want {want_env:?}",
         gpu.raw.uuid
     );
 
@@ -388,8 +435,142 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    stop(plugin).await?;
-    node.stop().await?;
-    cp.stop().await?;
-    Ok(())
+    RealNode {
+        cp,
+        client,
+        node,
+        host,
+        plugin,
+        topology,
+    }
+    .stop()
+    .await
+}
+
+/// One claim with two requests (`a` and `b`, one GPU each) and a pod whose containers reference
+/// them: container `a` only request `a`, `b` only `b`, and `both` the whole claim. What each
+/// container sees, in device nodes and environment, is exactly its own requests' GPUs.
+#[tokio::test]
+async fn each_container_sees_only_the_gpus_of_the_requests_it_references() -> anyhow::Result<()> {
+    let real = RealNode::start("drust-real-node-requests-").await?;
+    let claim = serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "two-requests", "namespace": "default"},
+        "spec": {"devices": {"requests": [
+            {"name": "a", "exactly": {"deviceClassName": "gpu.drust.dev"}},
+            {"name": "b", "exactly": {"deviceClassName": "gpu.drust.dev"}},
+        ]}},
+    });
+    let container = |name: &str, request: Option<&str>| {
+        let mut reference = serde_json::json!({"name": "gpus"});
+        if let Some(r) = request {
+            reference["request"] = r.into();
+        }
+        serde_json::json!({
+            "name": name,
+            "image": WORKLOAD_IMAGE,
+            "imagePullPolicy": "Never",
+            "command": ["/bin/sh", "-c", SCRIPT],
+            "resources": {"claims": [reference]},
+        })
+    };
+    let pod = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "per-request", "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [container("a", Some("a")), container("b", Some("b")), container("both", None)],
+            "resourceClaims": [{"name": "gpus", "resourceClaimName": "two-requests"}],
+        },
+    });
+    let yaml = format!(
+        "{}---\n{}",
+        serde_yaml_ng::to_string(&claim)?,
+        serde_yaml_ng::to_string(&pod)?
+    );
+    apply_yaml(
+        &real.client,
+        &yaml,
+        &real.host.root().join("per-request.yaml"),
+    )
+    .await?;
+    // The allocation, read while the pod holds it (the claim is deallocated once it is done).
+    let claims: Api<ResourceClaim> = Api::namespaced(real.client.clone(), "default");
+    let start = Instant::now();
+    let results = loop {
+        let results = claims
+            .get("two-requests")
+            .await?
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results);
+        if let Some(r) = results {
+            break r;
+        }
+        ensure!(
+            start.elapsed() < TIMEOUT,
+            "claim not allocated\n{}",
+            real.node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    let done = wait_pod_done(&pods, "per-request", &real.node).await?;
+    ensure!(
+        done.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        "pod failed: {:?}",
+        done.status
+    );
+    let gpus = drust_e2e::plugin::fake_gpus(&real.topology).map_err(anyhow::Error::msg)?;
+    // What a container holding `requests` must see: the device nodes and variables of their GPUs.
+    let expected = |requests: &[&str]| -> anyhow::Result<(Vec<String>, Vec<String>)> {
+        let mut nodes = vec![
+            "/dev/nvidia-uvm ec:0".to_owned(),
+            "/dev/nvidia-uvm-tools ec:1".to_owned(),
+            "/dev/nvidiactl c3:ff".to_owned(),
+        ];
+        let mut env = vec!["NVIDIA_VISIBLE_DEVICES=void".to_owned()];
+        for r in results
+            .iter()
+            .filter(|r| requests.contains(&r.request.as_str()))
+        {
+            let gpu = gpus
+                .iter()
+                .find(|g| g.name == r.device)
+                .context("allocated GPU")?;
+            nodes.push(format!(
+                "/dev/nvidia{} c3:{:x}",
+                gpu.raw.minor, gpu.raw.minor
+            ));
+            env.push(device_env(&r.device, &gpu.raw.uuid));
+        }
+        nodes.sort();
+        env.sort();
+        Ok((nodes, env))
+    };
+    for (name, requests) in [("a", &["a"][..]), ("b", &["b"]), ("both", &["a", "b"])] {
+        let log = terminated_message(&done, name).unwrap_or_default();
+        eprintln!("container {name} saw:\n{log}");
+        let mut nodes: Vec<String> = log
+            .lines()
+            .filter_map(|l| l.strip_prefix("node "))
+            .map(str::to_owned)
+            .collect();
+        nodes.sort();
+        let env: Vec<String> = log
+            .lines()
+            .filter_map(|l| l.strip_prefix("env "))
+            .map(str::to_owned)
+            .collect();
+        let (want_nodes, want_env) = expected(requests)?;
+        ensure!(
+            nodes == want_nodes && env == want_env,
+            "container {name} (requests {requests:?}) saw nodes {nodes:?} and {env:?}, \
+             want {want_nodes:?} and {want_env:?}"
+        );
+    }
+    real.stop().await
 }

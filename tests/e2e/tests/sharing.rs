@@ -134,9 +134,14 @@ async fn a_claim_shares_a_dynamic_mig_device_through_mps_while_health_is_monitor
         .filter_map(|e| e.as_str())
         .collect();
     ensure!(
-        env.contains(&format!("NVIDIA_VISIBLE_DEVICES={mig_uuid}").as_str())
+        env.contains(&"NVIDIA_VISIBLE_DEVICES=void")
             && env.contains(&"CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps"),
         "{edits}"
+    );
+    ensure!(
+        spec["devices"][0]["containerEdits"]["env"][0]
+            == gpu_kubelet_plugin::claims::device_env(&device, &mig_uuid),
+        "{spec}"
     );
     ensure!(
         edits["mounts"][0]["hostPath"] == mps_root.join(&uid).join("pipe").display().to_string(),

@@ -250,7 +250,10 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
     )?;
     let mig_uuid = attrs["uuid"].string.clone().unwrap_or_default();
     ensure!(
-        spec.contains(&format!("NVIDIA_VISIBLE_DEVICES={mig_uuid}")),
+        spec.contains(&gpu_kubelet_plugin::claims::device_env(
+            &device.name,
+            &mig_uuid
+        )),
         "{spec}"
     );
     ensure!(spec.contains("/dev/nvidia-caps/nvidia-cap"), "{spec}");

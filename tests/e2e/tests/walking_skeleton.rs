@@ -186,8 +186,12 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         format!("/dev/nvidia{}", gpu.minor)
     );
     assert_eq!(
+        spec["devices"][0]["containerEdits"]["env"][0],
+        gpu_kubelet_plugin::claims::device_env(&allocated.device, &gpu.uuid)
+    );
+    assert_eq!(
         spec["containerEdits"]["env"][0],
-        format!("NVIDIA_VISIBLE_DEVICES={}", gpu.uuid)
+        "NVIDIA_VISIBLE_DEVICES=void"
     );
     let checkpoint: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&plugin.config().checkpoint_path)?)?;

@@ -44,6 +44,7 @@ use tracing::{Instrument, info, warn};
 
 pub use cluster::{Cluster, KubeCluster};
 pub use error::ClaimError;
+pub use plan::{DEVICE_ENV_PREFIX, device_env};
 pub use recovery::RecoveryReport;
 
 use crate::cdi::CdiWriter;

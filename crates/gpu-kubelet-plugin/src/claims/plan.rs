@@ -168,11 +168,18 @@ pub(crate) fn uses_mps(devices: &[RecordedDevice]) -> bool {
         .any(|d| matches!(d.sharing, Some(Sharing::Mps(_))))
 }
 
-/// The claim's CDI spec: one CDI device per allocated device with its device nodes
-/// (`/dev/nvidia<minor>`, plus the MIG capability nodes of a MIG device); the control nodes and
-/// `NVIDIA_VISIBLE_DEVICES` (the claim's GPU or MIG UUIDs) at spec level, since one spec holds
-/// exactly one claim's devices, and with `mps` the claim's MPS pipe directory and its
-/// environment. Annotations name the claim for recovery from disk. `created` holds the MIG
+/// The claim's CDI spec.
+///
+/// Everything that names a device is in that device's edits, because the kubelet hands each
+/// container only the CDI devices of the requests it references (`resources.claims[].request`):
+/// its device nodes (`/dev/nvidia<minor>`, plus the MIG capability nodes of a MIG device) and
+/// `DRUST_DEVICE_<NAME>=<uuid>` ([`device_env`]), one variable per device so that a container
+/// holding several devices sees all of them (CDI keeps only the last value of a repeated
+/// variable, so one list variable cannot be per device). The spec-level edits are what every
+/// container of the claim needs whatever its devices: the control nodes, with `mps` the
+/// claim's MPS pipe directory and its environment, and `NVIDIA_VISIBLE_DEVICES=void` so that an
+/// NVIDIA container runtime on the node injects nothing beyond what CDI did (as NVIDIA's own DRA
+/// driver does). Annotations name the claim for recovery from disk. `created` holds the MIG
 /// devices prepare created, by device name.
 pub(crate) fn spec(
     claim: &ClaimRef,
@@ -182,16 +189,11 @@ pub(crate) fn spec(
     hardware: &dyn Hardware,
     cdi: &CdiWriter,
 ) -> Result<Spec, ClaimError> {
-    let uuids: Vec<&str> = used
-        .iter()
-        .map(|d| {
-            created
-                .get(d.name())
-                .map_or_else(|| d.visible_id(), |c| c.uuid.as_str())
-        })
-        .collect();
     let mut cdi_devices = Vec::with_capacity(used.len());
     for d in used {
+        let uuid = created
+            .get(d.name())
+            .map_or_else(|| d.visible_id(), |c| c.uuid.as_str());
         let nodes = hardware
             .device_nodes(d, created.get(d.name()))
             .map_err(|source| ClaimError::Hardware {
@@ -201,6 +203,7 @@ pub(crate) fn spec(
         cdi_devices.push(CdiDevice {
             name: CdiWriter::device_name(&claim.uid, d.name()),
             container_edits: ContainerEdits {
+                env: vec![device_env(d.name(), uuid)],
                 device_nodes: nodes
                     .into_iter()
                     .map(|path| DeviceNode {
@@ -225,9 +228,7 @@ pub(crate) fn spec(
             let mut edits = mps
                 .map(|m| m.container_edits(&claim.uid))
                 .unwrap_or_default();
-            edits
-                .env
-                .insert(0, format!("NVIDIA_VISIBLE_DEVICES={}", uuids.join(",")));
+            edits.env.insert(0, NVIDIA_VISIBLE_DEVICES_VOID.to_owned());
             edits.device_nodes = CONTROL_DEVICE_NODES
                 .iter()
                 .map(|p| DeviceNode {
@@ -238,4 +239,28 @@ pub(crate) fn spec(
             edits
         },
     })
+}
+
+/// The spec-level variable that keeps an NVIDIA container runtime (legacy mode) from injecting
+/// GPUs of its own: `void` means "none" to it.
+pub(crate) const NVIDIA_VISIBLE_DEVICES_VOID: &str = "NVIDIA_VISIBLE_DEVICES=void";
+
+/// Prefix of the per-device variable [`device_env`] writes.
+pub const DEVICE_ENV_PREFIX: &str = "DRUST_DEVICE_";
+
+/// `DRUST_DEVICE_<NAME>=<uuid>`: the variable naming device `device` (a DNS label, e.g.
+/// `gpu-3`, upper-cased with `-` as `_`) by its GPU or MIG UUID, what `nvidia-smi -L` shows.
+/// Device names are unique in a pool and DNS labels have no `_`, so names never collide.
+pub fn device_env(device: &str, uuid: &str) -> String {
+    let name: String = device
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{DEVICE_ENV_PREFIX}{name}={uuid}")
 }
