@@ -65,12 +65,36 @@ pub struct ContainerEdits {
     /// Host paths to mount into the container.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<Mount>,
+    /// OCI hooks the runtime runs for the container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<Hook>,
 }
 
 impl ContainerEdits {
     fn is_empty(&self) -> bool {
-        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty()
+        self.env.is_empty()
+            && self.device_nodes.is_empty()
+            && self.mounts.is_empty()
+            && self.hooks.is_empty()
     }
+}
+
+/// An OCI hook (CDI `hooks` entry): the runtime runs `path` with `args` (whose first element
+/// is the program name, as in `execve`) at `hook_name`, on the host, with the container's state
+/// on stdin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hook {
+    /// The OCI hook point, e.g. `createContainer`.
+    pub hook_name: String,
+    /// The program, a path on the host.
+    pub path: String,
+    /// `argv`, program name first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// `NAME=value` environment of the hook.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
 }
 
 /// A bind mount (CDI `mounts` entry).

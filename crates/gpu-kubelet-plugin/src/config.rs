@@ -87,6 +87,9 @@ pub struct Config {
     pub mps_root: PathBuf,
     /// How long an MPS daemon may take to start answering.
     pub mps_start_timeout: Duration,
+    /// Where the NVIDIA driver's files are read and what host path CDI specs name them by
+    /// (default: `/` for both, no explicit hook): [`crate::driver_files`].
+    pub driver_root: crate::driver_files::DriverRoot,
 }
 
 impl Config {
@@ -117,6 +120,11 @@ impl Config {
             mps_control_binary: PathBuf::from("nvidia-cuda-mps-control"),
             mps_root: PathBuf::from("/run/drust/mps"),
             mps_start_timeout: Duration::from_secs(5),
+            driver_root: crate::driver_files::DriverRoot {
+                root: PathBuf::from("/"),
+                host_root: PathBuf::from("/"),
+                hook: None,
+            },
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod claim_config;
 pub mod claims;
 pub mod config;
+pub mod driver_files;
 pub mod failpoint;
 pub mod hardware;
 pub mod health;
@@ -441,6 +442,37 @@ impl Active {
     }
 }
 
+/// The CDI edits of the driver's files under `config.driver_root`, for the driver version NVML
+/// reports (blocking work, off the async workers). Missing files are logged, not fatal: the
+/// plugin still serves claims (device nodes alone are enough for containers that bring their
+/// own driver libraries), but says that CUDA containers will not find the driver.
+async fn driver_files(
+    config: &Config,
+    backend: &Arc<dyn GpuBackend>,
+) -> Result<cdi::ContainerEdits, Error> {
+    let (root, backend) = (config.driver_root.clone(), Arc::clone(backend));
+    let files = tokio::task::spawn_blocking(move || {
+        let version = backend.system().map(|s| s.driver_version)?;
+        Ok::<_, gpu_inventory::BackendError>(root.discover(&version))
+    })
+    .await
+    .unwrap_or_else(|join| std::panic::resume_unwind(join.into_panic()))?;
+    if files.missing_libcuda() {
+        warn!(driver_root = %config.driver_root.root.display(), version = %files.version,
+            "libcuda.so.<driver version> not found under the driver root: CUDA containers \
+             will not find the driver (set --driver-root to the driver installation)");
+    }
+    info!(
+        libraries = files.libraries.len(),
+        binaries = files.binaries.len(),
+        firmware = files.firmware.len(),
+        sockets = files.sockets.len(),
+        hook = ?files.hook,
+        "driver files for CDI specs"
+    );
+    Ok(files.container_edits())
+}
+
 /// Takes the active lock, waiting while another instance holds it.
 async fn wait_for_lock(lock_path: &std::path::Path) -> Result<ActiveLock, Error> {
     if let Some(lock) = ActiveLock::try_acquire(lock_path)? {
@@ -472,6 +504,7 @@ async fn take_over(
         })?
         .trim()
         .to_owned();
+    let driver_edits = driver_files(config, backend).await?;
     let fs: Arc<dyn Fs> = Arc::new(RealFs);
     let (controller, _report) = ClaimController::start(
         KubeCluster::new(client, &config.driver_name, &config.node_name),
@@ -491,6 +524,7 @@ async fn take_over(
                 root: config.mps_root.clone(),
                 start_timeout: config.mps_start_timeout,
             },
+            driver_edits,
         },
         hardware::node_devices(inventory, config.mig_strategy).into_values(),
         CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name),

@@ -96,6 +96,17 @@ struct Args {
     /// How long an MPS control daemon may take to start answering, in seconds.
     #[arg(long, default_value_t = 5)]
     mps_start_timeout_seconds: u64,
+    /// Root of the NVIDIA driver installation as this process sees it: its libraries,
+    /// binaries, firmware and sockets go into every claim's CDI spec.
+    #[arg(long, default_value = "/")]
+    driver_root: PathBuf,
+    /// The same directory on the host, which CDI specs name [default: --driver-root].
+    #[arg(long)]
+    host_driver_root: Option<PathBuf>,
+    /// `nvidia-cdi-hook` as a host path [default: usr/bin/nvidia-cdi-hook or
+    /// usr/local/nvidia/toolkit/nvidia-cdi-hook under the driver root, when present].
+    #[arg(long)]
+    nvidia_cdi_hook: Option<PathBuf>,
     /// Watch GPU health events and publish unhealthy devices as ResourceSlice device taints.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     health_monitoring: bool,
@@ -160,6 +171,13 @@ impl Args {
         config.mps_root = self.mps_root;
         config.mps_start_timeout =
             std::time::Duration::from_secs(self.mps_start_timeout_seconds.max(1));
+        config.driver_root = gpu_kubelet_plugin::driver_files::DriverRoot {
+            host_root: self
+                .host_driver_root
+                .unwrap_or_else(|| self.driver_root.clone()),
+            root: self.driver_root,
+            hook: self.nvidia_cdi_hook,
+        };
         Ok(config)
     }
 }

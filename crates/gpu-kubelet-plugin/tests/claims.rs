@@ -51,6 +51,7 @@ impl Fixture {
             boot_id: self.boot_id.clone(),
             sharing: true,
             mps: mps_control(&self.dir.path().join("mps")),
+            driver_edits: Default::default(),
         }
     }
 

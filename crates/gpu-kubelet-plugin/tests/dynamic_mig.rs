@@ -103,6 +103,7 @@ impl Node {
                 boot_id: "boot-1".into(),
                 sharing: true,
                 mps: mps_control(&self.dir.path().join("mps")),
+                driver_edits: Default::default(),
             },
             devices.into_values(),
             CdiWriter::new(Arc::new(RealFs), self.dir.path().join("cdi"), DRIVER),

@@ -229,6 +229,7 @@ async fn controller(
             sharing: true,
             // No claim here uses MPS; the directory is never created.
             mps: mps_control(&std::env::temp_dir().join("drust-power-cut-no-mps")),
+            driver_edits: Default::default(),
         },
         node_devices(),
         CdiWriter::new(fs.clone(), CDI, DRIVER),

@@ -115,6 +115,28 @@ impl BinaryHost {
         })
     }
 
+    /// The plugin's `--driver-root`: `<root>/driver-root`, empty (no driver files) until
+    /// [`BinaryHost::make_driver_root`] fills it.
+    pub fn driver_root(&self) -> PathBuf {
+        self.root().join("driver-root")
+    }
+
+    /// Lays out a fake driver of `version` at [`BinaryHost::driver_root`]
+    /// ([`crate::driver_root::FakeDriverRoot`]).
+    ///
+    /// # Errors
+    /// [`HostError`] naming the root when a file cannot be made.
+    pub fn make_driver_root(
+        &self,
+        version: &str,
+    ) -> Result<crate::driver_root::FakeDriverRoot, HostError> {
+        crate::driver_root::FakeDriverRoot::create(&self.driver_root(), version).map_err(|e| {
+            HostError {
+                problem: format!("fake driver root {}: {e}", self.driver_root().display()),
+            }
+        })
+    }
+
     /// The host's root (device root, proc root, everything else below it).
     pub fn root(&self) -> &Path {
         self.dir.path()
@@ -200,6 +222,8 @@ impl BinaryHost {
             .arg(self.root().join("boot_id"))
             .arg("--mps-root")
             .arg(self.root().join("mps"))
+            .arg("--driver-root")
+            .arg(self.driver_root())
             .env("RUST_LOG", "info")
             .env_remove(failpoint::ENV)
             .env_remove("POD_UID")

@@ -106,7 +106,8 @@ pub fn busybox_rootfs() -> io::Result<Vec<Entry>> {
     Ok(entries)
 }
 
-/// The workload image: busybox, running `sh` unless the pod says otherwise.
+/// The workload image: busybox, running `sh` unless the pod says otherwise, with the `PATH`
+/// of Debian-based images (CUDA's among them), so binaries CDI mounts in `/usr/bin` are found.
 ///
 /// # Errors
 /// As [`busybox_rootfs`].
@@ -115,7 +116,7 @@ pub fn workload() -> io::Result<Image> {
         name: WORKLOAD_IMAGE.into(),
         entrypoint: vec![],
         cmd: vec!["/bin/sh".into()],
-        env: vec!["PATH=/bin".into()],
+        env: vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()],
         entries: busybox_rootfs()?,
     })
 }

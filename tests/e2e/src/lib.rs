@@ -28,6 +28,7 @@
 pub mod binary;
 pub mod claims;
 mod controlplane;
+pub mod driver_root;
 pub mod helm;
 pub mod host;
 pub mod images;

@@ -166,7 +166,9 @@ struct RealNode {
 }
 
 impl RealNode {
-    async fn start(prefix: &str) -> anyhow::Result<Self> {
+    /// With `driver`, the plugin's driver root holds a fake driver of the topology's version
+    /// ([`drust_e2e::driver_root`]); without, it is empty.
+    async fn start(prefix: &str, driver: Option<&str>) -> anyhow::Result<Self> {
         let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
         let client = cp.client().await?;
         let node = Node::start(&cp, NODE, NodeOptions::default()).await?;
@@ -174,6 +176,9 @@ impl RealNode {
         let host =
             BinaryHost::new(prefix, cp.kubeconfig_path(), &topology, DRIVER, NODE)?.on_node(&node);
         host.make_device_nodes()?;
+        if let Some(version) = driver {
+            host.make_driver_root(version)?;
+        }
         let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
         let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
 
@@ -234,7 +239,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         host,
         plugin,
         topology,
-    } = RealNode::start("drust-real-node-").await?;
+    } = RealNode::start("drust-real-node-", None).await?;
     let example = "examples/single-gpu/single-gpu.yaml";
     apply_yaml(&client, &example_on_busybox(example)?, &repo_path(example)).await?;
     // The claim generated for the pod, once allocated (it is deleted when the pod completes).
@@ -452,7 +457,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
 /// container sees, in device nodes and environment, is exactly its own requests' GPUs.
 #[tokio::test]
 async fn each_container_sees_only_the_gpus_of_the_requests_it_references() -> anyhow::Result<()> {
-    let real = RealNode::start("drust-real-node-requests-").await?;
+    let real = RealNode::start("drust-real-node-requests-", None).await?;
     let claim = serde_json::json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -572,5 +577,102 @@ async fn each_container_sees_only_the_gpus_of_the_requests_it_references() -> an
              want {want_nodes:?} and {want_env:?}"
         );
     }
+    real.stop().await
+}
+
+/// What the CUDA-files container reports, one fact per line, in its termination message.
+const DRIVER_FILES_SCRIPT: &str = r#"{ cd /usr/lib/x86_64-linux-gnu && for f in *; do if [ -L "$f" ]; then echo "link $f -> $(readlink "$f")"; else echo "file $f $(cat "$f")"; fi; done; echo "smi $(nvidia-smi)"; for b in nvidia-debugdump nvidia-persistenced nvidia-cuda-mps-control nvidia-cuda-mps-server; do [ -x "/usr/bin/$b" ] && echo "bin $b"; done; for f in /lib/firmware/nvidia/*/*; do echo "firmware $f"; done; echo "socket $(stat -c %F /run/nvidia-persistenced/socket)"; echo "ldcache $(cat /etc/drust-fake-ldcache)"; } > /dev/termination-log 2>&1; cat /dev/termination-log"#;
+
+/// A CDI spec alone is enough for a CUDA container, with no NVIDIA runtime on the node: the
+/// container sees the driver's versioned libraries (and not an older driver's, nor the host's
+/// symlinks), `nvidia-smi` and the other binaries, the GSP firmware and the persistence
+/// daemon's socket at their usual paths, and the hooks ran (the stand-in recorded their
+/// arguments on the host and made `libcuda.so` and the linker folders in the container).
+#[tokio::test]
+async fn a_cdi_spec_alone_gives_a_container_the_driver_files_and_runs_the_hooks()
+-> anyhow::Result<()> {
+    const VERSION: &str = "570.124.06";
+    let real = RealNode::start("drust-real-node-driver-", Some(VERSION)).await?;
+    let pod = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "cuda-files", "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{
+                "name": "cuda",
+                "image": WORKLOAD_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", DRIVER_FILES_SCRIPT],
+                "resources": {"claims": [{"name": "gpu"}]},
+            }],
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-h100"}],
+        },
+    });
+    let example = repo_path("examples/single-gpu/single-gpu.yaml");
+    let template = std::fs::read_to_string(&example)?
+        .split("\n---\n")
+        .next()
+        .context("the example's template")?
+        .to_owned();
+    apply_yaml(
+        &real.client,
+        &format!("{template}\n---\n{}", serde_yaml_ng::to_string(&pod)?),
+        &example,
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    let done = wait_pod_done(&pods, "cuda-files", &real.node).await?;
+    let log = terminated_message(&done, "cuda").unwrap_or_default();
+    eprintln!("what the container saw:\n{log}");
+    ensure!(
+        done.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        "pod failed: {:?}\n{log}",
+        done.status
+    );
+    let mut want: Vec<String> = drust_e2e::driver_root::LIBRARIES
+        .iter()
+        .map(|l| format!("file {l}.so.{VERSION} fake {l} {VERSION}"))
+        .collect();
+    want.push("link libcuda.so -> libcuda.so.1".into());
+    want.sort();
+    let mut libs: Vec<String> = log
+        .lines()
+        .filter(|l| l.starts_with("file ") || l.starts_with("link "))
+        .map(str::to_owned)
+        .collect();
+    libs.sort();
+    ensure!(
+        libs == want,
+        "the library directory: {libs:#?}, want {want:#?}"
+    );
+    let mut expected = vec![
+        format!("smi fake nvidia-smi {VERSION}"),
+        "bin nvidia-debugdump".to_owned(),
+        "bin nvidia-persistenced".to_owned(),
+        "bin nvidia-cuda-mps-control".to_owned(),
+        "bin nvidia-cuda-mps-server".to_owned(),
+        format!("firmware /lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin"),
+        format!("firmware /lib/firmware/nvidia/{VERSION}/gsp_tu10x.bin"),
+        "socket socket".to_owned(),
+        "ldcache /usr/lib/x86_64-linux-gnu".to_owned(),
+    ];
+    expected.retain(|l| !log.lines().any(|seen| seen == l));
+    ensure!(
+        expected.is_empty(),
+        "the container did not see {expected:#?}"
+    );
+
+    let calls = std::fs::read_to_string(real.host.driver_root().join("hook.log"))
+        .context("the hook stand-in's record")?;
+    let calls: Vec<&str> = calls.lines().collect();
+    ensure!(
+        calls
+            == [
+                "create-symlinks --link libcuda.so.1::/usr/lib/x86_64-linux-gnu/libcuda.so",
+                "update-ldcache --folder /usr/lib/x86_64-linux-gnu",
+            ],
+        "hook calls: {calls:?}"
+    );
     real.stop().await
 }

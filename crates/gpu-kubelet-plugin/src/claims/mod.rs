@@ -76,6 +76,9 @@ pub struct ControllerConfig {
     pub sharing: bool,
     /// How per-claim MPS daemons run.
     pub mps: MpsControl,
+    /// Spec-level CDI edits every claim gets: the driver's files and hooks
+    /// ([`crate::driver_files::DriverFiles::container_edits`]); empty for none.
+    pub driver_edits: crate::cdi::ContainerEdits,
 }
 
 /// Prepares and unprepares claims for one driver on one node. Cheap to clone.
@@ -429,6 +432,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             cdi: &inner.cdi,
             sharing: inner.config.sharing,
             mps: &inner.config.mps,
+            driver_edits: &inner.config.driver_edits,
         }
     }
 
@@ -659,6 +663,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     &used,
                     &created,
                     mps,
+                    &inner.config.driver_edits,
                     inner.hardware.as_ref(),
                     &inner.cdi,
                 )

@@ -36,6 +36,8 @@ pub(crate) struct PlanContext<'a> {
     /// Whether sharing configs are allowed (`--sharing`).
     pub(crate) sharing: bool,
     pub(crate) mps: &'a MpsControl,
+    /// Spec-level edits of the driver's files ([`super::ControllerConfig::driver_edits`]).
+    pub(crate) driver_edits: &'a ContainerEdits,
 }
 
 /// Checks `rc` against the kubelet's `claim` and builds the plan for this driver's devices in
@@ -142,6 +144,7 @@ pub(crate) fn plan(
             &refs,
             &BTreeMap::new(),
             mps,
+            cx.driver_edits,
             cx.hardware,
             cx.cdi,
         )?)
@@ -177,7 +180,9 @@ pub(crate) fn uses_mps(devices: &[RecordedDevice]) -> bool {
 /// holding several devices sees all of them (CDI keeps only the last value of a repeated
 /// variable, so one list variable cannot be per device). The spec-level edits are what every
 /// container of the claim needs whatever its devices: the control nodes, with `mps` the
-/// claim's MPS pipe directory and its environment, and `NVIDIA_VISIBLE_DEVICES=void` so that an
+/// claim's MPS pipe directory and its environment, the `driver` edits (the driver's libraries,
+/// binaries, firmware, sockets and hooks: [`crate::driver_files`]), and
+/// `NVIDIA_VISIBLE_DEVICES=void` so that an
 /// NVIDIA container runtime on the node injects nothing beyond what CDI did (as NVIDIA's own DRA
 /// driver does). Annotations name the claim for recovery from disk. `created` holds the MIG
 /// devices prepare created, by device name.
@@ -186,6 +191,7 @@ pub(crate) fn spec(
     used: &[&NodeDevice],
     created: &BTreeMap<String, CreatedMig>,
     mps: Option<&MpsControl>,
+    driver: &ContainerEdits,
     hardware: &dyn Hardware,
     cdi: &CdiWriter,
 ) -> Result<Spec, ClaimError> {
@@ -229,6 +235,9 @@ pub(crate) fn spec(
                 .map(|m| m.container_edits(&claim.uid))
                 .unwrap_or_default();
             edits.env.insert(0, NVIDIA_VISIBLE_DEVICES_VOID.to_owned());
+            edits.env.extend(driver.env.iter().cloned());
+            edits.mounts.extend(driver.mounts.iter().cloned());
+            edits.hooks.extend(driver.hooks.iter().cloned());
             edits.device_nodes = CONTROL_DEVICE_NODES
                 .iter()
                 .map(|p| DeviceNode {

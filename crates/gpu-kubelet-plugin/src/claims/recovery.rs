@@ -248,6 +248,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 &used,
                 &created,
                 mps,
+                &inner.config.driver_edits,
                 inner.hardware.as_ref(),
                 &inner.cdi,
             )?

@@ -256,6 +256,7 @@ pub async fn controller_in(
             boot_id: "boot-1".into(),
             sharing: true,
             mps: mps_control(&dir.join("mps")),
+            driver_edits: Default::default(),
         },
         node_devices(),
         CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),
