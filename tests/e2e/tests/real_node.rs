@@ -29,7 +29,7 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// in its termination message (which the kubelet copies into the pod's status, so the test
 /// reads it through the API server; the API server cannot reach this kubelet for logs, whose
 /// node IP is loopback) and on stdout.
-const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -e "$f" ] && stat -c 'node %n %t:%T' "$f"; done; env | grep -E '^(NVIDIA|DRUST)_' | sort | sed 's/^/env /'; echo done; } > /dev/termination-log; cat /dev/termination-log"#;
+const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$f" ] && stat -c 'node %n %t:%T' "$f"; done; env | grep -E '^(NVIDIA|DRUST)_' | sort | sed 's/^/env /'; echo done; } > /dev/termination-log; cat /dev/termination-log"#;
 
 /// `examples/<file>` with every container running [`SCRIPT`] in the local busybox image
 /// instead of its CUDA image (which this machine cannot pull).
@@ -169,10 +169,15 @@ impl RealNode {
     /// With `driver`, the plugin's driver root holds a fake driver of the topology's version
     /// ([`drust_e2e::driver_root`]); without, it is empty.
     async fn start(prefix: &str, driver: Option<&str>) -> anyhow::Result<Self> {
+        Self::start_on("examples/topologies/dgx-h100.yaml", prefix, driver).await
+    }
+
+    /// As [`RealNode::start`] on the fake `topology` (a path in the repository).
+    async fn start_on(topology: &str, prefix: &str, driver: Option<&str>) -> anyhow::Result<Self> {
         let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
         let client = cp.client().await?;
         let node = Node::start(&cp, NODE, NodeOptions::default()).await?;
-        let topology = repo_path("examples/topologies/dgx-h100.yaml");
+        let topology = repo_path(topology);
         let host =
             BinaryHost::new(prefix, cp.kubeconfig_path(), &topology, DRIVER, NODE)?.on_node(&node);
         host.make_device_nodes()?;
@@ -205,12 +210,68 @@ impl RealNode {
         })
     }
 
+    /// Restarts the plugin with `args` added to its flags and waits for its slices to hold
+    /// `devices` devices.
+    async fn restart_plugin(&mut self, args: &[&str], devices: usize) -> anyhow::Result<()> {
+        let old = std::mem::replace(&mut self.plugin, PluginProcess(spawn_placeholder()?));
+        stop(old).await?;
+        let mut cmd = self
+            .host
+            .command(&self.host.root().join("plugin.log"), None)?;
+        cmd.args(args);
+        let _ = std::mem::replace(
+            &mut self.plugin,
+            PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?),
+        );
+        let slices: Api<ResourceSlice> = Api::all(self.client.clone());
+        let start = Instant::now();
+        loop {
+            let published: usize = slices
+                .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
+                .await?
+                .items
+                .iter()
+                .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+                .sum();
+            if published == devices {
+                return Ok(());
+            }
+            ensure!(
+                start.elapsed() < TIMEOUT,
+                "{published} devices published, want {devices}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     async fn stop(self) -> anyhow::Result<()> {
         stop(self.plugin).await?;
         self.node.stop().await?;
         self.cp.stop().await?;
         Ok(())
     }
+}
+
+/// A process that has already exited, to stand in while the plugin is swapped.
+fn spawn_placeholder() -> anyhow::Result<std::process::Child> {
+    let mut child = std::process::Command::new("true").spawn()?;
+    child.wait()?;
+    Ok(child)
+}
+
+/// The device nodes (`path major:minor`) and variables (`NAME=value`) in what [`SCRIPT`]
+/// printed, each sorted.
+fn seen(log: &str) -> (Vec<String>, Vec<String>) {
+    let pick = |prefix: &str| {
+        let mut v: Vec<String> = log
+            .lines()
+            .filter_map(|l| l.strip_prefix(prefix))
+            .map(str::to_owned)
+            .collect();
+        v.sort();
+        v
+    };
+    (pick("node "), pick("env "))
 }
 
 /// The termination message of container `name` of `pod`: what [`SCRIPT`] printed.
@@ -673,6 +734,204 @@ async fn a_cdi_spec_alone_gives_a_container_the_driver_files_and_runs_the_hooks(
                 "update-ldcache --folder /usr/lib/x86_64-linux-gnu",
             ],
         "hook calls: {calls:?}"
+    );
+    real.stop().await
+}
+
+/// Sharing and MIG on the real node (fake DGX A100, four GPUs with MIG): the `gpu-sharing`
+/// example's two pods run on the same GPU, seeing the same device; the `mig` example's pod
+/// sees its parent GPU's node and its two capability nodes (GPU instance and compute instance
+/// access) and no other GPU; and with the plugin restarted in the partitionable strategy, a
+/// `1g.10gb` placement is created at prepare and its pod sees the new MIG device.
+#[tokio::test]
+async fn shared_and_mig_claims_run_with_their_devices_on_the_real_node() -> anyhow::Result<()> {
+    use gpu_inventory::fake::mig::capability_minor;
+    let mut real = RealNode::start_on(
+        "examples/topologies/dgx-a100-mig.yaml",
+        "drust-real-node-mig-",
+        None,
+    )
+    .await?;
+    apply_file(&real.client, &repo_path("deploy/deviceclasses/mig.yaml")).await?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    let inventory = gpu_inventory::discover(&gpu_inventory::FakeBackend::new(
+        gpu_inventory::Topology::from_file(&real.topology)?,
+    ))?;
+    let control = [
+        "/dev/nvidia-uvm ec:0".to_owned(),
+        "/dev/nvidia-uvm-tools ec:1".to_owned(),
+        "/dev/nvidiactl c3:ff".to_owned(),
+    ];
+
+    // Time-sliced: both pods of the shared claim, on one GPU.
+    let example = "examples/gpu-sharing/gpu-sharing.yaml";
+    apply_yaml(
+        &real.client,
+        &example_on_busybox(example)?,
+        &repo_path(example),
+    )
+    .await?;
+    let mut views = Vec::new();
+    for name in ["sharer-a", "sharer-b"] {
+        let pod = wait_pod_done(&pods, name, &real.node).await?;
+        let log = terminated_message(&pod, "cuda").unwrap_or_default();
+        ensure!(
+            pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+            "{name} failed: {:?}",
+            pod.status
+        );
+        views.push(seen(&log));
+    }
+    let (nodes, env) = &views[0];
+    ensure!(
+        views[0] == views[1] && nodes.len() == 4 && env.len() == 2,
+        "both sharers see the same one GPU: {views:?}"
+    );
+    let gpu = inventory
+        .gpus
+        .iter()
+        .find(|g| env.contains(&device_env(&g.name, &g.raw.uuid)))
+        .context("the shared GPU by its variable")?;
+    let mut want = control.to_vec();
+    want.push(format!(
+        "/dev/nvidia{} c3:{:x}",
+        gpu.raw.minor, gpu.raw.minor
+    ));
+    want.sort();
+    ensure!(*nodes == want, "sharers' nodes {nodes:?}, want {want:?}");
+
+    // An existing MIG device: its parent's node and its two capability nodes.
+    let example = "examples/mig/mig.yaml";
+    apply_yaml(
+        &real.client,
+        &example_on_busybox(example)?,
+        &repo_path(example),
+    )
+    .await?;
+    let pod = wait_pod_done(&pods, "cuda-1g-10gb", &real.node).await?;
+    let (nodes, env) = seen(&terminated_message(&pod, "cuda").unwrap_or_default());
+    let mig = inventory
+        .mig_devices
+        .iter()
+        .find(|m| {
+            m.uuid
+                .as_ref()
+                .is_some_and(|u| env.contains(&device_env(&m.name, u)))
+        })
+        .with_context(|| format!("the MIG device by its variable in {env:?}"))?;
+    let parent = inventory
+        .gpus
+        .iter()
+        .find(|g| g.name == mig.parent)
+        .context("MIG parent")?;
+    let (gi, ci) = mig.instance_ids.context("instance ids")?;
+    let minor = parent.raw.minor;
+    let mut want = control.to_vec();
+    want.push(format!("/dev/nvidia{minor} c3:{minor:x}"));
+    for cap in [
+        capability_minor(minor, gi, None),
+        capability_minor(minor, gi, Some(ci)),
+    ] {
+        want.push(format!("/dev/nvidia-caps/nvidia-cap{cap} ed:{cap:x}"));
+    }
+    want.sort();
+    ensure!(
+        nodes == want && env.len() == 2,
+        "MIG pod saw {nodes:?} {env:?}, want {want:?}"
+    );
+
+    // Dynamic MIG: a placement on GPU 3 (MIG on, no MIG devices) created at prepare.
+    let placements = {
+        let mut config = gpu_kubelet_plugin::Config::new(
+            DRIVER,
+            NODE,
+            gpu_kubelet_plugin::Backend::Fake {
+                topology: real.topology.clone(),
+                state_dir: None,
+            },
+        );
+        config.mig_strategy = gpu_inventory::MigStrategy::Partitionable;
+        let inv = gpu_kubelet_plugin::discover(&config)?;
+        gpu_kubelet_plugin::hardware::node_devices(&inv, config.mig_strategy).len()
+    };
+    real.restart_plugin(
+        &[
+            "--mig-strategy",
+            "partitionable",
+            "--fake-state-dir",
+            &real.host.state_dir().display().to_string(),
+        ],
+        placements,
+    )
+    .await?;
+    let gpu3 = inventory
+        .gpus
+        .iter()
+        .find(|g| g.raw.minor == 3)
+        .context("GPU 3")?;
+    let yaml = format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: gpu3-1g, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: mig
+          exactly:
+            deviceClassName: mig.drust.dev
+            selectors:
+              - cel:
+                  expression: >-
+                    device.attributes["gpu.drust.dev"].profile == "1g.10gb" &&
+                    device.attributes["gpu.drust.dev"].parentMinor == 3
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: dynamic-mig, namespace: default}}
+spec:
+  restartPolicy: Never
+  containers:
+    - name: cuda
+      image: {WORKLOAD_IMAGE}
+      imagePullPolicy: Never
+      command: ["/bin/sh", "-c", {script}]
+      resources: {{claims: [{{name: mig}}]}}
+  resourceClaims:
+    - {{name: mig, resourceClaimTemplateName: gpu3-1g}}
+"#,
+        script = serde_json::to_string(SCRIPT)?
+    );
+    apply_yaml(
+        &real.client,
+        &yaml,
+        &real.host.root().join("dynamic-mig.yaml"),
+    )
+    .await?;
+    let pod = wait_pod_done(&pods, "dynamic-mig", &real.node).await?;
+    let log = terminated_message(&pod, "cuda").unwrap_or_default();
+    ensure!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        "dynamic MIG pod failed: {:?}\n{}",
+        pod.status,
+        real.node.log_tail()
+    );
+    let (nodes, env) = seen(&log);
+    let minor = gpu3.raw.minor;
+    let gpu_node = format!("/dev/nvidia{minor} c3:{minor:x}");
+    let caps: Vec<&String> = nodes
+        .iter()
+        .filter(|n| n.starts_with("/dev/nvidia-caps/"))
+        .collect();
+    ensure!(
+        nodes.contains(&gpu_node)
+            && caps.len() == 2
+            && nodes.len() == 6
+            && env.iter().any(
+                |e| e.starts_with(gpu_kubelet_plugin::claims::DEVICE_ENV_PREFIX)
+                    && e.contains("=MIG-")
+            ),
+        "dynamic MIG pod saw {nodes:?} {env:?}"
     );
     real.stop().await
 }
