@@ -185,6 +185,7 @@ impl RealNode {
             host.make_driver_root(version)?;
         }
         let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
+        cmd.arg("--fake-state-dir").arg(host.state_dir());
         let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
 
         // The plugin publishes; the kubelet registers it.
@@ -242,6 +243,20 @@ impl RealNode {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Has the plugin's fake backend report `event` (event file number `seq`).
+    fn inject_health_event(
+        &self,
+        seq: u32,
+        event: &gpu_inventory::HealthEvent,
+    ) -> anyhow::Result<()> {
+        let dir = gpu_inventory::health::events_dir(&self.host.state_dir());
+        std::fs::create_dir_all(&dir)?;
+        let tmp = dir.join(format!("{seq:06}.json.tmp"));
+        std::fs::write(&tmp, serde_json::to_vec(event)?)?;
+        std::fs::rename(&tmp, dir.join(format!("{seq:06}.json")))?;
+        Ok(())
     }
 
     async fn stop(self) -> anyhow::Result<()> {
@@ -854,16 +869,8 @@ async fn shared_and_mig_claims_run_with_their_devices_on_the_real_node() -> anyh
         let inv = gpu_kubelet_plugin::discover(&config)?;
         gpu_kubelet_plugin::hardware::node_devices(&inv, config.mig_strategy).len()
     };
-    real.restart_plugin(
-        &[
-            "--mig-strategy",
-            "partitionable",
-            "--fake-state-dir",
-            &real.host.state_dir().display().to_string(),
-        ],
-        placements,
-    )
-    .await?;
+    real.restart_plugin(&["--mig-strategy", "partitionable"], placements)
+        .await?;
     let gpu3 = inventory
         .gpus
         .iter()
@@ -932,6 +939,124 @@ spec:
                     && e.contains("=MIG-")
             ),
         "dynamic MIG pod saw {nodes:?} {env:?}"
+    );
+    real.stop().await
+}
+
+/// The health of the first device in `pod`'s first container's `allocatedResourcesStatus`,
+/// with its entry name and resource ID.
+fn allocated_health(pod: &Pod) -> Option<(String, String, String)> {
+    let status = container_status(pod)?
+        .allocated_resources_status
+        .as_ref()?
+        .first()?;
+    let resource = status.resources.as_ref()?.first()?;
+    Some((
+        status.name.clone(),
+        resource.resource_id.clone(),
+        resource.health.clone().unwrap_or_default(),
+    ))
+}
+
+/// Device health through the real kubelet (KEP-4680): an XID on a running pod's GPU makes its
+/// `allocatedResourcesStatus` show the device Unhealthy, and recovery shows Healthy again. The
+/// pod keeps running throughout (a NoSchedule fault).
+#[tokio::test]
+async fn an_xid_shows_in_the_running_pods_allocated_resources_status_and_recovery_clears_it()
+-> anyhow::Result<()> {
+    let real = RealNode::start("drust-real-node-health-", None).await?;
+    let example = "examples/single-gpu/single-gpu.yaml";
+    let template = std::fs::read_to_string(repo_path(example))?
+        .split("\n---\n")
+        .next()
+        .context("the example's template")?
+        .to_owned();
+    apply_yaml(&real.client, &template, &repo_path(example)).await?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    pods.create(&PostParams::default(), &sleeping_gpu_pod("health-watch")?)
+        .await?;
+    let running = wait_running(&pods, "health-watch", &real.node).await?;
+    let claims: Api<ResourceClaim> = Api::namespaced(real.client.clone(), "default");
+    let uid = claim_uid_of(&running, &claims).await?;
+    let claim_name = running
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.resource_claim_name.clone())
+        .context("claim name")?;
+    let device = claims
+        .get(&claim_name)
+        .await?
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .and_then(|r| r.first().map(|r| r.device.clone()))
+        .context("allocated device")?;
+    let gpus = drust_e2e::plugin::fake_gpus(&real.topology).map_err(anyhow::Error::msg)?;
+    let gpu = gpus
+        .iter()
+        .find(|g| g.name == device)
+        .context("allocated GPU")?;
+    let want_id = format!("{DRIVER}/claim={uid}-{device}");
+
+    // Polls the pod until its device shows `health`; returns how long that took.
+    let wait_health = |health: &'static str| {
+        let pods = pods.clone();
+        let want_id = want_id.clone();
+        async move {
+            let start = Instant::now();
+            loop {
+                let pod = pods.get("health-watch").await?;
+                let seen = allocated_health(&pod);
+                if let Some((name, id, h)) = &seen
+                    && h == health
+                {
+                    ensure!(
+                        // `claim:<pod claim>` (and `/<request>` only when the container names one).
+                        name == "claim:gpu" && *id == want_id,
+                        "entry {name} {id}, want claim:gpu {want_id}"
+                    );
+                    ensure!(restarts(&pod) == 0, "the pod restarted: {:?}", pod.status);
+                    return Ok::<_, anyhow::Error>(start.elapsed());
+                }
+                ensure!(
+                    start.elapsed() < TIMEOUT,
+                    "device health still {seen:?}, want {health}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let took = wait_health("Healthy").await?;
+    eprintln!(
+        "Healthy in the pod's status {} ms after Running",
+        took.as_millis()
+    );
+    real.inject_health_event(
+        1,
+        &gpu_inventory::HealthEvent {
+            gpu_uuid: gpu.raw.uuid.clone(),
+            kind: gpu_inventory::HealthEventKind::Xid { code: 94 },
+        },
+    )?;
+    let took = wait_health("Unhealthy").await?;
+    eprintln!(
+        "XID 94 -> Unhealthy in the pod's status: {} ms",
+        took.as_millis()
+    );
+    real.inject_health_event(
+        2,
+        &gpu_inventory::HealthEvent {
+            gpu_uuid: gpu.raw.uuid.clone(),
+            kind: gpu_inventory::HealthEventKind::Recovered,
+        },
+    )?;
+    let took = wait_health("Healthy").await?;
+    eprintln!(
+        "recovery -> Healthy in the pod's status: {} ms",
+        took.as_millis()
     );
     real.stop().await
 }
