@@ -106,3 +106,29 @@ pub async fn apply_yaml(
     }
     Ok(applied)
 }
+
+/// The YAML stream `text` (e.g. an example) with every Pod's containers running `script`
+/// (`/bin/sh -c`) in the local workload image ([`crate::images::WORKLOAD_IMAGE`], never pulled)
+/// instead of their own image, which this machine cannot pull.
+///
+/// # Errors
+/// When `text` is not YAML or a Pod has no `spec.containers`.
+pub fn on_workload_image(text: &str, script: &str) -> anyhow::Result<String> {
+    use anyhow::Context;
+    let mut out = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(text) {
+        let mut v = <serde_yaml_ng::Value as serde::Deserialize>::deserialize(doc)?;
+        if v["kind"] == "Pod" {
+            let containers = v["spec"]["containers"]
+                .as_sequence_mut()
+                .context("a Pod without spec.containers")?;
+            for c in containers {
+                c["image"] = crate::images::WORKLOAD_IMAGE.into();
+                c["imagePullPolicy"] = "Never".into();
+                c["command"] = serde_yaml_ng::to_value(["/bin/sh", "-c", script])?;
+            }
+        }
+        out.push(serde_yaml_ng::to_string(&v)?);
+    }
+    Ok(out.join("---\n"))
+}

@@ -34,23 +34,7 @@ const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$f"
 /// `examples/<file>` with every container running [`SCRIPT`] in the local busybox image
 /// instead of its CUDA image (which this machine cannot pull).
 fn example_on_busybox(file: &str) -> anyhow::Result<String> {
-    let text = std::fs::read_to_string(repo_path(file))?;
-    let mut out = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
-        let mut v = <serde_yaml_ng::Value as serde::Deserialize>::deserialize(doc)?;
-        if v["kind"] == "Pod" {
-            let containers = v["spec"]["containers"]
-                .as_sequence_mut()
-                .context("containers")?;
-            for c in containers {
-                c["image"] = WORKLOAD_IMAGE.into();
-                c["imagePullPolicy"] = "Never".into();
-                c["command"] = serde_yaml_ng::to_value(["/bin/sh", "-c", SCRIPT])?;
-            }
-        }
-        out.push(serde_yaml_ng::to_string(&v)?);
-    }
-    Ok(out.join("---\n"))
+    drust_e2e::manifests::on_workload_image(&std::fs::read_to_string(repo_path(file))?, SCRIPT)
 }
 
 /// Waits for pod `name` to have completed (Succeeded or Failed).
