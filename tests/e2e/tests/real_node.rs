@@ -1,10 +1,16 @@
 //! A real node: kubelet v1.36.3 and containerd 2.x on this machine, the plugin binary serving
-//! that kubelet, and the `single-gpu` example pod running with a fake GPU (mknod'ed device
-//! nodes). What the container sees is read from its own output, through the API server. Then a
-//! running GPU pod survives a kubelet restart (not restarted, nothing unprepared), a new pod
-//! runs after it and after a plugin restart, and deleting the running pod makes the kubelet
-//! unprepare its claim. Last, the plugin is SIGKILLed in the middle of a pod's prepare: the
-//! kubelet retries once it is back and the pod ends Running with nothing left twice.
+//! that kubelet with fake GPUs (mknod'ed device nodes), and pods whose containers report what
+//! they see (read from their termination messages, through the API server). One node at a time
+//! (the harness's machine-wide lock), so the tests take turns:
+//! - the `single-gpu` example sees exactly its GPU; a running pod survives a kubelet restart and
+//!   a plugin restart (nothing unprepared), deleting it unprepares, and a plugin SIGKILLed in the
+//!   middle of a pod's prepare ends with the kubelet's retry and the pod Running;
+//! - per-request isolation: containers referencing different requests of one claim see only
+//!   their own GPUs;
+//! - CUDA without the NVIDIA runtime: the CDI spec alone gives the container the driver's files
+//!   (fake driver root) and runs the hooks (a recording stand-in);
+//! - time-slicing, existing MIG and dynamic MIG pods run with their devices;
+//! - an XID shows in the running pod's `allocatedResourcesStatus`, and recovery clears it.
 
 use std::time::{Duration, Instant};
 
@@ -35,6 +41,27 @@ const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$f"
 /// instead of its CUDA image (which this machine cannot pull).
 fn example_on_busybox(file: &str) -> anyhow::Result<String> {
     drust_e2e::manifests::on_workload_image(&std::fs::read_to_string(repo_path(file))?, SCRIPT)
+}
+
+/// Applies `examples/<file>` as [`example_on_busybox`] rewrites it.
+async fn apply_example(client: &kube::Client, file: &str) -> anyhow::Result<()> {
+    apply_yaml(client, &example_on_busybox(file)?, &repo_path(file)).await?;
+    Ok(())
+}
+
+/// Whether `pod` completed successfully.
+fn succeeded(pod: &Pod) -> bool {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded")
+}
+
+/// The name of the ResourceClaim generated for `pod`'s first pod claim.
+fn pod_claim_name(pod: &Pod) -> anyhow::Result<String> {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.resource_claim_name.clone())
+        .context("the pod's claim")
 }
 
 /// Waits for pod `name` to have completed (Succeeded or Failed).
@@ -106,13 +133,7 @@ fn sleeping_gpu_pod(name: &str) -> anyhow::Result<Pod> {
 
 /// The UID of the claim generated for `pod`'s first claim.
 async fn claim_uid_of(pod: &Pod, claims: &Api<ResourceClaim>) -> anyhow::Result<String> {
-    let name = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.resource_claim_name.clone())
-        .context("the pod's claim")?;
+    let name = pod_claim_name(pod)?;
     Ok(claims.get(&name).await?.metadata.uid.unwrap_or_default())
 }
 
@@ -301,7 +322,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         topology,
     } = RealNode::start("drust-real-node-", None).await?;
     let example = "examples/single-gpu/single-gpu.yaml";
-    apply_yaml(&client, &example_on_busybox(example)?, &repo_path(example)).await?;
+    apply_example(&client, example).await?;
     // The claim generated for the pod, once allocated (it is deleted when the pod completes).
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let start = Instant::now();
@@ -326,11 +347,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
     let pod = wait_pod_done(&pods, "cuda-one-gpu", &node).await?;
     let log = terminated_message(&pod, "cuda").unwrap_or_default();
     eprintln!("what the container saw:\n{log}");
-    ensure!(
-        pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
-        "pod failed: {:?}\n{log}",
-        pod.status
-    );
+    ensure!(succeeded(&pod), "pod failed: {:?}\n{log}", pod.status);
 
     // Exactly the allocated GPU's node, the control nodes, and its UUID.
     let device = claim
@@ -438,10 +455,10 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
     );
 
     // A new pod works after both restarts (on another GPU: the sleeper holds one).
-    apply_yaml(&client, &example_on_busybox(example)?, &repo_path(example)).await?;
+    apply_example(&client, example).await?;
     let again = wait_pod_done(&pods, "cuda-one-gpu", &node).await?;
     ensure!(
-        again.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        succeeded(&again),
         "a pod after the kubelet restart: {:?}",
         again.status
     );
@@ -584,11 +601,7 @@ async fn each_container_sees_only_the_gpus_of_the_requests_it_references() -> an
     };
     let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
     let done = wait_pod_done(&pods, "per-request", &real.node).await?;
-    ensure!(
-        done.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
-        "pod failed: {:?}",
-        done.status
-    );
+    ensure!(succeeded(&done), "pod failed: {:?}", done.status);
     let gpus = drust_e2e::plugin::fake_gpus(&real.topology).map_err(anyhow::Error::msg)?;
     // What a container holding `requests` must see: the device nodes and variables of their GPUs.
     let expected = |requests: &[&str]| -> anyhow::Result<(Vec<String>, Vec<String>)> {
@@ -685,11 +698,7 @@ async fn a_cdi_spec_alone_gives_a_container_the_driver_files_and_runs_the_hooks(
     let done = wait_pod_done(&pods, "cuda-files", &real.node).await?;
     let log = terminated_message(&done, "cuda").unwrap_or_default();
     eprintln!("what the container saw:\n{log}");
-    ensure!(
-        done.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
-        "pod failed: {:?}\n{log}",
-        done.status
-    );
+    ensure!(succeeded(&done), "pod failed: {:?}\n{log}", done.status);
     let mut want: Vec<String> = drust_e2e::driver_root::LIBRARIES
         .iter()
         .map(|l| format!("file {l}.so.{VERSION} fake {l} {VERSION}"))
@@ -764,21 +773,12 @@ async fn shared_and_mig_claims_run_with_their_devices_on_the_real_node() -> anyh
 
     // Time-sliced: both pods of the shared claim, on one GPU.
     let example = "examples/gpu-sharing/gpu-sharing.yaml";
-    apply_yaml(
-        &real.client,
-        &example_on_busybox(example)?,
-        &repo_path(example),
-    )
-    .await?;
+    apply_example(&real.client, example).await?;
     let mut views = Vec::new();
     for name in ["sharer-a", "sharer-b"] {
         let pod = wait_pod_done(&pods, name, &real.node).await?;
         let log = terminated_message(&pod, "cuda").unwrap_or_default();
-        ensure!(
-            pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
-            "{name} failed: {:?}",
-            pod.status
-        );
+        ensure!(succeeded(&pod), "{name} failed: {:?}", pod.status);
         views.push(seen(&log));
     }
     let (nodes, env) = &views[0];
@@ -801,12 +801,7 @@ async fn shared_and_mig_claims_run_with_their_devices_on_the_real_node() -> anyh
 
     // An existing MIG device: its parent's node and its two capability nodes.
     let example = "examples/mig/mig.yaml";
-    apply_yaml(
-        &real.client,
-        &example_on_busybox(example)?,
-        &repo_path(example),
-    )
-    .await?;
+    apply_example(&real.client, example).await?;
     let pod = wait_pod_done(&pods, "cuda-1g-10gb", &real.node).await?;
     let (nodes, env) = seen(&terminated_message(&pod, "cuda").unwrap_or_default());
     let mig = inventory
@@ -902,7 +897,7 @@ spec:
     let pod = wait_pod_done(&pods, "dynamic-mig", &real.node).await?;
     let log = terminated_message(&pod, "cuda").unwrap_or_default();
     ensure!(
-        pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        succeeded(&pod),
         "dynamic MIG pod failed: {:?}\n{}",
         pod.status,
         real.node.log_tail()
@@ -962,13 +957,7 @@ async fn an_xid_shows_in_the_running_pods_allocated_resources_status_and_recover
     let running = wait_running(&pods, "health-watch", &real.node).await?;
     let claims: Api<ResourceClaim> = Api::namespaced(real.client.clone(), "default");
     let uid = claim_uid_of(&running, &claims).await?;
-    let claim_name = running
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.resource_claim_name.clone())
-        .context("claim name")?;
+    let claim_name = pod_claim_name(&running)?;
     let device = claims
         .get(&claim_name)
         .await?
