@@ -11,9 +11,9 @@
 //!   symlinks are left to the hooks (`ldconfig` recreates the soname links);
 //! - **binaries** ([`BINARIES`]): `nvidia-smi`, the MPS tools and the rest, in [`BINARY_DIRS`];
 //! - **GSP firmware**: `lib/firmware/nvidia/<driver version>/gsp*.bin` (and `updates/`);
-//! - **IPC sockets** ([`SOCKETS`]): the persistence daemon's and the fabric manager's, where
-//!   present. The MPS pipe directory is not among them: MPS daemons are per claim here
-//!   ([`crate::mps`]);
+//! - **IPC sockets** ([`SOCKETS`], mounted writable): the persistence daemon's and the fabric
+//!   manager's, where present. The MPS pipe directory is not among them: MPS daemons are per
+//!   claim here ([`crate::mps`]);
 //! - **hooks**, only when `nvidia-cdi-hook` exists: `create-symlinks` for `libcuda.so` (what
 //!   build tools and some frameworks open), `update-ldcache` on the library directories (so the
 //!   dynamic linker finds the driver in any image), as the toolkit's spec has them.
@@ -31,13 +31,18 @@ use crate::cdi::{ContainerEdits, Hook, Mount};
 
 /// Library directories searched under the driver root, in order (the first path of a file
 /// wins when several name it, e.g. `/lib` linked to `/usr/lib`).
-pub const LIBRARY_DIRS: [&str; 8] = [
+/// `nvidia/current` is where Debian's driver packages put them.
+pub const LIBRARY_DIRS: [&str; 12] = [
     "usr/lib64",
     "usr/lib/x86_64-linux-gnu",
     "usr/lib/aarch64-linux-gnu",
+    "usr/lib/x86_64-linux-gnu/nvidia/current",
+    "usr/lib/aarch64-linux-gnu/nvidia/current",
     "lib64",
     "lib/x86_64-linux-gnu",
     "lib/aarch64-linux-gnu",
+    "lib/x86_64-linux-gnu/nvidia/current",
+    "lib/aarch64-linux-gnu/nvidia/current",
     "usr/lib",
     "lib",
 ];
@@ -64,14 +69,15 @@ pub const BINARIES: [&str; 7] = [
 ];
 
 /// IPC sockets a container gets, where present (first found of each group).
+/// `/run` first, as the toolkit looks (`internal/discover/ipc.go`).
 pub const SOCKETS: [[&str; 2]; 2] = [
     [
-        "var/run/nvidia-persistenced/socket",
         "run/nvidia-persistenced/socket",
+        "var/run/nvidia-persistenced/socket",
     ],
     [
-        "var/run/nvidia-fabricmanager/socket",
         "run/nvidia-fabricmanager/socket",
+        "var/run/nvidia-fabricmanager/socket",
     ],
 ];
 
@@ -88,6 +94,9 @@ pub const HOOK_PATHS: [&str; 2] = [
 /// Mount options of driver files: read-only, no set-uid, no devices; `rbind`/`rprivate` as the
 /// toolkit's specs have them.
 const FILE_OPTIONS: [&str; 5] = ["ro", "nosuid", "nodev", "rbind", "rprivate"];
+
+/// Mount options of IPC sockets, as the toolkit's: not read-only, not executable.
+const SOCKET_OPTIONS: [&str; 5] = ["nosuid", "nodev", "rbind", "rprivate", "noexec"];
 
 /// Where the driver lives, as the plugin sees it and as the host does.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -252,11 +261,11 @@ impl DriverFiles {
             .chain(&self.binaries)
             .chain(&self.firmware)
             .map(|rel| self.mount(rel, &FILE_OPTIONS))
-            .chain(self.sockets.iter().map(|rel| {
-                let mut options = FILE_OPTIONS.to_vec();
-                options.push("noexec");
-                self.mount(rel, &options)
-            }))
+            .chain(
+                self.sockets
+                    .iter()
+                    .map(|rel| self.mount(rel, &SOCKET_OPTIONS)),
+            )
             .collect();
         let mut hooks = Vec::new();
         if let Some(hook) = &self.hook {
