@@ -57,6 +57,8 @@ pub struct Config {
     pub checkpoint_path: PathBuf,
     /// Root under which device nodes (`/dev/nvidia0`, ...) are checked at prepare (default `/`).
     pub dev_root: PathBuf,
+    /// The same root on the host, which CDI specs name (default: `dev_root`).
+    pub host_dev_root: Option<PathBuf>,
     /// Root of the driver's `/proc` tables (MIG capability minors; default `/proc`).
     pub proc_root: PathBuf,
     /// This boot's ID (default `/proc/sys/kernel/random/boot_id`).
@@ -106,6 +108,7 @@ impl Config {
             sockets,
             cdi_root: PathBuf::from("/var/run/cdi"),
             dev_root: PathBuf::from("/"),
+            host_dev_root: None,
             proc_root: PathBuf::from("/proc"),
             boot_id_path: PathBuf::from("/proc/sys/kernel/random/boot_id"),
             claim_timeout: crate::claims::DEFAULT_TIMEOUT,

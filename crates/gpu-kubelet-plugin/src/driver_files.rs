@@ -317,6 +317,19 @@ impl DriverFiles {
 }
 
 /// `/` + `rel`.
+/// The first `name` (a file or a link to one) in [`LIBRARY_DIRS`] under `root`, as a full path.
+///
+/// The plugin loads NVML from this path when `--nvml-library` is not given, rather than putting
+/// the driver root's library directories on `LD_LIBRARY_PATH`: those hold the host's own
+/// `libc.so.6` too, which the dynamic loader would then prefer over the image's and mismatch
+/// the image's `ld.so`.
+pub fn find_library(root: &Path, name: &str) -> Option<PathBuf> {
+    LIBRARY_DIRS
+        .iter()
+        .map(|dir| root.join(dir).join(name))
+        .find(|p| p.is_file())
+}
+
 fn container_path(rel: &Path) -> String {
     Path::new("/").join(rel).display().to_string()
 }
@@ -352,6 +365,16 @@ mod tests {
         std::fs::write(fw.join("gsp_ga10x.bin"), b"fw").unwrap();
         std::fs::write(fw.join("README"), b"not firmware").unwrap();
         dir
+    }
+
+    #[test]
+    fn finds_nvml_by_its_soname_in_the_library_dirs() {
+        let dir = root();
+        assert_eq!(
+            find_library(dir.path(), "libcuda.so.1"),
+            Some(dir.path().join("usr/lib/x86_64-linux-gnu/libcuda.so.1"))
+        );
+        assert_eq!(find_library(dir.path(), "libnvidia-ml.so.1"), None);
     }
 
     #[test]

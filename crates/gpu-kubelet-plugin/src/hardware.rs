@@ -436,6 +436,8 @@ pub trait Hardware: Send + Sync + 'static {
 pub struct BackendHardware {
     backend: Arc<dyn GpuBackend>,
     dev_root: PathBuf,
+    /// The same root as the container runtime on the host sees it, which CDI specs name.
+    host_dev_root: PathBuf,
     proc_root: PathBuf,
 }
 
@@ -448,11 +450,23 @@ impl BackendHardware {
         dev_root: impl Into<PathBuf>,
         proc_root: impl Into<PathBuf>,
     ) -> Self {
+        let dev_root = dev_root.into();
         Self {
             backend,
-            dev_root: dev_root.into(),
+            host_dev_root: dev_root.clone(),
+            dev_root,
             proc_root: proc_root.into(),
         }
+    }
+
+    /// Where `dev_root` is on the host when this process sees it elsewhere (a container that
+    /// mounts the host's `/dev` at `/host/dev`: `dev_root` `/host`, `host_dev_root` `/`). CDI
+    /// specs name device nodes under `host_dev_root`, since the container runtime reads them
+    /// on the host. Default: `dev_root`.
+    #[must_use]
+    pub fn with_host_dev_root(mut self, host_dev_root: impl Into<PathBuf>) -> Self {
+        self.host_dev_root = host_dev_root.into();
+        self
     }
 
     fn mig_minor(&self, device: &str, key: &str) -> Result<u32, HardwareError> {
@@ -591,10 +605,10 @@ impl BackendHardware {
 }
 
 impl Hardware for BackendHardware {
-    /// Under a `dev_root` other than `/` (a test host), the node's path below it.
+    /// Under a host device root other than `/` (a test host), the node's path below it.
     fn host_path(&self, node: &str) -> Option<String> {
-        (self.dev_root != Path::new("/")).then(|| {
-            self.dev_root
+        (self.host_dev_root != Path::new("/")).then(|| {
+            self.host_dev_root
                 .join(Path::new(node).strip_prefix("/").unwrap_or(Path::new(node)))
                 .display()
                 .to_string()

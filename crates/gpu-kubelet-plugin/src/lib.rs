@@ -508,11 +508,16 @@ async fn take_over(
     let fs: Arc<dyn Fs> = Arc::new(RealFs);
     let (controller, _report) = ClaimController::start(
         KubeCluster::new(client, &config.driver_name, &config.node_name),
-        Arc::new(BackendHardware::new(
-            Arc::clone(backend),
-            &config.dev_root,
-            &config.proc_root,
-        )),
+        Arc::new(
+            BackendHardware::new(Arc::clone(backend), &config.dev_root, &config.proc_root)
+                .with_host_dev_root(
+                    config
+                        .host_dev_root
+                        .as_ref()
+                        .unwrap_or(&config.dev_root)
+                        .clone(),
+                ),
+        ),
         ControllerConfig {
             driver_name: config.driver_name.clone(),
             node_name: config.node_name.clone(),

@@ -37,7 +37,8 @@ struct Args {
     /// (created MIG instances) and reads injected health events from (`events/*.json`).
     #[arg(long, requires = "fake_topology")]
     fake_state_dir: Option<PathBuf>,
-    /// NVML library to load.
+    /// NVML library to load [default: libnvidia-ml.so.1 in the library directories under
+    /// --driver-root, else on the dynamic loader's path].
     #[arg(long)]
     nvml_library: Option<PathBuf>,
     /// Directory of the DRA socket dra.sock [default: /var/lib/kubelet/plugins/<driver>].
@@ -58,6 +59,10 @@ struct Args {
     /// Root under which device nodes (/dev/nvidia0, ...) are checked at prepare.
     #[arg(long, default_value = "/")]
     dev_root: PathBuf,
+    /// The same root on the host, which CDI specs name for the container runtime
+    /// [default: --dev-root].
+    #[arg(long)]
+    host_dev_root: Option<PathBuf>,
     /// Root of the NVIDIA driver's /proc tables (MIG capability minors).
     #[arg(long, default_value = "/proc")]
     proc_root: PathBuf,
@@ -131,7 +136,12 @@ impl Args {
                 state_dir: self.fake_state_dir,
             },
             None => Backend::Nvml {
-                library: self.nvml_library,
+                library: self.nvml_library.or_else(|| {
+                    gpu_kubelet_plugin::driver_files::find_library(
+                        &self.driver_root,
+                        "libnvidia-ml.so.1",
+                    )
+                }),
             },
         };
         let mut config = Config::new(&self.driver_name, &node_name, backend);
@@ -146,6 +156,7 @@ impl Args {
         config.cdi_root = self.cdi_root;
         config.sysfs_root = self.sysfs_root;
         config.dev_root = self.dev_root;
+        config.host_dev_root = self.host_dev_root;
         config.proc_root = self.proc_root;
         config.boot_id_path = self.boot_id_file;
         config.claim_timeout = std::time::Duration::from_secs(self.claim_timeout_seconds);

@@ -460,6 +460,32 @@ async fn the_wrong_gpu_or_a_missing_device_node_is_refused_at_prepare() {
     assert!(missing.contains("/dev/nvidia2 does not exist"), "{missing}");
 }
 
+/// In the chart's pod the host's `/dev` is mounted at `/host/dev` (`--dev-root=/host`), but the
+/// container runtime reads CDI specs on the host: their `hostPath` must name the host's path,
+/// never the plugin container's.
+#[test]
+fn cdi_host_paths_name_the_hosts_dev_root_not_the_plugin_containers() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = || Arc::new(FakeBackend::new(topology()));
+    // The plugin checks nodes under its own mount, the host has them at /dev.
+    let in_container =
+        BackendHardware::new(backend(), dir.path(), dir.path()).with_host_dev_root("/");
+    assert_eq!(in_container.host_path("/dev/nvidia0"), None);
+    // A test host whose dev nodes live under a temp dir on the host.
+    let test_host =
+        BackendHardware::new(backend(), dir.path(), dir.path()).with_host_dev_root("/srv/node-0");
+    assert_eq!(
+        test_host.host_path("/dev/nvidia0").as_deref(),
+        Some("/srv/node-0/dev/nvidia0")
+    );
+    // Without a host root, the plugin's own root is the host's (a plugin run on the host).
+    let on_host = BackendHardware::new(backend(), dir.path(), dir.path());
+    assert_eq!(
+        on_host.host_path("/dev/nvidiactl"),
+        Some(dir.path().join("dev/nvidiactl").display().to_string())
+    );
+}
+
 #[tokio::test]
 async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
     let root = tempfile::tempdir().unwrap();
