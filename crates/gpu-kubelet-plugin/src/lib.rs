@@ -334,8 +334,11 @@ pub async fn run(
     if let Some(active) = &mut active {
         let (claims, devices) = active.controller.prepared_summary().await;
         metrics.set_prepared(claims, devices);
-        result = active
-            .run_tasks(
+        // The first publication waits for the API server as long as it takes; a shutdown
+        // meanwhile stops it.
+        let mut stopping = false;
+        result = tokio::select! {
+            r = active.run_tasks(
                 &config,
                 client,
                 &backend,
@@ -345,9 +348,13 @@ pub async fn run(
                     kubelet: &device_health,
                     metrics: &metrics,
                 },
-            )
-            .await;
-        if result.is_ok() {
+            ) => r,
+            () = &mut shutdown => {
+                stopping = true;
+                Ok(())
+            }
+        };
+        if result.is_ok() && !stopping {
             role.send_replace(Role::Active);
             tokio::select! {
                 () = &mut shutdown => {}
@@ -560,7 +567,7 @@ impl Active {
         health: Health<'_>,
     ) -> Result<(), Error> {
         let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
-        publish_with_retry(&publisher, &pool).await?;
+        publish_with_retry(&publisher, &pool).await;
         if config.health_monitoring {
             let monitor = health::HealthMonitor::start(
                 Arc::clone(backend),
@@ -638,23 +645,30 @@ pub fn secure_state(config: &Config) -> Result<(), Error> {
     Ok(())
 }
 
-/// Start-up publishing rides out a briefly unavailable API server: 5 tries, 1 s apart, doubling.
-async fn publish_with_retry(publisher: &SlicePublisher, pool: &Pool) -> Result<(), Error> {
+/// The longest wait between two tries of the first publication.
+const PUBLISH_RETRY_CAP: Duration = Duration::from_secs(10);
+
+/// Start-up publishing waits out an unavailable or unreachable API server for as long as it
+/// takes: tries 1 s apart, doubling up to [`PUBLISH_RETRY_CAP`], each failure logged. Giving
+/// up would only crash-loop the pod (a restart cannot reach the server either) and hide the
+/// cause behind a back-off; meanwhile `/readyz` says the instance is still publishing, and the
+/// caller stops waiting on shutdown.
+async fn publish_with_retry(publisher: &SlicePublisher, pool: &Pool) {
     let mut delay = Duration::from_secs(1);
-    let mut attempt = 1;
+    let mut attempt = 1u64;
     loop {
         match publisher.publish_pool(pool).await {
             Ok(outcome) => {
-                info!(?outcome, "ResourceSlices in place");
-                return Ok(());
+                info!(?outcome, attempt, "ResourceSlices in place");
+                return;
             }
-            Err(e) if attempt < 5 => {
-                warn!(error = %e, attempt, "publishing ResourceSlices failed; retrying");
+            Err(e) => {
+                warn!(error = %e, attempt, retry_in = ?delay,
+                    "publishing ResourceSlices failed; retrying");
                 tokio::time::sleep(delay).await;
-                delay *= 2;
+                delay = (delay * 2).min(PUBLISH_RETRY_CAP);
                 attempt += 1;
             }
-            Err(e) => return Err(e.into()),
         }
     }
 }

@@ -237,3 +237,129 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
     cp.stop().await?;
     Ok(())
 }
+
+/// Forwards every connection accepted on `listener` to `upstream` (a stand-in for a network
+/// path to the API server that comes up late).
+async fn forward(listener: tokio::net::TcpListener, upstream: std::net::SocketAddr) {
+    while let Ok((mut inbound, _)) = listener.accept().await {
+        tokio::spawn(async move {
+            if let Ok(mut outbound) = tokio::net::TcpStream::connect(upstream).await {
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            }
+        });
+    }
+}
+
+/// A plugin whose API server cannot be reached at start (no route yet, the server restarting)
+/// waits for it, however long, instead of exiting: it once gave up after five tries (about 15
+/// s), so the DaemonSet pod crash-looped with a back-off that outlived the outage. This showed
+/// on the real node, where the chart's pod had no route to the API server. A SIGTERM while it
+/// waits stops it at once, and once the server is reachable its slices are published by the
+/// same process.
+#[tokio::test]
+async fn a_plugin_started_while_the_api_server_is_unreachable_waits_for_it_instead_of_crash_looping()
+-> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let client = cp.client().await?;
+    cp.register_node(NODE, &[]).await?;
+    let upstream: std::net::SocketAddr = cp
+        .server_url()
+        .trim_start_matches("https://")
+        .parse()
+        .context("the API server's address")?;
+
+    // A kubeconfig naming a port where nothing listens yet (reserved, then released).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    let admin = std::fs::read_to_string(cp.kubeconfig_path())?;
+    ensure!(
+        admin.contains(cp.server_url()),
+        "the admin kubeconfig names the server"
+    );
+    std::fs::write(
+        &kubeconfig,
+        admin.replace(cp.server_url(), &format!("https://127.0.0.1:{port}")),
+    )?;
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let host = BinaryHost::new("drust-unreachable-", &kubeconfig, &topology, DRIVER, NODE)?;
+    let log = host.root().join("plugin.log");
+
+    // Shut down while waiting: it exits promptly and cleanly.
+    let mut child = PluginProcess(host.command(&log, None)?.spawn()?);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(
+        child.try_wait()?.is_none(),
+        "the plugin exited:\n{}",
+        tail(&log)
+    );
+    let stopping = Instant::now();
+    stop(child).await?;
+    ensure!(
+        stopping.elapsed() < Duration::from_secs(5),
+        "SIGTERM while waiting for the API server took {:?}",
+        stopping.elapsed()
+    );
+
+    // Past the old give-up point (1 + 2 + 4 + 8 s) it still runs, then publishes once the
+    // server is reachable.
+    let mut child = PluginProcess(host.command(&log, None)?.spawn()?);
+    tokio::time::sleep(Duration::from_secs(18)).await;
+    ensure!(
+        child.try_wait()?.is_none(),
+        "the plugin gave up on the API server:\n{}",
+        tail(&log)
+    );
+    ensure!(
+        tail(&log).contains("publishing ResourceSlices failed; retrying"),
+        "{}",
+        tail(&log)
+    );
+    let proxy = tokio::spawn(forward(
+        tokio::net::TcpListener::bind(("127.0.0.1", port)).await?,
+        upstream,
+    ));
+    let slices: kube::Api<k8s_openapi::api::resource::v1::ResourceSlice> =
+        kube::Api::all(client.clone());
+    let reachable = Instant::now();
+    loop {
+        let published: usize = slices
+            .list(&kube::api::ListParams::default().fields(&format!("spec.driver={DRIVER}")))
+            .await?
+            .items
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            .sum();
+        if published == 8 {
+            break;
+        }
+        ensure!(
+            reachable.elapsed() < Duration::from_secs(30),
+            "no slices 30 s after the API server became reachable:\n{}",
+            tail(&log)
+        );
+        ensure!(
+            child.try_wait()?.is_none(),
+            "the plugin exited:\n{}",
+            tail(&log)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!(
+        "API server reachable -> slices published: {} ms",
+        reachable.elapsed().as_millis()
+    );
+    stop(child).await?;
+    proxy.abort();
+    cp.stop().await?;
+    Ok(())
+}
+
+/// The last lines of a plugin log.
+fn tail(log: &std::path::Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
+}
