@@ -275,6 +275,13 @@ pub struct ControlPlaneOptions {
     pub keep_temp_dir: bool,
     /// How long each component may take to become ready, from its spawn.
     pub ready_timeout: Duration,
+    /// Serve pods too: kube-apiserver listens on every address instead of 127.0.0.1 only, with
+    /// this (non-loopback) address of the machine in its serving certificate, so a container in
+    /// the node's pod network reaches it at `https://<address>:<port>`
+    /// ([`ControlPlane::pod_endpoint`]). The test node runs no kube-proxy, so the `kubernetes`
+    /// Service's ClusterIP does not route; pods are pointed here by `KUBERNETES_SERVICE_HOST`
+    /// and `KUBERNETES_SERVICE_PORT`.
+    pub pod_address: Option<std::net::IpAddr>,
 }
 
 impl Default for ControlPlaneOptions {
@@ -288,6 +295,7 @@ impl Default for ControlPlaneOptions {
             keep_temp_dir: std::env::var(KEEP_ENV).is_ok_and(|v| v == "1"),
             // Generous: a 2-core machine that is also compiling starts the apiserver in ~10 s.
             ready_timeout: Duration::from_secs(120),
+            pod_address: None,
         }
     }
 }
@@ -351,6 +359,7 @@ pub struct ControlPlane {
     ca_pem: String,
     admin_kubeconfig: PathBuf,
     timings: StartTimings,
+    pod_endpoint: Option<(std::net::IpAddr, u16)>,
 }
 
 impl fmt::Debug for ControlPlane {
@@ -398,7 +407,7 @@ impl ControlPlane {
 
         let apiserver_port = free_port()?;
         let server_url = format!("https://127.0.0.1:{apiserver_port}");
-        let credentials = Credentials::generate()?;
+        let credentials = Credentials::generate(options.pod_address)?;
         let files = credentials.write(root, &server_url)?;
         let credentials_time = startup_began.elapsed();
 
@@ -436,7 +445,14 @@ impl ControlPlane {
         let mut args = vec![
             format!("--etcd-servers={etcd_client_url}"),
             format!("--secure-port={apiserver_port}"),
-            "--bind-address=127.0.0.1".to_owned(),
+            format!(
+                "--bind-address={}",
+                if options.pod_address.is_some() {
+                    "0.0.0.0"
+                } else {
+                    "127.0.0.1"
+                }
+            ),
             "--advertise-address=127.0.0.1".to_owned(),
             // The endpoints of Service `kubernetes` would be 127.0.0.1, which Endpoints
             // validation rejects (loopback), so the reconciler would log an error every few
@@ -543,6 +559,7 @@ impl ControlPlane {
             ca_pem: credentials.ca_pem,
             admin_kubeconfig: files.admin_kubeconfig,
             timings,
+            pod_endpoint: options.pod_address.map(|a| (a, apiserver_port)),
         })
     }
 
@@ -565,6 +582,12 @@ impl ControlPlane {
     /// The kube-apiserver URL, `https://127.0.0.1:<port>`.
     pub fn server_url(&self) -> &str {
         &self.server_url
+    }
+
+    /// Where pods reach kube-apiserver (address, port), when started with
+    /// [`ControlPlaneOptions::pod_address`].
+    pub fn pod_endpoint(&self) -> Option<(std::net::IpAddr, u16)> {
+        self.pod_endpoint
     }
 
     /// The PEM of the CA that signed the apiserver's serving certificate.
@@ -829,6 +852,23 @@ fn feature_gates_flag(gates: &BTreeMap<String, bool>) -> Option<String> {
     }
     let list: Vec<String> = gates.iter().map(|(k, v)| format!("{k}={v}")).collect();
     Some(format!("--feature-gates={}", list.join(",")))
+}
+
+/// This machine's first IPv4 address outside loopback on an interface that is up (what a pod
+/// on the node's bridge network can reach the host at), for [`ControlPlaneOptions::pod_address`].
+pub fn host_address() -> Option<std::net::IpAddr> {
+    nix::ifaddrs::getifaddrs()
+        .ok()?
+        .filter(|i| {
+            i.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP)
+                && !i
+                    .flags
+                    .contains(nix::net::if_::InterfaceFlags::IFF_LOOPBACK)
+        })
+        .find_map(|i| {
+            let a = i.address?.as_sockaddr_in()?.ip();
+            (!a.is_loopback() && !a.is_link_local()).then_some(std::net::IpAddr::V4(a))
+        })
 }
 
 /// A port that was free a moment ago. Another process may take it before the component binds;

@@ -137,6 +137,11 @@ impl BinaryHost {
         })
     }
 
+    /// The plugin executable this host runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
     /// The host's root (device root, proc root, everything else below it).
     pub fn root(&self) -> &Path {
         self.dir.path()

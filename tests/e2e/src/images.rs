@@ -139,6 +139,77 @@ pub fn sandbox() -> io::Result<Image> {
     })
 }
 
+/// Where the plugin image keeps the fake topology it is given ([`plugin`]).
+pub const PLUGIN_TOPOLOGY: &str = "/etc/drust/topology.yaml";
+
+/// The node plugin's image as the chart runs it: `binary` at `/usr/bin/gpu-kubelet-plugin` (the
+/// entrypoint, as in `deploy/Dockerfile`), the shared libraries it links (from `ldd`, at the
+/// same paths, with the dynamic loader), and `topology` at [`PLUGIN_TOPOLOGY`] for
+/// `--fake-topology`. `name` is the fully qualified image name with its tag.
+///
+/// # Errors
+/// When `ldd` fails or a file cannot be read.
+pub fn plugin(name: &str, binary: &Path, topology: &Path) -> io::Result<Image> {
+    let out = std::process::Command::new("ldd").arg(binary).output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "ldd {}: {}",
+            binary.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    // `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)` and
+    // `/lib64/ld-linux-x86-64.so.2 (0x...)`; `linux-vdso.so.1 (0x...)` has no file.
+    let libraries: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let path = l.split("=>").last()?.split_whitespace().next()?;
+            path.starts_with('/').then(|| path.to_owned())
+        })
+        .collect();
+    let mut dirs: Vec<String> = ["dev", "etc", "etc/drust", "proc", "sys", "tmp", "run"]
+        .iter()
+        .map(|d| (*d).to_owned())
+        .chain(["usr", "usr/bin"].iter().map(|d| (*d).to_owned()))
+        .collect();
+    for lib in &libraries {
+        let mut parent = Path::new(lib.trim_start_matches('/')).parent();
+        let mut chain = Vec::new();
+        while let Some(p) = parent.filter(|p| !p.as_os_str().is_empty()) {
+            chain.push(p.display().to_string());
+            parent = p.parent();
+        }
+        for d in chain.into_iter().rev() {
+            if !dirs.contains(&d) {
+                dirs.push(d);
+            }
+        }
+    }
+    let mut entries: Vec<Entry> = dirs.into_iter().map(Entry::Dir).collect();
+    entries.push(Entry::File {
+        path: "usr/bin/gpu-kubelet-plugin".into(),
+        source: binary.to_owned(),
+        mode: 0o755,
+    });
+    entries.extend(libraries.iter().map(|lib| Entry::File {
+        path: lib.trim_start_matches('/').to_owned(),
+        source: lib.into(),
+        mode: 0o755,
+    }));
+    entries.push(Entry::File {
+        path: PLUGIN_TOPOLOGY.trim_start_matches('/').to_owned(),
+        source: topology.to_owned(),
+        mode: 0o644,
+    });
+    Ok(Image {
+        name: name.to_owned(),
+        entrypoint: vec!["/usr/bin/gpu-kubelet-plugin".into()],
+        cmd: vec![],
+        env: vec!["PATH=/usr/sbin:/usr/bin:/sbin:/bin".into()],
+        entries,
+    })
+}
+
 fn layer_tar(entries: &[Entry]) -> io::Result<Vec<u8>> {
     let mut tar = tar::Builder::new(Vec::new());
     tar.mode(tar::HeaderMode::Deterministic);

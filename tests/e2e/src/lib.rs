@@ -35,10 +35,12 @@ pub mod images;
 pub mod kubelet;
 pub mod manifests;
 pub mod node;
+pub mod node_pods;
 pub mod plugin;
 pub mod pods;
 pub mod wait;
 
 pub use controlplane::{
     Component, ControlPlane, ControlPlaneOptions, Error, KEEP_ENV, StartTimings, die_with_parent,
+    host_address,
 };

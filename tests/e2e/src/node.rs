@@ -12,8 +12,9 @@
 //! - `/kubepods` in every cgroup hierarchy: removed bottom-up when the node created it;
 //! - `/var/lib/kubelet` (its `device-plugins/kubelet.sock`), `/var/log/containers` and
 //!   `/var/log/pods`: removed when the node created them;
-//! - mounts (the kubelet's bind mount of its root dir, pod volumes, container rootfs, network
-//!   namespaces): every mount under the temp dir or created under `/run/netns` is unmounted;
+//! - mounts (the temp dir's own shared bind mount, the kubelet's bind mount of its root dir,
+//!   pod volumes, container rootfs, network namespaces): every mount under the temp dir or
+//!   created under `/run/netns` is unmounted;
 //! - containers: every container in the node's runc root is killed and deleted, and the shims
 //!   and any process started from the temp dir are killed;
 //! - the CNI bridge `drustbr0`: deleted.
@@ -156,6 +157,7 @@ impl Node {
             .tempdir()
             .map_err(|e| failed("temp dir", e))?;
         let root = dir.path().to_owned();
+        share(&root)?;
         let mut created: Vec<PathBuf> = KUBELET_FIXED
             .iter()
             .map(PathBuf::from)
@@ -196,7 +198,8 @@ impl Node {
         &self.name
     }
 
-    /// The temp dir everything lives under.
+    /// The temp dir everything lives under: a shared mount (as `/` on a systemd host), so a
+    /// hostPath volume with `HostToContainer` propagation may name a directory below it.
     pub fn root(&self) -> &Path {
         &self.root
     }
@@ -240,6 +243,40 @@ impl Node {
             })
             .collect::<Vec<_>>()
             .join("\n")
+    }
+
+    /// The last `lines` lines the kubelet logged for each container of every pod in `namespace`
+    /// whose name starts with `pod_prefix` (`<root>/pod-logs/<ns>_<pod>_<uid>/<container>/N.log`,
+    /// CRI log format), for failure messages. Empty when there are none.
+    pub fn pod_logs(&self, namespace: &str, pod_prefix: &str, lines: usize) -> String {
+        let mut out = String::new();
+        let prefix = format!("{namespace}_{pod_prefix}");
+        let Ok(pods) = std::fs::read_dir(self.root.join("pod-logs")) else {
+            return out;
+        };
+        let mut pods: Vec<PathBuf> = pods
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+            })
+            .collect();
+        pods.sort();
+        for pod in pods {
+            let mut files = walk_files(&pod);
+            files.sort();
+            for file in files {
+                let log = std::fs::read_to_string(&file).unwrap_or_default();
+                let all: Vec<&str> = log.lines().collect();
+                out.push_str(&format!(
+                    "--- {}\n{}\n",
+                    file.strip_prefix(&self.root).unwrap_or(&file).display(),
+                    all[all.len().saturating_sub(lines)..].join("\n")
+                ));
+            }
+        }
+        out
     }
 
     fn log(&self, file: &str) -> Result<std::fs::File, NodeError> {
@@ -326,6 +363,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                     "ipam": {
                         "type": "host-local",
                         "ranges": [[{"subnet": "10.88.77.0/24"}]],
+                        // A default route through the bridge, so that pods reach the
+                        // machine's own address (the API server, for the chart's plugin).
+                        "routes": [{"dst": "0.0.0.0/0"}],
                         "dataDir": format!("{}/cni/ipam", r.display()),
                     },
                 },
@@ -722,6 +762,46 @@ fn list_dir(dir: &Path) -> Vec<PathBuf> {
         .flatten()
         .map(|e| e.path())
         .collect()
+}
+
+/// Makes `dir` a shared mount (a bind mount of itself, `MS_SHARED`), as systemd makes `/` on
+/// real hosts: containerd refuses a hostPath volume with `HostToContainer` or `Bidirectional`
+/// propagation (the chart's driver root) whose host side is on a private mount ("is mounted on
+/// / but it is not a shared or slave mount"), and this machine's `/` is private. The mount is
+/// under the node's dir, so [`Node::stop`] unmounts it with the rest.
+fn share(dir: &Path) -> Result<(), NodeError> {
+    use nix::mount::{MsFlags, mount};
+    mount(
+        Some(dir),
+        dir,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .map_err(|e| failed(&format!("bind-mounting {}", dir.display()), e))?;
+    mount(
+        None::<&str>,
+        dir,
+        None::<&str>,
+        MsFlags::MS_SHARED | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .map_err(|e| failed(&format!("making {} a shared mount", dir.display()), e))
+}
+
+/// Every regular file at or under `dir` (no symlinks followed).
+fn walk_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in list_dir(dir) {
+        if entry.is_symlink() {
+            continue;
+        } else if entry.is_dir() {
+            files.extend(walk_files(&entry));
+        } else if entry.is_file() {
+            files.push(entry);
+        }
+    }
+    files
 }
 
 /// `path` (absolute, e.g. `/kubepods`) in every cgroup hierarchy mounted under /sys/fs/cgroup.

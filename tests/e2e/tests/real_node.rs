@@ -11,14 +11,21 @@
 //!   (fake driver root) and runs the hooks (a recording stand-in);
 //! - time-slicing, existing MIG and dynamic MIG pods run with their devices;
 //! - an XID shows in the running pod's `allocatedResourcesStatus`, and recovery clears it.
+//!
+//! The Helm chart's DaemonSet on the same kind of node (plugin image, probes, rolling update)
+//! is `real_node_chart.rs`.
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
+use drust_e2e::node_pods::{
+    SCRIPT, apply_example, claim_uid_of, container_started, container_status, pod_claim_name,
+    restarts, seen, sleeping_gpu_pod, succeeded, terminated_message, wait_pod_done, wait_running,
+};
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::claims::device_env;
 use k8s_openapi::api::core::v1::Pod;
@@ -29,127 +36,6 @@ use kube::api::{DeleteParams, ListParams, PostParams};
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-/// What the container reports: its device nodes with their numbers, and its `NVIDIA_*` and
-/// `DRUST_*` variables,
-/// in its termination message (which the kubelet copies into the pod's status, so the test
-/// reads it through the API server; the API server cannot reach this kubelet for logs, whose
-/// node IP is loopback) and on stdout.
-const SCRIPT: &str = r#"{ for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$f" ] && stat -c 'node %n %t:%T' "$f"; done; env | grep -E '^(NVIDIA|DRUST)_' | sort | sed 's/^/env /'; echo done; } > /dev/termination-log; cat /dev/termination-log"#;
-
-/// `examples/<file>` with every container running [`SCRIPT`] in the local busybox image
-/// instead of its CUDA image (which this machine cannot pull).
-fn example_on_busybox(file: &str) -> anyhow::Result<String> {
-    drust_e2e::manifests::on_workload_image(&std::fs::read_to_string(repo_path(file))?, SCRIPT)
-}
-
-/// Applies `examples/<file>` as [`example_on_busybox`] rewrites it.
-async fn apply_example(client: &kube::Client, file: &str) -> anyhow::Result<()> {
-    apply_yaml(client, &example_on_busybox(file)?, &repo_path(file)).await?;
-    Ok(())
-}
-
-/// Whether `pod` completed successfully.
-fn succeeded(pod: &Pod) -> bool {
-    pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded")
-}
-
-/// The name of the ResourceClaim generated for `pod`'s first pod claim.
-fn pod_claim_name(pod: &Pod) -> anyhow::Result<String> {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref())
-        .and_then(|c| c.first())
-        .and_then(|c| c.resource_claim_name.clone())
-        .context("the pod's claim")
-}
-
-/// Waits for pod `name` to have completed (Succeeded or Failed).
-async fn wait_pod_done(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
-    wait_phase(pods, name, node, &["Succeeded", "Failed"]).await
-}
-
-/// Waits for pod `name` to run; fails at once if it completed instead.
-async fn wait_running(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
-    let pod = wait_phase(pods, name, node, &["Running", "Succeeded", "Failed"]).await?;
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    ensure!(
-        phase == Some("Running"),
-        "pod {name} ended: {:?}",
-        pod.status
-    );
-    Ok(pod)
-}
-
-/// Polls pod `name` until its phase is one of `phases`, for at most [`TIMEOUT`].
-async fn wait_phase(
-    pods: &Api<Pod>,
-    name: &str,
-    node: &Node,
-    phases: &[&str],
-) -> anyhow::Result<Pod> {
-    let start = Instant::now();
-    loop {
-        let pod = pods.get(name).await?;
-        let phase = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.phase.clone())
-            .unwrap_or_default();
-        if phases.contains(&phase.as_str()) {
-            return Ok(pod);
-        }
-        if start.elapsed() > TIMEOUT {
-            bail!(
-                "pod {name} still {phase} after {TIMEOUT:?}: {:?}\n{}",
-                pod.status,
-                node.log_tail()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-}
-
-/// A pod holding one GPU (from the example's `one-h100` template) until it is deleted.
-fn sleeping_gpu_pod(name: &str) -> anyhow::Result<Pod> {
-    Ok(serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 2,
-            "containers": [{
-                "name": "main",
-                "image": WORKLOAD_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
-                "resources": {"claims": [{"name": "gpu"}]},
-            }],
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-h100"}],
-        },
-    }))?)
-}
-
-/// The UID of the claim generated for `pod`'s first claim.
-async fn claim_uid_of(pod: &Pod, claims: &Api<ResourceClaim>) -> anyhow::Result<String> {
-    let name = pod_claim_name(pod)?;
-    Ok(claims.get(&name).await?.metadata.uid.unwrap_or_default())
-}
-
-fn container_status(pod: &Pod) -> Option<&k8s_openapi::api::core::v1::ContainerStatus> {
-    pod.status.as_ref()?.container_statuses.as_ref()?.first()
-}
-
-/// When the pod's first container started (its running state).
-fn container_started(pod: &Pod) -> Option<String> {
-    let running = container_status(pod)?.state.as_ref()?.running.as_ref()?;
-    Some(format!("{:?}", running.started_at))
-}
-
-fn restarts(pod: &Pod) -> i32 {
-    container_status(pod).map_or(-1, |c| c.restart_count)
-}
 
 /// Whether the plugin's checkpoint has a record of the claim `uid`.
 fn checkpoint_has(host: &BinaryHost, uid: &str) -> anyhow::Result<bool> {
@@ -277,37 +163,6 @@ fn spawn_placeholder() -> anyhow::Result<std::process::Child> {
     let mut child = std::process::Command::new("true").spawn()?;
     child.wait()?;
     Ok(child)
-}
-
-/// The device nodes (`path major:minor`) and variables (`NAME=value`) in what [`SCRIPT`]
-/// printed, each sorted.
-fn seen(log: &str) -> (Vec<String>, Vec<String>) {
-    let pick = |prefix: &str| {
-        let mut v: Vec<String> = log
-            .lines()
-            .filter_map(|l| l.strip_prefix(prefix))
-            .map(str::to_owned)
-            .collect();
-        v.sort();
-        v
-    };
-    (pick("node "), pick("env "))
-}
-
-/// The termination message of container `name` of `pod`: what [`SCRIPT`] printed.
-fn terminated_message(pod: &Pod, name: &str) -> Option<String> {
-    pod.status
-        .as_ref()?
-        .container_statuses
-        .as_ref()?
-        .iter()
-        .find(|c| c.name == name)?
-        .state
-        .as_ref()?
-        .terminated
-        .as_ref()?
-        .message
-        .clone()
 }
 
 #[tokio::test]

@@ -38,7 +38,8 @@ pub(super) struct Credentials {
 }
 
 impl Credentials {
-    pub(super) fn generate() -> Result<Self, Error> {
+    /// A fresh CA and certificates; the serving certificate also names `extra_address`.
+    pub(super) fn generate(extra_address: Option<std::net::IpAddr>) -> Result<Self, Error> {
         let gen_err = |what| move |source| Error::GenerateCertificate { what, source };
 
         // rcgen's default key pair is ECDSA P-256, serialized as PKCS#8 "PRIVATE KEY", which
@@ -59,14 +60,19 @@ impl Credentials {
             .map_err(gen_err("the CA certificate"))?;
 
         let serving_key = KeyPair::generate().map_err(gen_err("the serving key"))?;
-        let mut serving_params = CertificateParams::new(vec![
-            "127.0.0.1".to_owned(),
-            "localhost".to_owned(),
-            KUBERNETES_SERVICE_IP.to_owned(),
-            "kubernetes".to_owned(),
-            "kubernetes.default".to_owned(),
-            "kubernetes.default.svc".to_owned(),
-        ])
+        let mut serving_params = CertificateParams::new(
+            vec![
+                "127.0.0.1".to_owned(),
+                "localhost".to_owned(),
+                KUBERNETES_SERVICE_IP.to_owned(),
+                "kubernetes".to_owned(),
+                "kubernetes.default".to_owned(),
+                "kubernetes.default.svc".to_owned(),
+            ]
+            .into_iter()
+            .chain(extra_address.map(|a| a.to_string()))
+            .collect::<Vec<_>>(),
+        )
         .map_err(gen_err("the serving certificate"))?;
         serving_params
             .distinguished_name
@@ -202,7 +208,7 @@ mod tests {
     #[tokio::test]
     async fn kubeconfigs_load_with_the_server_the_ca_and_the_token() {
         let dir = tempfile::tempdir().unwrap();
-        let credentials = Credentials::generate().unwrap();
+        let credentials = Credentials::generate(None).unwrap();
         let files = credentials
             .write(dir.path(), "https://127.0.0.1:6443")
             .unwrap();

@@ -1,0 +1,353 @@
+//! The Helm chart on a real node: `helm install` as the README says, with the plugin image
+//! built from the binary just compiled (an OCI archive imported into the node's containerd, the
+//! chart's entrypoint and flags, plus `--fake-topology` for the fake DGX H100 and the node's
+//! temp-dir paths as values). The DaemonSet pod runs, its probes pass, it registers with the
+//! real kubelet as its ServiceAccount (RBAC and the chart's admission policy enforced), and a
+//! workload pod gets its GPU. Then a rolling update of the DaemonSet to a new image tag while
+//! one workload pod runs and another is being created: no prepare fails, no pod restarts, and
+//! the new instance unprepares what the old one prepared.
+//!
+//! The test node runs no kube-proxy, so the `kubernetes` Service's ClusterIP does not route:
+//! the plugin pod reaches the API server at the machine's address through the chart's
+//! `extraEnv` (`KUBERNETES_SERVICE_HOST`/`_PORT`), as on clusters without kube-proxy.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use drust_e2e::helm::{chart_path, helm_in};
+use drust_e2e::host::BinaryHost;
+use drust_e2e::images;
+use drust_e2e::manifests::repo_path;
+use drust_e2e::node::{Node, NodeOptions};
+use drust_e2e::node_pods::{
+    POD_TIMEOUT, apply_example, container_started, restarts, seen, sleeping_gpu_pod, succeeded,
+    terminated_message, wait_pod_done, wait_running,
+};
+use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, PostParams};
+
+const DRIVER: &str = "gpu.drust.dev";
+const NODE: &str = "gpu-node-0";
+const NAMESPACE: &str = "drust-system";
+const RELEASE: &str = "drust";
+const IMAGE: &str = "docker.io/library/drust-gpu-kubelet-plugin";
+const TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The chart's plugin pods on the node, by name.
+async fn plugin_pods(pods: &Api<Pod>) -> anyhow::Result<BTreeMap<String, Pod>> {
+    Ok(pods
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/instance={RELEASE}")))
+        .await?
+        .items
+        .into_iter()
+        .map(|p| (p.metadata.name.clone().unwrap_or_default(), p))
+        .collect())
+}
+
+fn ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn image_of(pod: &Pod) -> &str {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.image.as_deref())
+        .unwrap_or_default()
+}
+
+/// Waits until the only plugin pod runs `image` and is Ready (the old one, if any, gone).
+async fn wait_plugin_ready(pods: &Api<Pod>, image: &str, node: &Node) -> anyhow::Result<Pod> {
+    let start = Instant::now();
+    loop {
+        let all = plugin_pods(pods).await?;
+        if all.len() == 1
+            && let Some(pod) = all.values().next()
+            && image_of(pod) == image
+            && ready(pod)
+        {
+            return Ok(pod.clone());
+        }
+        ensure!(
+            start.elapsed() < TIMEOUT,
+            "no single Ready plugin pod of {image} after {TIMEOUT:?}: {:#?}\n{}\n{}",
+            all.values()
+                .map(|p| (
+                    p.metadata.name.clone(),
+                    image_of(p).to_owned(),
+                    p.status.clone()
+                ))
+                .collect::<Vec<_>>(),
+            node.pod_logs(NAMESPACE, RELEASE, 40),
+            node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// One GPU node and the control nodes, and one `DRUST_DEVICE_*` variable: what a one-GPU
+/// container must see.
+fn sees_one_gpu(log: &str) -> bool {
+    let (nodes, env) = seen(log);
+    let gpus = nodes
+        .iter()
+        .filter(|n| {
+            n.strip_prefix("/dev/nvidia")
+                .and_then(|r| r.split(' ').next())
+                .is_some_and(|m| !m.is_empty() && m.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .count();
+    let control = [
+        "/dev/nvidia-uvm ",
+        "/dev/nvidia-uvm-tools ",
+        "/dev/nvidiactl ",
+    ]
+    .iter()
+    .all(|c| nodes.iter().any(|n| n.starts_with(c)));
+    let devices = env
+        .iter()
+        .filter(|e| e.starts_with("DRUST_DEVICE_"))
+        .count();
+    gpus == 1 && nodes.len() == 4 && control && devices == 1
+}
+
+/// The claims the plugin's checkpoint (on the host) records.
+fn checkpointed_claims(node: &Node) -> anyhow::Result<usize> {
+    let path = node.plugin_dir(DRIVER).join("checkpoint.json");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    Ok(v["data"]["claims"]
+        .as_object()
+        .map_or(0, serde_json::Map::len))
+}
+
+#[tokio::test]
+async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failing_a_pod()
+-> anyhow::Result<()> {
+    let address = drust_e2e::host_address()
+        .context("this machine has no non-loopback IPv4 address for pods to reach")?;
+    let cp = ControlPlane::start(ControlPlaneOptions {
+        pod_address: Some(address),
+        ..Default::default()
+    })
+    .await?;
+    let (_, port) = cp.pod_endpoint().context("pod endpoint")?;
+    let client = cp.client().await?;
+    let node = Node::start(
+        &cp,
+        NODE,
+        NodeOptions {
+            labels: [("nvidia.com/gpu.present".to_owned(), "true".to_owned())].into(),
+        },
+    )
+    .await?;
+
+    // The fake GPU host: device nodes (mknod) and an empty driver root, under a temp dir.
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let host = BinaryHost::new(
+        "drust-chart-node-",
+        cp.kubeconfig_path(),
+        &topology,
+        DRIVER,
+        NODE,
+    )?
+    .on_node(&node);
+    host.make_device_nodes()?;
+    // The chart mounts the driver root with HostToContainer propagation, which needs a shared
+    // mount on the host side: the node's root is one (as `/` on a systemd host).
+    let driver_root = node.root().join("driver-root");
+    std::fs::create_dir_all(&driver_root)?;
+
+    // Two tags of the plugin image, from the binary this test run built.
+    for tag in ["v1", "v2"] {
+        let image = images::plugin(&format!("{IMAGE}:{tag}"), host.binary(), &topology)?;
+        let archive = host.root().join(format!("plugin-{tag}.tar"));
+        images::write_archive(&image, &archive)?;
+        node.import(&archive).await?;
+    }
+
+    // helm install as the README says, with this node's paths and the local image.
+    let chart = chart_path();
+    let helm_home = host.root().join("helm-home");
+    let kubeconfig = format!("--kubeconfig={}", cp.kubeconfig_path().display());
+    let sets = [
+        format!("image.repository={IMAGE}"),
+        "image.tag=v1".to_owned(),
+        "image.pullPolicy=Never".to_owned(),
+        format!("host.kubeletDir={}", node.kubelet_dir().display()),
+        format!("host.cdiRoot={}", node.cdi_root().display()),
+        format!("host.driverRoot={}", driver_root.display()),
+        format!("host.devRoot={}", host.root().display()),
+        format!("host.mpsRoot={}", host.root().join("mps").display()),
+        format!("extraArgs={{--fake-topology={}}}", images::PLUGIN_TOPOLOGY),
+    ];
+    let env = serde_json::json!([
+        {"name": "KUBERNETES_SERVICE_HOST", "value": address.to_string()},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": port.to_string()},
+    ]);
+    let mut args = vec![
+        "install".to_owned(),
+        RELEASE.to_owned(),
+        chart.display().to_string(),
+        "--namespace".to_owned(),
+        NAMESPACE.to_owned(),
+        "--create-namespace".to_owned(),
+        kubeconfig.clone(),
+        "--set-json".to_owned(),
+        format!("extraEnv={env}"),
+    ];
+    for s in &sets {
+        args.extend(["--set".to_owned(), s.clone()]);
+    }
+    let started = Instant::now();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let installed = helm_in(Some(&helm_home), &args).await?;
+    ensure!(installed.contains("STATUS: deployed"), "{installed}");
+
+    // The DaemonSet's pod runs and is Ready (readiness probe on /readyz); its slices are
+    // published as its own identity.
+    let system_pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
+    let v1 = wait_plugin_ready(&system_pods, &format!("{IMAGE}:v1"), &node).await?;
+    eprintln!(
+        "helm install -> plugin pod Ready: {} ms",
+        started.elapsed().as_millis()
+    );
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let published = slices
+        .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
+        .await?
+        .items;
+    ensure!(
+        published
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            .sum::<usize>()
+            == 8,
+        "eight GPUs published: {published:?}"
+    );
+
+    // A workload pod gets its GPU (the example, on the local busybox image).
+    let example = "examples/single-gpu/single-gpu.yaml";
+    apply_example(&client, example).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let done = wait_pod_done(&pods, "cuda-one-gpu", &node).await?;
+    let log = terminated_message(&done, "cuda").unwrap_or_default();
+    ensure!(
+        succeeded(&done) && sees_one_gpu(&log),
+        "the example through the chart's plugin: {:?}\n{log}",
+        done.status
+    );
+    pods.delete("cuda-one-gpu", &DeleteParams::default())
+        .await?;
+
+    // Rolling update: a pod holds a GPU, another is created while `helm upgrade` moves the
+    // DaemonSet to v2 (surge: the new pod registers beside the old one, then the old one hands
+    // over and exits).
+    pods.create(&PostParams::default(), &sleeping_gpu_pod("holder")?)
+        .await?;
+    let holder = wait_running(&pods, "holder", &node).await?;
+    let holder_started = container_started(&holder);
+    let upgrade: Vec<String> = vec![
+        "upgrade".to_owned(),
+        RELEASE.to_owned(),
+        chart.display().to_string(),
+        "--namespace".to_owned(),
+        NAMESPACE.to_owned(),
+        "--reuse-values".to_owned(),
+        "--set".to_owned(),
+        "image.tag=v2".to_owned(),
+        kubeconfig,
+    ];
+    let upgrade_args: Vec<&str> = upgrade.iter().map(String::as_str).collect();
+    let rolled = Instant::now();
+    let during = sleeping_gpu_pod("during")?;
+    let post = PostParams::default();
+    let (upgraded, created) = tokio::join!(
+        helm_in(Some(&helm_home), &upgrade_args),
+        pods.create(&post, &during)
+    );
+    ensure!(upgraded?.contains("STATUS: deployed"), "helm upgrade");
+    created?;
+    let v2 = wait_plugin_ready(&system_pods, &format!("{IMAGE}:v2"), &node).await?;
+    eprintln!(
+        "helm upgrade -> old plugin pod gone, new one Ready: {} ms",
+        rolled.elapsed().as_millis()
+    );
+    ensure!(v2.metadata.uid != v1.metadata.uid, "a new plugin pod");
+    let ds = Api::<DaemonSet>::namespaced(client.clone(), NAMESPACE)
+        .get(&format!("{RELEASE}-kubelet-plugin"))
+        .await?;
+    ensure!(
+        ds.status.as_ref().and_then(|s| s.updated_number_scheduled) == Some(1),
+        "{:?}",
+        ds.status
+    );
+    let during = wait_running(&pods, "during", &node).await?;
+    let holder = pods.get("holder").await?;
+    ensure!(
+        restarts(&holder) == 0
+            && restarts(&during) == 0
+            && container_started(&holder) == holder_started,
+        "no restarts: holder {:?}, during {:?}",
+        holder.status,
+        during.status
+    );
+    // No warning on any workload pod: no failed prepare, nothing retried. Two warnings are
+    // this test node's environment, not the plugin's doing: it runs no cluster DNS, and this
+    // machine has cgroup v1.
+    let environment = ["MissingClusterDNS", "CgroupV1"];
+    let warnings: Vec<String> = Api::<Event>::namespaced(client.clone(), "default")
+        .list(&ListParams::default().fields("type=Warning"))
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| !environment.contains(&e.reason.as_deref().unwrap_or_default()))
+        .map(|e| {
+            format!(
+                "{:?} {:?}: {:?}",
+                e.involved_object.name, e.reason, e.message
+            )
+        })
+        .collect();
+    ensure!(warnings.is_empty(), "warnings: {warnings:#?}");
+
+    // The new instance unprepares what the old one prepared.
+    ensure!(checkpointed_claims(&node)? == 2, "both claims checkpointed");
+    for name in ["holder", "during"] {
+        pods.delete(name, &DeleteParams::default()).await?;
+    }
+    let start = Instant::now();
+    while checkpointed_claims(&node)? > 0
+        || std::fs::read_dir(node.cdi_root())?.flatten().count() > 0
+    {
+        ensure!(
+            start.elapsed() < POD_TIMEOUT,
+            "claims still prepared after their pods were deleted\n{}",
+            node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    helm_in(
+        Some(&helm_home),
+        &[
+            "uninstall",
+            RELEASE,
+            "--namespace",
+            NAMESPACE,
+            "--wait",
+            &format!("--kubeconfig={}", cp.kubeconfig_path().display()),
+        ],
+    )
+    .await?;
+    node.stop().await?;
+    cp.stop().await?;
+    Ok(())
+}
