@@ -2,7 +2,9 @@
 // kubelet plugin built on upstream's k8s.io/dynamic-resource-allocation/kubeletplugin helper (the
 // library dra-example-driver and NVIDIA's driver build on), doing the same durable file work per
 // claim as drust: one CDI spec file and one checkpoint file, each written to a temp file,
-// fsynced, renamed, and the directory fsynced. Test tooling only.
+// fsynced, renamed, and the directory fsynced. With --devices N it also publishes N GPUs in a
+// ResourceSlice of its node's pool (as a real driver does) and names their device nodes under
+// --dev-root in its CDI specs, so that real pods on a real node can use it. Test tooling only.
 package main
 
 import (
@@ -13,6 +15,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -21,10 +25,13 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
 )
 
 type driver struct {
 	name, node, cdiRoot, checkpoint string
+	// devRoot is the host directory holding dev/nvidia<N> ("/" on a real GPU host).
+	devRoot string
 
 	mu       sync.Mutex
 	prepared map[types.UID][]kubeletplugin.Device
@@ -71,6 +78,25 @@ func (d *driver) specPath(uid types.UID) string {
 	return filepath.Join(d.cdiRoot, fmt.Sprintf("%s-claim_%s.json", d.name, uid))
 }
 
+// deviceNodes are the CDI device nodes of a published device "gpu-<N>": /dev/nvidia<N> and the
+// control nodes, with their host paths under devRoot.
+func (d *driver) deviceNodes(device string) []map[string]string {
+	minor := "0"
+	if n, err := strconv.Atoi(strings.TrimPrefix(device, "gpu-")); err == nil {
+		minor = strconv.Itoa(n)
+	}
+	var nodes []map[string]string
+	for _, node := range []string{"nvidia" + minor, "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"} {
+		path := "/dev/" + node
+		entry := map[string]string{"path": path}
+		if d.devRoot != "/" {
+			entry["hostPath"] = filepath.Join(d.devRoot, path)
+		}
+		nodes = append(nodes, entry)
+	}
+	return nodes
+}
+
 func (d *driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
 	result := map[types.UID]kubeletplugin.PrepareResult{}
 	for _, claim := range claims {
@@ -100,7 +126,7 @@ func (d *driver) PrepareResourceClaims(ctx context.Context, claims []*resourceap
 					CDIDeviceIDs: []string{d.name + "/claim=" + name},
 				})
 				cdiDevices = append(cdiDevices, cdiDevice{Name: name, ContainerEdits: map[string]any{
-					"deviceNodes": []map[string]string{{"path": "/dev/nvidia0"}},
+					"deviceNodes": d.deviceNodes(r.Device),
 				}})
 			}
 		}
@@ -146,6 +172,8 @@ func main() {
 	cdiRoot := flag.String("cdi-root", "", "CDI spec directory")
 	qps := flag.Float64("kube-api-qps", 5, "client-go QPS (client-go's default is 5)")
 	burst := flag.Int("kube-api-burst", 10, "client-go burst (client-go's default is 10)")
+	devices := flag.Int("devices", 0, "GPUs gpu-0..gpu-<N-1> to publish in a ResourceSlice (0: publish none)")
+	devRoot := flag.String("dev-root", "/", "host directory holding dev/nvidia<N>, named in CDI specs")
 	flag.Parse()
 
 	cfg, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
@@ -162,7 +190,7 @@ func main() {
 			os.Exit(1)
 		}
 	}
-	d := &driver{name: *name, node: *node, cdiRoot: *cdiRoot,
+	d := &driver{name: *name, node: *node, cdiRoot: *cdiRoot, devRoot: *devRoot,
 		checkpoint: filepath.Join(*pluginDir, "checkpoint.json"), prepared: map[types.UID][]kubeletplugin.Device{}}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer cancel()
@@ -176,6 +204,25 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
+	}
+	if *devices > 0 {
+		var published []resourceapi.Device
+		for i := 0; i < *devices; i++ {
+			index := int64(i)
+			published = append(published, resourceapi.Device{
+				Name: fmt.Sprintf("gpu-%d", i),
+				Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+					"index": {IntValue: &index},
+				},
+			})
+		}
+		err := helper.PublishResources(ctx, resourceslice.DriverResources{
+			Pools: map[string]resourceslice.Pool{*node: {Slices: []resourceslice.Slice{{Devices: published}}}},
+		})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
 	}
 	<-ctx.Done()
 	helper.Stop()
