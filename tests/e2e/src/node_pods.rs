@@ -99,6 +99,12 @@ pub async fn wait_phase(
 
 /// A pod holding one GPU (from the example's `one-h100` template) until it is deleted.
 pub fn sleeping_gpu_pod(name: &str) -> anyhow::Result<Pod> {
+    sleeping_pod_with_claim(name, "one-h100")
+}
+
+/// A busybox pod in `default` that sleeps until deleted (exits at once on SIGTERM), holding a
+/// claim from ResourceClaimTemplate `template` in its one container.
+pub fn sleeping_pod_with_claim(name: &str, template: &str) -> anyhow::Result<Pod> {
     Ok(serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -113,7 +119,7 @@ pub fn sleeping_gpu_pod(name: &str) -> anyhow::Result<Pod> {
                 "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
                 "resources": {"claims": [{"name": "gpu"}]},
             }],
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-h100"}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
         },
     }))?)
 }

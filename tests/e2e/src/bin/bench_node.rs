@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use drust_e2e::binary::go_tool;
 use drust_e2e::host::{BinaryHost, PluginProcess, stop};
-use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::repo_path;
 use drust_e2e::node::{Node, NodeOptions};
+use drust_e2e::node_pods::sleeping_pod_with_claim;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -193,27 +193,9 @@ async fn class_and_template(client: &kube::Client, driver: &str) -> anyhow::Resu
     Ok(())
 }
 
+/// A pod holding one device of `driver` (its `bench-<driver>` template) until deleted.
 fn pod(name: &str, driver: &str) -> anyhow::Result<Pod> {
-    Ok(serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 2,
-            "containers": [{
-                "name": "main",
-                "image": WORKLOAD_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
-                "resources": {"claims": [{"name": "gpu"}]},
-            }],
-            "resourceClaims": [{
-                "name": "gpu",
-                "resourceClaimTemplateName": format!("bench-{}", driver.replace('.', "-")),
-            }],
-        },
-    }))?)
+    sleeping_pod_with_claim(name, &format!("bench-{}", driver.replace('.', "-")))
 }
 
 /// Creates `pod` and times until a watch event shows it Running; then deletes it and waits
