@@ -95,21 +95,42 @@ impl Gen {
     }
 }
 
-/// The corpus, and how many of its first cases form the benchmark corpus.
-fn corpus() -> (Vec<String>, usize) {
-    let dir = repo_root().join("tests/cel");
-    let devices: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("devices.jsonl"))
-        .expect("read devices")
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).expect("device json"))
-        .collect();
-    let expressions: Vec<String> = std::fs::read_to_string(dir.join("expressions.txt"))
-        .expect("read expressions")
+/// The non-blank, non-comment lines of corpus file `tests/cel/<file>`. A missing, unreadable
+/// or empty file fails the test: a corpus that silently shrinks proves nothing.
+fn corpus_lines(file: &str) -> Vec<String> {
+    let path = repo_root().join("tests/cel").join(file);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("corpus file {}: {e}", path.display()));
+    let lines: Vec<String> = text
         .lines()
         .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
         .map(String::from)
         .collect();
+    assert!(
+        !lines.is_empty(),
+        "corpus file {} has no cases",
+        path.display()
+    );
+    lines
+}
+
+#[test]
+#[should_panic(expected = "no-such-corpus.jsonl")]
+fn a_missing_corpus_file_fails_the_conformance_test_instead_of_shrinking_it() {
+    corpus_lines("no-such-corpus.jsonl");
+}
+
+/// The corpus, and how many of its first cases form the benchmark corpus.
+fn corpus() -> (Vec<String>, usize) {
+    let devices: Vec<serde_json::Value> = corpus_lines("devices.jsonl")
+        .iter()
+        .map(|l| serde_json::from_str(l).expect("device json"))
+        .collect();
+    assert!(
+        devices.len() >= 2,
+        "tests/cel/devices.jsonl needs two devices"
+    );
+    let expressions = corpus_lines("expressions.txt");
     let mut cases = Vec::new();
     let case = |e: &str, d: &serde_json::Value, env: Option<&str>, list_attrs: Option<bool>| {
         let mut c = serde_json::json!({"expression": e, "device": d});
@@ -137,14 +158,7 @@ fn corpus() -> (Vec<String>, usize) {
     // upstream seconds each.
     let bench = cases.len();
     for file in ["cases.jsonl", "rules.jsonl"] {
-        for line in std::fs::read_to_string(dir.join(file))
-            .unwrap_or_default()
-            .lines()
-        {
-            if !line.trim().is_empty() && !line.starts_with('#') {
-                cases.push(line.to_string());
-            }
-        }
+        cases.extend(corpus_lines(file));
     }
     (cases, bench)
 }
