@@ -69,18 +69,21 @@ struct Args {
     /// File holding this boot's ID.
     #[arg(long, default_value = "/proc/sys/kernel/random/boot_id")]
     boot_id_file: PathBuf,
-    /// Deadline of one claim's prepare or unprepare, in seconds (the kubelet waits 45).
-    #[arg(long, default_value_t = 10)]
+    /// Deadline of one claim's prepare or unprepare, in seconds: 1 to 44, so that the plugin
+    /// answers before the kubelet's own 45 s timeout gives up on the call.
+    #[arg(long, default_value_t = 10, value_parser = claim_deadline)]
     claim_timeout_seconds: u64,
-    /// How often to unprepare claims that vanished from the API server, in seconds.
-    #[arg(long, default_value_t = 60)]
+    /// How often to unprepare claims that vanished from the API server, in seconds (1 to
+    /// 86400).
+    #[arg(long, default_value_t = 60, value_parser = interval)]
     stale_claim_interval_seconds: u64,
     /// How MIG-capable GPUs are published: `existing` MIG devices (GPUs with MIG disabled as
     /// whole GPUs), or `partitionable`: every possible MIG placement consuming shared counters.
     #[arg(long, value_enum, default_value = "existing")]
     mig_strategy: MigStrategyArg,
-    /// How often to discover GPUs again and republish the pool when it changed, in seconds.
-    #[arg(long, default_value_t = 60)]
+    /// How often to discover GPUs again and republish the pool when it changed, in seconds (1
+    /// to 86400).
+    #[arg(long, default_value_t = 60, value_parser = interval)]
     rediscovery_interval_seconds: u64,
     /// This instance's ID (set it to the pod UID): socket names then carry it, so two
     /// instances can serve side by side during a rolling update.
@@ -98,8 +101,9 @@ struct Args {
     /// Host directory for per-claim MPS pipe and log directories (mounted into containers).
     #[arg(long, default_value = "/run/drust/mps")]
     mps_root: PathBuf,
-    /// How long an MPS control daemon may take to start answering, in seconds.
-    #[arg(long, default_value_t = 5)]
+    /// How long an MPS control daemon may take to start answering, in seconds: at least 1 and
+    /// less than --claim-timeout-seconds (the start is part of a prepare).
+    #[arg(long, default_value_t = 5, value_parser = claim_deadline)]
     mps_start_timeout_seconds: u64,
     /// Root of the NVIDIA driver installation as this process sees it: its libraries,
     /// binaries, firmware and sockets go into every claim's CDI spec.
@@ -130,6 +134,13 @@ impl Args {
             (None, true) => "dry-run-node".to_owned(),
             (None, false) => anyhow::bail!("--node-name (or NODE_NAME) is required"),
         };
+        anyhow::ensure!(
+            self.mps_start_timeout_seconds < self.claim_timeout_seconds,
+            "--mps-start-timeout-seconds ({} s) must be less than --claim-timeout-seconds ({} s): \
+             an MPS daemon starts within a claim's prepare",
+            self.mps_start_timeout_seconds,
+            self.claim_timeout_seconds
+        );
         let backend = match self.fake_topology {
             Some(topology) => Backend::Fake {
                 topology,
@@ -161,14 +172,14 @@ impl Args {
         config.boot_id_path = self.boot_id_file;
         config.claim_timeout = std::time::Duration::from_secs(self.claim_timeout_seconds);
         config.stale_claim_interval =
-            std::time::Duration::from_secs(self.stale_claim_interval_seconds.max(1));
+            std::time::Duration::from_secs(self.stale_claim_interval_seconds);
         config.kubeconfig = self.kubeconfig;
         config.mig_strategy = match self.mig_strategy {
             MigStrategyArg::Existing => gpu_inventory::MigStrategy::Existing,
             MigStrategyArg::Partitionable => gpu_inventory::MigStrategy::Partitionable,
         };
         config.rediscovery_interval =
-            std::time::Duration::from_secs(self.rediscovery_interval_seconds.max(1));
+            std::time::Duration::from_secs(self.rediscovery_interval_seconds);
         config.dry_run = self.dry_run.then_some(match self.output {
             Format::Yaml => OutputFormat::Yaml,
             Format::Json => OutputFormat::Json,
@@ -180,8 +191,7 @@ impl Args {
         config.health_monitoring = self.health_monitoring;
         config.mps_control_binary = self.mps_control_binary;
         config.mps_root = self.mps_root;
-        config.mps_start_timeout =
-            std::time::Duration::from_secs(self.mps_start_timeout_seconds.max(1));
+        config.mps_start_timeout = std::time::Duration::from_secs(self.mps_start_timeout_seconds);
         config.driver_root = gpu_kubelet_plugin::driver_files::DriverRoot {
             host_root: self
                 .host_driver_root
@@ -191,6 +201,40 @@ impl Args {
         };
         Ok(config)
     }
+}
+
+/// The kubelet's timeout for a NodePrepareResources or NodeUnprepareResources call, in seconds
+/// (`pkg/kubelet/cm/dra/plugin`, 45 s in v1.36).
+const KUBELET_CALL_TIMEOUT_SECONDS: u64 = 45;
+
+/// A deadline within one kubelet call: 1 to 44 s.
+fn claim_deadline(value: &str) -> Result<u64, String> {
+    let seconds = seconds(value)?;
+    if (1..KUBELET_CALL_TIMEOUT_SECONDS).contains(&seconds) {
+        Ok(seconds)
+    } else {
+        Err(format!(
+            "{seconds} s: must be 1 to {} s, within the kubelet's {KUBELET_CALL_TIMEOUT_SECONDS} s \
+             timeout for one call",
+            KUBELET_CALL_TIMEOUT_SECONDS - 1
+        ))
+    }
+}
+
+/// A period of background work: 1 s to a day.
+fn interval(value: &str) -> Result<u64, String> {
+    let seconds = seconds(value)?;
+    if (1..=86_400).contains(&seconds) {
+        Ok(seconds)
+    } else {
+        Err(format!("{seconds} s: must be 1 to 86400 s"))
+    }
+}
+
+fn seconds(value: &str) -> Result<u64, String> {
+    value
+        .parse()
+        .map_err(|_| format!("{value:?} is not a whole number of seconds"))
 }
 
 async fn shutdown_signal() {

@@ -118,3 +118,66 @@ fn a_bad_topology_is_a_clear_error_naming_the_file() {
         "{err}"
     );
 }
+
+/// Durations that cannot work are refused at start with the flag and the reason, never clamped
+/// or accepted: a claim deadline of 0 or beyond the kubelet's 45 s call timeout, a zero
+/// interval, an MPS start timeout that does not fit in the claim's deadline.
+#[test]
+fn nonsense_durations_are_refused_naming_the_flag_and_the_limit() {
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+            .args(["--dry-run", "--node-name", "gpu-node-0", "--fake-topology"])
+            .arg(repo("examples/topologies/dgx-h100.yaml"))
+            .args(extra)
+            .output()
+            .expect("run gpu-kubelet-plugin")
+    };
+    for (flags, expected) in [
+        (
+            &["--claim-timeout-seconds", "0"][..],
+            "--claim-timeout-seconds",
+        ),
+        (
+            &["--claim-timeout-seconds", "45"],
+            "within the kubelet's 45 s",
+        ),
+        (&["--claim-timeout-seconds=-3"], "not a whole number"),
+        (
+            &["--stale-claim-interval-seconds", "0"],
+            "must be 1 to 86400 s",
+        ),
+        (
+            &["--rediscovery-interval-seconds", "0"],
+            "--rediscovery-interval-seconds",
+        ),
+        (
+            &["--mps-start-timeout-seconds", "0"],
+            "--mps-start-timeout-seconds",
+        ),
+        (
+            &[
+                "--claim-timeout-seconds",
+                "5",
+                "--mps-start-timeout-seconds",
+                "5",
+            ],
+            "must be less than --claim-timeout-seconds (5 s)",
+        ),
+    ] {
+        let out = run(flags);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} accepted");
+        assert!(stderr.contains(expected), "{flags:?}: {stderr}");
+    }
+    let out = run(&[
+        "--claim-timeout-seconds",
+        "44",
+        "--mps-start-timeout-seconds",
+        "43",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
