@@ -4,7 +4,8 @@
 //!
 //! Scenarios: a claim of 1 GPU, a claim of 8 GPUs, and 8 one-GPU claims prepared by 8 concurrent
 //! calls (as for 8 pods starting at once). Each iteration prepares then unprepares; every call's
-//! latency counts, including the API-server read of the claim and every fsync.
+//! latency counts, including the API-server read of the claim and every fsync. The two plugins
+//! take turns iteration by iteration (which goes first alternates).
 //!
 //! `cargo run --release -p drust-e2e --bin bench_prepare -- [--iterations N]`
 
@@ -106,83 +107,86 @@ async fn call_unprepare(k: &Kubelet, claims: &[&ResourceClaim]) -> anyhow::Resul
     Ok(took)
 }
 
-/// Runs the three scenarios against one plugin.
-async fn bench(
-    client: &kube::Client,
-    plugin: &Plugin,
-    devices: &[String],
-    iterations: usize,
-) -> anyhow::Result<[Samples; 3]> {
-    let d = &plugin.driver;
-    let one = allocated_claim(
-        client,
-        &format!("{}-one", d.replace('.', "-")),
-        d,
-        NODE,
-        &devices[..1],
-    )
-    .await?;
-    let eight = allocated_claim(
-        client,
-        &format!("{}-eight", d.replace('.', "-")),
-        d,
-        NODE,
-        &devices[..8],
-    )
-    .await?;
-    let mut singles = Vec::new();
-    for (i, dev) in devices.iter().take(8).enumerate() {
-        singles.push(
-            allocated_claim(
-                client,
-                &format!("{}-single-{i}", d.replace('.', "-")),
-                d,
-                NODE,
-                std::slice::from_ref(dev),
-            )
-            .await?,
-        );
+/// One plugin's claims for the three scenarios, the kubelet connection, and the samples.
+struct Bench {
+    one: ResourceClaim,
+    eight: ResourceClaim,
+    singles: Vec<ResourceClaim>,
+    kubelet: Kubelet,
+    samples: [Samples; 3],
+}
+
+impl Bench {
+    /// Creates the claims (allocated to `devices` of the plugin's driver) and registers with
+    /// the plugin as the kubelet does.
+    async fn new(
+        client: &kube::Client,
+        plugin: &Plugin,
+        devices: &[String],
+    ) -> anyhow::Result<Self> {
+        let d = &plugin.driver;
+        let prefix = d.replace('.', "-");
+        let one = allocated_claim(client, &format!("{prefix}-one"), d, NODE, &devices[..1]).await?;
+        let eight =
+            allocated_claim(client, &format!("{prefix}-eight"), d, NODE, &devices[..8]).await?;
+        let mut singles = Vec::new();
+        for (i, dev) in devices.iter().take(8).enumerate() {
+            singles.push(
+                allocated_claim(
+                    client,
+                    &format!("{prefix}-single-{i}"),
+                    d,
+                    NODE,
+                    std::slice::from_ref(dev),
+                )
+                .await?,
+            );
+        }
+        let (kubelet, _) = Kubelet::register(&plugin.registration).await?;
+        Ok(Self {
+            one,
+            eight,
+            singles,
+            kubelet,
+            samples: Default::default(),
+        })
     }
-    let (k, _) = Kubelet::register(&plugin.registration).await?;
-    // Eight pods' claims at once, as the kubelet sends them: concurrent calls on its one
-    // connection to the plugin.
-    let kubelets = vec![k.clone(); 8];
-    let mut out: [Samples; 3] = Default::default();
-    // One warm-up round, not counted: connections, caches.
-    for round in 0..=iterations {
-        let keep = round > 0;
-        let p = call_prepare(&k, &[&one]).await?;
-        let u = call_unprepare(&k, &[&one]).await?;
+
+    /// One round of the three scenarios; its latencies are kept when `keep`.
+    async fn round(&mut self, keep: bool) -> anyhow::Result<()> {
+        let k = &self.kubelet;
+        let p = call_prepare(k, &[&self.one]).await?;
+        let u = call_unprepare(k, &[&self.one]).await?;
         if keep {
-            out[0].prepare.push(p);
-            out[0].unprepare.push(u);
+            self.samples[0].prepare.push(p);
+            self.samples[0].unprepare.push(u);
         }
-        let p = call_prepare(&k, &[&eight]).await?;
-        let u = call_unprepare(&k, &[&eight]).await?;
+        let p = call_prepare(k, &[&self.eight]).await?;
+        let u = call_unprepare(k, &[&self.eight]).await?;
         if keep {
-            out[1].prepare.push(p);
-            out[1].unprepare.push(u);
+            self.samples[1].prepare.push(p);
+            self.samples[1].unprepare.push(u);
         }
+        // Eight pods' claims at once, as the kubelet sends them: concurrent calls on its one
+        // connection to the plugin.
         let prepared = futures::future::try_join_all(
-            kubelets
+            self.singles
                 .iter()
-                .zip(&singles)
-                .map(|(k, c)| async move { call_prepare(k, &[c]).await }),
+                .map(|c| async move { call_prepare(k, &[c]).await }),
         )
         .await?;
         let unprepared = futures::future::try_join_all(
-            kubelets
+            self.singles
                 .iter()
-                .zip(&singles)
-                .map(|(k, c)| async move { call_unprepare(k, &[c]).await }),
+                .map(|c| async move { call_unprepare(k, &[c]).await }),
         )
         .await?;
         if keep {
-            out[2].prepare.extend(prepared);
-            out[2].unprepare.extend(unprepared);
+            self.samples[2].prepare.extend(prepared);
+            self.samples[2].unprepare.extend(unprepared);
         }
+        Ok(())
     }
-    Ok(out)
 }
 
 #[tokio::main]
@@ -259,9 +263,21 @@ async fn main() -> anyhow::Result<()> {
     )?;
 
     eprintln!("benchmarking {iterations} iterations per scenario (plus one warm-up)...");
-    // Interleave: ours, then the peer, on the same machine state.
-    let ours_samples = bench(&client, &ours, &names, iterations).await?;
-    let peer_samples = bench(&client, &peer, &names, iterations).await?;
+    // Interleaved round by round, which one goes first alternating, so both see the same
+    // machine state (page cache, other load) over the run. Round 0 warms up and is not kept.
+    let mut ours_bench = Bench::new(&client, &ours, &names).await?;
+    let mut peer_bench = Bench::new(&client, &peer, &names).await?;
+    for round in 0..=iterations {
+        let keep = round > 0;
+        if round % 2 == 0 {
+            ours_bench.round(keep).await?;
+            peer_bench.round(keep).await?;
+        } else {
+            peer_bench.round(keep).await?;
+            ours_bench.round(keep).await?;
+        }
+    }
+    let (ours_samples, peer_samples) = (ours_bench.samples, peer_bench.samples);
 
     let scenarios = ["1 GPU", "8 GPUs", "8 x 1-GPU claims at once"];
     println!(
