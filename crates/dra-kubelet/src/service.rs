@@ -59,6 +59,7 @@ where
             Ok(r) if valid.iter().any(|v: &ClaimRef| v.uid == r.uid) => {}
             Ok(r) => valid.push(r),
             Err(e) => {
+                warn!(error = %e, "claim refused");
                 invalid.insert(uid(c).to_owned(), e.to_string());
             }
         }

@@ -62,29 +62,46 @@ async fn the_kubelets_plugin_watcher_registers_the_plugin_and_every_rpc_succeeds
 
     // v1: one good and one bad claim, each with its own result.
     let request = dra_v1::NodePrepareResourcesRequest {
-        claims: vec![v1_claim("ns", "good", "u1"), v1_claim("ns", "bad", "u2")],
+        claims: vec![
+            v1_claim("ns", "good", "00000000-0000-4000-8000-0000000000a1"),
+            v1_claim("ns", "bad", "00000000-0000-4000-8000-0000000000a2"),
+        ],
     };
     let resp: dra_v1::NodePrepareResourcesResponse = kubelet
         .prepare("example.com", Service::V1, &request)
         .await
         .expect("v1 NodePrepareResources");
-    assert_eq!(resp.claims["u1"].error, "");
     assert_eq!(
-        resp.claims["u1"].devices[0].cdi_device_ids,
-        ["example.com/claim=u1-gpu-0"]
+        resp.claims["00000000-0000-4000-8000-0000000000a1"].error,
+        ""
     );
-    assert!(resp.claims["u2"].error.contains("not allocated"));
+    assert_eq!(
+        resp.claims["00000000-0000-4000-8000-0000000000a1"].devices[0].cdi_device_ids,
+        ["example.com/claim=00000000-0000-4000-8000-0000000000a1-gpu-0"]
+    );
+    assert!(
+        resp.claims["00000000-0000-4000-8000-0000000000a2"]
+            .error
+            .contains("not allocated")
+    );
     let resp: dra_v1::NodeUnprepareResourcesResponse = kubelet
         .unprepare(
             "example.com",
             Service::V1,
             &dra_v1::NodeUnprepareResourcesRequest {
-                claims: vec![v1_claim("ns", "good", "u1")],
+                claims: vec![v1_claim(
+                    "ns",
+                    "good",
+                    "00000000-0000-4000-8000-0000000000a1",
+                )],
             },
         )
         .await
         .expect("v1 NodeUnprepareResources");
-    assert_eq!(resp.claims["u1"].error, "");
+    assert_eq!(
+        resp.claims["00000000-0000-4000-8000-0000000000a1"].error,
+        ""
+    );
 
     // v1beta1, the way the kubelet calls a plugin that offers only v1beta1.
     let resp: dra_v1::NodePrepareResourcesResponse = kubelet
@@ -92,26 +109,37 @@ async fn the_kubelets_plugin_watcher_registers_the_plugin_and_every_rpc_succeeds
             "example.com",
             Service::V1beta1,
             &dra_v1::NodePrepareResourcesRequest {
-                claims: vec![v1_claim("ns", "beta", "u3")],
+                claims: vec![v1_claim(
+                    "ns",
+                    "beta",
+                    "00000000-0000-4000-8000-0000000000a3",
+                )],
             },
         )
         .await
         .expect("v1beta1 NodePrepareResources");
     assert_eq!(
-        resp.claims["u3"].devices[0].cdi_device_ids,
-        ["example.com/claim=u3-gpu-0"]
+        resp.claims["00000000-0000-4000-8000-0000000000a3"].devices[0].cdi_device_ids,
+        ["example.com/claim=00000000-0000-4000-8000-0000000000a3-gpu-0"]
     );
     let resp: dra_v1::NodeUnprepareResourcesResponse = kubelet
         .unprepare(
             "example.com",
             Service::V1beta1,
             &dra_v1::NodeUnprepareResourcesRequest {
-                claims: vec![v1_claim("ns", "beta", "u3")],
+                claims: vec![v1_claim(
+                    "ns",
+                    "beta",
+                    "00000000-0000-4000-8000-0000000000a3",
+                )],
             },
         )
         .await
         .expect("v1beta1 NodeUnprepareResources");
-    assert_eq!(resp.claims["u3"].error, "");
+    assert_eq!(
+        resp.claims["00000000-0000-4000-8000-0000000000a3"].error,
+        ""
+    );
     let calls: Vec<_> = r
         .driver
         .calls
@@ -123,10 +151,25 @@ async fn the_kubelets_plugin_watcher_registers_the_plugin_and_every_rpc_succeeds
     assert_eq!(
         calls,
         [
-            ("prepare", vec!["u1".to_owned(), "u2".to_owned()]),
-            ("unprepare", vec!["u1".to_owned()]),
-            ("prepare", vec!["u3".to_owned()]),
-            ("unprepare", vec!["u3".to_owned()]),
+            (
+                "prepare",
+                vec![
+                    "00000000-0000-4000-8000-0000000000a1".to_owned(),
+                    "00000000-0000-4000-8000-0000000000a2".to_owned()
+                ]
+            ),
+            (
+                "unprepare",
+                vec!["00000000-0000-4000-8000-0000000000a1".to_owned()]
+            ),
+            (
+                "prepare",
+                vec!["00000000-0000-4000-8000-0000000000a3".to_owned()]
+            ),
+            (
+                "unprepare",
+                vec!["00000000-0000-4000-8000-0000000000a3".to_owned()]
+            ),
         ]
     );
 

@@ -56,24 +56,41 @@ async fn one_bad_claim_gets_an_error_entry_and_the_others_are_prepared() {
     let resp = dra
         .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
             claims: vec![
-                v1_claim("ns", "good", "uid-1"),
-                v1_claim("ns", "bad-claim", "uid-2"),
-                v1_claim("", "no-namespace", "uid-3"),
-                v1_claim("ns", "good", "uid-1"),
+                v1_claim("ns", "good", "00000000-0000-4000-8000-000000000001"),
+                v1_claim("ns", "bad-claim", "00000000-0000-4000-8000-000000000002"),
+                v1_claim("", "no-namespace", "00000000-0000-4000-8000-000000000003"),
+                v1_claim("ns", "good", "00000000-0000-4000-8000-000000000001"),
+                // Would name a path outside the CDI directory.
+                v1_claim("ns", "traversal", "../../../etc/cron.d/x"),
             ],
         })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(resp.claims.len(), 3);
-    let good = &resp.claims["uid-1"];
+    assert_eq!(resp.claims.len(), 4);
+    assert!(
+        resp.claims["../../../etc/cron.d/x"]
+            .error
+            .contains("`uid` is not an RFC 4122 UUID"),
+        "{}",
+        resp.claims["../../../etc/cron.d/x"].error
+    );
+    let good = &resp.claims["00000000-0000-4000-8000-000000000001"];
     assert_eq!(good.error, "");
     assert_eq!(
         good.devices[0].cdi_device_ids,
-        ["example.com/claim=uid-1-gpu-0"]
+        ["example.com/claim=00000000-0000-4000-8000-000000000001-gpu-0"]
     );
-    assert!(resp.claims["uid-2"].error.contains("not allocated"));
-    assert!(resp.claims["uid-3"].error.contains("`namespace`"));
+    assert!(
+        resp.claims["00000000-0000-4000-8000-000000000002"]
+            .error
+            .contains("not allocated")
+    );
+    assert!(
+        resp.claims["00000000-0000-4000-8000-000000000003"]
+            .error
+            .contains("`namespace`")
+    );
     // The invalid claim never reached the driver, and the repeated one was passed once.
     let calls = r.driver.calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 1);
@@ -83,7 +100,10 @@ async fn one_bad_claim_gets_an_error_entry_and_the_others_are_prepared() {
             .iter()
             .map(|c| c.uid.as_str())
             .collect::<Vec<_>>(),
-        ["uid-1", "uid-2"]
+        [
+            "00000000-0000-4000-8000-000000000001",
+            "00000000-0000-4000-8000-000000000002"
+        ]
     );
 }
 
@@ -94,7 +114,7 @@ async fn v1beta1_prepare_and_unprepare_reach_the_same_driver() {
     let claim = dra_v1beta1::Claim {
         namespace: "ns".into(),
         name: "c".into(),
-        uid: "uid-9".into(),
+        uid: "00000000-0000-4000-8000-000000000009".into(),
     };
     let resp = dra
         .node_prepare_resources(dra_v1beta1::NodePrepareResourcesRequest {
@@ -103,7 +123,10 @@ async fn v1beta1_prepare_and_unprepare_reach_the_same_driver() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(resp.claims["uid-9"].devices[0].device_name, "gpu-0");
+    assert_eq!(
+        resp.claims["00000000-0000-4000-8000-000000000009"].devices[0].device_name,
+        "gpu-0"
+    );
     let resp = dra
         .node_unprepare_resources(dra_v1beta1::NodeUnprepareResourcesRequest {
             claims: vec![claim],
@@ -111,7 +134,10 @@ async fn v1beta1_prepare_and_unprepare_reach_the_same_driver() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(resp.claims["uid-9"].error, "");
+    assert_eq!(
+        resp.claims["00000000-0000-4000-8000-000000000009"].error,
+        ""
+    );
     let kinds: Vec<_> = r.driver.calls.lock().unwrap().iter().map(|c| c.0).collect();
     assert_eq!(kinds, ["prepare", "unprepare"]);
 }
@@ -164,12 +190,15 @@ async fn a_stale_socket_file_from_a_crashed_run_is_replaced() {
     let mut dra = DraPluginV1Client::new(connect(sockets.dra_socket()).await.unwrap());
     let resp = dra
         .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
-            claims: vec![v1_claim("ns", "c", "u")],
+            claims: vec![v1_claim("ns", "c", "00000000-0000-4000-8000-0000000000b1")],
         })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(resp.claims["u"].error, "");
+    assert_eq!(
+        resp.claims["00000000-0000-4000-8000-0000000000b1"].error,
+        ""
+    );
     stop.send(()).unwrap();
     task.await.unwrap().unwrap();
 }
@@ -242,12 +271,15 @@ async fn two_instances_serve_side_by_side_and_each_removes_only_its_own_sockets(
         let mut dra = DraPluginV1Client::new(connect(s.dra_socket()).await.unwrap());
         let resp = dra
             .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
-                claims: vec![v1_claim("ns", "c", "u")],
+                claims: vec![v1_claim("ns", "c", "00000000-0000-4000-8000-0000000000b1")],
             })
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(resp.claims["u"].error, "");
+        assert_eq!(
+            resp.claims["00000000-0000-4000-8000-0000000000b1"].error,
+            ""
+        );
     }
     // Stopping A leaves B's sockets alone.
     let stop_a = stops.remove(0);
@@ -257,7 +289,7 @@ async fn two_instances_serve_side_by_side_and_each_removes_only_its_own_sockets(
     assert!(b.dra_socket().exists() && b.registration_socket("example.com").exists());
     let mut dra = DraPluginV1Client::new(connect(b.dra_socket()).await.unwrap());
     dra.node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
-        claims: vec![v1_claim("ns", "c", "u")],
+        claims: vec![v1_claim("ns", "c", "00000000-0000-4000-8000-0000000000b1")],
     })
     .await
     .unwrap();
@@ -297,7 +329,7 @@ async fn serve_returns_only_after_a_call_in_flight_at_shutdown_was_answered() {
     let mut dra = DraPluginV1Client::new(connect(sockets.dra_socket()).await.unwrap());
     let call = tokio::spawn(async move {
         dra.node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
-            claims: vec![v1_claim("ns", "c", "slow")],
+            claims: vec![v1_claim("ns", "c", "00000000-0000-4000-8000-0000000000b2")],
         })
         .await
     });
@@ -312,7 +344,10 @@ async fn serve_returns_only_after_a_call_in_flight_at_shutdown_was_answered() {
         .await
         .unwrap()
         .expect("the call in flight was answered");
-    assert_eq!(resp.into_inner().claims["slow"].error, "");
+    assert_eq!(
+        resp.into_inner().claims["00000000-0000-4000-8000-0000000000b2"].error,
+        ""
+    );
     assert!(!*serving.borrow());
     assert!(!sockets.dra_socket().exists());
 }
