@@ -306,8 +306,18 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
 /// A ResourceSlice of one device for driver gpu.drust.dev; `placement` is merged into its spec
 /// (`nodeName`, `allNodes` or `nodeSelector`).
 fn slice(name: &str, pool: &str, placement: Value) -> anyhow::Result<ResourceSlice> {
+    slice_of(DRIVER, name, pool, placement)
+}
+
+/// As [`slice`], for `driver`.
+fn slice_of(
+    driver: &str,
+    name: &str,
+    pool: &str,
+    placement: Value,
+) -> anyhow::Result<ResourceSlice> {
     let mut spec = json!({
-        "driver": DRIVER,
+        "driver": driver,
         "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
         "devices": [{"name": "gpu-0"}],
     });
@@ -503,7 +513,8 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     );
 
     // 5. Denied, each by the policy: a slice for another node (create, update, delete of one
-    //    that exists), a slice for all nodes, a slice with a node selector.
+    //    that exists), a slice for all nodes, a slice with a node selector, another driver's
+    //    slice, another node's pool.
     let other = "the kubelet plugin on node gpu-node-a may only write ResourceSlices with spec.nodeName gpu-node-a, not gpu-node-b";
     let policy = format!("ValidatingAdmissionPolicy '{POLICY}'");
     denied(
@@ -574,6 +585,44 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             )
             .await,
         &[&policy, "with a node selector (spec.nodeSelector)"],
+    )?;
+
+    // On its own node, still denied: another driver's slice, and a pool named after another
+    // node (the scheduler would merge it into that node's pool of our driver).
+    denied(
+        "create another driver's slice on its own node",
+        slices
+            .create(
+                &PostParams::default(),
+                &slice_of(
+                    "other.example.com",
+                    "other-driver-by-plugin",
+                    "gpu-node-a",
+                    json!({"nodeName": "gpu-node-a"}),
+                )?,
+            )
+            .await,
+        &[
+            &policy,
+            "may only write ResourceSlices of driver gpu.drust.dev, not other.example.com",
+        ],
+    )?;
+    denied(
+        "create a slice of gpu-node-b's pool on its own node",
+        slices
+            .create(
+                &PostParams::default(),
+                &slice(
+                    "b-pool-by-plugin",
+                    "gpu-node-b",
+                    json!({"nodeName": "gpu-node-a"}),
+                )?,
+            )
+            .await,
+        &[
+            &policy,
+            "on node gpu-node-a may only write ResourceSlices of pool gpu-node-a, not gpu-node-b",
+        ],
     )?;
 
     // 6. Denied by RBAC: writing Nodes, writing Pods, reading Secrets, events elsewhere.
