@@ -24,8 +24,31 @@ pub const MAX_DEVICES_PER_SLICE_ADVANCED: usize = 64;
 /// `ResourceSliceMaxCounterSets`.
 pub const MAX_COUNTER_SETS_PER_SLICE: usize = 8;
 
-/// The label our slices carry with the node name, for listing them cheaply.
-pub const NODE_LABEL: &str = "resource.drust.dev/node";
+/// The fewest hexadecimal digits of a slice's index in its name prefix (upstream's
+/// `resourceSliceIndexMinLength`, `k8s.io/dynamic-resource-allocation/resourceslice`).
+const INDEX_MIN_DIGITS: usize = 5;
+
+/// The longest name prefix the API server uses: it cuts a `generateName` to 58 characters and
+/// appends 5 random ones (`names.SimpleNameGenerator` in `k8s.io/apiserver`: 63 - 5).
+pub const MAX_NAME_PREFIX: usize = 58;
+
+/// The `metadata.generateName` of slice `index` of `count` in `driver`'s pool on `node_name`,
+/// as upstream's resourceslice controller builds it: `<index in hex, zero-padded to at least 5
+/// digits (more when count - 1 needs them)>-<driver>-<node>-`, then cut to
+/// [`MAX_NAME_PREFIX`] characters, where the server would cut it anyway. The cut matters: the
+/// server validates `generateName` itself as a name (at most 253 characters), so for the
+/// longest node names upstream's uncut prefix is refused, as a fixed `<node>-<driver>-<i>` was.
+pub fn slice_name_prefix(driver: &str, node_name: &str, index: usize, count: usize) -> String {
+    let digits = format!("{:x}", count.saturating_sub(1))
+        .len()
+        .max(INDEX_MIN_DIGITS);
+    let mut prefix = format!("{index:0digits$x}-{driver}-{node_name}-");
+    // Driver and node names are ASCII (DNS subdomains); the cut never splits a character.
+    if prefix.len() > MAX_NAME_PREFIX && prefix.is_char_boundary(MAX_NAME_PREFIX) {
+        prefix.truncate(MAX_NAME_PREFIX);
+    }
+    prefix
+}
 
 /// One node's pool content: devices and the counter sets they consume from.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -112,14 +135,14 @@ pub fn pool_slices(
         // An empty pool is still published, so the scheduler knows this node has no devices.
         specs.push((None, Some(Vec::new())));
     }
-    let count = i64::try_from(specs.len()).unwrap_or(i64::MAX);
+    let slices = specs.len();
+    let count = i64::try_from(slices).unwrap_or(i64::MAX);
     specs
         .into_iter()
         .enumerate()
         .map(|(i, (shared_counters, devices))| ResourceSlice {
             metadata: ObjectMeta {
-                name: Some(format!("{node_name}-{driver}-{i}")),
-                labels: Some([(NODE_LABEL.to_owned(), node_name.to_owned())].into()),
+                generate_name: Some(slice_name_prefix(driver, node_name, i, slices)),
                 ..Default::default()
             },
             spec: ResourceSliceSpec {
@@ -245,9 +268,18 @@ mod tests {
     }
 
     #[test]
-    fn slice_names_are_deterministic() {
+    fn slice_name_prefixes_carry_the_index_first_as_upstream() {
         let a = resource_slices("d", "n", 1, &devices(200));
-        let names: Vec<_> = a.iter().filter_map(|s| s.metadata.name.clone()).collect();
-        assert_eq!(names, ["n-d-0", "n-d-1"]);
+        let names: Vec<_> = a
+            .iter()
+            .filter_map(|s| s.metadata.generate_name.clone())
+            .collect();
+        assert_eq!(names, ["00000-d-n-", "00001-d-n-"]);
+        assert!(a.iter().all(|s| s.metadata.name.is_none()));
+        // More digits once the count needs them (upstream's getIndexLength).
+        assert_eq!(slice_name_prefix("d", "n", 0x1f, 0x100001), "00001f-d-n-");
+        let long = slice_name_prefix("gpu.drust.dev", &"a".repeat(253), 3, 4);
+        assert_eq!(long.len(), MAX_NAME_PREFIX);
+        assert!(long.starts_with("00003-gpu.drust.dev-aaa"), "{long}");
     }
 }

@@ -152,7 +152,13 @@ pub fn validate_pool(slices: &[ResourceSlice]) -> Result<(), InvalidSlice> {
     let mut names = BTreeSet::new();
     let count = i64::try_from(slices.len()).unwrap_or(i64::MAX);
     for s in slices {
-        let slice = s.metadata.name.clone().unwrap_or_default();
+        // A slice to be created has only its name prefix.
+        let slice = s
+            .metadata
+            .name
+            .clone()
+            .or_else(|| s.metadata.generate_name.clone())
+            .unwrap_or_default();
         let err = |field: String, problem: String| InvalidSlice {
             slice: slice.clone(),
             field,

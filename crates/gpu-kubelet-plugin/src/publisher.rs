@@ -1,4 +1,10 @@
-//! Publishing this node's pool as ResourceSlices with server-side apply.
+//! Publishing this node's pool as ResourceSlices.
+//!
+//! Slices are created with a `generateName` as upstream's resourceslice controller names them
+//! ([`gpu_inventory::slices::slice_name_prefix`]), so any node name fits, and updated in place
+//! by a full replace (PUT with the read `resourceVersion`): every field we no longer want goes,
+//! and a concurrent writer makes the write fail and the publish retry instead of being
+//! overwritten. Slices of earlier versions (named `<node>-<driver>-<i>`) are updated in place too.
 //!
 //! Generation rule (KEP-4381, k8s.io/api/resource/v1 `ResourcePool.generation`): the scheduler
 //! only trusts slices of a pool's highest generation, so when content changes every slice is
@@ -21,13 +27,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpu_inventory::Pool;
-use gpu_inventory::slices::{NODE_LABEL, pool_slices};
+use gpu_inventory::slices::pool_slices;
 use gpu_inventory::validate::{InvalidSlice, validate_pool};
 use k8s_openapi::Resource;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -74,8 +80,8 @@ pub enum PublishError {
         /// The cause.
         source: kube::Error,
     },
-    /// Applying a slice failed.
-    #[error("applying ResourceSlice {name}: {source}")]
+    /// Creating or replacing a slice failed.
+    #[error("writing ResourceSlice {name}: {source}")]
     Apply {
         /// The slice.
         name: String,
@@ -164,7 +170,7 @@ impl SlicePublisher {
         self.write_pool(&pool).await
     }
 
-    /// The field manager of our server-side applies.
+    /// The field manager of our writes.
     pub fn field_manager(&self) -> String {
         format!("{}/kubelet-plugin", self.driver)
     }
@@ -208,7 +214,7 @@ impl SlicePublisher {
         };
 
         let api = Api::<ResourceSlice>::all(self.client.clone());
-        let existing = api
+        let mut existing = api
             .list(&ListParams::default().fields(&format!(
                 "spec.nodeName={},spec.driver={}",
                 self.node, self.driver
@@ -220,6 +226,7 @@ impl SlicePublisher {
                 source,
             })?
             .items;
+        existing.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
         let current = existing
             .iter()
             .filter(|s| s.spec.pool.name == self.node)
@@ -241,25 +248,34 @@ impl SlicePublisher {
 
         let generation = current.map_or(1, |g| g + 1);
         let slices = desired(generation);
-        let params = PatchParams::apply(&self.field_manager()).force();
-        for s in &slices {
-            let name = s.metadata.name.clone().unwrap_or_default();
-            api.patch(&name, &params, &Patch::Apply(s))
-                .await
-                .map_err(|source| PublishError::Apply {
-                    name: name.clone(),
-                    source,
-                })?;
+        let params = PostParams {
+            field_manager: Some(self.field_manager()),
+            ..Default::default()
+        };
+        // Slice i replaces the i-th existing one (by name), or is created; the rest are stale.
+        for (i, s) in slices.iter().enumerate() {
+            let written = match existing.get(i) {
+                Some(old) => {
+                    let name = old.metadata.name.clone().unwrap_or_default();
+                    let mut new = s.clone();
+                    new.metadata.name = Some(name.clone());
+                    new.metadata.generate_name = None;
+                    new.metadata.resource_version = old.metadata.resource_version.clone();
+                    api.replace(&name, &params, &new)
+                        .await
+                        .map_err(|source| (name, source))
+                }
+                None => api.create(&params, s).await.map_err(|source| {
+                    (s.metadata.generate_name.clone().unwrap_or_default(), source)
+                }),
+            };
+            written.map_err(|(name, source)| PublishError::Apply { name, source })?;
         }
         let mut deleted = 0;
         for stale in existing
             .iter()
+            .skip(slices.len())
             .filter_map(|s| s.metadata.name.as_deref())
-            .filter(|n| {
-                !slices
-                    .iter()
-                    .any(|s| s.metadata.name.as_deref() == Some(*n))
-            })
         {
             match api.delete(stale, &DeleteParams::default()).await {
                 Ok(_) => deleted += 1,
@@ -281,20 +297,19 @@ impl SlicePublisher {
     }
 }
 
-/// Whether the server's slices are exactly the desired ones (by name, spec, owner and label).
+/// Whether the server's slices are exactly the desired ones: as many, and each desired slice's
+/// spec and owner held by a distinct existing slice (names differ: the server chose them).
 fn same_slices(existing: &[ResourceSlice], desired: &[ResourceSlice]) -> bool {
+    let mut unmatched: Vec<&ResourceSlice> = existing.iter().collect();
     existing.len() == desired.len()
         && desired.iter().all(|d| {
-            existing.iter().any(|e| {
-                e.metadata.name == d.metadata.name
-                    && e.spec == d.spec
-                    && e.metadata.owner_references == d.metadata.owner_references
-                    && e.metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get(NODE_LABEL))
-                        .is_some_and(|n| *n == d.spec.node_name.clone().unwrap_or_default())
-            })
+            unmatched
+                .iter()
+                .position(|e| {
+                    e.spec == d.spec && e.metadata.owner_references == d.metadata.owner_references
+                })
+                .map(|i| unmatched.swap_remove(i))
+                .is_some()
         })
 }
 

@@ -542,20 +542,15 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             )?,
         )
         .await?;
-    let mut changed = slice(
-        "b-by-admin",
-        "gpu-node-b",
-        json!({"nodeName": "gpu-node-b"}),
-    )?;
+    // An update as the plugin writes one: a replace of the stored object.
+    let mut changed = Api::<ResourceSlice>::all(admin.clone())
+        .get("b-by-admin")
+        .await?;
     changed.spec.devices = Some(vec![serde_json::from_value(json!({"name": "gpu-1"}))?]);
     denied(
         "update gpu-node-b's slice",
         slices
-            .patch(
-                "b-by-admin",
-                &PatchParams::apply("gpu.drust.dev/kubelet-plugin").force(),
-                &Patch::Apply(&changed),
-            )
+            .replace("b-by-admin", &PostParams::default(), &changed)
             .await,
         &[&policy, other],
     )?;

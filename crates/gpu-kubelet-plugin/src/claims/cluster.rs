@@ -60,9 +60,7 @@ impl Cluster for KubeCluster {
         let now = k8s_openapi::jiff::Timestamp::now();
         let event = Event {
             metadata: ObjectMeta {
-                // Named as client-go's recorder names events, `<object>.<unix ns in hex>`. A
-                // generateName `<node>.` is refused: a name prefix must not end in a dot.
-                name: Some(format!("{}.{:x}", self.node_name, now.as_nanosecond())),
+                name: Some(event_name(&self.node_name, now.as_nanosecond())),
                 namespace: Some("default".into()),
                 ..Default::default()
             },
@@ -72,7 +70,7 @@ impl Cluster for KubeCluster {
             note: Some(message.chars().take(1024).collect()),
             action: Some("Recover".into()),
             reporting_controller: Some(self.controller.clone()),
-            reporting_instance: Some(format!("{}-{}", self.controller, self.node_name)),
+            reporting_instance: Some(reporting_instance(&self.controller, &self.node_name)),
             regarding: Some(ObjectReference {
                 api_version: Some("v1".into()),
                 kind: Some("Node".into()),
@@ -87,5 +85,65 @@ impl Cluster for KubeCluster {
         {
             warn!(error = %e, reason, "could not record the warning event");
         }
+    }
+}
+
+/// The API server's limit on an object name (a DNS-1123 subdomain).
+const MAX_NAME: usize = 253;
+/// The API server's limit on `reportingController` and `reportingInstance` of an Event
+/// (`ValidateEventCreate`, `pkg/apis/core/validation/events.go`).
+const MAX_REPORTING: usize = 128;
+
+/// An Event name as client-go's recorder makes one, `<object>.<unix ns in hex>`, with the object
+/// name cut so that the whole stays within [`MAX_NAME`] for a node name of any allowed length
+/// (client-go does not cut, so its events about a 253-character node are refused). A cut
+/// ending in `.` or `-` is trimmed, to stay a DNS subdomain. (A `generateName` of `<node>.` is
+/// no way out: a name prefix must not end in a dot.)
+fn event_name(object: &str, nanos: i128) -> String {
+    let suffix = format!(".{nanos:x}");
+    let keep = MAX_NAME.saturating_sub(suffix.len()).min(object.len());
+    // Object names are ASCII; a cut never splits a character.
+    let base = object.get(..keep).unwrap_or(object);
+    format!("{}{suffix}", base.trim_end_matches(['.', '-']))
+}
+
+/// `<controller>-<node>`, cut to the API server's 128 characters for long node names.
+fn reporting_instance(controller: &str, node: &str) -> String {
+    let mut instance = format!("{controller}-{node}");
+    if instance.len() > MAX_REPORTING {
+        let cut = (0..=MAX_REPORTING)
+            .rev()
+            .find(|i| instance.is_char_boundary(*i))
+            .unwrap_or(0);
+        instance.truncate(cut);
+    }
+    instance
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_names_and_reporting_instances_fit_for_a_253_character_node() {
+        let node = format!(
+            "{}.{}.{}.{}",
+            "a".repeat(63),
+            "b".repeat(63),
+            "c".repeat(63),
+            "d".repeat(61)
+        );
+        assert_eq!(node.len(), 253);
+        let name = event_name(&node, 0x187a_2b3c_4d5e_6f70);
+        assert!(name.len() <= MAX_NAME, "{}", name.len());
+        assert!(name.ends_with(".187a2b3c4d5e6f70"), "{name}");
+        assert!(!name.contains("..") && !name.contains(".-"), "{name}");
+        assert_eq!(event_name("gpu-node-0", 0xff), "gpu-node-0.ff");
+        let instance = reporting_instance("gpu.drust.dev/kubelet-plugin", &node);
+        assert_eq!(instance.len(), MAX_REPORTING);
+        assert_eq!(
+            reporting_instance("gpu.drust.dev/kubelet-plugin", "gpu-node-0"),
+            "gpu.drust.dev/kubelet-plugin-gpu-node-0"
+        );
     }
 }
