@@ -112,8 +112,8 @@ pub struct SlicePublisher {
 
 /// What every clone of a publisher shares.
 struct Shared {
-    /// Held for a whole publish, so publishes never interleave.
-    write: tokio::sync::Mutex<()>,
+    /// Held for a whole publish, so publishes never interleave; what the last write stored.
+    write: tokio::sync::Mutex<Stored>,
     /// The pool last handed to [`SlicePublisher::publish_pool`], without taints.
     wanted: watch::Sender<Pool>,
     /// Our taints by physical GPU UUID.
@@ -128,7 +128,7 @@ impl SlicePublisher {
             driver: driver.to_owned(),
             node: node.to_owned(),
             shared: Arc::new(Shared {
-                write: tokio::sync::Mutex::new(()),
+                write: tokio::sync::Mutex::new(Stored::default()),
                 wanted: watch::Sender::new(Pool::default()),
                 taints: Mutex::new(BTreeMap::new()),
             }),
@@ -158,7 +158,7 @@ impl SlicePublisher {
     /// # Errors
     /// As [`SlicePublisher::publish_pool`].
     pub async fn republish(&self) -> Result<PublishOutcome, PublishError> {
-        let _write = self.shared.write.lock().await;
+        let mut stored = self.shared.write.lock().await;
         let pool = {
             let taints = self
                 .shared
@@ -167,7 +167,7 @@ impl SlicePublisher {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             apply_taints(&self.driver, &self.shared.wanted.borrow(), &taints)
         };
-        self.write_pool(&pool).await
+        self.write_pool(&pool, &mut stored).await
     }
 
     /// The field manager of our writes.
@@ -194,8 +194,12 @@ impl SlicePublisher {
         self.republish().await
     }
 
-    /// Writes exactly `pool`; the caller holds the write lock.
-    async fn write_pool(&self, pool: &Pool) -> Result<PublishOutcome, PublishError> {
+    /// Writes exactly `pool`; the caller holds the write lock, whose [`Stored`] this updates.
+    async fn write_pool(
+        &self,
+        pool: &Pool,
+        stored: &mut Stored,
+    ) -> Result<PublishOutcome, PublishError> {
         validate_pool(&pool_slices(&self.driver, &self.node, 1, pool))?;
         let node = Api::<Node>::all(self.client.clone())
             .get(&self.node)
@@ -240,10 +244,11 @@ impl SlicePublisher {
             }
             slices
         };
-        if let Some(generation) = current
-            && same_slices(&existing, &desired(generation))
-        {
-            return Ok(PublishOutcome::Unchanged { generation });
+        if let Some(generation) = current {
+            let wanted = desired(generation);
+            if same_slices(&existing, &wanted) || stored.holds(&wanted, &existing) {
+                return Ok(PublishOutcome::Unchanged { generation });
+            }
         }
 
         let generation = current.map_or(1, |g| g + 1);
@@ -253,6 +258,7 @@ impl SlicePublisher {
             ..Default::default()
         };
         // Slice i replaces the i-th existing one (by name), or is created; the rest are stale.
+        let mut kept = Vec::with_capacity(slices.len());
         for (i, s) in slices.iter().enumerate() {
             let written = match existing.get(i) {
                 Some(old) => {
@@ -269,8 +275,9 @@ impl SlicePublisher {
                     (s.metadata.generate_name.clone().unwrap_or_default(), source)
                 }),
             };
-            written.map_err(|(name, source)| PublishError::Apply { name, source })?;
+            kept.push(written.map_err(|(name, source)| PublishError::Apply { name, source })?);
         }
+        stored.remember(&slices, &kept);
         let mut deleted = 0;
         for stale in existing
             .iter()
@@ -294,6 +301,102 @@ impl SlicePublisher {
             applied: slices.len(),
             deleted,
         })
+    }
+}
+
+/// What the API server kept of our last write. A server with a DRA feature gate off drops that
+/// gate's fields (device taints, counters, binding conditions, ...) from what it stores, so its
+/// slices never equal ours; comparing with what it kept of the same wanted slices stops a new
+/// generation being written every rediscovery interval. The first such drop is logged once per
+/// set of fields.
+#[derive(Default)]
+pub(crate) struct Stored {
+    /// The specs and owners last written (generation zeroed), and what the server stored.
+    last: Option<(Vec<SliceContent>, Vec<SliceContent>)>,
+    /// Dropped-field sets already logged.
+    warned: std::collections::BTreeSet<Vec<String>>,
+}
+
+/// What a comparison looks at: the spec (pool generation zeroed) and the owners.
+type SliceContent = (
+    k8s_openapi::api::resource::v1::ResourceSliceSpec,
+    Option<Vec<OwnerReference>>,
+);
+
+fn content(slices: &[ResourceSlice]) -> Vec<SliceContent> {
+    slices
+        .iter()
+        .map(|s| {
+            let mut spec = s.spec.clone();
+            spec.pool.generation = 0;
+            (spec, s.metadata.owner_references.clone())
+        })
+        .collect()
+}
+
+impl Stored {
+    /// Whether the server holds exactly what it kept when `wanted` was last written.
+    fn holds(&self, wanted: &[ResourceSlice], existing: &[ResourceSlice]) -> bool {
+        let Some((written, kept)) = &self.last else {
+            return false;
+        };
+        let mut existing = content(existing);
+        if *written != content(wanted) || existing.len() != kept.len() {
+            return false;
+        }
+        kept.iter().all(|k| {
+            existing
+                .iter()
+                .position(|e| e == k)
+                .map(|i| existing.swap_remove(i))
+                .is_some()
+        })
+    }
+
+    /// Records a write and what the server returned for it; logs fields it dropped.
+    fn remember(&mut self, written: &[ResourceSlice], returned: &[ResourceSlice]) {
+        let mut dropped = Vec::new();
+        for (w, r) in written.iter().zip(returned) {
+            if let (Ok(w), Ok(r)) = (serde_json::to_value(&w.spec), serde_json::to_value(&r.spec)) {
+                dropped_fields("spec", &w, &r, &mut dropped);
+            }
+        }
+        dropped.sort();
+        dropped.dedup();
+        if !dropped.is_empty() && self.warned.insert(dropped.clone()) {
+            warn!(fields = ?dropped,
+                "the API server dropped fields of our ResourceSlices (a DRA feature gate is off?); \
+                 publishing what it keeps, not republishing for them");
+        }
+        self.last = Some((content(written), content(returned)));
+    }
+}
+
+/// Paths (`spec.devices[].consumesCounters`) present in `written` but not in `stored`.
+fn dropped_fields(
+    path: &str,
+    written: &serde_json::Value,
+    stored: &serde_json::Value,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value;
+    match (written, stored) {
+        (Value::Object(w), Value::Object(s)) => {
+            for (k, v) in w {
+                let at = format!("{path}.{k}");
+                match s.get(k) {
+                    None if !v.is_null() => out.push(at),
+                    Some(sv) => dropped_fields(&at, v, sv, out),
+                    None => {}
+                }
+            }
+        }
+        (Value::Array(w), Value::Array(s)) => {
+            for (v, sv) in w.iter().zip(s) {
+                dropped_fields(&format!("{path}[]"), v, sv, out);
+            }
+        }
+        _ => {}
     }
 }
 
