@@ -230,15 +230,20 @@ pub enum ConfigError {
     },
     /// The MPS devices of one claim ask for different thread percentages; they share one daemon.
     #[error(
-        "devices {first} and {second} configure different MPS defaultActiveThreadPercentage \
-         ({first_value:?} and {second_value:?}); the MPS devices of one claim share one control \
-         daemon and so one percentage"
+        "request {first_request} (device {first}) and request {second_request} (device \
+         {second}) configure different MPS defaultActiveThreadPercentage ({first_value:?} and \
+         {second_value:?}); the MPS devices of one claim share one control daemon and so one \
+         percentage"
     )]
     MpsConflict {
+        /// The request of the first device.
+        first_request: String,
         /// One device.
         first: String,
         /// Its percentage.
         first_value: Option<u32>,
+        /// The request of the second device.
+        second_request: String,
         /// Another device.
         second: String,
         /// Its percentage.
@@ -353,15 +358,17 @@ pub fn resolve(
     }
 
     // One MPS daemon per claim: its devices must agree on the daemon-wide percentage.
-    let mut first: Option<(&str, Option<u32>)> = None;
+    let mut first: Option<(&ConfigTarget<'_>, Option<u32>)> = None;
     for (t, s) in targets.iter().zip(&out) {
         if let Some(Sharing::Mps(l)) = s {
             match first {
-                None => first = Some((t.device, l.active_thread_percentage)),
-                Some((d, p)) if p != l.active_thread_percentage => {
+                None => first = Some((t, l.active_thread_percentage)),
+                Some((f, p)) if p != l.active_thread_percentage => {
                     return Err(ConfigError::MpsConflict {
-                        first: d.to_owned(),
+                        first_request: f.request.to_owned(),
+                        first: f.device.to_owned(),
                         first_value: p,
+                        second_request: t.request.to_owned(),
                         second: t.device.to_owned(),
                         second_value: l.active_thread_percentage,
                     });
@@ -575,6 +582,50 @@ mod tests {
                 None
             ]
         );
+    }
+
+    /// Two requests of one claim share its one MPS daemon: different thread percentages are an
+    /// error naming both requests and devices (it was silently the first request's), while
+    /// pinned-memory limits are per device, each kept and checked against its own device.
+    #[test]
+    fn mps_requests_of_one_claim_must_agree_on_the_percentage_but_keep_their_own_limits() {
+        let configs = [
+            entry("FromClaim", &["a"], mps(KIND_MIG, 50, "4Gi")),
+            entry("FromClaim", &["b"], mps(KIND_MIG, 30, "4Gi")),
+        ];
+        let err = resolve(&configs, DRIVER, true, &[mig("a"), mig("b")])
+            .expect_err("one daemon, two percentages")
+            .to_string();
+        assert!(
+            err.contains("request a (device gpu-0-mig-1g.10gb-0)")
+                && err.contains("request b (device gpu-0-mig-1g.10gb-0)")
+                && err.contains("Some(50) and Some(30)"),
+            "{err}"
+        );
+
+        let configs = [
+            entry("FromClaim", &["a"], mps(KIND_MIG, 50, "2Gi")),
+            entry("FromClaim", &["b"], mps(KIND_MIG, 50, "6Gi")),
+        ];
+        let got = resolve(&configs, DRIVER, true, &[mig("a"), mig("b")]).expect("valid");
+        let limits: Vec<Option<u64>> = got
+            .iter()
+            .map(|s| match s {
+                Some(Sharing::Mps(l)) => l.pinned_memory_limit_bytes,
+                _ => None,
+            })
+            .collect();
+        assert_eq!(limits, [Some(2 * GIB), Some(6 * GIB)]);
+
+        // Checked against each device: 12Gi fits no 10 GB MIG device, whatever the other says.
+        let configs = [
+            entry("FromClaim", &["a"], mps(KIND_MIG, 50, "2Gi")),
+            entry("FromClaim", &["b"], mps(KIND_MIG, 50, "12Gi")),
+        ];
+        let err = resolve(&configs, DRIVER, true, &[mig("a"), mig("b")])
+            .expect_err("more than the device")
+            .to_string();
+        assert!(err.contains("more than the device's"), "{err}");
     }
 
     #[test]

@@ -29,10 +29,19 @@ use tokio::process::Command;
 use tracing::{info, warn};
 
 use crate::cdi::{ContainerEdits, Mount};
-use crate::claim_config::MpsLimits;
 
 /// Where containers see the claim's MPS pipe directory.
 pub const CONTAINER_PIPE_DIR: &str = "/run/nvidia-mps";
+
+/// One device an MPS daemon serves: its UUID (`CUDA_VISIBLE_DEVICES` entry) and its own
+/// default pinned-memory limit in bytes (`None`: no limit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsDevice {
+    /// GPU or MIG UUID.
+    pub uuid: String,
+    /// Bytes, rounded down to whole MiB when applied.
+    pub pinned_memory_limit_bytes: Option<u64>,
+}
 
 /// How MPS daemons are run on this node.
 #[derive(Debug, Clone)]
@@ -136,8 +145,8 @@ impl MpsControl {
     pub async fn start(
         &self,
         uid: &str,
-        visible_ids: &[String],
-        limits: &MpsLimits,
+        devices: &[MpsDevice],
+        active_thread_percentage: Option<u32>,
     ) -> Result<(), MpsError> {
         self.stop(uid).await?;
         let pipe = self.pipe_dir(uid);
@@ -155,7 +164,9 @@ impl MpsControl {
                     source,
                 })?;
         }
-        let result = self.start_in(uid, &pipe, &log, visible_ids, limits).await;
+        let result = self
+            .start_in(uid, &pipe, &log, devices, active_thread_percentage)
+            .await;
         if result.is_err()
             && let Err(e) = self.stop(uid).await
         {
@@ -169,10 +180,11 @@ impl MpsControl {
         uid: &str,
         pipe: &Path,
         log: &Path,
-        visible_ids: &[String],
-        limits: &MpsLimits,
+        devices: &[MpsDevice],
+        active_thread_percentage: Option<u32>,
     ) -> Result<(), MpsError> {
         let started = tokio::time::Instant::now();
+        let visible_ids: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
         // The daemon creates its pipes with the umask it inherits; give it the usual 022.
         let mut daemon = Command::new("sh");
         daemon
@@ -202,7 +214,7 @@ impl MpsControl {
         // `get_*` command, in order).
         let mut set = Vec::new();
         let mut wanted = Vec::new();
-        if let Some(pct) = limits.active_thread_percentage {
+        if let Some(pct) = active_thread_percentage {
             set.push(format!("set_default_active_thread_percentage {pct}"));
             wanted.push((
                 "get_default_active_thread_percentage".to_owned(),
@@ -210,16 +222,17 @@ impl MpsControl {
                 Limit::Percentage(pct),
             ));
         }
-        if let Some(bytes) = limits.pinned_memory_limit_bytes {
-            // MPS takes whole MiB; round down so the limit is never exceeded.
-            let mib = (bytes >> 20).max(1);
-            for ordinal in 0..visible_ids.len() {
+        // Each device its own limit, by its ordinal among the visible devices.
+        for (ordinal, device) in devices.iter().enumerate() {
+            if let Some(bytes) = device.pinned_memory_limit_bytes {
+                // MPS takes whole MiB; round down so the limit is never exceeded.
+                let mib = (bytes >> 20).max(1);
                 set.push(format!(
                     "set_default_device_pinned_mem_limit {ordinal} {mib}M"
                 ));
                 wanted.push((
                     format!("get_default_device_pinned_mem_limit {ordinal}"),
-                    format!("device {ordinal} pinned memory limit"),
+                    format!("device {ordinal} ({}) pinned memory limit", device.uuid),
                     Limit::MiB(mib),
                 ));
             }
@@ -387,17 +400,27 @@ mod tests {
     async fn a_daemon_starts_with_its_limits_and_stops_without_a_trace() {
         let tmp = tempfile::tempdir().expect("tmp");
         let mps = control(tmp.path());
-        let limits = MpsLimits {
-            active_thread_percentage: Some(40),
-            pinned_memory_limit_bytes: Some(3 << 30),
-        };
-        let ids = vec!["MIG-a".to_owned(), "MIG-b".to_owned()];
-        mps.start("uid-1", &ids, &limits).await.expect("start");
+        let devices = [
+            MpsDevice {
+                uuid: "MIG-a".to_owned(),
+                pinned_memory_limit_bytes: Some(1 << 30),
+            },
+            MpsDevice {
+                uuid: "MIG-b".to_owned(),
+                pinned_memory_limit_bytes: Some(3 << 30),
+            },
+        ];
+        mps.start("uid-1", &devices, Some(40)).await.expect("start");
         assert!(mps.is_running("uid-1").await);
         let log = std::fs::read_to_string(tmp.path().join("uid-1/log/control.log")).expect("log");
         assert!(log.contains("CUDA_VISIBLE_DEVICES=MIG-a,MIG-b"), "{log}");
         assert!(
             log.contains("set_default_active_thread_percentage 40"),
+            "{log}"
+        );
+        // Each device gets its own limit.
+        assert!(
+            log.contains("set_default_device_pinned_mem_limit 0 1024M"),
             "{log}"
         );
         assert!(
@@ -416,7 +439,14 @@ mod tests {
         let mut mps = control(tmp.path());
         mps.binary = tmp.path().join("missing-binary");
         let err = mps
-            .start("uid-2", &["GPU-a".to_owned()], &MpsLimits::default())
+            .start(
+                "uid-2",
+                &[MpsDevice {
+                    uuid: "GPU-a".to_owned(),
+                    pinned_memory_limit_bytes: None,
+                }],
+                None,
+            )
             .await
             .expect_err("no binary");
         assert!(err.to_string().contains("missing-binary"), "{err}");

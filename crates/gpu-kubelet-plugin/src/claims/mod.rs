@@ -447,19 +447,27 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             })
             .collect();
         self.set_time_slices(claim, slices).await?;
-        let mps: Vec<(String, &crate::claim_config::MpsLimits)> = devices
+        // One daemon for the claim's MPS devices: one thread percentage (the config resolution
+        // refuses claims whose requests disagree on it), each device its own pinned limit.
+        let mps: Vec<(crate::mps::MpsDevice, Option<u32>)> = devices
             .iter()
             .filter_map(|d| match &d.sharing {
-                Some(Sharing::Mps(limits)) => Some((d.uuid.clone(), limits)),
+                Some(Sharing::Mps(limits)) => Some((
+                    crate::mps::MpsDevice {
+                        uuid: d.uuid.clone(),
+                        pinned_memory_limit_bytes: limits.pinned_memory_limit_bytes,
+                    },
+                    limits.active_thread_percentage,
+                )),
                 _ => None,
             })
             .collect();
-        if let Some((_, limits)) = mps.first() {
-            let ids: Vec<String> = mps.iter().map(|(id, _)| id.clone()).collect();
+        if let Some((_, percentage)) = mps.first() {
+            let served: Vec<crate::mps::MpsDevice> = mps.iter().map(|(d, _)| d.clone()).collect();
             self.inner
                 .config
                 .mps
-                .start(&claim.uid, &ids, limits)
+                .start(&claim.uid, &served, *percentage)
                 .await
                 .map_err(|source| ClaimError::Mps {
                     claim: claim.clone(),
