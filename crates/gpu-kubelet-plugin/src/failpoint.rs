@@ -10,11 +10,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// The environment variable naming the armed failpoint.
 pub const ENV: &str = "DRUST_FAILPOINT";
 
-/// Every failpoint, in the order a prepare then an unprepare passes them.
-pub const ALL: [&str; 10] = [
+/// Every failpoint every claim passes, in the order a prepare then an unprepare passes them
+/// (`prepare/after-sharing` also when the claim configures no sharing). `tests/failpoints.rs`
+/// checks that this and [`MIG`] name every `hit` in the code and that a test arms each.
+pub const ALL: [&str; 11] = [
     "prepare/before-started-checkpoint",
     "prepare/after-started-checkpoint",
     "prepare/after-hardware",
+    "prepare/after-sharing",
     "prepare/after-cdi-write",
     "prepare/after-completed-checkpoint",
     "unprepare/before-started-checkpoint",

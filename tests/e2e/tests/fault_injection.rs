@@ -84,6 +84,20 @@ impl Host {
         v
     }
 
+    /// Devices the checkpoint records for more than one claim (must be none: a device prepared
+    /// for one claim is refused to another), with the claims holding each.
+    fn devices_held_twice(&self) -> anyhow::Result<BTreeMap<String, Vec<String>>> {
+        let mut holders: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (uid, claim) in self.checkpoint_claims()? {
+            for device in claim["devices"].as_array().into_iter().flatten() {
+                let name = device["deviceName"].as_str().unwrap_or_default().to_owned();
+                holders.entry(name).or_default().push(uid.clone());
+            }
+        }
+        holders.retain(|_, claims| claims.len() > 1);
+        Ok(holders)
+    }
+
     fn checkpoint_claims(&self) -> anyhow::Result<BTreeMap<String, serde_json::Value>> {
         let bytes = std::fs::read(self.plugin_dir().join("checkpoint.json"))?;
         let v: serde_json::Value = serde_json::from_slice(&bytes)?;
@@ -181,6 +195,8 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
                 );
                 let spec = host.cdi_root().join(format!("{DRIVER}-claim_{uid}.json"));
                 ensure!(spec.exists(), "{}: CDI spec missing after prepare", ctx());
+                let twice = host.devices_held_twice()?;
+                ensure!(twice.is_empty(), "{}: devices held twice {twice:?}", ctx());
                 // Prepared exactly once: a second prepare gives the same, and nothing else changed.
                 let again = k.prepare_v1(&[&claim]).await?;
                 ensure!(
