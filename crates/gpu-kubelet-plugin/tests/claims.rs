@@ -693,6 +693,55 @@ async fn time_slicing_from_the_claim_overrides_the_class_and_is_undone_at_unprep
     );
 }
 
+/// An admin-access claim (a monitor) on a GPU another claim time-slices leaves the GPU's
+/// sharing alone, at prepare and at unprepare, whatever config its class or claim carries; no
+/// MPS daemon is started for it either.
+#[tokio::test]
+async fn an_admin_access_claim_never_changes_or_resets_the_gpus_sharing() {
+    let f = Fixture::new(vec![
+        with_configs(
+            claim("user", "u1", &[(DRIVER, NODE, dev(3))]),
+            &[("FromClaim", time_slicing("Long"))],
+        ),
+        with_configs(
+            claim_with_admin("monitor", "u2", &[(DRIVER, NODE, dev(3))], true),
+            &[("FromClass", time_slicing("Short"))],
+        ),
+        with_configs(
+            claim_with_admin("monitor-mps", "u3", &[(DRIVER, NODE, dev(3))], true),
+            &[("FromClaim", mps(30, "1Gi"))],
+        ),
+    ]);
+    let c = f.controller().await;
+    let r = c
+        .prepare(vec![
+            claim_ref("user", "u1"),
+            claim_ref("monitor", "u2"),
+            claim_ref("monitor-mps", "u3"),
+        ])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    let r = c
+        .unprepare(vec![
+            claim_ref("monitor", "u2"),
+            claim_ref("monitor-mps", "u3"),
+        ])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    let gpu = dev(3);
+    let slices: Vec<String> = f
+        .hardware
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.starts_with("time-slice"))
+        .cloned()
+        .collect();
+    assert_eq!(slices, [format!("time-slice {gpu} Long")]);
+    assert!(!f.dir.path().join("mps/u3").exists(), "no MPS daemon");
+}
+
 #[tokio::test]
 async fn an_mps_claim_gets_its_own_daemon_with_limits_and_the_cdi_edits_to_reach_it() {
     let mut f = Fixture::new(vec![with_configs(

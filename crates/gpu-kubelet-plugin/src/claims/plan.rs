@@ -129,6 +129,14 @@ pub(crate) fn plan(
             }
         })?;
     for (d, s) in devices.iter_mut().zip(sharing) {
+        // Admin access (KEP-5018) reaches a device that other claims may be using: it never
+        // changes the GPU's sharing (time slice, MPS), so neither does its unprepare. A class
+        // or claim config asking for sharing is ignored for such a device, and said so.
+        if d.admin_access && s.is_some() {
+            tracing::info!(claim = %claim, device = %d.device_name,
+                "admin access: the claim's sharing config is not applied to the device");
+            continue;
+        }
         d.sharing = s;
     }
     let created_later = used
