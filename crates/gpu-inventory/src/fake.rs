@@ -246,6 +246,8 @@ pub struct FakeBackend {
     topology: Topology,
     calls: Mutex<Vec<String>>,
     failing_gpus: Mutex<BTreeSet<u32>>,
+    /// Whether waiting for health events fails (see [`FakeBackend::fail_health_events`]).
+    failing_events: std::sync::atomic::AtomicBool,
     state_dir: Option<PathBuf>,
     time_slices: Mutex<BTreeMap<u32, u8>>,
     /// MIG devices as changed in this process (without a state dir); also serializes
@@ -263,6 +265,7 @@ impl FakeBackend {
             topology,
             calls: Mutex::new(Vec::new()),
             failing_gpus: Mutex::new(BTreeSet::new()),
+            failing_events: std::sync::atomic::AtomicBool::new(false),
             state_dir: None,
             time_slices: Mutex::new(BTreeMap::new()),
             mig: Mutex::new(mig::MigState::default()),
@@ -308,6 +311,14 @@ impl FakeBackend {
     /// The topology served.
     pub fn topology(&self) -> &Topology {
         &self.topology
+    }
+
+    /// Makes every later wait for a health event fail (`failing`) with
+    /// [`BackendError::Injected`] (call `wait_health_event`, index 0), or succeed again, as an
+    /// NVML event set does when the driver misbehaves.
+    pub fn fail_health_events(&self, failing: bool) {
+        self.failing_events
+            .store(failing, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Makes every later query for the GPU at `index` fail with [`BackendError::Injected`].
@@ -506,6 +517,15 @@ impl GpuBackend for FakeBackend {
     }
 
     fn wait_health_event(&self, timeout: Duration) -> Result<Option<HealthEvent>, BackendError> {
+        if self
+            .failing_events
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(BackendError::Injected {
+                call: "wait_health_event",
+                index: 0,
+            });
+        }
         let deadline = Instant::now() + timeout;
         let mut queue = lock(&self.injected);
         loop {

@@ -358,6 +358,7 @@ impl HealthMonitor {
         let state = HealthState::new(gpu_uuids.iter().map(String::as_str));
         let (gpu_tx, gpu_rx) = watch::channel(state.gpus().clone());
         let (checked_tx, checked_rx) = watch::channel(SystemTime::now());
+        let (failing_tx, failing_rx) = watch::channel(None);
         let initial = device_health(
             &config.pool_name,
             &pool.borrow(),
@@ -376,12 +377,22 @@ impl HealthMonitor {
                     state,
                     &config,
                     &stop,
-                    &gpu_tx,
-                    &checked_tx,
+                    Watched {
+                        gpus: &gpu_tx,
+                        checked: &checked_tx,
+                        failing: &failing_tx,
+                    },
                 );
             });
         }
-        let projector = tokio::spawn(project(gpu_rx.clone(), pool, checked_rx, device_tx, config));
+        let projector = tokio::spawn(project(
+            gpu_rx.clone(),
+            pool,
+            checked_rx,
+            failing_rx,
+            device_tx,
+            config,
+        ));
         Self {
             gpus: gpu_rx,
             devices: device_rx,
@@ -408,31 +419,56 @@ impl Drop for HealthMonitor {
     }
 }
 
-/// The blocking loop: wait for events, apply them, probe quiet unhealthy GPUs.
+/// After this many failed waits in a row the monitor cannot vouch for any GPU: devices it
+/// would report Healthy are reported Unknown until a wait succeeds again.
+pub const FAILED_WAITS_UNTIL_UNKNOWN: u32 = 3;
+
+/// Where the blocking loop reports.
+struct Watched<'a> {
+    /// Health per GPU, on change.
+    gpus: &'a watch::Sender<GpuHealthMap>,
+    /// When the GPUs were last checked.
+    checked: &'a watch::Sender<SystemTime>,
+    /// Why monitoring is failing (`None`: it works).
+    failing: &'a watch::Sender<Option<String>>,
+}
+
+/// The blocking loop: wait for events, apply them, probe quiet unhealthy GPUs. When waiting
+/// keeps failing ([`FAILED_WAITS_UNTIL_UNKNOWN`] times in a row) it says so once, and once
+/// more when a wait succeeds again.
 fn watch_events(
     backend: &dyn GpuBackend,
     mut state: HealthState,
     config: &HealthConfig,
     stop: &CancellationToken,
-    gpus: &watch::Sender<GpuHealthMap>,
-    checked: &watch::Sender<SystemTime>,
+    out: Watched<'_>,
 ) {
-    let mut last_error = String::new();
+    let mut failed_waits = 0u32;
     let mut next_probe = Instant::now() + config.probe_interval;
     while !stop.is_cancelled() {
         let mut changed = false;
-        match backend.wait_health_event(config.wait) {
+        let waited = backend.wait_health_event(config.wait);
+        if waited.is_ok() && failed_waits >= FAILED_WAITS_UNTIL_UNKNOWN {
+            info!(
+                failed_waits,
+                "GPU health events are received again; health is known again"
+            );
+            out.failing.send_replace(None);
+        }
+        match waited {
             Ok(Some(event)) => {
                 info!(gpu = %event.gpu_uuid, event = %event.kind, "GPU health event");
                 changed = state.apply(&event, Instant::now(), SystemTime::now());
-                last_error.clear();
+                failed_waits = 0;
             }
-            Ok(None) => last_error.clear(),
+            Ok(None) => failed_waits = 0,
             Err(e) => {
-                let text = e.to_string();
-                if text != last_error {
-                    warn!(error = %text, "waiting for GPU health events failed; retrying");
-                    last_error = text;
+                failed_waits = failed_waits.saturating_add(1);
+                if failed_waits == FAILED_WAITS_UNTIL_UNKNOWN {
+                    warn!(error = %e, failed_waits,
+                        "waiting for GPU health events keeps failing; devices report Unknown \
+                         until it works again");
+                    out.failing.send_replace(Some(e.to_string()));
                 }
                 std::thread::sleep(config.wait);
             }
@@ -455,9 +491,11 @@ fn watch_events(
             }
         }
         if changed {
-            gpus.send_replace(state.gpus().clone());
+            out.gpus.send_replace(state.gpus().clone());
         }
-        checked.send_replace(SystemTime::now());
+        if failed_waits == 0 {
+            out.checked.send_replace(SystemTime::now());
+        }
     }
 }
 
@@ -466,6 +504,7 @@ async fn project(
     mut gpus: watch::Receiver<GpuHealthMap>,
     mut pool: watch::Receiver<Pool>,
     checked: watch::Receiver<SystemTime>,
+    mut failing: watch::Receiver<Option<String>>,
     devices: watch::Sender<Vec<DeviceHealth>>,
     config: HealthConfig,
 ) {
@@ -475,15 +514,26 @@ async fn project(
         tokio::select! {
             r = gpus.changed() => if r.is_err() { return },
             r = pool.changed() => if r.is_err() { return },
+            r = failing.changed() => if r.is_err() { return },
             _ = heartbeat.tick() => {}
         }
-        let snapshot = device_health(
+        let mut snapshot = device_health(
             &config.pool_name,
             &pool.borrow_and_update(),
             &gpus.borrow_and_update(),
             *checked.borrow(),
             config.kubelet_timeout,
         );
+        // A GPU last seen Healthy is not known to be healthy while monitoring fails; one seen
+        // Unhealthy stays so.
+        if let Some(why) = failing.borrow_and_update().as_deref() {
+            for d in &mut snapshot {
+                if d.status == HealthStatus::Healthy {
+                    d.status = HealthStatus::Unknown;
+                    d.message = format!("GPU health monitoring is failing: {why}");
+                }
+            }
+        }
         devices.send_replace(snapshot);
     }
 }
@@ -764,6 +814,42 @@ gpus:
         )
         .await
         .expect("healthy in time")
+        .expect("monitor alive");
+
+        // Waiting for events keeps failing: the healthy GPU's devices become Unknown (not a
+        // fresh "Healthy"), saying why; when waits work again they are Healthy again.
+        fake.fail_health_events(true);
+        let unknown = tokio::time::timeout(
+            timeout,
+            devices.wait_for(|d| {
+                d.iter()
+                    .filter(|h| h.device_name.starts_with("gpu-a"))
+                    .all(|h| h.status == HealthStatus::Unknown)
+            }),
+        )
+        .await
+        .expect("unknown in time")
+        .expect("monitor alive")
+        .clone();
+        assert!(
+            unknown
+                .iter()
+                .filter(|h| h.device_name.starts_with("gpu-a"))
+                .all(|h| h.message.contains("GPU health monitoring is failing")
+                    && h.message.contains("wait_health_event")),
+            "{unknown:?}"
+        );
+        fake.fail_health_events(false);
+        tokio::time::timeout(
+            timeout,
+            devices.wait_for(|d| {
+                d.iter()
+                    .filter(|h| h.device_name.starts_with("gpu-a"))
+                    .all(|h| h.status == HealthStatus::Healthy)
+            }),
+        )
+        .await
+        .expect("healthy again in time")
         .expect("monitor alive");
     }
 }

@@ -583,8 +583,7 @@ impl Active {
                 loop {
                     let now = devices.borrow_and_update().clone();
                     for d in &now {
-                        let healthy = d.status != dra_kubelet::HealthStatus::Unhealthy;
-                        metrics.set_device_health(&d.device_name, healthy);
+                        metrics.set_device_health(&d.device_name, d.status);
                     }
                     kubelet.send_replace(now);
                     if devices.changed().await.is_err() {

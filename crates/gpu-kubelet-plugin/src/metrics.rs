@@ -7,7 +7,7 @@
 //! | `drust_claim_errors_total` | counter | `method`, `reason` | claims answered with an error |
 //! | `drust_prepared_claims` | gauge | | claims whose prepare completed |
 //! | `drust_prepared_devices` | gauge | | devices held by those claims |
-//! | `drust_device_healthy` | gauge | `device` | 1 healthy, 0 unhealthy (set by the health monitor) |
+//! | `drust_device_healthy` | gauge | `device` | 1 healthy, 0 unhealthy, -1 unknown (health monitoring failing, or the GPU not watched) |
 //! | `drust_instance_active` | gauge | | 1 while this instance holds the active lock |
 //! | `drust_active_lock_wait_seconds` | gauge | | how long this instance waited for the lock |
 //!
@@ -111,7 +111,7 @@ impl Metrics {
         let device_healthy = Family::<DeviceLabels, Gauge>::default();
         registry.register(
             "device_healthy",
-            "1 when the device is healthy, 0 when not",
+            "1 when the device is healthy, 0 when unhealthy, -1 when unknown",
             device_healthy.clone(),
         );
         let active = Gauge::default();
@@ -157,13 +157,19 @@ impl Metrics {
             .set(i64::try_from(devices).unwrap_or(i64::MAX));
     }
 
-    /// Records `device`'s health (the health monitor calls this on every change).
-    pub fn set_device_health(&self, device: &str, healthy: bool) {
+    /// Records `device`'s health (the health monitor calls this on every change): 1 healthy,
+    /// 0 unhealthy, -1 unknown.
+    pub fn set_device_health(&self, device: &str, status: dra_kubelet::HealthStatus) {
+        let value = match status {
+            dra_kubelet::HealthStatus::Healthy => 1,
+            dra_kubelet::HealthStatus::Unhealthy => 0,
+            dra_kubelet::HealthStatus::Unknown => -1,
+        };
         self.device_healthy
             .get_or_create(&DeviceLabels {
                 device: device.to_owned(),
             })
-            .set(i64::from(healthy));
+            .set(value);
     }
 
     /// Records that this instance became active after waiting `waited` for the lock, or
@@ -213,8 +219,9 @@ mod tests {
         });
         m.claim_failed(dra_kubelet::Method::Prepare, "not-found");
         m.set_prepared(1, 2);
-        m.set_device_health("gpu-0", true);
-        m.set_device_health("gpu-1", false);
+        m.set_device_health("gpu-0", dra_kubelet::HealthStatus::Healthy);
+        m.set_device_health("gpu-1", dra_kubelet::HealthStatus::Unhealthy);
+        m.set_device_health("gpu-2", dra_kubelet::HealthStatus::Unknown);
         m.set_active(true, Some(Duration::from_millis(1500)));
         let text = m.encode();
         for line in [
@@ -226,6 +233,7 @@ mod tests {
             "drust_prepared_devices 2",
             r#"drust_device_healthy{device="gpu-0"} 1"#,
             r#"drust_device_healthy{device="gpu-1"} 0"#,
+            r#"drust_device_healthy{device="gpu-2"} -1"#,
             "drust_instance_active 1",
             "drust_active_lock_wait_seconds 1.5",
         ] {
