@@ -270,6 +270,21 @@ impl HealthState {
         }
     }
 
+    /// Takes over the unhealthy verdicts of `restored` (an earlier instance's, from
+    /// [`crate::health_record`]) for the GPUs watched, as if their last event were at `now`:
+    /// the quiet period before a recovery probe starts again. Returns whether any was taken.
+    pub fn restore(&mut self, restored: &GpuHealthMap, now: Instant) -> bool {
+        let mut taken = false;
+        for (uuid, h) in restored {
+            if let (GpuHealth::Unhealthy(_), Some(current)) = (h, self.gpus.get_mut(uuid)) {
+                *current = h.clone();
+                self.last_event.insert(uuid.clone(), now);
+                taken = true;
+            }
+        }
+        taken
+    }
+
     /// The current health.
     pub fn gpus(&self) -> &GpuHealthMap {
         &self.gpus
@@ -347,15 +362,18 @@ pub struct HealthMonitor {
 impl HealthMonitor {
     /// Starts watching the GPUs `gpu_uuids` of `backend` (a blocking thread waits for events)
     /// and projecting their health onto the devices of the published pool `pool` (the
-    /// publisher's wanted pool, untainted).
+    /// publisher's wanted pool, untainted). `restored` holds an earlier instance's unhealthy
+    /// verdicts ([`HealthState::restore`]); pass an empty map to start all healthy.
     pub fn start(
         backend: Arc<dyn GpuBackend>,
         gpu_uuids: Vec<String>,
+        restored: &GpuHealthMap,
         pool: watch::Receiver<Pool>,
         config: HealthConfig,
     ) -> Self {
         let stop = CancellationToken::new();
-        let state = HealthState::new(gpu_uuids.iter().map(String::as_str));
+        let mut state = HealthState::new(gpu_uuids.iter().map(String::as_str));
+        state.restore(restored, Instant::now());
         let (gpu_tx, gpu_rx) = watch::channel(state.gpus().clone());
         let (checked_tx, checked_rx) = watch::channel(SystemTime::now());
         let (failing_tx, failing_rx) = watch::channel(None);
@@ -783,6 +801,7 @@ gpus:
         let monitor = HealthMonitor::start(
             Arc::clone(&fake) as Arc<dyn GpuBackend>,
             vec!["GPU-a".into()],
+            &GpuHealthMap::new(),
             pool_rx,
             config,
         );

@@ -17,6 +17,7 @@ pub mod driver_files;
 pub mod failpoint;
 pub mod hardware;
 pub mod health;
+pub mod health_record;
 pub mod http;
 pub mod instance;
 pub mod metrics;
@@ -567,16 +568,58 @@ impl Active {
         health: Health<'_>,
     ) -> Result<(), Error> {
         let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
+        // The previous instance's verdicts: its taints go out with the first publish.
+        let record =
+            health_record::HealthRecord::new(config.checkpoint_path.with_file_name("health.json"));
+        let restored = if config.health_monitoring {
+            let record = record.clone();
+            tokio::task::spawn_blocking(move || record.load())
+                .await
+                .unwrap_or_default()
+        } else {
+            health::GpuHealthMap::new()
+        };
+        if !restored.is_empty() {
+            info!(gpus = ?restored.keys().collect::<Vec<_>>(),
+                "GPUs still unhealthy from before the restart; keeping their taints");
+            publisher.set_taints(health::taints(&config.driver_name, &restored));
+        }
         publish_with_retry(&publisher, &pool).await;
         if config.health_monitoring {
             let monitor = health::HealthMonitor::start(
                 Arc::clone(backend),
                 inventory.gpus.iter().map(|g| g.raw.uuid.clone()).collect(),
+                &restored,
                 publisher.wanted_pool(),
                 health::HealthConfig::new(&config.node_name),
             );
             let taints = publisher::spawn_taint_publisher(publisher.clone(), monitor.gpu_health());
             self.tasks.push(AbortOnDrop(taints));
+            // Every change of the verdicts is recorded for the next instance (off the workers).
+            let mut verdicts = monitor.gpu_health();
+            let mut stored = restored;
+            self.tasks.push(AbortOnDrop(tokio::spawn(async move {
+                loop {
+                    let now = verdicts.borrow_and_update().clone();
+                    let unhealthy = |m: &health::GpuHealthMap| {
+                        m.iter()
+                            .filter(|(_, h)| matches!(h, health::GpuHealth::Unhealthy(_)))
+                            .map(|(u, h)| (u.clone(), h.clone()))
+                            .collect::<health::GpuHealthMap>()
+                    };
+                    if unhealthy(&now) != unhealthy(&stored) {
+                        let (record, write) = (record.clone(), now.clone());
+                        match tokio::task::spawn_blocking(move || record.store(&write)).await {
+                            Ok(Ok(())) => stored = now,
+                            Ok(Err(e)) => warn!(error = %e, "recording GPU health failed"),
+                            Err(e) => warn!(error = %e, "recording GPU health failed"),
+                        }
+                    }
+                    if verdicts.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })));
             let mut devices = monitor.device_health();
             let (kubelet, metrics) = (health.kubelet.clone(), Arc::clone(health.metrics));
             self.tasks.push(AbortOnDrop(tokio::spawn(async move {

@@ -348,3 +348,96 @@ async fn devices_generation(api: &Api<ResourceSlice>) -> anyhow::Result<i64> {
         .max()
         .context("no slices")
 }
+
+/// Our slices' devices, by name, over the pool's newest generation.
+async fn published(api: &Api<ResourceSlice>) -> anyhow::Result<Vec<Device>> {
+    let slices: BTreeMap<String, ResourceSlice> = api
+        .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
+        .await?
+        .items
+        .into_iter()
+        .map(|s| (s.metadata.name.clone().unwrap_or_default(), s))
+        .collect();
+    Ok(devices(&slices))
+}
+
+/// A restarted plugin (the binary, SIGTERM and start again, as a crash loop or an upgrade
+/// does) keeps the taint of a GPU its predecessor found unhealthy, from its first publish on:
+/// it once republished the slices untainted, and the scheduler placed the next pod on the GPU
+/// that had just raised XID 94. The verdicts are kept in `health.json` beside the checkpoint.
+#[tokio::test]
+async fn a_restarted_plugin_keeps_the_taints_of_gpus_still_unhealthy() -> anyhow::Result<()> {
+    use drust_e2e::host::{BinaryHost, PluginProcess, stop};
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let client = cp.client().await?;
+    cp.register_node(NODE, &[]).await?;
+    let topology_path = repo_path("examples/topologies/dgx-h100.yaml");
+    let topology = Topology::from_file(&topology_path)?;
+    let gpu = topology.gpus[2].uuid.clone();
+    let host = BinaryHost::new(
+        "drust-health-restart-",
+        cp.kubeconfig_path(),
+        &topology_path,
+        DRIVER,
+        NODE,
+    )?;
+    let log = host.root().join("plugin.log");
+    let start = || -> anyhow::Result<PluginProcess> {
+        let mut cmd = host.command(&log, None)?;
+        cmd.arg("--fake-state-dir").arg(host.state_dir());
+        Ok(PluginProcess(cmd.spawn()?))
+    };
+    let tail = || std::fs::read_to_string(&log).unwrap_or_default();
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let want = |devices: &[Device]| expected(devices, &[(&gpu, "xid-94", "NoSchedule")]);
+
+    let plugin = start()?;
+    let events = gpu_inventory::health::events_dir(&host.state_dir());
+    std::fs::create_dir_all(&events)?;
+    let began = Instant::now();
+    loop {
+        let devices = published(&slices).await?;
+        if devices.len() == 8 {
+            break;
+        }
+        ensure!(began.elapsed() < TIMEOUT, "not published\n{}", tail());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    std::fs::write(
+        events.join("000001.json"),
+        serde_json::to_vec(&event(&gpu, HealthEventKind::Xid { code: 94 }))?,
+    )?;
+    let began = Instant::now();
+    loop {
+        let devices = published(&slices).await?;
+        if taints(&devices) == want(&devices) {
+            break;
+        }
+        ensure!(began.elapsed() < TIMEOUT, "no taint\n{}", tail());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Restart: from the first publish on, and for the next 5 s, the taint stays.
+    stop(plugin).await?;
+    let plugin = start()?;
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(5) {
+        let devices = published(&slices).await?;
+        ensure!(
+            taints(&devices) == want(&devices),
+            "{:?} after the restart: {:?}\n{}",
+            began.elapsed(),
+            taints(&devices),
+            tail()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    ensure!(
+        tail().contains("GPUs still unhealthy from before the restart"),
+        "{}",
+        tail()
+    );
+    stop(plugin).await?;
+    cp.stop().await?;
+    Ok(())
+}
