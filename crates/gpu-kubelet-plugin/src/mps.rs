@@ -333,7 +333,11 @@ impl MpsControl {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-        let mut child = cmd.spawn().map_err(spawn_err)?;
+        // fork and exec block; keep them off the async workers.
+        let mut child = tokio::task::spawn_blocking(move || cmd.spawn())
+            .await
+            .map_err(|e| spawn_err(std::io::Error::other(e)))?
+            .map_err(spawn_err)?;
         if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
             pipe.write_all(format!("{text}\n").as_bytes())
                 .await
@@ -431,6 +435,46 @@ mod tests {
         assert!(!mps.is_running("uid-1").await);
         assert!(!tmp.path().join("uid-1").exists());
         mps.stop("uid-1").await.expect("stopping twice is fine");
+    }
+
+    /// A control tool that hangs (a wedged driver) fails the start within the start timeout,
+    /// is killed, and leaves nothing behind: the claim's prepare fails in time instead of
+    /// holding its GPU locks until the kubelet gives up.
+    #[tokio::test]
+    async fn a_hung_control_tool_fails_the_start_within_the_timeout() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().expect("tmp");
+        let tool = tmp.path().join("hung-mps-control");
+        std::fs::write(
+            &tool,
+            "#!/bin/sh
+exec sleep 3600
+",
+        )
+        .expect("script");
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let mut mps = control(&tmp.path().join("mps"));
+        mps.binary = tool;
+        mps.start_timeout = Duration::from_millis(500);
+        let started = std::time::Instant::now();
+        let err = mps
+            .start(
+                "uid-3",
+                &[MpsDevice {
+                    uuid: "GPU-a".to_owned(),
+                    pinned_memory_limit_bytes: None,
+                }],
+                None,
+            )
+            .await
+            .expect_err("a hung tool");
+        assert!(matches!(err, MpsError::Timeout { .. }), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            started.elapsed()
+        );
+        assert!(!tmp.path().join("mps/uid-3").exists());
     }
 
     #[tokio::test]
