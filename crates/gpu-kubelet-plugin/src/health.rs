@@ -128,6 +128,15 @@ pub enum GpuHealth {
 /// Health of every GPU of the node, by GPU UUID.
 pub type GpuHealthMap = BTreeMap<String, GpuHealth>;
 
+/// The unhealthy GPUs of `health` (what [`crate::health_record`] keeps).
+pub fn unhealthy(health: &GpuHealthMap) -> GpuHealthMap {
+    health
+        .iter()
+        .filter(|(_, h)| matches!(h, GpuHealth::Unhealthy(_)))
+        .map(|(u, h)| (u.clone(), h.clone()))
+        .collect()
+}
+
 /// The physical GPU a published device lives on: its `parentUUID` attribute (MIG devices and
 /// placements), else its `uuid` (whole GPUs).
 pub fn physical_gpu(device: &Device) -> Option<&str> {

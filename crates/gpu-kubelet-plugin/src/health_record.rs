@@ -65,8 +65,8 @@ impl HealthRecord {
                 return GpuHealthMap::new();
             }
         };
-        let file: File = match serde_json::from_slice(&bytes) {
-            Ok(f) if f_version_ok(&f) => f,
+        let file = match serde_json::from_slice::<File>(&bytes) {
+            Ok(f) if f.version == VERSION => f,
             Ok(f) => {
                 warn!(path = %self.path.display(), version = f.version,
                     "health record of an unknown version; starting with every GPU healthy");
@@ -130,10 +130,6 @@ impl HealthRecord {
         .map_err(std::io::Error::other)?;
         write_atomic(&RealFs, &self.path, &bytes)
     }
-}
-
-fn f_version_ok(f: &File) -> bool {
-    f.version == VERSION
 }
 
 #[cfg(test)]

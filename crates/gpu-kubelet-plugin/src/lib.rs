@@ -68,9 +68,6 @@ pub enum Error {
         /// The cause.
         message: String,
     },
-    /// Publishing slices failed.
-    #[error("publishing this node's ResourceSlices")]
-    Publish(#[from] publisher::PublishError),
     /// The claim state could not be reconciled at start.
     #[error("reconciling prepared claims at start")]
     Claims(#[from] claims::ClaimError),
@@ -327,7 +324,7 @@ pub async fn run(
         None => None,
     };
     let mut server_result = None;
-    let (mut active, mut result) = match taken {
+    let (mut active, result) = match taken {
         Some(Ok(active)) => (Some(active), Ok(())),
         Some(Err(e)) => (None, Err(e)),
         None => (None, Ok(())),
@@ -337,9 +334,8 @@ pub async fn run(
         metrics.set_prepared(claims, devices);
         // The first publication waits for the API server as long as it takes; a shutdown
         // meanwhile stops it.
-        let mut stopping = false;
-        result = tokio::select! {
-            r = active.run_tasks(
+        let stopping = tokio::select! {
+            () = active.run_tasks(
                 &config,
                 client,
                 &backend,
@@ -349,13 +345,10 @@ pub async fn run(
                     kubelet: &device_health,
                     metrics: &metrics,
                 },
-            ) => r,
-            () = &mut shutdown => {
-                stopping = true;
-                Ok(())
-            }
+            ) => false,
+            () = &mut shutdown => true,
         };
-        if result.is_ok() && !stopping {
+        if !stopping {
             role.send_replace(Role::Active);
             tokio::select! {
                 () = &mut shutdown => {}
@@ -566,7 +559,7 @@ impl Active {
         inventory: &Inventory,
         pool: Pool,
         health: Health<'_>,
-    ) -> Result<(), Error> {
+    ) {
         let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
         // The previous instance's verdicts: its taints go out with the first publish.
         let record =
@@ -600,14 +593,8 @@ impl Active {
             let mut stored = restored;
             self.tasks.push(AbortOnDrop(tokio::spawn(async move {
                 loop {
-                    let now = verdicts.borrow_and_update().clone();
-                    let unhealthy = |m: &health::GpuHealthMap| {
-                        m.iter()
-                            .filter(|(_, h)| matches!(h, health::GpuHealth::Unhealthy(_)))
-                            .map(|(u, h)| (u.clone(), h.clone()))
-                            .collect::<health::GpuHealthMap>()
-                    };
-                    if unhealthy(&now) != unhealthy(&stored) {
+                    let now = health::unhealthy(&verdicts.borrow_and_update());
+                    if now != stored {
                         let (record, write) = (record.clone(), now.clone());
                         match tokio::task::spawn_blocking(move || record.store(&write)).await {
                             Ok(Ok(())) => stored = now,
@@ -655,7 +642,6 @@ impl Active {
             })
         };
         self.tasks.push(AbortOnDrop(stale));
-        Ok(())
     }
 }
 

@@ -337,19 +337,8 @@ fn content(slices: &[ResourceSlice]) -> Vec<SliceContent> {
 impl Stored {
     /// Whether the server holds exactly what it kept when `wanted` was last written.
     fn holds(&self, wanted: &[ResourceSlice], existing: &[ResourceSlice]) -> bool {
-        let Some((written, kept)) = &self.last else {
-            return false;
-        };
-        let mut existing = content(existing);
-        if *written != content(wanted) || existing.len() != kept.len() {
-            return false;
-        }
-        kept.iter().all(|k| {
-            existing
-                .iter()
-                .position(|e| e == k)
-                .map(|i| existing.swap_remove(i))
-                .is_some()
+        self.last.as_ref().is_some_and(|(written, kept)| {
+            *written == content(wanted) && same_multiset(content(existing), kept)
         })
     }
 
@@ -403,15 +392,18 @@ fn dropped_fields(
 /// Whether the server's slices are exactly the desired ones: as many, and each desired slice's
 /// spec and owner held by a distinct existing slice (names differ: the server chose them).
 fn same_slices(existing: &[ResourceSlice], desired: &[ResourceSlice]) -> bool {
-    let mut unmatched: Vec<&ResourceSlice> = existing.iter().collect();
-    existing.len() == desired.len()
-        && desired.iter().all(|d| {
-            unmatched
-                .iter()
-                .position(|e| {
-                    e.spec == d.spec && e.metadata.owner_references == d.metadata.owner_references
-                })
-                .map(|i| unmatched.swap_remove(i))
+    let with_owner = |s: &ResourceSlice| (s.spec.clone(), s.metadata.owner_references.clone());
+    let desired: Vec<SliceContent> = desired.iter().map(with_owner).collect();
+    same_multiset(existing.iter().map(with_owner).collect(), &desired)
+}
+
+/// Whether `a` and `b` hold the same items, as many times each, in any order.
+fn same_multiset<T: PartialEq>(mut a: Vec<T>, b: &[T]) -> bool {
+    a.len() == b.len()
+        && b.iter().all(|x| {
+            a.iter()
+                .position(|y| y == x)
+                .map(|i| a.swap_remove(i))
                 .is_some()
         })
 }

@@ -449,25 +449,25 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         self.set_time_slices(claim, slices).await?;
         // One daemon for the claim's MPS devices: one thread percentage (the config resolution
         // refuses claims whose requests disagree on it), each device its own pinned limit.
-        let mps: Vec<(crate::mps::MpsDevice, Option<u32>)> = devices
+        let mut percentage = None;
+        let served: Vec<crate::mps::MpsDevice> = devices
             .iter()
             .filter_map(|d| match &d.sharing {
-                Some(Sharing::Mps(limits)) => Some((
-                    crate::mps::MpsDevice {
+                Some(Sharing::Mps(limits)) => {
+                    percentage = limits.active_thread_percentage;
+                    Some(crate::mps::MpsDevice {
                         uuid: d.uuid.clone(),
                         pinned_memory_limit_bytes: limits.pinned_memory_limit_bytes,
-                    },
-                    limits.active_thread_percentage,
-                )),
+                    })
+                }
                 _ => None,
             })
             .collect();
-        if let Some((_, percentage)) = mps.first() {
-            let served: Vec<crate::mps::MpsDevice> = mps.iter().map(|(d, _)| d.clone()).collect();
+        if !served.is_empty() {
             self.inner
                 .config
                 .mps
-                .start(&claim.uid, &served, *percentage)
+                .start(&claim.uid, &served, percentage)
                 .await
                 .map_err(|source| ClaimError::Mps {
                     claim: claim.clone(),
