@@ -1,18 +1,22 @@
 //! MIG devices: existing ones, and the partitionable model (KEP-4815 shared counters).
 //!
-//! Partitionable model of one GPU with a profile table (`migProfiles`):
+//! Partitionable model of one GPU with MIG mode enabled and a profile table (`migProfiles`):
 //! - one counter set named after the GPU device, with the counters `memory-slice-0` ..
 //!   `memory-slice-7` (1 each), `multiprocessors` (the GPU's SMs), `memory` (the GPU's bytes),
 //!   and `copy-engines`, `decoders`, `encoders`, `jpeg-engines`, `ofa-engines` (the largest
 //!   profile's counts, i.e. the full GPU's media engines as MIG sees them); counters whose total
 //!   is 0 are left out;
-//! - the whole GPU, consuming every counter in full;
 //! - one device per possible placement of every profile, consuming its memory slices and its
 //!   profile's SMs, memory and engines.
 //!
 //! Two placements overlap in memory slices exactly when MIG forbids them together, and the
 //! engine counters carry the remaining rule (one `+me` instance: it takes the single OFA), so
 //! the scheduler's counter accounting admits exactly the valid partitions.
+//!
+//! The whole GPU is not part of the model: with MIG mode on, CUDA runs only inside MIG devices,
+//! so a claim for the whole GPU could not be honoured at prepare. A GPU with MIG off is
+//! published whole instead, without placements (creating a MIG device needs MIG mode on, which
+//! needs a GPU reset the plugin does not do).
 
 use std::collections::BTreeMap;
 
@@ -266,8 +270,8 @@ pub fn placements(gpu: &Gpu) -> Vec<MigDevice> {
         .collect()
 }
 
-/// The partitionable model of `gpu` (see the module docs): its counter set, then the whole GPU
-/// and every placement, each consuming from that set.
+/// The partitionable model of `gpu` (see the module docs): its counter set, then every
+/// placement, each consuming from that set. Only meaningful for a GPU with MIG mode enabled.
 pub fn partitionable(gpu: &Gpu) -> (CounterSet, Vec<Device>) {
     let totals = totals(gpu);
     let keep = |name: &String| totals.get(name).is_some_and(|&v| v > 0);
@@ -296,9 +300,7 @@ pub fn partitionable(gpu: &Gpu) -> (CounterSet, Vec<Device>) {
                 .collect(),
         }])
     };
-    let mut whole = gpu.device();
-    whole.consumes_counters = consumes(totals.clone());
-    let mut devices = vec![whole];
+    let mut devices = Vec::new();
     for p in placements(gpu) {
         let mut d = p.device(gpu);
         d.consumes_counters = consumes(p.consumption());

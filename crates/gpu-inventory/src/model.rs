@@ -60,9 +60,12 @@ pub enum MigStrategy {
     /// publish themselves.
     #[default]
     Existing,
-    /// KEP-4815 partitionable devices: every GPU with a MIG profile table publishes a counter set,
-    /// itself consuming all of it, and every possible MIG placement consuming its share, so the
-    /// scheduler can choose any valid partition. GPUs without a table publish themselves.
+    /// KEP-4815 partitionable devices: every GPU with MIG enabled and a MIG profile table
+    /// publishes a counter set and every possible MIG placement consuming its share, so the
+    /// scheduler can choose any valid partition; the plugin creates the MIG device at prepare.
+    /// Other GPUs (MIG disabled or unsupported) publish themselves, whole. Exactly what prepare
+    /// can honour: MIG devices can only be created with MIG mode on, and with MIG mode on the
+    /// whole GPU runs no CUDA work.
     Partitionable,
 }
 
@@ -180,15 +183,14 @@ impl Inventory {
     pub fn pool(&self, strategy: MigStrategy) -> Pool {
         let mut pool = Pool::default();
         for gpu in &self.gpus {
-            let table =
-                !gpu.raw.mig_profiles.is_empty() && gpu.raw.mig_mode != MigMode::Unsupported;
+            let enabled = gpu.raw.mig_mode == MigMode::Enabled;
             match strategy {
-                MigStrategy::Partitionable if table => {
+                MigStrategy::Partitionable if enabled && !gpu.raw.mig_profiles.is_empty() => {
                     let (counters, devices) = mig::partitionable(gpu);
                     pool.counter_sets.push(counters);
                     pool.devices.extend(devices);
                 }
-                _ if gpu.raw.mig_mode == MigMode::Enabled => pool.devices.extend(
+                _ if enabled => pool.devices.extend(
                     self.mig_devices
                         .iter()
                         .filter(|m| m.parent == gpu.name)

@@ -132,8 +132,9 @@ pub fn pool_slices(
             .map(|c| (None, Some(c.to_vec()))),
     );
     if specs.is_empty() {
-        // An empty pool is still published, so the scheduler knows this node has no devices.
-        specs.push((None, Some(Vec::new())));
+        // An empty pool is still published, so the scheduler knows this node has no devices:
+        // one slice without devices (no `devices: []`, which the API server drops on storing).
+        specs.push((None, None));
     }
     let slices = specs.len();
     let count = i64::try_from(slices).unwrap_or(i64::MAX);

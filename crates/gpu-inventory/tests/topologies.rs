@@ -17,6 +17,7 @@ const TOPOLOGIES: &[&str] = &[
     "paired-nvlink-bridges",
     "gb200-nvl-tray",
     "mixed-a100-l4",
+    "pcie-a100-mig",
 ];
 
 fn inventory(name: &str) -> Inventory {
@@ -188,10 +189,12 @@ fn partitionable_counters_admit_exactly_the_valid_mig_partitions() {
             .iter()
             .map(|(k, v)| (k.clone(), amount(&v.value.0)))
             .collect();
-        // The whole GPU consumes every counter in full.
-        assert_eq!(consumption(&devices[0]), totals, "{name}: whole GPU");
+        assert!(
+            devices.iter().all(mig::is_mig),
+            "{name}: only placements consume the counter set"
+        );
         let profiles = &gpu.raw.mig_profiles;
-        let placements: Vec<Placement> = devices[1..]
+        let placements: Vec<Placement> = devices
             .iter()
             .map(|d| {
                 let consumes = consumption(d);
@@ -275,4 +278,52 @@ fn partitionable_counters_admit_exactly_the_valid_mig_partitions() {
             "{name}: {checked} sets, {admitted} valid"
         );
     }
+}
+
+/// Partitionable mode must not publish what prepare cannot honour: a MIG placement on a GPU
+/// with MIG disabled (creating it needs MIG mode on) or the whole GPU of a MIG-enabled one (it
+/// runs no CUDA work). Each GPU is either whole, without counters, or placements only.
+#[test]
+fn partitionable_mode_publishes_only_what_prepare_can_honour() {
+    use gpu_inventory::backend::MigMode;
+    let mut enabled_seen = 0;
+    let mut disabled_seen = 0;
+    for name in TOPOLOGIES {
+        let inv = inventory(name);
+        let pool = inv.pool(MigStrategy::Partitionable);
+        for gpu in &inv.gpus {
+            let whole = pool.devices.iter().find(|d| d.name == gpu.name);
+            let placements: Vec<&Device> = pool
+                .devices
+                .iter()
+                .filter(|d| s(d, "parentUUID").as_deref() == Some(gpu.raw.uuid.as_str()))
+                .collect();
+            let counters = pool.counter_sets.iter().any(|c| c.name == gpu.name);
+            if gpu.raw.mig_mode == MigMode::Enabled {
+                enabled_seen += 1;
+                assert!(
+                    whole.is_none(),
+                    "{name} {}: MIG on, whole GPU published",
+                    gpu.name
+                );
+                assert!(
+                    !placements.is_empty() && counters,
+                    "{name} {}: MIG on, no placements",
+                    gpu.name
+                );
+            } else {
+                disabled_seen += usize::from(gpu.raw.mig_mode == MigMode::Disabled);
+                let whole = whole.unwrap_or_else(|| panic!("{name} {}: not published", gpu.name));
+                assert!(
+                    whole.consumes_counters.is_none() && placements.is_empty() && !counters,
+                    "{name} {}: MIG off, yet placements or counters published",
+                    gpu.name
+                );
+            }
+        }
+    }
+    assert!(
+        enabled_seen >= 4 && disabled_seen >= 8,
+        "{enabled_seen} {disabled_seen}"
+    );
 }

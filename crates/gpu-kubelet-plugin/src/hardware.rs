@@ -159,12 +159,13 @@ impl NodeDevice {
     }
 }
 
-/// Every device `inventory` publishes under `strategy`, by name: whole GPUs, existing MIG devices,
-/// and partitionable MIG placements. On a GPU published as partitionable, every MIG name is a
-/// placement, also where a MIG device exists now (it shares the placement's name): the plugin
-/// creates and destroys the devices there.
+/// Every device `inventory` publishes under `strategy`, by name, and nothing else: whole GPUs,
+/// existing MIG devices, and partitionable MIG placements, exactly the devices of
+/// [`Inventory::pool`], so prepare refuses what is not published. On a GPU published as
+/// partitionable, every MIG name is a placement, also where a MIG device exists now (it shares
+/// the placement's name): the plugin creates and destroys the devices there.
 pub fn node_devices(inventory: &Inventory, strategy: MigStrategy) -> BTreeMap<String, NodeDevice> {
-    let by_name: BTreeMap<&str, &Gpu> = inventory
+    let gpus: BTreeMap<&str, &Gpu> = inventory
         .gpus
         .iter()
         .map(|g| (g.name.as_str(), g))
@@ -176,49 +177,42 @@ pub fn node_devices(inventory: &Inventory, strategy: MigStrategy) -> BTreeMap<St
         .collect();
     let pool = inventory.pool(strategy);
     let partitioned: BTreeSet<&str> = pool.counter_sets.iter().map(|c| c.name.as_str()).collect();
+    let existing: BTreeMap<&str, &gpu_inventory::MigDevice> = inventory
+        .mig_devices
+        .iter()
+        .filter(|m| !partitioned.contains(m.parent.as_str()))
+        .map(|m| (m.name.as_str(), m))
+        .collect();
     let mut out = BTreeMap::new();
-    for g in &inventory.gpus {
-        out.insert(g.name.clone(), NodeDevice::Gpu(g.clone()));
-    }
-    for m in &inventory.mig_devices {
-        if partitioned.contains(m.parent.as_str()) {
-            continue;
-        }
-        if let Some(parent) = by_name.get(m.parent.as_str()) {
-            out.insert(
-                m.name.clone(),
-                NodeDevice::Mig {
-                    parent: (*parent).clone(),
-                    mig: m.clone(),
-                },
-            );
-        }
-    }
-    for d in pool.devices {
-        if out.contains_key(&d.name) {
-            continue;
-        }
-        let parent = d
-            .attributes
-            .as_ref()
-            .and_then(|a| a.get("parentUUID"))
-            .and_then(|a| a.string.as_deref())
-            .and_then(|u| by_uuid.get(u));
-        let Some(parent) = parent else { continue };
-        let placement = gpu_inventory::mig::placements(parent)
-            .into_iter()
-            .find(|p| p.name == d.name);
-        if let Some(p) = placement {
-            out.insert(
-                d.name.clone(),
-                NodeDevice::MigPlacement {
-                    parent: (*parent).clone(),
-                    name: d.name.clone(),
-                    profile: p.profile,
-                    profile_id: p.profile_id,
-                    placement: p.placement,
-                },
-            );
+    for d in &pool.devices {
+        let device = if let Some(g) = gpus.get(d.name.as_str()) {
+            Some(NodeDevice::Gpu((*g).clone()))
+        } else if let Some(m) = existing.get(d.name.as_str()) {
+            gpus.get(m.parent.as_str()).map(|parent| NodeDevice::Mig {
+                parent: (*parent).clone(),
+                mig: (*m).clone(),
+            })
+        } else {
+            d.attributes
+                .as_ref()
+                .and_then(|a| a.get("parentUUID"))
+                .and_then(|a| a.string.as_deref())
+                .and_then(|u| by_uuid.get(u))
+                .and_then(|parent| {
+                    gpu_inventory::mig::placements(parent)
+                        .into_iter()
+                        .find(|p| p.name == d.name)
+                        .map(|p| NodeDevice::MigPlacement {
+                            parent: (*parent).clone(),
+                            name: d.name.clone(),
+                            profile: p.profile,
+                            profile_id: p.profile_id,
+                            placement: p.placement,
+                        })
+                })
+        };
+        if let Some(device) = device {
+            out.insert(d.name.clone(), device);
         }
     }
     out

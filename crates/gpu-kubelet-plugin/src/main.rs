@@ -78,7 +78,8 @@ struct Args {
     #[arg(long, default_value_t = 60, value_parser = interval)]
     stale_claim_interval_seconds: u64,
     /// How MIG-capable GPUs are published: `existing` MIG devices (GPUs with MIG disabled as
-    /// whole GPUs), or `partitionable`: every possible MIG placement consuming shared counters.
+    /// whole GPUs), or `partitionable`: every possible MIG placement of GPUs with MIG enabled,
+    /// consuming shared counters (GPUs with MIG disabled as whole GPUs).
     #[arg(long, value_enum, default_value = "existing")]
     mig_strategy: MigStrategyArg,
     /// How often to discover GPUs again and republish the pool when it changed, in seconds (1

@@ -44,12 +44,13 @@ fn assert_snapshot(name: &str, actual: &str) {
 
 /// Every topology in `examples/topologies/`, with the MIG strategies worth a snapshot.
 const TOPOLOGIES: &[(&str, &[&str])] = &[
-    ("dgx-h100", &["existing", "partitionable"]),
+    ("dgx-h100", &["existing"]),
     ("dgx-a100-mig", &["existing", "partitionable"]),
     ("pcie-l40s", &["existing"]),
     ("paired-nvlink-bridges", &["existing"]),
     ("gb200-nvl-tray", &["existing"]),
-    ("mixed-a100-l4", &["existing", "partitionable"]),
+    ("mixed-a100-l4", &["existing"]),
+    ("pcie-a100-mig", &["existing", "partitionable"]),
 ];
 
 fn parse_yaml(yaml: &str) -> Vec<ResourceSlice> {

@@ -304,3 +304,57 @@ fn partitionable_gpus_list_every_mig_name_as_a_placement() {
     let existing = node_devices(&inventory, MigStrategy::Existing);
     assert!(matches!(&existing[name], NodeDevice::Mig { .. }));
 }
+
+/// Prepare serves exactly what partitionable mode publishes: a placement on a GPU with MIG off
+/// (it could never be created) and the whole GPU of a MIG-enabled one (it runs no CUDA work)
+/// are refused as unknown devices, and nothing is created or recorded for them.
+#[tokio::test]
+async fn partitionable_mode_refuses_placements_on_mig_off_gpus_and_whole_mig_on_gpus() {
+    let node = Node::new();
+    let backend = node.backend();
+    let inventory = discover(backend.as_ref()).unwrap();
+    let pool = inventory.pool(MigStrategy::Partitionable);
+    let published: Vec<&str> = pool.devices.iter().map(|d| d.name.as_str()).collect();
+    let devices = node_devices(&inventory, MigStrategy::Partitionable);
+    assert_eq!(
+        devices.keys().map(String::as_str).collect::<Vec<_>>(),
+        {
+            let mut p = published.clone();
+            p.sort_unstable();
+            p
+        },
+        "prepare knows exactly the published devices"
+    );
+    let gpu = |minor: u32| {
+        inventory
+            .gpus
+            .iter()
+            .find(|g| g.raw.minor == minor)
+            .unwrap()
+            .name
+            .clone()
+    };
+    // GPU 3: MIG on. GPU 4: MIG off (the topology's comments).
+    let whole_mig_on = gpu(GPU3);
+    let placement_mig_off = format!("{}-mig-1g-10gb-0", gpu(4));
+    assert!(!published.contains(&whole_mig_on.as_str()));
+    assert!(!published.contains(&placement_mig_off.as_str()));
+    assert!(published.contains(&gpu(4).as_str()));
+
+    let (c, _) = node.start(Arc::clone(&backend)).await;
+    node.cluster
+        .put(claim("whole", "u1", &[(DRIVER, NODE, &whole_mig_on)]));
+    node.cluster
+        .put(claim("placed", "u2", &[(DRIVER, NODE, &placement_mig_off)]));
+    let r = c
+        .prepare(vec![claim_ref("whole", "u1"), claim_ref("placed", "u2")])
+        .await;
+    for (uid, device) in [("u1", &whole_mig_on), ("u2", &placement_mig_off)] {
+        let e = r[uid].as_ref().expect_err("refused").to_string();
+        assert!(e.contains(device.as_str()), "{uid}: {e}");
+        assert!(!node.spec_path(uid).exists());
+    }
+    assert!(backend.gpu(4).unwrap().mig_devices.is_empty());
+    let cp = node.checkpoint().load().unwrap().unwrap_or_default();
+    assert!(cp.claims.is_empty(), "{:?}", cp.claims.keys());
+}

@@ -45,7 +45,7 @@ async fn with_a_dra_gate_off_the_pool_is_not_republished_at_every_rediscovery() 
     .await?;
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
-    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let topology = repo_path("examples/topologies/pcie-a100-mig.yaml");
     let host = BinaryHost::new(
         "drust-gate-off-",
         cp.kubeconfig_path(),

@@ -34,6 +34,7 @@ const TOPOLOGIES: &[&str] = &[
     "paired-nvlink-bridges",
     "gb200-nvl-tray",
     "mixed-a100-l4",
+    "pcie-a100-mig",
 ];
 
 fn topology_path(name: &str) -> PathBuf {
@@ -178,7 +179,7 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
     let paired_file = scratch.path().join("paired-nvlink-bridges.yaml");
     std::fs::copy(topology_path("paired-nvlink-bridges"), &paired_file)?;
     let mut plugins = Vec::new();
-    for topology in TOPOLOGIES.iter().filter(|t| **t != "mixed-a100-l4") {
+    for topology in TOPOLOGIES.iter().filter(|t| **t != "pcie-a100-mig") {
         let node = node_of(topology);
         let path = if *topology == "paired-nvlink-bridges" {
             paired_file.clone()
@@ -220,7 +221,7 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
     // The kubelet's prepare injects the MIG device: its UUID and its capability nodes.
     let a100_plugin = TOPOLOGIES
         .iter()
-        .filter(|t| **t != "mixed-a100-l4")
+        .filter(|t| **t != "pcie-a100-mig")
         .position(|t| *t == "dgx-a100-mig")
         .and_then(|i| plugins.get(i))
         .context("A100 plugin")?;
@@ -309,14 +310,15 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
         "NUMA-aligned got {got:?}"
     );
 
-    // 6. Partitionable MIG on the mixed node: 4g.40gb on both A100s leaves only the 3g.40gb
-    //    placements at slice 4, after which no 1g.10gb fits: the scheduler accounts counters.
-    let node = node_of("mixed-a100-l4");
-    let mut mixed =
-        NodePlugin::start_with(&cp, DRIVER, &node, &topology_path("mixed-a100-l4"), |c| {
+    // 6. Partitionable MIG on the PCIe A100 node (MIG on, no MIG devices): 4g.40gb on both
+    //    A100s leaves only the 3g.40gb placements at slice 4, after which no 1g.10gb fits: the
+    //    scheduler accounts counters.
+    let node = node_of("pcie-a100-mig");
+    let mut partitioned =
+        NodePlugin::start_with(&cp, DRIVER, &node, &topology_path("pcie-a100-mig"), |c| {
             c.mig_strategy = MigStrategy::Partitionable;
         })?;
-    let slices = mixed.wait_ready(&client, TIMEOUT).await?;
+    let slices = partitioned.wait_ready(&client, TIMEOUT).await?;
     ensure!(
         slices.iter().any(|s| s.spec.shared_counters.is_some()),
         "no counter-set slice published"
@@ -400,7 +402,7 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
         "other GPUs keep their names"
     );
 
-    mixed.stop().await?;
+    partitioned.stop().await?;
     for p in plugins {
         p.stop().await?;
     }
