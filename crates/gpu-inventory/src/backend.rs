@@ -390,6 +390,13 @@ pub trait GpuBackend: Send + Sync {
         Ok(None)
     }
 
+    /// The set of GPUs changed (re-discovery found one more, or one fewer): the next
+    /// [`GpuBackend::wait_health_event`] watches the GPUs there are then. Events already
+    /// received are kept. Blocking.
+    ///
+    /// The default does nothing (the default wait reports nothing).
+    fn rewatch_health_events(&self) {}
+
     /// Whether the GPU `gpu_uuid`, which reported errors, looks usable again. Blocking.
     ///
     /// The default cannot tell ([`RecoveryProbe::Unsupported`]).

@@ -243,7 +243,10 @@ impl Topology {
 /// Serves NVML queries from a [`Topology`]; records each query and can fail chosen ones.
 #[derive(Debug)]
 pub struct FakeBackend {
-    topology: Topology,
+    topology: std::sync::RwLock<std::sync::Arc<Topology>>,
+    /// The file the topology came from and its text as last read, when it is followed
+    /// ([`FakeBackend::from_file`]).
+    source: Option<(PathBuf, Mutex<String>)>,
     calls: Mutex<Vec<String>>,
     failing_gpus: Mutex<BTreeSet<u32>>,
     /// Whether waiting for health events fails (see [`FakeBackend::fail_health_events`]).
@@ -262,7 +265,8 @@ impl FakeBackend {
     /// A backend answering from `topology`.
     pub fn new(topology: Topology) -> Self {
         Self {
-            topology,
+            topology: std::sync::RwLock::new(std::sync::Arc::new(topology)),
+            source: None,
             calls: Mutex::new(Vec::new()),
             failing_gpus: Mutex::new(BTreeSet::new()),
             failing_events: std::sync::atomic::AtomicBool::new(false),
@@ -272,6 +276,52 @@ impl FakeBackend {
             failing_mig: Mutex::new(BTreeSet::new()),
             injected: Mutex::new(VecDeque::new()),
             injected_ready: Condvar::new(),
+        }
+    }
+
+    /// A backend answering from the topology file `path`, and following it as NVML follows the
+    /// hardware: each [`GpuBackend::device_count`] (where every discovery starts) re-reads the
+    /// file, so an edited file acts like GPUs that appeared, vanished or changed. A file that
+    /// no longer parses is logged and the last good topology kept.
+    ///
+    /// # Errors
+    /// [`TopologyError`] when the file cannot be read or is invalid at first.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TopologyError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| TopologyError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let topology = Topology::parse(&text, &path.display().to_string())?;
+        let mut fake = Self::new(topology);
+        fake.source = Some((path.to_owned(), Mutex::new(text)));
+        Ok(fake)
+    }
+
+    /// Re-reads the followed topology file if its text changed.
+    fn follow_file(&self) {
+        let Some((path, last)) = &self.source else {
+            return;
+        };
+        let Ok(text) = std::fs::read_to_string(path) else {
+            tracing::warn!(path = %path.display(), "cannot re-read the fake topology; keeping the last one");
+            return;
+        };
+        let mut last = lock(last);
+        if *last == text {
+            return;
+        }
+        match Topology::parse(&text, &path.display().to_string()) {
+            Ok(t) => {
+                *self
+                    .topology
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = std::sync::Arc::new(t);
+                *last = text;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the fake topology no longer parses; keeping the last one")
+            }
         }
     }
 
@@ -308,9 +358,14 @@ impl FakeBackend {
         self.state_dir.as_deref()
     }
 
-    /// The topology served.
-    pub fn topology(&self) -> &Topology {
-        &self.topology
+    /// The topology served now.
+    pub fn topology(&self) -> std::sync::Arc<Topology> {
+        std::sync::Arc::clone(
+            &self
+                .topology
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// Makes every later wait for a health event fail (`failing`) with
@@ -377,10 +432,11 @@ impl FakeBackend {
                 .is_some_and(|d| d.join(file).exists())
     }
 
-    fn raw_gpu(&self, index: u32) -> Result<&RawGpu, BackendError> {
-        self.topology
+    fn raw_gpu(&self, index: u32) -> Result<RawGpu, BackendError> {
+        self.topology()
             .gpus
             .get(index as usize)
+            .cloned()
             .ok_or_else(|| BackendError::Query {
                 call: "nvmlDeviceGetHandleByIndex_v2",
                 index,
@@ -404,13 +460,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl GpuBackend for FakeBackend {
     fn system(&self) -> Result<SystemInfo, BackendError> {
         self.record("system".into());
-        Ok(self.topology.system.clone())
+        Ok(self.topology().system.clone())
     }
 
     fn device_count(&self) -> Result<u32, BackendError> {
         self.record("device_count".into());
+        self.follow_file();
         // validate() guarantees index == position, so the count fits the index type.
-        Ok(u32::try_from(self.topology.gpus.len()).unwrap_or(u32::MAX))
+        Ok(u32::try_from(self.topology().gpus.len()).unwrap_or(u32::MAX))
     }
 
     fn gpu(&self, index: u32) -> Result<RawGpu, BackendError> {
@@ -418,7 +475,7 @@ impl GpuBackend for FakeBackend {
         if lock(&self.failing_gpus).contains(&index) {
             return Err(BackendError::Injected { call: "gpu", index });
         }
-        let mut gpu = self.raw_gpu(index)?.clone();
+        let mut gpu = self.raw_gpu(index)?;
         gpu.mig_devices = self.with_mig(|state| Ok((state.devices(&gpu).to_vec(), false)))?;
         Ok(gpu)
     }
@@ -441,8 +498,8 @@ impl GpuBackend for FakeBackend {
         }
         let gpu = self.raw_gpu(index)?;
         self.with_mig(|state| {
-            let mut devices = state.devices(gpu).to_vec();
-            let device = mig::create(gpu, &devices, profile_id, placement, state.created + 1)
+            let mut devices = state.devices(&gpu).to_vec();
+            let device = mig::create(&gpu, &devices, profile_id, placement, state.created + 1)
                 .map_err(|message| BackendError::Query {
                     call: "nvmlDeviceCreateGpuInstanceWithPlacement",
                     index,
@@ -472,7 +529,7 @@ impl GpuBackend for FakeBackend {
         }
         let gpu = self.raw_gpu(index)?;
         self.with_mig(|state| {
-            let mut devices = state.devices(gpu).to_vec();
+            let mut devices = state.devices(&gpu).to_vec();
             let before = devices.len();
             // The compute instance, then its GPU instance: with one compute instance per GPU
             // instance, the device goes entirely.
@@ -493,7 +550,7 @@ impl GpuBackend for FakeBackend {
                 index,
             });
         }
-        if index as usize >= self.topology.gpus.len() || value > 3 {
+        if index as usize >= self.topology().gpus.len() || value > 3 {
             return Err(BackendError::Action {
                 call: "set_compute_time_slice",
                 index,

@@ -705,6 +705,16 @@ impl Hardware for BackendHardware {
     }
 
     fn set_time_slice(&self, device: &NodeDevice, slice: TimeSlice) -> Result<(), HardwareError> {
+        // The index is where the GPU was at discovery; never set another GPU's slice. A GPU
+        // that is gone has no slice left to reset, and its claim's unprepare must not wedge.
+        if let Err(e) = self.current(device.name(), device.gpu()) {
+            if slice == TimeSlice::Default {
+                warn!(device = device.name(), error = %e,
+                    "the GPU is not where it was discovered; no time slice to reset");
+                return Ok(());
+            }
+            return Err(e);
+        }
         self.backend
             .set_compute_time_slice(device.gpu().raw.index, slice.nvidia_smi_value())
             .map_err(|source| HardwareError::Setting {

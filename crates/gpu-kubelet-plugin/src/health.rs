@@ -294,6 +294,24 @@ impl HealthState {
         taken
     }
 
+    /// Watches exactly `uuids` from now on: a new GPU starts healthy, a GPU no longer there is
+    /// forgotten with its verdict (its devices are no longer published). Returns whether the
+    /// set changed.
+    pub fn set_gpus<'a>(&mut self, uuids: impl IntoIterator<Item = &'a str>) -> bool {
+        let want: std::collections::BTreeSet<&str> = uuids.into_iter().collect();
+        let before = self.gpus.len();
+        self.gpus.retain(|u, _| want.contains(u.as_str()));
+        self.last_event.retain(|u, _| want.contains(u.as_str()));
+        let mut changed = self.gpus.len() != before;
+        for u in want {
+            if !self.gpus.contains_key(u) {
+                self.gpus.insert(u.to_owned(), GpuHealth::Healthy);
+                changed = true;
+            }
+        }
+        changed
+    }
+
     /// The current health.
     pub fn gpus(&self) -> &GpuHealthMap {
         &self.gpus
@@ -363,6 +381,7 @@ fn whole_seconds(t: SystemTime) -> SystemTime {
 /// Watches GPU health until dropped.
 pub struct HealthMonitor {
     gpus: watch::Receiver<GpuHealthMap>,
+    watched: WatchedGpus,
     devices: watch::Receiver<Vec<DeviceHealth>>,
     projector: tokio::task::JoinHandle<()>,
     _stop: DropGuard,
@@ -382,6 +401,8 @@ impl HealthMonitor {
     ) -> Self {
         let stop = CancellationToken::new();
         let mut state = HealthState::new(gpu_uuids.iter().map(String::as_str));
+        let (watched_tx, mut watched_rx) = watch::channel(gpu_uuids);
+        watched_rx.mark_unchanged();
         state.restore(restored, Instant::now());
         let (gpu_tx, gpu_rx) = watch::channel(state.gpus().clone());
         let (checked_tx, checked_rx) = watch::channel(SystemTime::now());
@@ -408,6 +429,7 @@ impl HealthMonitor {
                         gpus: &gpu_tx,
                         checked: &checked_tx,
                         failing: &failing_tx,
+                        uuids: &mut watched_rx,
                     },
                 );
             });
@@ -422,6 +444,7 @@ impl HealthMonitor {
         ));
         Self {
             gpus: gpu_rx,
+            watched: WatchedGpus(Arc::new(watched_tx)),
             devices: device_rx,
             projector,
             _stop: stop.drop_guard(),
@@ -434,6 +457,11 @@ impl HealthMonitor {
         self.gpus.clone()
     }
 
+    /// The handle that tells the monitor which GPUs there are ([`WatchedGpus::set`]).
+    pub fn watched(&self) -> WatchedGpus {
+        self.watched.clone()
+    }
+
     /// Health per published device, re-sent every heartbeat (for the kubelet).
     pub fn device_health(&self) -> watch::Receiver<Vec<DeviceHealth>> {
         self.devices.clone()
@@ -443,6 +471,29 @@ impl HealthMonitor {
 impl Drop for HealthMonitor {
     fn drop(&mut self) {
         self.projector.abort();
+    }
+}
+
+/// Tells a [`HealthMonitor`] which GPUs there are, as re-discovery finds them. Cheap to clone.
+#[derive(Clone)]
+pub struct WatchedGpus(Arc<watch::Sender<Vec<String>>>);
+
+impl WatchedGpus {
+    /// From now on the monitor watches the GPUs `uuids` (NVML UUIDs): a new one starts healthy
+    /// and its events are received (the backend re-registers for events,
+    /// [`GpuBackend::rewatch_health_events`]); one no longer there is forgotten. Takes effect
+    /// within one event wait. Call it before publishing the inventory.
+    pub fn set(&self, mut uuids: Vec<String>) {
+        uuids.sort_unstable();
+        self.0.send_if_modified(|current| {
+            let mut sorted = current.clone();
+            sorted.sort_unstable();
+            let changed = sorted != uuids;
+            if changed {
+                *current = uuids;
+            }
+            changed
+        });
     }
 }
 
@@ -458,6 +509,8 @@ struct Watched<'a> {
     checked: &'a watch::Sender<SystemTime>,
     /// Why monitoring is failing (`None`: it works).
     failing: &'a watch::Sender<Option<String>>,
+    /// The GPUs to watch, from re-discovery.
+    uuids: &'a mut watch::Receiver<Vec<String>>,
 }
 
 /// The blocking loop: wait for events, apply them, probe quiet unhealthy GPUs. When waiting
@@ -472,9 +525,24 @@ fn watch_events(
 ) {
     let mut failed_waits = 0u32;
     let mut next_probe = Instant::now() + config.probe_interval;
+    // Follows re-discovery: called before each wait and again before applying what it returned,
+    // since the GPU set may change (and be published) while a wait is under way.
+    let follow = |state: &mut HealthState, uuids: &mut watch::Receiver<Vec<String>>| {
+        if !uuids.has_changed().unwrap_or(false) {
+            return false;
+        }
+        let now = uuids.borrow_and_update().clone();
+        let changed = state.set_gpus(now.iter().map(String::as_str));
+        if changed {
+            info!(gpus = ?now, "the set of GPUs changed; watching their health events");
+            backend.rewatch_health_events();
+        }
+        changed
+    };
     while !stop.is_cancelled() {
-        let mut changed = false;
+        let mut changed = follow(&mut state, out.uuids);
         let waited = backend.wait_health_event(config.wait);
+        changed |= follow(&mut state, out.uuids);
         if waited.is_ok() && failed_waits >= FAILED_WAITS_UNTIL_UNKNOWN {
             info!(
                 failed_waits,
@@ -787,6 +855,36 @@ mod tests {
                 .iter()
                 .all(|d| d.last_updated == checked && d.pool_name == "node-a")
         );
+    }
+
+    #[test]
+    fn the_watched_gpus_follow_rediscovery_new_ones_healthy_gone_ones_forgotten() {
+        let t0 = Instant::now();
+        let mut state = HealthState::new(["GPU-a", "GPU-b"]);
+        assert!(state.apply(
+            &event("GPU-b", HealthEventKind::Xid { code: 79 }),
+            t0,
+            SystemTime::now()
+        ));
+        // Before following, an event of a GPU found later is dropped.
+        assert!(!state.apply(
+            &event("GPU-c", HealthEventKind::Xid { code: 79 }),
+            t0,
+            SystemTime::now()
+        ));
+        assert!(state.set_gpus(["GPU-a", "GPU-c"]));
+        assert_eq!(
+            state.gpus().keys().map(String::as_str).collect::<Vec<_>>(),
+            ["GPU-a", "GPU-c"]
+        );
+        assert_eq!(state.gpus()["GPU-c"], GpuHealth::Healthy);
+        assert!(state.apply(
+            &event("GPU-c", HealthEventKind::Xid { code: 79 }),
+            t0,
+            SystemTime::now()
+        ));
+        assert!(!state.set_gpus(["GPU-c", "GPU-a"]), "same set: no change");
+        assert!(matches!(state.gpus()["GPU-c"], GpuHealth::Unhealthy(_)));
     }
 
     #[tokio::test]

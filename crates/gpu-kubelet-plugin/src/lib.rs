@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use dra_kubelet::PluginServer;
 use gpu_inventory::Pool;
 use gpu_inventory::slices::pool_slices;
-use gpu_inventory::{FakeBackend, GpuBackend, Inventory, NvmlBackend, Topology};
+use gpu_inventory::{FakeBackend, GpuBackend, Inventory, NvmlBackend};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -125,7 +125,8 @@ pub fn open_backend(config: &Config) -> Result<Arc<dyn GpuBackend>, Error> {
             topology,
             state_dir,
         } => {
-            let fake = FakeBackend::new(Topology::from_file(topology)?);
+            // Follows its file: an edited topology acts like changed hardware.
+            let fake = FakeBackend::from_file(topology)?;
             Arc::new(match state_dir {
                 Some(dir) => fake.with_state_dir(dir),
                 None => fake,
@@ -146,17 +147,45 @@ pub fn discover(config: &Config) -> Result<Inventory, Error> {
     Ok(gpu_inventory::discover(open_backend(config)?.as_ref())?)
 }
 
-/// Discovers again for re-publication: a fake topology is re-read from its file (so a changed
-/// file acts like changed hardware), NVML is asked again through the open backend.
+/// Discovers again for re-publication, through the open backend: NVML is asked again, a fake
+/// backend re-reads its topology file ([`FakeBackend::from_file`]), so the devices prepare
+/// acts on are always those just discovered.
 ///
 /// # Errors
-/// [`Error::Topology`] or [`Error::Discovery`].
-pub fn rediscover(config: &Config, backend: &dyn GpuBackend) -> Result<Pool, Error> {
-    let inventory = match config.backend {
-        Backend::Fake { .. } => discover(config)?,
-        Backend::Nvml { .. } => gpu_inventory::discover(backend)?,
-    };
-    Ok(inventory.pool(config.mig_strategy))
+/// [`Error::Discovery`].
+pub fn rediscover(backend: &dyn GpuBackend) -> Result<Inventory, Error> {
+    Ok(gpu_inventory::discover(backend)?)
+}
+
+/// What follows each new inventory before it is published: the claim controller (which
+/// devices prepare accepts) and the health monitor (which GPUs it watches). Publishing after
+/// them means the scheduler never sees a device that prepare would refuse or whose faults
+/// nobody watches.
+struct Followers {
+    controller: ClaimController<KubeCluster, BackendHardware>,
+    health: Option<health::WatchedGpus>,
+    strategy: gpu_inventory::MigStrategy,
+}
+
+impl Followers {
+    /// Hands `inventory` to the followers (blocking-safe: no await) and returns its pool.
+    fn follow(&self, inventory: &Inventory) -> Pool {
+        let (added, removed) = self
+            .controller
+            .set_devices(hardware::node_devices(inventory, self.strategy).into_values());
+        if !added.is_empty() || !removed.is_empty() {
+            info!(
+                ?added,
+                ?removed,
+                "devices changed: new ones accepted for claims, gone ones refused (their prepared \
+                 claims stay)"
+            );
+        }
+        if let Some(health) = &self.health {
+            health.set(inventory.gpus.iter().map(|g| g.raw.uuid.clone()).collect());
+        }
+        inventory.pool(self.strategy)
+    }
 }
 
 /// Writes the ResourceSlices `config` would publish (generation 1) to `out`.
@@ -313,6 +342,7 @@ pub async fn run(
                 &backend,
                 &inventory,
                 &activation,
+                &metrics,
             )
             .await;
             if recovered.is_ok() {
@@ -496,6 +526,7 @@ async fn take_over(
     backend: &Arc<dyn GpuBackend>,
     inventory: &Inventory,
     activation: &Activation<KubeCluster, BackendHardware>,
+    metrics: &Arc<Metrics>,
 ) -> Result<Active, Error> {
     let recovering = Instant::now();
     let boot_id = std::fs::read_to_string(&config.boot_id_path)
@@ -540,10 +571,21 @@ async fn take_over(
     // Claims flow from here on; the slices of the previous instance are still in place.
     activation.send_replace(Some(controller.clone()));
     info!(recovery = ?recovering.elapsed(), "active: serving claims");
+    // Claims whose recovery failed are retried by the controller; the gauge follows.
+    let mut failing = controller.recovery_failures();
+    let gauge = Arc::clone(metrics);
+    let failures = tokio::spawn(async move {
+        loop {
+            gauge.set_recovery_failing(*failing.borrow_and_update());
+            if failing.changed().await.is_err() {
+                break;
+            }
+        }
+    });
     Ok(Active {
         lock,
         controller,
-        tasks: Vec::new(),
+        tasks: vec![AbortOnDrop(failures)],
         monitor: None,
     })
 }
@@ -623,10 +665,15 @@ impl Active {
             })));
             self.monitor = Some(monitor);
         }
+        let followers = Followers {
+            controller: self.controller.clone(),
+            health: self.monitor.as_ref().map(health::HealthMonitor::watched),
+            strategy: config.mig_strategy,
+        };
         let rediscovery =
             publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
-                let (config, backend) = (config.clone(), Arc::clone(backend));
-                move || rediscover(&config, backend.as_ref())
+                let backend = Arc::clone(backend);
+                move || rediscover(backend.as_ref()).map(|inventory| followers.follow(&inventory))
             });
         self.tasks.push(AbortOnDrop(rediscovery));
         let stale = {

@@ -64,6 +64,7 @@ pub struct Metrics {
     device_healthy: Family<DeviceLabels, Gauge>,
     active: Gauge,
     lock_wait: Gauge<f64, AtomicU64>,
+    recovery_failing: Gauge,
 }
 
 impl Default for Metrics {
@@ -126,6 +127,12 @@ impl Metrics {
             "How long this instance waited for the active lock",
             lock_wait.clone(),
         );
+        let recovery_failing = Gauge::default();
+        registry.register(
+            "claims_recovery_failing",
+            "Claims whose recovery at start failed and is being retried",
+            recovery_failing.clone(),
+        );
         Self {
             registry,
             requests,
@@ -136,6 +143,7 @@ impl Metrics {
             device_healthy,
             active,
             lock_wait,
+            recovery_failing,
         }
     }
 
@@ -179,6 +187,12 @@ impl Metrics {
         if let Some(w) = waited {
             self.lock_wait.set(w.as_secs_f64());
         }
+    }
+
+    /// Sets how many claims' recovery at start is failing (being retried).
+    pub fn set_recovery_failing(&self, claims: usize) {
+        self.recovery_failing
+            .set(i64::try_from(claims).unwrap_or(i64::MAX));
     }
 
     /// The metrics in the OpenMetrics text format ([`CONTENT_TYPE`]).

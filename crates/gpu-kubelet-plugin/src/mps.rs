@@ -153,17 +153,19 @@ impl MpsControl {
         let log = self.claim_dir(uid).join("log");
         // Containers of any user reach the daemon through the pipe directory; the plugin's own
         // umask (077) would shut them out.
-        let claim_dir = self.claim_dir(uid);
-        for dir in [&claim_dir, &pipe, &log] {
-            std::fs::create_dir_all(dir)
-                .and_then(|()| {
-                    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
-                })
-                .map_err(|source| MpsError::Dir {
-                    path: dir.clone(),
-                    source,
-                })?;
-        }
+        let dirs = [self.claim_dir(uid), pipe.clone(), log.clone()];
+        // Directory work blocks on a slow disk: off the async workers.
+        off_workers(&self.claim_dir(uid), move || {
+            for dir in dirs {
+                std::fs::create_dir_all(&dir)
+                    .and_then(|()| {
+                        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+                    })
+                    .map_err(|source| MpsError::Dir { path: dir, source })?;
+            }
+            Ok(())
+        })
+        .await?;
         let result = self
             .start_in(uid, &pipe, &log, devices, active_thread_percentage)
             .await;
@@ -281,7 +283,11 @@ impl MpsControl {
     /// removed.
     pub async fn stop(&self, uid: &str) -> Result<(), MpsError> {
         let dir = self.claim_dir(uid);
-        if !dir.exists() {
+        let exists = {
+            let dir = dir.clone();
+            off_workers(&dir.clone(), move || Ok(dir.exists())).await?
+        };
+        if !exists {
             return Ok(());
         }
         let pipe = self.pipe_dir(uid);
@@ -300,11 +306,12 @@ impl MpsControl {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
-        match std::fs::remove_dir_all(&dir) {
+        off_workers(&dir.clone(), move || match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(source) => Err(MpsError::Dir { path: dir, source }),
-        }
+        })
+        .await
     }
 
     /// Sends one control command to the daemon of `pipe`; its answer.
@@ -385,6 +392,22 @@ fn parse_mib(text: &str) -> Option<u64> {
         return g.parse::<u64>().ok().map(|g| g << 10);
     }
     text.strip_suffix('M').unwrap_or(text).parse().ok()
+}
+
+/// Runs blocking file work under `path` on the blocking pool. A panic there is a bug and is
+/// resumed here; a task the shutting-down runtime never ran is an error about `path`.
+async fn off_workers<T: Send + 'static>(
+    path: &Path,
+    work: impl FnOnce() -> Result<T, MpsError> + Send + 'static,
+) -> Result<T, MpsError> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(r) => r,
+        Err(join) if join.is_panic() => std::panic::resume_unwind(join.into_panic()),
+        Err(join) => Err(MpsError::Dir {
+            path: path.to_owned(),
+            source: std::io::Error::other(join.to_string()),
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,8 @@
 //!
 //! # Health events
 //!
-//! The first [`GpuBackend::wait_health_event`] registers every GPU for
+//! The first [`GpuBackend::wait_health_event`] (and the first after
+//! [`GpuBackend::rewatch_health_events`]) registers every GPU for
 //! `nvmlEventTypeXidCriticalError` and `nvmlEventTypeDoubleBitEccError` (as far as each GPU
 //! supports them; a GPU that cannot be registered is logged and not watched). Single-bit ECC
 //! errors are corrected by the hardware and not reported. When waiting fails with
@@ -440,6 +441,14 @@ impl GpuBackend for NvmlBackend {
             .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
         ffi::destroy_mig(&self.nvml, &d, gpu_instance_id, compute_instance_id)
             .map_err(query("nvmlGpuInstanceDestroy", index))
+    }
+
+    fn rewatch_health_events(&self) {
+        // Dropping the event set frees it; the next wait registers the GPUs there are now.
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .watch = None;
     }
 
     fn wait_health_event(&self, timeout: Duration) -> Result<Option<HealthEvent>, BackendError> {

@@ -63,6 +63,31 @@ pub enum ClaimError {
         /// The device name.
         device: String,
     },
+    /// An allocated device was published once but is gone from this node's newest inventory.
+    #[error(
+        "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
+         no longer on this node (gone at re-discovery; its ResourceSlice no longer lists it)"
+    )]
+    DeviceGone {
+        /// The claim.
+        claim: ClaimRef,
+        /// Index in `results`.
+        index: usize,
+        /// The device name.
+        device: String,
+    },
+    /// A claim prepared before the restart whose recovery step (CDI spec rewrite, MPS daemon
+    /// restart) fails; it stays prepared and the step is retried in the background.
+    #[error(
+        "ResourceClaim {claim}: prepared before the plugin restarted, but recovering it fails \
+         (retried in the background): {source}"
+    )]
+    Recovery {
+        /// The claim.
+        claim: ClaimRef,
+        /// The failing step's error.
+        source: Box<ClaimError>,
+    },
     /// An allocated device is prepared for another claim, and neither has admin access.
     #[error(
         "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
@@ -154,6 +179,8 @@ impl ClaimError {
             ClaimError::NotAllocated { .. } => "not-allocated",
             ClaimError::NotOurs { .. } => "not-ours",
             ClaimError::UnknownDevice { .. } => "unknown-device",
+            ClaimError::DeviceGone { .. } => "device-gone",
+            ClaimError::Recovery { .. } => "recovery",
             ClaimError::DeviceInUse { .. } => "device-in-use",
             ClaimError::Config { .. } => "config",
             ClaimError::Mps { .. } => "mps",

@@ -94,13 +94,36 @@ impl<C, H> Clone for ClaimController<C, H> {
     }
 }
 
+/// The devices claims are prepared on, as of the newest inventory
+/// ([`ClaimController::set_devices`]).
+#[derive(Debug, Default)]
+pub(crate) struct Catalogue {
+    /// Published now: new claims may be prepared on these.
+    pub(crate) devices: BTreeMap<String, NodeDevice>,
+    /// Published once, gone at a later re-discovery (a GPU fallen off the bus, a MIG device
+    /// re-partitioned away). Refused for new claims, kept so that the claims prepared on them
+    /// are unprepared as they were made. Device names derive from hardware positions (PCI bus
+    /// ID, MIG profile and placement), so this set stays bounded.
+    pub(crate) retired: BTreeMap<String, NodeDevice>,
+}
+
+impl Catalogue {
+    /// The device named `name`, published or retired.
+    pub(crate) fn get(&self, name: &str) -> Option<&NodeDevice> {
+        self.devices.get(name).or_else(|| self.retired.get(name))
+    }
+}
+
 struct Inner<C, H> {
     cluster: C,
     hardware: Arc<H>,
     config: ControllerConfig,
-    devices: BTreeMap<String, NodeDevice>,
-    /// One lock per physical GPU: hardware actions on a GPU never overlap.
-    gpu_locks: BTreeMap<String, Arc<Mutex<()>>>,
+    /// Swapped whole by [`ClaimController::set_devices`]; a prepare works on the snapshot it
+    /// planned with.
+    catalogue: std::sync::RwLock<Arc<Catalogue>>,
+    /// One lock per physical GPU: hardware actions on a GPU never overlap. GPUs are added as
+    /// they appear and never removed (a lock may be held across a re-discovery).
+    gpu_locks: std::sync::Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
     claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
     cdi: CdiWriter,
     checkpoint_file: CheckpointFile,
@@ -110,6 +133,18 @@ struct Inner<C, H> {
     committed: tokio::sync::Notify,
     /// Work that outlives the kubelet's call (rollbacks, unprepares); see [`ClaimController::quiesce`].
     background: TaskTracker,
+    /// Claims whose start-up recovery failed, retried in the background.
+    recovery: RecoveryRetries,
+}
+
+/// Claims whose start-up recovery step failed ([`recovery`]).
+struct RecoveryRetries {
+    /// By UID: the claim, the step it needs, the last error.
+    failing: std::sync::Mutex<BTreeMap<String, (ClaimRef, recovery::Pending, String)>>,
+    /// How many there are, for the metric.
+    count: tokio::sync::watch::Sender<usize>,
+    /// Stops the retries ([`ClaimController::quiesce`]).
+    stop: tokio_util::sync::CancellationToken,
 }
 
 /// Group-commit bookkeeping: changes are numbered (epochs) as they are staged.
@@ -148,21 +183,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         cdi: CdiWriter,
         checkpoint_file: CheckpointFile,
     ) -> Result<(Self, RecoveryReport), ClaimError> {
-        let devices: BTreeMap<String, NodeDevice> = devices
-            .into_iter()
-            .map(|d| (d.name().to_owned(), d))
-            .collect();
-        let gpu_locks = devices
-            .values()
-            .map(|d| (d.gpu().name.clone(), Arc::default()))
-            .collect();
         let controller = Self {
             inner: Arc::new(Inner {
                 cluster,
                 hardware,
                 config,
-                devices,
-                gpu_locks,
+                catalogue: std::sync::RwLock::default(),
+                gpu_locks: std::sync::Mutex::default(),
                 claim_locks: std::sync::Mutex::default(),
                 cdi,
                 checkpoint_file,
@@ -170,10 +197,94 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 commit: std::sync::Mutex::default(),
                 committed: tokio::sync::Notify::new(),
                 background: TaskTracker::new(),
+                recovery: RecoveryRetries {
+                    failing: std::sync::Mutex::default(),
+                    count: tokio::sync::watch::Sender::new(0),
+                    stop: tokio_util::sync::CancellationToken::new(),
+                },
             }),
         };
+        controller.set_devices(devices);
         let report = controller.recover().await?;
         Ok((controller, report))
+    }
+
+    /// Follows a new inventory: from now on claims are prepared on `devices` (see
+    /// [`crate::hardware::node_devices`]) and nothing else. A device no longer among them is
+    /// refused for new claims ([`ClaimError::DeviceGone`]); claims already prepared on it stay
+    /// prepared and are unprepared as usual. Call before publishing the inventory, so that the
+    /// scheduler never sees a device that prepare would refuse. Returns the names added and
+    /// removed.
+    pub fn set_devices(
+        &self,
+        devices: impl IntoIterator<Item = NodeDevice>,
+    ) -> (Vec<String>, Vec<String>) {
+        let devices: BTreeMap<String, NodeDevice> = devices
+            .into_iter()
+            .map(|d| (d.name().to_owned(), d))
+            .collect();
+        {
+            let mut locks = lock(&self.inner.gpu_locks);
+            for d in devices.values() {
+                locks.entry(d.gpu().name.clone()).or_default();
+            }
+        }
+        let mut current = self
+            .inner
+            .catalogue
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let added: Vec<String> = devices
+            .keys()
+            .filter(|n| !current.devices.contains_key(*n))
+            .cloned()
+            .collect();
+        let removed: Vec<String> = current
+            .devices
+            .keys()
+            .filter(|n| !devices.contains_key(*n))
+            .cloned()
+            .collect();
+        if added.is_empty() && removed.is_empty() && current.devices == devices {
+            return (added, removed);
+        }
+        let mut retired = current.retired.clone();
+        retired.extend(
+            current
+                .devices
+                .iter()
+                .filter(|(n, _)| !devices.contains_key(*n))
+                .map(|(n, d)| (n.clone(), d.clone())),
+        );
+        retired.retain(|n, _| !devices.contains_key(n));
+        *current = Arc::new(Catalogue { devices, retired });
+        (added, removed)
+    }
+
+    /// The current catalogue.
+    fn catalogue(&self) -> Arc<Catalogue> {
+        Arc::clone(
+            &self
+                .inner
+                .catalogue
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// The lock of physical GPU `gpu`.
+    fn gpu_lock(&self, gpu: &str) -> Arc<Mutex<()>> {
+        Arc::clone(
+            lock(&self.inner.gpu_locks)
+                .entry(gpu.to_owned())
+                .or_default(),
+        )
+    }
+
+    /// How many claims' start-up recovery is failing (retried in the background), as it
+    /// changes.
+    pub fn recovery_failures(&self) -> tokio::sync::watch::Receiver<usize> {
+        self.inner.recovery.count.subscribe()
     }
 
     /// The UIDs of the claims whose prepare completed.
@@ -203,6 +314,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// returned already; this waits for the rollbacks and unprepares they left running in the
     /// background. Call before handing the node's state to another instance.
     pub async fn quiesce(&self) {
+        self.inner.recovery.stop.cancel();
         self.inner.background.close();
         self.inner.background.wait().await;
     }
@@ -221,9 +333,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// Applies `change` to the checkpoint and returns once the result is durable.
     ///
     /// Group commit: changes of concurrent claims are staged on the in-memory checkpoint; the
-    /// first caller to find no write in flight writes everything staged so far in one atomic
-    /// store, the others wait for it. A failed store fails every change it carried (and any
-    /// staged on top of them) and puts the in-memory checkpoint back to the durable one.
+    /// first caller to find no write in flight starts one store of everything staged so far
+    /// ([`Self::spawn_commit`]), the others wait for it. A failed store fails every change it
+    /// carried (and any staged on top of them) and puts the in-memory checkpoint back to the
+    /// durable one.
+    ///
+    /// Cancel-safe: the store runs as its own task on the blocking pool (an fsync on a slow disk
+    /// never holds an async worker), so a caller dropped while waiting leaves nothing half
+    /// done: the store finishes, the next waiters are woken, and the change it staged is
+    /// durable or failed like any other.
     async fn update<R>(
         &self,
         claim: &ClaimRef,
@@ -251,7 +369,6 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 Failed(String),
                 Done,
                 Wait,
-                Write,
             }
             let next = {
                 let mut c = lock(&inner.commit);
@@ -263,11 +380,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     Next::Failed(message.clone())
                 } else if c.durable >= epoch {
                     Next::Done
-                } else if c.writing {
-                    Next::Wait
                 } else {
-                    c.writing = true;
-                    Next::Write
+                    if !c.writing {
+                        c.writing = true;
+                        self.spawn_commit();
+                    }
+                    Next::Wait
                 }
             };
             match next {
@@ -281,23 +399,39 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     });
                 }
                 Next::Done => return Ok(r),
-                Next::Wait => {
-                    committed.await;
-                    continue;
-                }
-                Next::Write => {}
+                // Enabled before the check: the commit's wake-up cannot be missed.
+                Next::Wait => committed.await,
             }
-            // This caller writes for everyone staged so far. Let the other ready claims stage
-            // their changes first, so one store carries them all.
+        }
+    }
+
+    /// One group-commit store of everything staged, as a task of its own (tracked, so
+    /// [`Self::quiesce`] waits for it); the caller has set `writing`. Ends with `writing`
+    /// cleared and the waiters woken, whatever happens to whoever started it.
+    fn spawn_commit(&self) {
+        let this = self.clone();
+        self.inner.background.spawn(async move {
+            let inner = &this.inner;
+            // Let the other ready claims stage their changes first, so one store carries them.
             tokio::task::yield_now().await;
             let (snapshot, target) = {
                 let pending = inner.checkpoint.lock().await;
                 let target = lock(&inner.commit).staged;
                 (pending.clone(), target)
             };
-            let stored = inner.checkpoint_file.store(&snapshot);
-            match stored {
-                Ok(()) => {
+            let file = inner.checkpoint_file.clone();
+            let stored = tokio::task::spawn_blocking(move || {
+                let r = file.store(&snapshot).map_err(|e| e.to_string());
+                (r, snapshot)
+            })
+            .await;
+            let outcome = match stored {
+                Ok((Ok(()), snapshot)) => Ok(snapshot),
+                Ok((Err(e), _)) => Err(e),
+                Err(join) => Err(format!("the checkpoint store task failed: {join}")),
+            };
+            match outcome {
+                Ok(snapshot) => {
                     let mut c = lock(&inner.commit);
                     c.durable = target;
                     c.durable_state = snapshot;
@@ -307,12 +441,33 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     let mut pending = inner.checkpoint.lock().await;
                     let mut c = lock(&inner.commit);
                     *pending = c.durable_state.clone();
-                    let range = (c.durable, c.staged, e.to_string());
+                    let range = (c.durable, c.staged, e);
                     c.failed.push(range);
                     c.writing = false;
                 }
             }
             inner.committed.notify_waiters();
+        });
+    }
+
+    /// Runs blocking CDI file work (write, remove: fsyncs on a slow disk) on the blocking
+    /// pool, never on an async worker.
+    async fn cdi_io<T: Send + 'static>(
+        &self,
+        claim: &ClaimRef,
+        work: impl FnOnce(&CdiWriter) -> Result<T, crate::cdi::CdiError> + Send + 'static,
+    ) -> Result<T, ClaimError> {
+        let cdi = self.inner.cdi.clone();
+        match tokio::task::spawn_blocking(move || work(&cdi)).await {
+            Ok(r) => r.map_err(|source| ClaimError::Cdi {
+                claim: claim.clone(),
+                source,
+            }),
+            Err(join) => Err(ClaimError::TaskFailed {
+                claim: claim.clone(),
+                action: "CDI file work",
+                message: join.to_string(),
+            }),
         }
     }
 
@@ -333,8 +488,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         names: impl IntoIterator<Item = &'a str>,
     ) -> Vec<(String, Vec<NodeDevice>)> {
         let mut groups: BTreeMap<String, Vec<NodeDevice>> = BTreeMap::new();
+        let catalogue = self.catalogue();
         for n in names {
-            if let Some(d) = self.inner.devices.get(n) {
+            if let Some(d) = catalogue.get(n) {
                 let group = groups.entry(d.gpu().name.clone()).or_default();
                 if !group.iter().any(|g| g.name() == d.name()) {
                     group.push(d.clone());
@@ -357,10 +513,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     ) -> (Vec<(String, T)>, Result<(), ClaimError>) {
         let mut done = Vec::new();
         for (gpu, devices) in self.by_gpu(names) {
-            let Some(lock) = self.inner.gpu_locks.get(&gpu) else {
-                continue;
-            };
-            let guard = Arc::clone(lock).lock_owned().await;
+            let guard = self.gpu_lock(&gpu).lock_owned().await;
             let hw = Arc::clone(&self.inner.hardware);
             let action = Arc::clone(&action);
             // Tracked: the action runs on even if the caller stops waiting.
@@ -427,7 +580,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         plan::PlanContext {
             driver: &inner.config.driver_name,
             pool: &inner.config.node_name,
-            catalogue: &inner.devices,
+            catalogue: self.catalogue(),
             hardware: inner.hardware.as_ref(),
             cdi: &inner.cdi,
             sharing: inner.config.sharing,
@@ -508,13 +661,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         slices: Vec<(String, TimeSlice)>,
     ) -> Result<(), ClaimError> {
         for (name, slice) in slices {
-            let Some(device) = self.inner.devices.get(&name).cloned() else {
+            let Some(device) = self.catalogue().get(&name).cloned() else {
                 continue;
             };
-            let Some(lock) = self.inner.gpu_locks.get(&device.gpu().name) else {
-                continue;
-            };
-            let guard = Arc::clone(lock).lock_owned().await;
+            let guard = self.gpu_lock(&device.gpu().name).lock_owned().await;
             let hw = Arc::clone(&self.inner.hardware);
             // Tracked: the action runs on even if the caller stops waiting.
             let result = self
@@ -589,6 +739,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 return Err(missed(&claim));
             }
         };
+        // A claim prepared before a restart whose recovery fails stays prepared: its containers
+        // may be running.
+        if matches!(failed, ClaimError::Recovery { .. }) {
+            return Err(failed);
+        }
         // Undo what this attempt made; a claim that was never started has nothing.
         if let Err(rollback) = self.release_locked(&claim).await {
             warn!(claim = %claim, error = %rollback, "rollback after a failed prepare failed");
@@ -610,8 +765,24 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     r.devices.iter().map(PreparedDevice::from).collect(),
                 )
             });
+        // A claim whose recovery at start failed: the kubelet gets its step's error until the
+        // step succeeds (a record to release is released below, as any abandoned attempt).
+        let pending = self.recovery_pending(&claim.uid);
         match existing {
-            Some((ClaimState::PrepareCompleted, devices)) => return Ok(devices),
+            Some((ClaimState::PrepareCompleted, devices))
+                if pending != Some(recovery::Pending::Release) =>
+            {
+                if let Some(pending) = pending {
+                    self.recover_claim_locked(claim, pending)
+                        .await
+                        .map_err(|e| ClaimError::Recovery {
+                            claim: claim.clone(),
+                            source: Box::new(e),
+                        })?;
+                    self.recovery_resolved(&claim.uid);
+                }
+                return Ok(devices);
+            }
             // A crashed or abandoned attempt: start from a clean slate.
             Some(_) => self.release_locked(claim).await?,
             None => {}
@@ -711,13 +882,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         self.share(claim, &devices).await?;
         failpoint::hit("prepare/after-sharing");
 
-        inner
-            .cdi
-            .write(&claim.uid, &spec)
-            .map_err(|source| ClaimError::Cdi {
-                claim: claim.clone(),
-                source,
-            })?;
+        let uid = claim.uid.clone();
+        self.cdi_io(claim, move |cdi| cdi.write(&uid, &spec))
+            .await?;
         failpoint::hit("prepare/after-cdi-write");
 
         self.set_state(claim, ClaimState::PrepareCompleted).await?;
@@ -773,26 +940,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .claims
             .get(&claim.uid)
             .cloned();
+        let uid = claim.uid.clone();
         let Some(record) = record else {
             // Nothing recorded; a spec without a record is an orphan of a crash.
-            return inner
-                .cdi
-                .remove(&claim.uid)
-                .map_err(|source| ClaimError::Cdi {
-                    claim: claim.clone(),
-                    source,
-                });
+            return self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await;
         };
         failpoint::hit("unprepare/before-started-checkpoint");
         self.set_state(claim, ClaimState::UnprepareStarted).await?;
         failpoint::hit("unprepare/after-started-checkpoint");
-        inner
-            .cdi
-            .remove(&claim.uid)
-            .map_err(|source| ClaimError::Cdi {
-                claim: claim.clone(),
-                source,
-            })?;
+        self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await?;
         failpoint::hit("unprepare/after-cdi-remove");
         self.unshare(claim, &record.devices).await?;
         self.unprepare_hardware(claim, &record).await?;
@@ -803,6 +959,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         })
         .await?;
         failpoint::hit("unprepare/after-checkpoint");
+        self.recovery_resolved(&claim.uid);
         info!(claim = %claim, "unprepared");
         Ok(())
     }
@@ -897,5 +1054,149 @@ impl<C: Cluster, H: Hardware> Driver for ClaimController<C, H> {
         let results =
             futures::future::join_all(claims.into_iter().map(|c| self.unprepare_claim(c))).await;
         uids.into_iter().zip(results).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hardware::HardwareError;
+    use crate::storage::{Fs, RealFs};
+
+    struct NoCluster;
+
+    impl Cluster for NoCluster {
+        async fn get_claim(
+            &self,
+            _: &str,
+            _: &str,
+        ) -> Result<Option<k8s_openapi::api::resource::v1::ResourceClaim>, kube::Error> {
+            Ok(None)
+        }
+        async fn warn(&self, _: &str, _: &str) {}
+    }
+
+    struct NoHardware;
+
+    impl Hardware for NoHardware {
+        fn prepare(&self, _: &NodeDevice) -> Result<Option<CreatedMig>, HardwareError> {
+            Ok(None)
+        }
+        fn unprepare(&self, _: &NodeDevice, _: Option<&CreatedMig>) -> Result<(), HardwareError> {
+            Ok(())
+        }
+    }
+
+    /// A checkpoint write whose fsync takes a while.
+    #[derive(Debug)]
+    struct SlowSync;
+
+    impl Fs for SlowSync {
+        fn read(&self, p: &std::path::Path) -> std::io::Result<Vec<u8>> {
+            RealFs.read(p)
+        }
+        fn write(&self, p: &std::path::Path, b: &[u8]) -> std::io::Result<()> {
+            RealFs.write(p, b)
+        }
+        fn sync_file(&self, p: &std::path::Path) -> std::io::Result<()> {
+            std::thread::sleep(Duration::from_millis(200));
+            RealFs.sync_file(p)
+        }
+        fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+            RealFs.rename(from, to)
+        }
+        fn sync_dir(&self, d: &std::path::Path) -> std::io::Result<()> {
+            RealFs.sync_dir(d)
+        }
+        fn remove(&self, p: &std::path::Path) -> std::io::Result<()> {
+            RealFs.remove(p)
+        }
+        fn list(&self, d: &std::path::Path) -> std::io::Result<Vec<std::path::PathBuf>> {
+            RealFs.list(d)
+        }
+        fn create_dir_all(&self, d: &std::path::Path) -> std::io::Result<()> {
+            RealFs.create_dir_all(d)
+        }
+    }
+
+    fn claim(uid: &str) -> ClaimRef {
+        ClaimRef {
+            namespace: "ns".into(),
+            name: uid.into(),
+            uid: uid.into(),
+        }
+    }
+
+    fn record(name: &str) -> ClaimRecord {
+        ClaimRecord {
+            namespace: "ns".into(),
+            name: name.into(),
+            state: ClaimState::PrepareCompleted,
+            devices: Vec::new(),
+            cdi_spec_path: std::path::PathBuf::new(),
+            cdi_spec: crate::cdi::Spec::default(),
+        }
+    }
+
+    /// A caller of the group commit dropped right after it started the store (a cancelled
+    /// request) used to leave `writing` set forever: every later checkpoint change, so every
+    /// prepare and unprepare on the node, waited for a store that would never end. The store
+    /// is now a task of its own: the next change goes through, and the dropped caller's change
+    /// is durable too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_checkpoint_update_never_wedges_the_group_commit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("checkpoint.json");
+        let (controller, _) = ClaimController::start(
+            NoCluster,
+            Arc::new(NoHardware),
+            ControllerConfig {
+                driver_name: "gpu.example.com".into(),
+                node_name: "node-a".into(),
+                timeout: Duration::from_secs(5),
+                boot_id: "boot-1".into(),
+                sharing: false,
+                mps: MpsControl {
+                    binary: "/nonexistent".into(),
+                    root: dir.path().join("mps"),
+                    start_timeout: Duration::from_secs(1),
+                },
+                driver_edits: Default::default(),
+            },
+            Vec::new(),
+            CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), "gpu.example.com"),
+            CheckpointFile::new(Arc::new(SlowSync), &path),
+        )
+        .await
+        .expect("start");
+
+        // Polled once (it stages its change and starts the store), then dropped.
+        let (u1, u2) = (claim("u1"), claim("u2"));
+        let dropped = controller.update(&u1, |c| {
+            c.claims.insert("u1".into(), record("first"));
+            Ok(())
+        });
+        assert!(
+            tokio::time::timeout(Duration::ZERO, dropped).await.is_err(),
+            "the store takes 200 ms; the first poll cannot finish it"
+        );
+
+        let next = controller.update(&u2, |c| {
+            c.claims.insert("u2".into(), record("second"));
+            Ok(())
+        });
+        tokio::time::timeout(Duration::from_secs(5), next)
+            .await
+            .expect("the group commit is not wedged")
+            .expect("stored");
+        let stored = CheckpointFile::new(Arc::new(RealFs), &path)
+            .load()
+            .expect("readable")
+            .expect("written");
+        assert_eq!(
+            stored.claims.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["u1", "u2"],
+            "both changes are durable"
+        );
     }
 }

@@ -30,7 +30,7 @@ pub(crate) struct Plan {
 pub(crate) struct PlanContext<'a> {
     pub(crate) driver: &'a str,
     pub(crate) pool: &'a str,
-    pub(crate) catalogue: &'a BTreeMap<String, NodeDevice>,
+    pub(crate) catalogue: std::sync::Arc<super::Catalogue>,
     pub(crate) hardware: &'a dyn Hardware,
     pub(crate) cdi: &'a CdiWriter,
     /// Whether sharing configs are allowed (`--sharing`).
@@ -47,7 +47,7 @@ pub(crate) fn plan(
     rc: &ResourceClaim,
     cx: &PlanContext<'_>,
 ) -> Result<Plan, ClaimError> {
-    let (driver, pool, catalogue) = (cx.driver, cx.pool, cx.catalogue);
+    let (driver, pool, catalogue) = (cx.driver, cx.pool, &cx.catalogue);
     let uid = rc.metadata.uid.clone().unwrap_or_default();
     if uid != claim.uid {
         return Err(ClaimError::UidMismatch {
@@ -76,13 +76,21 @@ pub(crate) fn plan(
         if r.driver != driver || r.pool != pool {
             continue;
         }
-        let device = catalogue
-            .get(&r.device)
-            .ok_or_else(|| ClaimError::UnknownDevice {
-                claim: claim.clone(),
-                index,
-                device: r.device.clone(),
-            })?;
+        let Some(device) = catalogue.devices.get(&r.device) else {
+            return Err(if catalogue.retired.contains_key(&r.device) {
+                ClaimError::DeviceGone {
+                    claim: claim.clone(),
+                    index,
+                    device: r.device.clone(),
+                }
+            } else {
+                ClaimError::UnknownDevice {
+                    claim: claim.clone(),
+                    index,
+                    device: r.device.clone(),
+                }
+            });
+        };
         // One device can satisfy several requests (e.g. subrequests); list it once.
         if let Some(d) = devices.iter_mut().find(|d| d.device_name == r.device) {
             d.request_names.push(r.request.clone());

@@ -5,11 +5,19 @@
 //! destroy the MIG devices that no remaining claim records on the GPUs that publish placements
 //! (orphans of a crash between their creation and the checkpoint write: the plugin owns every
 //! MIG device there); regenerate missing CDI specs; remove CDI specs no claim owns.
+//!
+//! One claim whose step fails (a rollback, a CDI rewrite, an MPS restart, a time-slice reset)
+//! never stops the start: the failure is logged, reported as a Warning event naming the claim,
+//! counted ([`ClaimController::recovery_failures`]) and retried in the background with backoff
+//! ([`RECOVERY_RETRY`]) while every other claim is served. A kubelet call for that claim runs
+//! its step first and answers with its error while it fails. Orphans that cannot be removed are
+//! logged and retried at the next start.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use dra_kubelet::ClaimRef;
-use tracing::{info, warn};
+use tracing::{Instrument, info, warn};
 
 use super::{ClaimController, ClaimError, Cluster, plan};
 use crate::cdi::{ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID};
@@ -36,6 +44,20 @@ pub struct RecoveryReport {
     /// MIG devices no claim owns on GPUs published as partitionable, destroyed (UUID, GPU,
     /// instance ids, profile and placement).
     pub mig_orphans_destroyed: Vec<String>,
+    /// Claims whose recovery step failed, with the error; retried in the background.
+    pub failed: Vec<(String, String)>,
+}
+
+/// First and longest wait between retries of a claim's failed recovery step (doubling).
+pub const RECOVERY_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(300));
+
+/// What a claim still needs from start-up recovery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pending {
+    /// Roll back or finish unpreparing (a half-done record, or one of a previous boot).
+    Release,
+    /// A completed claim: its CDI spec rewritten where missing, its MPS daemon running.
+    Complete,
 }
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
@@ -47,7 +69,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             uid: String::new(),
         };
         let mut report = RecoveryReport::default();
-        let loaded = match inner.checkpoint_file.load() {
+        let file = inner.checkpoint_file.clone();
+        let loaded = tokio::task::spawn_blocking(move || file.load())
+            .await
+            .map_err(|join| ClaimError::TaskFailed {
+                claim: node.clone(),
+                action: "loading the checkpoint",
+                message: join.to_string(),
+            })?;
+        let loaded = match loaded {
             Ok(c) => c.unwrap_or_default(),
             Err(e) => {
                 let aside = inner
@@ -76,21 +106,30 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 name: record.name.clone(),
                 uid: uid.clone(),
             };
-            if previous_boot {
-                self.release_locked(&claim).await?;
-                report.previous_boot.push(uid.clone());
-            } else if record.state != ClaimState::PrepareCompleted {
-                self.release_locked(&claim).await?;
-                report.rolled_back.push(uid.clone());
+            let pending = if previous_boot || record.state != ClaimState::PrepareCompleted {
+                Pending::Release
             } else {
-                if self.ensure_spec(&claim, record)? {
-                    report.regenerated.push(uid.clone());
+                Pending::Complete
+            };
+            match self.recover_claim(&claim, pending).await {
+                Ok(done) => {
+                    if pending == Pending::Release {
+                        if previous_boot {
+                            report.previous_boot.push(uid.clone());
+                        } else {
+                            report.rolled_back.push(uid.clone());
+                        }
+                    }
+                    if done.regenerated {
+                        report.regenerated.push(uid.clone());
+                    }
+                    if done.mps_restarted {
+                        report.mps_restarted.push(uid.clone());
+                    }
                 }
-                if plan::uses_mps(&record.devices) && !inner.config.mps.is_running(uid).await {
-                    // The daemon died with the previous plugin process: start it again so new
-                    // containers of the claim can use it.
-                    self.share(&claim, &record.devices).await?;
-                    report.mps_restarted.push(uid.clone());
+                Err(e) => {
+                    self.recovery_failed(&claim, pending, &e).await;
+                    report.failed.push((uid.clone(), e.to_string()));
                 }
             }
         }
@@ -105,20 +144,27 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .keys()
             .cloned()
             .collect();
-        let files = inner.cdi.list().map_err(|source| ClaimError::Cdi {
-            claim: node.clone(),
-            source,
-        })?;
-        for (uid, path) in files {
-            if uid.is_none_or(|u| !kept.contains(&u)) {
-                inner
-                    .cdi
-                    .remove_path(&path)
-                    .map_err(|source| ClaimError::Cdi {
-                        claim: node.clone(),
-                        source,
-                    })?;
-                report.orphans_removed.push(path.display().to_string());
+        let orphans = {
+            let kept = kept.clone();
+            self.cdi_io(&node, move |cdi| {
+                let mut removed = Vec::new();
+                for (uid, path) in cdi.list()? {
+                    if uid.is_none_or(|u| !kept.contains(&u)) {
+                        match cdi.remove_path(&path) {
+                            Ok(()) => removed.push(path.display().to_string()),
+                            Err(e) => warn!(path = %path.display(), error = %e,
+                                "removing an orphaned CDI spec failed; retried at the next start"),
+                        }
+                    }
+                }
+                Ok(removed)
+            })
+            .await
+        };
+        match orphans {
+            Ok(removed) => report.orphans_removed.extend(removed),
+            Err(e) => {
+                warn!(error = %e, "cannot list CDI specs for orphans; retried at the next start")
             }
         }
 
@@ -132,10 +178,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                         uid: uid.clone(),
                         ..node.clone()
                     };
-                    self.unshare(&orphan, &[]).await?;
-                    report
-                        .orphans_removed
-                        .push(inner.config.mps.claim_dir(&uid).display().to_string());
+                    match self.unshare(&orphan, &[]).await {
+                        Ok(()) => report
+                            .orphans_removed
+                            .push(inner.config.mps.claim_dir(&uid).display().to_string()),
+                        Err(e) => warn!(claim = %uid, error = %e,
+                            "stopping an orphaned MPS daemon failed; retried at the next start"),
+                    }
                 }
             }
         }
@@ -149,7 +198,143 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         if report != RecoveryReport::default() {
             info!(?report, "reconciled claim state at start");
         }
+        if !report.failed.is_empty() {
+            self.spawn_recovery_retries();
+        }
         Ok(report)
+    }
+
+    /// Runs `pending` for `claim` under its lock. A claim whose record is gone meanwhile (the
+    /// kubelet unprepared it) needs nothing more.
+    pub(super) async fn recover_claim(
+        &self,
+        claim: &ClaimRef,
+        pending: Pending,
+    ) -> Result<Recovered, ClaimError> {
+        let _guard = self.claim_lock(&claim.uid).lock_owned().await;
+        self.recover_claim_locked(claim, pending).await
+    }
+
+    /// [`Self::recover_claim`] for a caller holding the claim's lock.
+    pub(super) async fn recover_claim_locked(
+        &self,
+        claim: &ClaimRef,
+        pending: Pending,
+    ) -> Result<Recovered, ClaimError> {
+        let mut done = Recovered::default();
+        let record = self
+            .inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .get(&claim.uid)
+            .cloned();
+        let Some(record) = record else {
+            return Ok(done);
+        };
+        if pending == Pending::Release || record.state != ClaimState::PrepareCompleted {
+            self.release_locked(claim).await?;
+            return Ok(done);
+        }
+        done.regenerated = self.ensure_spec(claim, &record).await?;
+        if plan::uses_mps(&record.devices) && !self.inner.config.mps.is_running(&claim.uid).await {
+            // The daemon died with the previous plugin process: start it again so new
+            // containers of the claim can use it.
+            self.share(claim, &record.devices).await?;
+            done.mps_restarted = true;
+        }
+        Ok(done)
+    }
+
+    /// Records that `claim`'s recovery step failed: logged, counted, and a Warning event about
+    /// the node naming the claim (the plugin's RBAC creates events only about its Node).
+    async fn recovery_failed(&self, claim: &ClaimRef, pending: Pending, e: &ClaimError) {
+        let count = {
+            let mut failing = super::lock(&self.inner.recovery.failing);
+            failing.insert(claim.uid.clone(), (claim.clone(), pending, e.to_string()));
+            failing.len()
+        };
+        self.inner.recovery.count.send_replace(count);
+        warn!(claim = %claim, error = %e,
+            "recovering this claim failed; serving the others and retrying it in the background");
+        self.inner
+            .cluster
+            .warn(
+                "ClaimRecoveryFailed",
+                &format!(
+                    "ResourceClaim {}/{} (uid {}): recovery at start failed, retrying: {e}",
+                    claim.namespace, claim.name, claim.uid
+                ),
+            )
+            .await;
+    }
+
+    /// `claim` needs no more recovery (its step succeeded, or it was unprepared).
+    pub(super) fn recovery_resolved(&self, uid: &str) {
+        let (removed, count) = {
+            let mut failing = super::lock(&self.inner.recovery.failing);
+            let removed = failing.remove(uid).is_some();
+            (removed, failing.len())
+        };
+        if removed {
+            self.inner.recovery.count.send_replace(count);
+        }
+    }
+
+    /// The recovery step `uid` still needs, if its recovery failed.
+    pub(super) fn recovery_pending(&self, uid: &str) -> Option<Pending> {
+        super::lock(&self.inner.recovery.failing)
+            .get(uid)
+            .map(|(_, p, _)| *p)
+    }
+
+    /// Retries every failed recovery step with backoff ([`RECOVERY_RETRY`]) until none is left
+    /// or the controller quiesces.
+    fn spawn_recovery_retries(&self) {
+        let this = self.clone();
+        let stop = self.inner.recovery.stop.clone();
+        let (mut delay, max) = RECOVERY_RETRY;
+        self.inner.background.spawn(
+            async move {
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    let failing: Vec<(ClaimRef, Pending)> =
+                        super::lock(&this.inner.recovery.failing)
+                            .values()
+                            .map(|(c, p, _)| (c.clone(), *p))
+                            .collect();
+                    if failing.is_empty() {
+                        return;
+                    }
+                    for (claim, pending) in failing {
+                        if stop.is_cancelled() {
+                            return;
+                        }
+                        match this.recover_claim(&claim, pending).await {
+                            Ok(_) => {
+                                info!(claim = %claim, "recovered the claim on retry");
+                                this.recovery_resolved(&claim.uid);
+                            }
+                            Err(e) => {
+                                warn!(claim = %claim, error = %e, retry_in = ?delay.saturating_mul(2).min(max),
+                                    "recovering the claim failed again");
+                                if let Some(entry) =
+                                    super::lock(&this.inner.recovery.failing).get_mut(&claim.uid)
+                                {
+                                    entry.2 = e.to_string();
+                                }
+                            }
+                        }
+                    }
+                    delay = delay.saturating_mul(2).min(max);
+                }
+            }
+            .in_current_span(),
+        );
     }
 
     /// In partitionable mode: destroys every MIG device on a GPU that publishes placements (and
@@ -167,7 +352,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .filter_map(|d| d.mig.as_ref().map(|m| m.uuid.clone()))
             .collect();
         let mut gpus = BTreeMap::new();
-        for d in inner.devices.values() {
+        for d in self.catalogue().devices.values() {
             if let NodeDevice::MigPlacement { parent, .. } = d
                 && parent.raw.mig_mode == gpu_inventory::backend::MigMode::Enabled
             {
@@ -209,11 +394,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 profile_id,
                 placement,
                 ..
-            }) = self.inner.devices.get(&d.device_name)
+            }) = self.catalogue().get(&d.device_name).cloned()
             else {
                 continue;
             };
-            let found: Vec<CreatedMig> = match self.inner.hardware.mig_devices(parent) {
+            let found: Vec<CreatedMig> = match self.inner.hardware.mig_devices(&parent) {
                 Ok(found) => found,
                 Err(e) => {
                     warn!(device = %d.device_name, error = %e, "cannot look up its MIG device");
@@ -221,7 +406,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 }
             };
             if let Some(m) = found.into_iter().find(|m| {
-                m.profile_id == *profile_id
+                m.profile_id == profile_id
                     && m.placement_start == placement.start
                     && m.placement_size == placement.size
             }) {
@@ -233,13 +418,18 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
     /// Rewrites a completed claim's CDI spec when it is missing or differs from the record.
     /// Records upgraded from checkpoint version 1 carry no spec; it is rebuilt from the devices.
-    fn ensure_spec(&self, claim: &ClaimRef, record: &ClaimRecord) -> Result<bool, ClaimError> {
+    async fn ensure_spec(
+        &self,
+        claim: &ClaimRef,
+        record: &ClaimRecord,
+    ) -> Result<bool, ClaimError> {
         let inner = &self.inner;
         let want = if record.cdi_spec.kind.is_empty() {
+            let catalogue = self.catalogue();
             let used: Vec<_> = record
                 .devices
                 .iter()
-                .filter_map(|d| inner.devices.get(&d.device_name))
+                .filter_map(|d| catalogue.get(&d.device_name))
                 .collect();
             let created = plan::created_migs(&record.devices);
             let mps = plan::uses_mps(&record.devices).then_some(&inner.config.mps);
@@ -255,15 +445,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         } else {
             record.cdi_spec.clone()
         };
-        let cdi_err = |source| ClaimError::Cdi {
-            claim: claim.clone(),
-            source,
-        };
-        if inner.cdi.read(&claim.uid).map_err(cdi_err)?.as_ref() == Some(&want) {
-            return Ok(false);
-        }
-        inner.cdi.write(&claim.uid, &want).map_err(cdi_err)?;
-        Ok(true)
+        let uid = claim.uid.clone();
+        self.cdi_io(claim, move |cdi| {
+            if cdi.read(&uid)?.as_ref() == Some(&want) {
+                return Ok(false);
+            }
+            cdi.write(&uid, &want).map(|_| true)
+        })
+        .await
     }
 
     /// The devices a spec exposes, for when the API server cannot say (request names unknown).
@@ -274,10 +463,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     ) -> Vec<crate::checkpoint::RecordedDevice> {
         let inner = &self.inner;
         let prefix = format!("{}-", claim.uid);
+        let catalogue = self.catalogue();
         spec.devices
             .iter()
             .filter_map(|d| d.name.strip_prefix(&prefix))
-            .filter_map(|name| inner.devices.get(name))
+            .filter_map(|name| catalogue.get(name))
             .map(|d| crate::checkpoint::RecordedDevice {
                 request_names: Vec::new(),
                 pool_name: inner.config.node_name.clone(),
@@ -347,4 +537,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             claims,
         }
     }
+}
+
+/// What one claim's recovery step did.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Recovered {
+    /// Its CDI spec was missing or altered and was rewritten.
+    pub(super) regenerated: bool,
+    /// Its MPS daemon was not running and was started.
+    pub(super) mps_restarted: bool,
 }
