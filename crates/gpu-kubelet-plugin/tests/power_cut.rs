@@ -1,7 +1,10 @@
 //! A simulated power cut at every filesystem operation of a prepare/unprepare sequence: writes
 //! not yet synced are lost (file contents until `fsync`, directory entries until the directory's
 //! `fsync`). After each cut, the restarted controller must recover to a consistent state, and
-//! repeating the kubelet's calls must end where an uninterrupted run ends.
+//! repeating the kubelet's calls must end where an uninterrupted run ends. The power also fails
+//! again at every operation of that recovery itself, and the claims include time-sliced ones
+//! (a sharing setting on the GPU, which outlives the plugin: the model keeps the hardware across
+//! restarts, as a crash of the plugin does) whose GPU settings must end as in the clean run.
 
 mod common;
 
@@ -217,10 +220,11 @@ const CHECKPOINT: &str = "/var/lib/plugin/checkpoint.json";
 async fn controller(
     fs: Arc<CrashFs>,
     cluster: &Shared,
+    hardware: &Arc<ScriptedHardware>,
 ) -> Result<ClaimController<Shared, ScriptedHardware>, String> {
     ClaimController::start(
         cluster.clone(),
-        Arc::default(),
+        Arc::clone(hardware),
         ControllerConfig {
             driver_name: DRIVER.into(),
             node_name: NODE.into(),
@@ -240,12 +244,21 @@ async fn controller(
     .map_err(|e| e.to_string())
 }
 
-/// The kubelet's calls: prepare a, prepare b (2 GPUs), unprepare a, prepare c.
+/// The kubelet's calls: prepare a, prepare b (2 GPUs), prepare s (time-sliced), unprepare a,
+/// prepare c, prepare t (time-sliced), unprepare t.
 async fn script(c: &ClaimController<Shared, ScriptedHardware>) {
     let _ = c.prepare(vec![claim_ref("a", "ua")]).await;
     let _ = c.prepare(vec![claim_ref("b", "ub")]).await;
+    let _ = c.prepare(vec![claim_ref("s", "us")]).await;
     let _ = c.unprepare(vec![claim_ref("a", "ua")]).await;
     let _ = c.prepare(vec![claim_ref("c", "uc")]).await;
+    let _ = c.prepare(vec![claim_ref("t", "ut")]).await;
+    let _ = c.unprepare(vec![claim_ref("t", "ut")]).await;
+}
+
+fn time_slicing(interval: &str) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}})
 }
 
 fn claims_cluster() -> Shared {
@@ -257,7 +270,30 @@ fn claims_cluster() -> Shared {
         &[(DRIVER, NODE, dev(1)), (DRIVER, NODE, dev(2))],
     ));
     cluster.put(claim("c", "uc", &[(DRIVER, NODE, dev(3))]));
+    cluster.put(with_configs(
+        claim("s", "us", &[(DRIVER, NODE, dev(4))]),
+        &[("FromClaim", time_slicing("Long"))],
+    ));
+    cluster.put(with_configs(
+        claim("t", "ut", &[(DRIVER, NODE, dev(5))]),
+        &[("FromClaim", time_slicing("Short"))],
+    ));
     cluster
+}
+
+/// Each GPU's compute time slice as the hardware was last told (GPUs never set are absent;
+/// `Default` is what a GPU had before any claim).
+fn time_slices(hardware: &ScriptedHardware) -> BTreeMap<String, String> {
+    let mut slices = BTreeMap::new();
+    for call in hardware.calls.lock().unwrap().iter() {
+        if let Some(rest) = call.strip_prefix("time-slice ")
+            && let Some((gpu, slice)) = rest.split_once(' ')
+        {
+            slices.insert(gpu.to_owned(), slice.to_owned());
+        }
+    }
+    slices.retain(|_, s| s != "Default");
+    slices
 }
 
 /// Consistency after recovery: only completed claims, each with its spec; no other files.
@@ -309,57 +345,113 @@ impl Fs for CrashFsView {
     }
 }
 
+/// Restarts after a power cut, with the power failing again after `budget` operations of the
+/// recovery (`None`: it holds); returns the filesystem as the power left it and the controller
+/// if the start finished.
+async fn restart(
+    fs: &CrashFs,
+    cluster: &Shared,
+    hardware: &Arc<ScriptedHardware>,
+    budget: Option<usize>,
+) -> (
+    Arc<CrashFs>,
+    Option<ClaimController<Shared, ScriptedHardware>>,
+) {
+    let after = fs.after_power_cut();
+    after.0.lock().unwrap().budget = budget;
+    let after = Arc::new(after);
+    let c = controller(after.clone(), cluster, hardware).await.ok();
+    (after, c)
+}
+
 #[tokio::test]
 async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupted_result() {
     // The uninterrupted run: how many operations, and where it ends.
     let clean_fs = Arc::new(CrashFs::with_budget(None));
     let cluster = claims_cluster();
-    let clean = controller(clean_fs.clone(), &cluster).await.expect("start");
+    let clean_hw = Arc::new(ScriptedHardware::default());
+    let clean = controller(clean_fs.clone(), &cluster, &clean_hw)
+        .await
+        .expect("start");
     script(&clean).await;
     let total_ops = clean_fs.ops();
     let final_claims = clean.prepared_claims().await;
-    assert_eq!(final_claims, ["ub", "uc"]);
+    assert_eq!(final_claims, ["ub", "uc", "us"]);
     let mut final_specs = clean_fs.files(Path::new(CDI));
     final_specs.sort();
+    let final_slices = time_slices(&clean_hw);
+    assert_eq!(
+        final_slices,
+        BTreeMap::from([(dev(4).to_owned(), "Long".to_owned())])
+    );
 
     let mut recovered = 0;
+    let mut recovery_cuts = 0;
     for cut in 0..=total_ops {
         let fs = Arc::new(CrashFs::with_budget(Some(cut)));
         let cluster = claims_cluster();
-        if let Ok(c) = controller(fs.clone(), &cluster).await {
+        let hardware = Arc::new(ScriptedHardware::default());
+        if let Ok(c) = controller(fs.clone(), &cluster, &hardware).await {
             script(&c).await;
         }
-        // Power returns: only what was synced is there.
-        let after = Arc::new(fs.after_power_cut());
-        let c = controller(after.clone(), &cluster)
-            .await
-            .unwrap_or_else(|e| panic!("cut {cut}: restart failed: {e}"));
-        check_consistent(&after, &c, cut).await;
-        // No half states survive a restart.
-        let ckpt = CheckpointFile::new(Arc::new(CrashFsView(after.clone())), CHECKPOINT)
-            .load()
-            .unwrap_or_else(|e| panic!("cut {cut}: checkpoint unreadable after recovery: {e}"))
-            .unwrap_or_default();
-        assert!(
-            ckpt.claims
-                .values()
-                .all(|r| r.state == ClaimState::PrepareCompleted),
-            "cut {cut}: {:?}",
-            ckpt.claims
-        );
-        // The kubelet repeats its calls; the end state is the uninterrupted one.
-        script(&c).await;
-        assert_eq!(c.prepared_claims().await, final_claims, "cut {cut}");
-        let mut specs = after.files(Path::new(CDI));
-        specs.sort();
-        assert_eq!(specs, final_specs, "cut {cut}");
-        recovered += 1;
+        // How many operations an undisturbed recovery from here makes.
+        let (probe, _) = restart(&fs, &cluster, &Arc::default(), None).await;
+        let recovery_ops = probe.ops();
+        // Power returns; the recovery is cut at each of its operations (and at none): after
+        // every such second cut, a third start must still recover and converge.
+        for second in (0..recovery_ops).map(Some).chain([None]) {
+            let hardware = Arc::new(ScriptedHardware {
+                calls: std::sync::Mutex::new(hardware.calls.lock().unwrap().clone()),
+                ..Default::default()
+            });
+            let (interrupted, c) = restart(&fs, &cluster, &hardware, second).await;
+            let (after, c) = match (second, c) {
+                (None, Some(c)) => (interrupted, c),
+                (None, None) => panic!("cut {cut}: restart failed"),
+                (Some(_), _) => {
+                    recovery_cuts += 1;
+                    let (after, c) = restart(&interrupted, &cluster, &hardware, None).await;
+                    let c = c.unwrap_or_else(|| {
+                        panic!("cut {cut}, then {second:?} into recovery: restart failed")
+                    });
+                    (after, c)
+                }
+            };
+            let at = format!("cut {cut}, recovery cut {second:?}");
+            check_consistent(&after, &c, cut).await;
+            // No half states survive a restart.
+            let ckpt = CheckpointFile::new(Arc::new(CrashFsView(after.clone())), CHECKPOINT)
+                .load()
+                .unwrap_or_else(|e| panic!("{at}: checkpoint unreadable after recovery: {e}"))
+                .unwrap_or_default();
+            assert!(
+                ckpt.claims
+                    .values()
+                    .all(|r| r.state == ClaimState::PrepareCompleted),
+                "{at}: {:?}",
+                ckpt.claims
+            );
+            // The kubelet repeats its calls; the end state is the uninterrupted one.
+            script(&c).await;
+            assert_eq!(c.prepared_claims().await, final_claims, "{at}");
+            let mut specs = after.files(Path::new(CDI));
+            specs.sort();
+            assert_eq!(specs, final_specs, "{at}");
+            assert_eq!(
+                time_slices(&hardware),
+                final_slices,
+                "{at}: GPU time slices"
+            );
+            recovered += 1;
+        }
     }
     eprintln!(
-        "power cut at each of {total_ops} operations: {recovered} recoveries, all consistent"
+        "power cut at each of {total_ops} operations, then at each operation of the recovery \
+         ({recovery_cuts} second cuts): {recovered} recoveries, all consistent"
     );
     assert!(
         total_ops > 20,
         "the script exercises the filesystem ({total_ops} ops)"
     );
+    assert!(recovery_cuts > 0, "some recoveries write and were cut");
 }
