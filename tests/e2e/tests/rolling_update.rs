@@ -327,15 +327,15 @@ async fn a_rolling_update_hands_over_between_two_plugin_processes_without_a_fail
     wait_ready(&b).await?;
     ensure!(metric(&b, "drust_instance_active").await? == 0.0);
 
-    // A call in flight on A: its PrepareStarted is durable, then it stalls.
+    // A call in flight on A: it reaches the failpoint after reserving its devices and stalls
+    // there (A's log says so; a whole-GPU claim's reservation is not written to disk by itself).
     let in_flight = prepare_v1(&ka, c3);
-    let c3_uid = uid(c3);
     drust_e2e::wait::until(
         "A's third prepare in flight",
         Duration::from_secs(30),
         || async {
-            let claims = host.checkpoint_claims().map_err(|e| e.to_string())?;
-            Ok(claims.get(&c3_uid).map(|_| ()))
+            let log = std::fs::read_to_string(host.log(a.id)).map_err(|e| e.to_string())?;
+            Ok(log.contains("failpoint armed: pausing").then_some(()))
         },
     )
     .await?;

@@ -347,20 +347,36 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
     ) -> Result<R, ClaimError> {
+        let (r, epoch) = self.stage(change).await?;
+        self.durable(claim, epoch).await?;
+        Ok(r)
+    }
+
+    /// Applies `change` to the in-memory checkpoint only: it becomes durable with the next
+    /// store, whoever starts it. Other claims see it at once (device conflicts). Returns the
+    /// change's epoch for [`Self::durable`].
+    async fn stage<R>(
+        &self,
+        change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
+    ) -> Result<(R, u64), ClaimError> {
         let inner = &self.inner;
-        let (r, epoch) = {
-            let mut pending = inner.checkpoint.lock().await;
-            let mut next = pending.clone();
-            let r = change(&mut next)?;
-            let mut c = lock(&inner.commit);
-            if next != *pending {
-                *pending = next;
-                c.staged += 1;
-            }
-            // An unchanged checkpoint still waits for what is staged before it: the caller may
-            // rely on state that another claim staged.
-            (r, c.staged)
-        };
+        let mut pending = inner.checkpoint.lock().await;
+        let mut next = pending.clone();
+        let r = change(&mut next)?;
+        let mut c = lock(&inner.commit);
+        if next != *pending {
+            *pending = next;
+            c.staged += 1;
+        }
+        // An unchanged checkpoint still waits for what is staged before it: the caller may
+        // rely on state that another claim staged.
+        Ok((r, c.staged))
+    }
+
+    /// Returns once every change up to `epoch` is durable (starting the store if none is in
+    /// flight), or with the error of the store that failed it.
+    async fn durable(&self, claim: &ClaimRef, epoch: u64) -> Result<(), ClaimError> {
+        let inner = &self.inner;
         loop {
             let committed = inner.committed.notified();
             tokio::pin!(committed);
@@ -398,7 +414,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                         },
                     });
                 }
-                Next::Done => return Ok(r),
+                Next::Done => return Ok(()),
                 // Enabled before the check: the commit's wake-up cannot be missed.
                 Next::Wait => committed.await,
             }
@@ -811,12 +827,22 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             cdi_spec_path: inner.cdi.spec_path(&claim.uid),
             cdi_spec: plan.spec.clone().unwrap_or_default(),
         };
-        self.update(claim, |c| {
+        let reserve = |c: &mut Checkpoint| {
             check_conflicts(c, claim, &record)?;
             c.claims.insert(claim.uid.clone(), record);
             Ok(())
-        })
-        .await?;
+        };
+        // Two phases only where prepare changes the hardware (creates a MIG device, sets a
+        // GPU's sharing): a crash then leaves a durable record of what may exist, for start-up
+        // to undo. A claim whose prepare only checks its devices needs no such record: a crash
+        // before `PrepareCompleted` leaves at most its CDI spec, which names the claim, and
+        // start-up removes it as an orphan. Its record is staged (other claims see the devices
+        // taken) and goes to disk with `PrepareCompleted`: one durable write fewer.
+        if plan::changes_hardware(&plan.devices, &plan.used) {
+            self.update(claim, reserve).await?;
+        } else {
+            self.stage(reserve).await?;
+        }
         failpoint::hit("prepare/after-started-checkpoint");
 
         let prepare: DeviceAction<H, Option<CreatedMig>> =
@@ -945,7 +971,33 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             // Nothing recorded; a spec without a record is an orphan of a crash.
             return self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await;
         };
+        let catalogue = self.catalogue();
+        let used: Vec<NodeDevice> = record
+            .devices
+            .iter()
+            .filter_map(|d| catalogue.get(&d.device_name).cloned())
+            .collect();
         failpoint::hit("unprepare/before-started-checkpoint");
+        if !plan::changes_hardware(&record.devices, &used) {
+            // Nothing on the hardware to undo (see prepare_locked; the hardware's undo is a
+            // check, idempotent): the record goes in one durable write; a crash before the CDI
+            // spec is removed leaves an orphan spec that start-up removes. The failpoints mark
+            // the same steps as the two-phase path.
+            failpoint::hit("unprepare/after-started-checkpoint");
+            self.unprepare_hardware(claim, &record).await?;
+            self.update(claim, |c| {
+                c.claims.remove(&claim.uid);
+                Ok(())
+            })
+            .await?;
+            self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await?;
+            failpoint::hit("unprepare/after-cdi-remove");
+            failpoint::hit("unprepare/after-hardware");
+            failpoint::hit("unprepare/after-checkpoint");
+            self.recovery_resolved(&claim.uid);
+            info!(claim = %claim, "unprepared");
+            return Ok(());
+        }
         self.set_state(claim, ClaimState::UnprepareStarted).await?;
         failpoint::hit("unprepare/after-started-checkpoint");
         self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await?;
