@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::storage::{Fs, remove_durably, write_atomic};
+use crate::storage::{Fs, remove_file, write_atomic};
 
 /// Spec annotation naming the claim's namespace, so a spec found on disk identifies its claim.
 pub const ANNOTATION_NAMESPACE: &str = "claim.drust.dev/namespace";
@@ -222,13 +222,16 @@ impl CdiWriter {
         }
     }
 
-    /// Removes the claim's spec durably; a missing file is success.
+    /// Removes the claim's spec; a missing file is success. Not synced: a spec that a crash
+    /// brings back is reconciled at start (its claim's record, if any, is finishing an
+    /// unprepare and removes it again; without a record it is an orphan and removed), so the
+    /// directory fsync would buy nothing.
     ///
     /// # Errors
     /// [`CdiError::Remove`].
     pub fn remove(&self, claim_uid: &str) -> Result<(), CdiError> {
         let path = self.spec_path(claim_uid);
-        remove_durably(self.fs.as_ref(), &path).map_err(|source| CdiError::Remove { path, source })
+        remove_file(self.fs.as_ref(), &path).map_err(|source| CdiError::Remove { path, source })
     }
 
     /// The claim UIDs of every claim spec of this vendor under the root, and any temp files a
@@ -264,7 +267,7 @@ impl CdiWriter {
     /// # Errors
     /// [`CdiError::Remove`].
     pub fn remove_path(&self, path: &Path) -> Result<(), CdiError> {
-        remove_durably(self.fs.as_ref(), path).map_err(|source| CdiError::Remove {
+        remove_file(self.fs.as_ref(), path).map_err(|source| CdiError::Remove {
             path: path.to_owned(),
             source,
         })

@@ -158,15 +158,15 @@ pub fn write_atomic(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> io::Result<()> {
     result
 }
 
-/// Removes `path` durably; a missing file is success.
+/// Removes `path` without syncing its directory (a crash may bring it back); a missing file is
+/// success. For files whose return after a crash is reconciled anyway.
 ///
 /// # Errors
 /// Any I/O error other than `NotFound`.
-pub fn remove_durably(fs: &dyn Fs, path: &Path) -> io::Result<()> {
+pub fn remove_file(fs: &dyn Fs, path: &Path) -> io::Result<()> {
     match fs.remove(path) {
-        Ok(()) => fs.sync_dir(parent(path)?),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
     }
 }
 
