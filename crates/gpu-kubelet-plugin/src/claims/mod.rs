@@ -1,12 +1,20 @@
 //! The claim controller: prepare and unprepare for the kubelet, crash-safe and concurrent.
 //!
-//! Lifecycle of a claim (each arrow is a durable checkpoint write, see [`crate::checkpoint`]):
+//! Lifecycle of a claim whose prepare changes the hardware (creates a MIG device, sets sharing;
+//! each arrow is a durable checkpoint write, see [`crate::checkpoint`]):
 //!
 //! ```text
 //! prepare:   -> PrepareStarted -> hardware, per device [-> created MIG devices] -> CDI spec
 //!            -> PrepareCompleted
 //! unprepare: -> UnprepareStarted -> remove CDI spec -> hardware undo -> (record removed)
 //! ```
+//!
+//! A claim whose prepare only checks its devices (a whole GPU or an existing MIG device, no
+//! sharing) has nothing for a record to undo, so it skips both `...Started` writes: prepare
+//! stages its record in memory (devices reserved), checks the hardware, then writes the CDI
+//! spec and `PrepareCompleted` at once; unprepare removes the record durably, then the spec.
+//! Every crash in between leaves an orphan spec or a completed record without its spec, both of
+//! which start-up reconciles.
 //!
 //! Dynamic MIG (partitionable mode): the hardware step creates the MIG device of each allocated
 //! placement; what it created is written to the checkpoint (`devices[].mig`) before the CDI
@@ -838,7 +846,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         // before `PrepareCompleted` leaves at most its CDI spec, which names the claim, and
         // start-up removes it as an orphan. Its record is staged (other claims see the devices
         // taken) and goes to disk with `PrepareCompleted`: one durable write fewer.
-        if plan::changes_hardware(&plan.devices, &plan.used) {
+        let two_phase = plan::changes_hardware(&plan.devices, &plan.used);
+        if two_phase {
             self.update(claim, reserve).await?;
         } else {
             self.stage(reserve).await?;
@@ -909,11 +918,24 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         failpoint::hit("prepare/after-sharing");
 
         let uid = claim.uid.clone();
-        self.cdi_io(claim, move |cdi| cdi.write(&uid, &spec))
-            .await?;
-        failpoint::hit("prepare/after-cdi-write");
-
-        self.set_state(claim, ClaimState::PrepareCompleted).await?;
+        let write_spec = self.cdi_io(claim, move |cdi| cdi.write(&uid, &spec));
+        if two_phase {
+            write_spec.await?;
+            failpoint::hit("prepare/after-cdi-write");
+            self.set_state(claim, ClaimState::PrepareCompleted).await?;
+        } else {
+            // Without hardware actions the two writes are independent, so they run at once: a
+            // crash with only the record durable leaves a completed claim whose spec start-up
+            // rewrites from the record; one with only the spec leaves an orphan spec that
+            // start-up removes. The kubelet hears of success only when both are durable.
+            let (written, completed) = tokio::join!(
+                write_spec,
+                self.set_state(claim, ClaimState::PrepareCompleted)
+            );
+            written?;
+            failpoint::hit("prepare/after-cdi-write");
+            completed?;
+        }
         failpoint::hit("prepare/after-completed-checkpoint");
         info!(claim = %claim, devices = plan.devices.len(), "prepared");
         Ok(plan.devices.iter().map(PreparedDevice::from).collect())
