@@ -2,10 +2,11 @@
 //! borrowed view of them that evaluation reads without copying attribute maps.
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
-use crate::libs::quantity::Quantity;
+use crate::libs::quantity::{Quantity, QuantityValue};
 use crate::libs::semver::Semver;
 use crate::value::{Str, Value};
 
@@ -96,6 +97,22 @@ pub struct DeviceView<'a> {
     pub(crate) capacity: &'a BTreeMap<String, DeviceCapacity>,
     pub(crate) allow_multiple_allocations: bool,
     pub(crate) list_attributes: bool,
+    /// The capacities' CEL values of the evaluation under way, if any.
+    capacity_values: Option<&'a CapacityValues>,
+}
+
+/// The CEL values of a device's capacities during one evaluation, made on first read.
+///
+/// Upstream's `DeviceMatches` (`dynamic-resource-allocation/cel/compile.go`) hands CEL a pointer
+/// to a copy of each capacity quantity, so every read of one capacity within an evaluation sees
+/// the same quantity, including what `compareTo` and `add` did to it (see
+/// [`QuantityValue`]); the next evaluation starts again from the device. (The copy still
+/// shares an `inf.Dec` with the ResourceSlice upstream, so an `add` there also changes the
+/// scheduler's cached device for later evaluations; we do not mirror that.)
+#[derive(Debug, Default)]
+pub(crate) struct CapacityValues {
+    /// One slot per entry of `Device::capacity`, in its order.
+    slots: OnceLock<Box<[OnceLock<QuantityValue>]>>,
 }
 
 /// Splits a qualified name into (domain, id), the driver being the default domain
@@ -148,7 +165,33 @@ impl<'a> DeviceView<'a> {
             capacity: &device.capacity,
             allow_multiple_allocations: device.allow_multiple_allocations.unwrap_or(false),
             list_attributes,
+            capacity_values: None,
         })
+    }
+
+    /// The view for one evaluation, whose capacity values live in `values`.
+    pub(crate) fn with_capacity_values<'b>(&self, values: &'b CapacityValues) -> DeviceView<'b>
+    where
+        'a: 'b,
+    {
+        DeviceView {
+            capacity_values: Some(values),
+            ..*self
+        }
+    }
+
+    /// The CEL value of the capacity at `index` of `Device::capacity`.
+    fn capacity_value(&self, index: usize, q: &Quantity) -> QuantityValue {
+        let Some(values) = self.capacity_values else {
+            return QuantityValue::new(q);
+        };
+        let slots = values
+            .slots
+            .get_or_init(|| (0..self.capacity.len()).map(|_| OnceLock::new()).collect());
+        match slots.get(index) {
+            Some(slot) => slot.get_or_init(|| QuantityValue::new(q)).clone(),
+            None => QuantityValue::new(q),
+        }
     }
 
     /// The distinct attribute domains.
@@ -187,16 +230,27 @@ impl<'a> DeviceView<'a> {
         })
     }
 
-    /// Capacities of one domain, by id.
+    /// Capacities of one domain, by id, as CEL values.
     pub(crate) fn capacity_names<'s>(
         &'s self,
         domain: &'s str,
-    ) -> impl Iterator<Item = (&'a str, &'a Quantity)> + 's {
+    ) -> impl Iterator<Item = (&'a str, QuantityValue)> + 's {
         let driver = self.driver;
-        self.capacity.iter().filter_map(move |(k, c)| {
-            let (d, n) = split_name(k, driver);
-            (d == domain).then_some((n, &c.value))
-        })
+        self.capacity
+            .iter()
+            .enumerate()
+            .filter_map(move |(i, (k, c))| {
+                let (d, n) = split_name(k, driver);
+                (d == domain).then(|| (n, self.capacity_value(i, &c.value)))
+            })
+    }
+
+    /// How many capacities one domain has.
+    pub(crate) fn capacity_count(&self, domain: &str) -> usize {
+        self.capacity
+            .keys()
+            .filter(|k| split_name(k, self.driver).0 == domain)
+            .count()
     }
 
     /// One attribute by domain and id.
@@ -212,16 +266,23 @@ impl<'a> DeviceView<'a> {
         found
     }
 
-    /// One capacity by domain and id.
-    pub(crate) fn capacity(&self, domain: &str, id: &str) -> Option<&'a Quantity> {
+    /// Whether a capacity exists.
+    pub(crate) fn has_capacity(&self, domain: &str, id: &str) -> bool {
+        self.capacity
+            .keys()
+            .any(|k| split_name(k, self.driver) == (domain, id))
+    }
+
+    /// One capacity by domain and id, as a CEL value.
+    pub(crate) fn capacity(&self, domain: &str, id: &str) -> Option<QuantityValue> {
         let mut found = None;
-        for (k, c) in self.capacity.iter() {
+        for (i, (k, c)) in self.capacity.iter().enumerate() {
             let (d, n) = split_name(k, self.driver);
             if d == domain && n == id {
-                found = Some(&c.value);
+                found = Some((i, &c.value));
             }
         }
-        found
+        found.map(|(i, q)| self.capacity_value(i, q))
     }
 
     /// The CEL value of an attribute (versions become semver values).

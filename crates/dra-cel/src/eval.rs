@@ -30,6 +30,10 @@ pub enum EvalError {
     /// The deadline passed.
     #[error("operation interrupted")]
     Interrupted,
+    /// Upstream's Go code panics here and cel-go recovers the panic as an internal error that
+    /// ends the evaluation: unlike a runtime error, no `&&`, `||` or comprehension absorbs it.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 fn rt<T>(msg: impl Into<String>) -> Result<T, EvalError> {
@@ -173,12 +177,18 @@ impl<'a> Evaluator<'a> {
                     return Ok(Value::Bool(false));
                 }
                 // Only runtime errors are values that the other side can absorb; the cost
-                // limit and the deadline stop evaluation.
-                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = lv {
+                // limit, the deadline and upstream panics stop evaluation.
+                if let Err(
+                    e @ (EvalError::CostLimit | EvalError::Interrupted | EvalError::Internal(_)),
+                ) = lv
+                {
                     return Err(e);
                 }
                 let rv = self.eval(r);
-                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = rv {
+                if let Err(
+                    e @ (EvalError::CostLimit | EvalError::Interrupted | EvalError::Internal(_)),
+                ) = rv
+                {
                     return Err(e);
                 }
                 match (lv, rv) {
@@ -196,12 +206,18 @@ impl<'a> Evaluator<'a> {
                     return Ok(Value::Bool(true));
                 }
                 // Only runtime errors are values that the other side can absorb; the cost
-                // limit and the deadline stop evaluation.
-                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = lv {
+                // limit, the deadline and upstream panics stop evaluation.
+                if let Err(
+                    e @ (EvalError::CostLimit | EvalError::Interrupted | EvalError::Internal(_)),
+                ) = lv
+                {
                     return Err(e);
                 }
                 let rv = self.eval(r);
-                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = rv {
+                if let Err(
+                    e @ (EvalError::CostLimit | EvalError::Interrupted | EvalError::Internal(_)),
+                ) = rv
+                {
                     return Err(e);
                 }
                 match (lv, rv) {
@@ -345,7 +361,10 @@ impl<'a> Evaluator<'a> {
             }
             let cond = self.eval(&f.cond);
             if !matches!(cond, Ok(Value::Bool(true))) {
-                if let Err(e @ (EvalError::CostLimit | EvalError::Interrupted)) = cond {
+                if let Err(
+                    e @ (EvalError::CostLimit | EvalError::Interrupted | EvalError::Internal(_)),
+                ) = cond
+                {
                     return Err(e);
                 }
                 break;
@@ -455,7 +474,7 @@ impl<'a> Evaluator<'a> {
                 d.attribute(dom.as_str(), s.as_str()).is_some()
             }
             (Value::CapacityDomain(d, dom), Value::String(s)) => {
-                d.capacity(dom.as_str(), s.as_str()).is_some()
+                d.has_capacity(dom.as_str(), s.as_str())
             }
             (Value::Device(_), Value::String(s)) => {
                 matches!(
@@ -500,7 +519,7 @@ impl<'a> Evaluator<'a> {
             }
             (Value::CapacityDomain(d, dom), Value::String(s)) => {
                 match d.capacity(dom.as_str(), s.as_str()) {
-                    Some(q) => Ok(Value::QuantityRef(q)),
+                    Some(q) => Ok(Value::Quantity(q)),
                     None => rt(format!("no such key: {}", s.as_str())),
                 }
             }

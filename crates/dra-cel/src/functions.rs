@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::eval::{EvalError, compare};
 use crate::libs::format::Format;
 use crate::libs::ip::{Addr, Prefix};
-use crate::libs::quantity::Quantity;
+use crate::libs::quantity::{Operand, Quantity, QuantityError, QuantityValue};
 use crate::libs::semver::Semver;
 use crate::libs::url::Url;
 use crate::value::{Eq, Str, Value, equals, is_map, map_entries, map_find};
@@ -95,8 +95,18 @@ fn int_arg(v: &Value<'_>) -> Result<i64, EvalError> {
     }
 }
 
-fn quantity_arg<'v>(v: &'v Value<'_>) -> Result<&'v Quantity, EvalError> {
+fn quantity_arg<'v>(v: &'v Value<'_>) -> Result<&'v QuantityValue, EvalError> {
     v.quantity().map_or_else(no_overload, Ok)
+}
+
+/// A quantity failure as cel-go reports it: an error value, or an internal error where the Go
+/// code panics.
+fn quantity_error(e: QuantityError) -> EvalError {
+    if e.is_upstream_panic() {
+        EvalError::Internal(e.to_string())
+    } else {
+        EvalError::Runtime(e.to_string())
+    }
 }
 
 fn semver_arg<'v>(v: &'v Value<'_>) -> Result<&'v Semver, EvalError> {
@@ -111,6 +121,7 @@ fn bool_of(e: Eq) -> R<'static> {
         Eq::True => Ok(Value::Bool(true)),
         Eq::False => Ok(Value::Bool(false)),
         Eq::NoOverload => no_overload(),
+        Eq::Panic(m) => Err(EvalError::Internal(m)),
     }
 }
 
@@ -121,6 +132,7 @@ fn contains_value(l: &[Value<'_>], v: &Value<'_>) -> R<'static> {
             Eq::True => return Ok(Value::Bool(true)),
             Eq::False => {}
             Eq::NoOverload => err = true,
+            Eq::Panic(m) => return Err(EvalError::Internal(m)),
         }
     }
     if err {
@@ -137,7 +149,10 @@ pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) 
         ("_==_", [x, y]) => bool_of(equals(x, y)),
         // cel-go's `evalNe` negates `types.Equal(x, y) == types.True`, so an equality without
         // an overload (a URL against an int) is simply "not equal".
-        ("_!=_", [x, y]) => Ok(V::Bool(!matches!(equals(x, y), Eq::True))),
+        ("_!=_", [x, y]) => match equals(x, y) {
+            Eq::Panic(m) => Err(EvalError::Internal(m)),
+            e => Ok(V::Bool(!matches!(e, Eq::True))),
+        },
         ("_<_", [x, y]) => Ok(V::Bool(compare(x, y)? == Some(Ordering::Less))),
         ("_<=_", [x, y]) => Ok(V::Bool(matches!(
             compare(x, y)?,
@@ -610,36 +625,47 @@ pub(crate) fn call<'a>(name: &str, overloads: &[&'static str], a: &[Value<'a>]) 
             }
             Ok(V::Bool(false))
         }
-        ("quantity", [V::String(x)]) => Quantity::parse(x.as_str())
-            .map(|q| V::Quantity(Arc::new(q)))
-            .map_err(|e| EvalError::Runtime(e.to_string())),
-        ("isQuantity", [V::String(x)]) => Ok(V::Bool(Quantity::parse(x.as_str()).is_ok())),
+        // library/quantity.go: each function calls one resource.Quantity method on the value's
+        // pointer (see QuantityValue for the forms and what the methods change).
+        ("quantity", [V::String(x)]) => QuantityValue::parse(x.as_str())
+            .map(V::Quantity)
+            .map_err(quantity_error),
+        ("isQuantity", [V::String(x)]) => match Quantity::parse(x.as_str()) {
+            Ok(_) => Ok(V::Bool(true)),
+            Err(QuantityError::Format | QuantityError::Suffix | QuantityError::Numeric) => {
+                Ok(V::Bool(false))
+            }
+            // Not a verdict on the text: upstream panics, or we cannot spell the number out.
+            Err(e) => Err(quantity_error(e)),
+        },
         ("sign", [q]) => Ok(V::Int(quantity_arg(q)?.sign())),
         ("isGreaterThan", [V::Semver(x), y]) => Ok(V::Bool(x.as_ref() > semver_arg(y)?)),
         ("isLessThan", [V::Semver(x), y]) => Ok(V::Bool(x.as_ref() < semver_arg(y)?)),
         ("compareTo", [V::Semver(x), y]) => Ok(V::Int(ord_int(x.as_ref().cmp(semver_arg(y)?)))),
-        ("isGreaterThan", [x, y]) => Ok(V::Bool(
-            quantity_arg(x)?.compare(quantity_arg(y)?) == Ordering::Greater,
-        )),
-        ("isLessThan", [x, y]) => Ok(V::Bool(
-            quantity_arg(x)?.compare(quantity_arg(y)?) == Ordering::Less,
-        )),
-        ("compareTo", [x, y]) => Ok(V::Int(ord_int(quantity_arg(x)?.compare(quantity_arg(y)?)))),
-        ("asApproximateFloat", [q]) => Ok(V::Double(quantity_arg(q)?.as_f64())),
+        ("isGreaterThan" | "isLessThan" | "compareTo", [x, y]) => {
+            let ord = quantity_arg(x)?
+                .compare(quantity_arg(y)?)
+                .map_err(quantity_error)?;
+            Ok(match name {
+                "isGreaterThan" => V::Bool(ord == Ordering::Greater),
+                "isLessThan" => V::Bool(ord == Ordering::Less),
+                _ => V::Int(ord_int(ord)),
+            })
+        }
+        ("asApproximateFloat", [q]) => Ok(V::Double(quantity_arg(q)?.approximate_float())),
         ("asInteger", [q]) => quantity_arg(q)?
-            .as_i64()
+            .as_int64()
             .map(V::Int)
             .map_or_else(|| rt("cannot convert value to integer"), Ok),
-        ("isInteger", [q]) => Ok(V::Bool(quantity_arg(q)?.as_i64().is_some())),
+        ("isInteger", [q]) => Ok(V::Bool(quantity_arg(q)?.as_int64().is_some())),
         ("add" | "sub", [q, other]) => {
             let q = quantity_arg(q)?;
             let o = match other {
-                V::Int(i) => Quantity::from_int(*i),
-                o => quantity_arg(o)?.clone(),
+                V::Int(i) => Operand::Int(*i),
+                o => Operand::Quantity(quantity_arg(o)?),
             };
-            let r = if name == "add" { q.add(&o) } else { q.sub(&o) };
-            r.map(|q| V::Quantity(Arc::new(q)))
-                .map_err(|e| EvalError::Runtime(e.to_string()))
+            let r = if name == "add" { q.add(o) } else { q.sub(o) };
+            r.map(V::Quantity).map_err(quantity_error)
         }
         ("semver", [V::String(x), rest @ ..]) => {
             let normalize = match rest {
@@ -1039,7 +1065,6 @@ fn library_cost(name: &str, id: &str, a: &[Value<'_>], result: Option<&Value<'_>
         "format.named" => 1,
         "_==_" if a.len() == 2 => match &a[0] {
             Value::Quantity(_)
-            | Value::QuantityRef(_)
             | Value::Semver(_)
             | Value::Ip(_)
             | Value::Cidr(_)

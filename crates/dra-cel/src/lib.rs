@@ -299,8 +299,11 @@ impl CompiledExpression {
         view: &DeviceView<'_>,
         options: EvalOptions,
     ) -> (Result<bool, MatchError>, u64) {
+        // Capacities read during this evaluation share their state; the next one starts afresh.
+        let capacity_values = device::CapacityValues::default();
+        let view = view.with_capacity_values(&capacity_values);
         let mut ev = eval::Evaluator {
-            device: view,
+            device: &view,
             slots: Vec::with_capacity(self.checked.slots),
             cost: 0,
             limit: options.cost_limit,
@@ -515,6 +518,42 @@ mod tests {
     fn a_non_bool_result_does_not_compile() {
         assert!(run("1").unwrap_err().starts_with("compile:"));
         assert!(run("dyn(true)").unwrap_err().starts_with("compile:"));
+    }
+
+    #[test]
+    fn a_capacity_changed_by_one_evaluation_is_fresh_in_the_next() {
+        // Cmp leaves the capacity in the inf.Dec form for the rest of the evaluation, and
+        // adding to an inf.Dec capacity changes it; neither survives into the next evaluation.
+        let mut d = device();
+        d.capacity.insert(
+            "frac".into(),
+            DeviceCapacity {
+                value: libs::quantity::Quantity::parse("1.5Gi").unwrap(),
+            },
+        );
+        let program = Compiler::default()
+            .compile(
+                "device.capacity['dra.example.com'].memory.isInteger() \
+                 && device.capacity['dra.example.com'].memory.isGreaterThan(quantity('1.5Gi')) \
+                 && !device.capacity['dra.example.com'].memory.isInteger() \
+                 && sign(device.capacity['dra.example.com'].frac.add(1)) == 1 \
+                 && device.capacity['dra.example.com'].frac == quantity('1610612737')",
+            )
+            .unwrap();
+        for _ in 0..3 {
+            assert!(matches!(program.matches(&d), Ok(true)));
+        }
+    }
+
+    #[test]
+    fn an_upstream_panic_is_not_absorbed_by_or() {
+        let e = run("quantity('1e2147483647').isGreaterThan(quantity('1n')) || true").unwrap_err();
+        assert!(e.starts_with("runtime: internal error:"), "{e}");
+        assert_eq!(
+            run("quantity('1.5x').isInteger() || true"),
+            Ok(true),
+            "a parse error is an ordinary runtime error"
+        );
     }
 
     #[test]

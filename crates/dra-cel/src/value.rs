@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::device::DeviceView;
 use crate::libs::format::Format;
 use crate::libs::ip::{Addr, Prefix};
-use crate::libs::quantity::Quantity;
+use crate::libs::quantity::QuantityValue;
 use crate::libs::semver::Semver;
 use crate::libs::url::Url;
 use crate::types::Type;
@@ -55,10 +55,8 @@ pub enum Value<'a> {
     Type(&'static str),
     /// `optional_type(T)`.
     Optional(Option<Arc<Value<'a>>>),
-    /// `kubernetes.Quantity`.
-    Quantity(Arc<Quantity>),
-    /// A quantity borrowed from the device.
-    QuantityRef(&'a Quantity),
+    /// `kubernetes.Quantity`: upstream's `*resource.Quantity`, shared by its copies.
+    Quantity(QuantityValue),
     /// `kubernetes.Semver`.
     Semver(Arc<Semver>),
     /// `net.IP`.
@@ -107,7 +105,7 @@ impl<'a> Value<'a> {
             | Value::CapacityDomain(..) => "map",
             Value::Type(_) => "type",
             Value::Optional(_) => "optional_type",
-            Value::Quantity(_) | Value::QuantityRef(_) => "kubernetes.Quantity",
+            Value::Quantity(_) => "kubernetes.Quantity",
             Value::Semver(_) => "kubernetes.Semver",
             Value::Ip(_) => "net.IP",
             Value::Cidr(_) => "net.CIDR",
@@ -118,10 +116,9 @@ impl<'a> Value<'a> {
         }
     }
 
-    pub(crate) fn quantity(&self) -> Option<&Quantity> {
+    pub(crate) fn quantity(&self) -> Option<&QuantityValue> {
         match self {
             Value::Quantity(q) => Some(q),
-            Value::QuantityRef(q) => Some(q),
             _ => None,
         }
     }
@@ -136,7 +133,7 @@ impl<'a> Value<'a> {
             Value::Attributes(d) => d.attribute_domains().len() as u64,
             Value::Capacity(d) => d.capacity_domains().len() as u64,
             Value::AttributeDomain(d, dom) => d.attribute_names(dom.as_str()).count() as u64,
-            Value::CapacityDomain(d, dom) => d.capacity_names(dom.as_str()).count() as u64,
+            Value::CapacityDomain(d, dom) => d.capacity_count(dom.as_str()) as u64,
             Value::Optional(Some(v)) => v.actual_size(),
             // The IP and CIDR types are sized in bytes: the address, the prefix rounded up.
             Value::Ip(a) => u64::from(a.family() == 6) * 12 + 4,
@@ -167,6 +164,9 @@ pub(crate) enum Eq {
     True,
     False,
     NoOverload,
+    /// Upstream's `Equal` panics (a quantity comparison whose int32 scale difference wraps);
+    /// cel-go ends the evaluation with an internal error.
+    Panic(String),
 }
 
 impl Eq {
@@ -260,9 +260,12 @@ pub(crate) fn equals(a: &Value<'_>, b: &Value<'_>) -> Eq {
         (Value::String(x), Value::String(y)) => Eq::from(x.as_str() == y.as_str()),
         (Value::Bytes(x), Value::Bytes(y)) => Eq::from(x == y),
         (Value::Type(x), Value::Type(y)) => Eq::from(x == y),
-        (Value::Quantity(_) | Value::QuantityRef(_), _) => match (a.quantity(), b.quantity()) {
+        (Value::Quantity(x), _) => match b.quantity() {
             // Upstream's add/sub return a pointer, which a plain quantity's Equal rejects.
-            (Some(x), Some(y)) if !y.boxed => Eq::from(x.compare(y) == Ordering::Equal),
+            Some(y) if !y.boxed => match x.equals(y) {
+                Ok(e) => Eq::from(e),
+                Err(e) => Eq::Panic(e.to_string()),
+            },
             _ => Eq::NoOverload,
         },
         (Value::Semver(x), Value::Semver(y)) => Eq::from(x.cmp(y) == Ordering::Equal),
@@ -286,8 +289,9 @@ pub(crate) fn equals(a: &Value<'_>, b: &Value<'_>) -> Eq {
             }
             // cel-go's list equality treats an element comparison error as no mismatch.
             for (p, q) in x.iter().zip(y.iter()) {
-                if matches!(equals(p, q), Eq::False) {
-                    return Eq::False;
+                match equals(p, q) {
+                    e @ (Eq::False | Eq::Panic(_)) => return e,
+                    Eq::True | Eq::NoOverload => {}
                 }
             }
             Eq::True
@@ -357,7 +361,7 @@ pub(crate) fn map_entries<'a>(v: &Value<'a>) -> Vec<(Value<'a>, Value<'a>)> {
             .collect(),
         Value::CapacityDomain(d, dom) => d
             .capacity_names(dom.as_str())
-            .map(|(name, q)| (Value::String(Str::Borrowed(name)), Value::QuantityRef(q)))
+            .map(|(name, q)| (Value::String(Str::Borrowed(name)), Value::Quantity(q)))
             .collect(),
         _ => Vec::new(),
     }
