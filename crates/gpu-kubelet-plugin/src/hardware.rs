@@ -389,6 +389,14 @@ pub trait Hardware: Send + Sync + 'static {
         created: Option<&CreatedMig>,
     ) -> Result<(), HardwareError>;
 
+    /// Whether [`Hardware::unprepare`] has anything to undo for `device`, prepared (with
+    /// `created` if its prepare made a MIG device). When it says no for every device of a
+    /// claim, unprepare skips the call. The default says yes.
+    fn undo_needed(&self, device: &NodeDevice, created: Option<&CreatedMig>) -> bool {
+        let _ = (device, created);
+        true
+    }
+
     /// Sets the compute time slice of `device`'s GPU (time-slicing; undone with
     /// [`TimeSlice::Default`]).
     ///
@@ -678,6 +686,11 @@ impl Hardware for BackendHardware {
             self.check_node(device.name(), node)?;
         }
         Ok(None)
+    }
+
+    /// Only a MIG device made at prepare is undone; every other prepare only checks.
+    fn undo_needed(&self, _device: &NodeDevice, created: Option<&CreatedMig>) -> bool {
+        created.is_some()
     }
 
     fn unprepare(

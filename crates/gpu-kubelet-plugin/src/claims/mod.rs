@@ -524,61 +524,82 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         groups.into_iter().collect()
     }
 
-    /// Runs `action` for every device in `names`: GPU by GPU in name order (so two claims never
-    /// deadlock), each GPU's devices on a blocking thread that holds the GPU's lock until the
-    /// action ends. Stops at the first failure. Returns what each device's action gave, for the
-    /// devices that succeeded, with the outcome, so a caller can record what was made even when
-    /// a later device failed.
+    /// Runs `action` for every device in `names` on one blocking thread: GPU by GPU in name
+    /// order (so two claims never deadlock), holding each GPU's lock while its devices' actions
+    /// run. Stops at the first failure. Returns what each device's action gave, for the devices
+    /// that succeeded, with the outcome, so a caller can record what was made even when a later
+    /// device failed.
     async fn on_devices<'a, T: Send + 'static>(
         &self,
         claim: &ClaimRef,
         names: impl IntoIterator<Item = &'a str>,
         action: DeviceAction<H, T>,
     ) -> (Vec<(String, T)>, Result<(), ClaimError>) {
-        let mut done = Vec::new();
-        for (gpu, devices) in self.by_gpu(names) {
-            let guard = self.gpu_lock(&gpu).lock_owned().await;
-            let hw = Arc::clone(&self.inner.hardware);
-            let action = Arc::clone(&action);
-            // Tracked: the action runs on even if the caller stops waiting.
-            let result = self
-                .inner
-                .background
-                .spawn_blocking(move || {
-                    let _guard: OwnedMutexGuard<()> = guard;
-                    let mut ok = Vec::new();
+        let groups: Vec<(Arc<Mutex<()>>, String, Vec<NodeDevice>)> = self
+            .by_gpu(names)
+            .into_iter()
+            .map(|(gpu, devices)| (self.gpu_lock(&gpu), gpu, devices))
+            .collect();
+        if groups.is_empty() {
+            return (Vec::new(), Ok(()));
+        }
+        enum Failed {
+            Hardware(crate::hardware::HardwareError),
+            Panic(String),
+        }
+        let hw = Arc::clone(&self.inner.hardware);
+        // Tracked: the actions run on even if the caller stops waiting. One thread for the
+        // claim's GPUs: a hop per GPU would cost more than the checks themselves.
+        let result = self
+            .inner
+            .background
+            .spawn_blocking(move || {
+                let mut ok = Vec::new();
+                for (lock, gpu, devices) in groups {
+                    let _guard = lock.blocking_lock_owned();
                     for d in &devices {
-                        match action(&hw, d) {
-                            Ok(t) => ok.push((d.name().to_owned(), t)),
-                            Err(e) => return (ok, Err(e)),
+                        // A panicking action fails the claim like an error, keeping what the
+                        // devices before it made, so the rollback undoes that too.
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            action(&hw, d)
+                        }));
+                        match r {
+                            Ok(Ok(t)) => ok.push((d.name().to_owned(), t)),
+                            Ok(Err(e)) => return (ok, Err(Failed::Hardware(e))),
+                            Err(_) => return (ok, Err(Failed::Panic(gpu))),
                         }
                     }
-                    (ok, Ok(()))
-                })
-                .await;
-            match result {
-                Ok((ok, r)) => {
-                    done.extend(ok);
-                    if let Err(source) = r {
-                        let e = ClaimError::Hardware {
-                            claim: claim.clone(),
-                            source,
-                        };
-                        return (done, Err(e));
-                    }
                 }
-                // The action panicked; fail the claim so what it started is rolled back.
-                Err(e) => {
-                    let e = ClaimError::TaskFailed {
-                        claim: claim.clone(),
-                        action: "hardware action",
-                        message: format!("GPU {gpu}: {e}"),
-                    };
-                    return (done, Err(e));
-                }
-            }
+                (ok, Ok(()))
+            })
+            .await;
+        match result {
+            Ok((done, Ok(()))) => (done, Ok(())),
+            Ok((done, Err(Failed::Hardware(source)))) => (
+                done,
+                Err(ClaimError::Hardware {
+                    claim: claim.clone(),
+                    source,
+                }),
+            ),
+            Ok((done, Err(Failed::Panic(gpu)))) => (
+                done,
+                Err(ClaimError::TaskFailed {
+                    claim: claim.clone(),
+                    action: "hardware action",
+                    message: format!("GPU {gpu}: the action panicked"),
+                }),
+            ),
+            // The thread itself failed (cannot happen short of a runtime shutdown).
+            Err(e) => (
+                Vec::new(),
+                Err(ClaimError::TaskFailed {
+                    claim: claim.clone(),
+                    action: "hardware action",
+                    message: e.to_string(),
+                }),
+            ),
         }
-        (done, Ok(()))
     }
 
     /// Undoes the hardware step for `record`'s devices, destroying the MIG devices it lists.
@@ -1006,13 +1027,25 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             // spec is removed leaves an orphan spec that start-up removes. The failpoints mark
             // the same steps as the two-phase path.
             failpoint::hit("unprepare/after-started-checkpoint");
-            self.unprepare_hardware(claim, &record).await?;
-            self.update(claim, |c| {
-                c.claims.remove(&claim.uid);
-                Ok(())
-            })
-            .await?;
-            self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await?;
+            let created = plan::created_migs(&record.devices);
+            let undo = used
+                .iter()
+                .any(|d| inner.hardware.undo_needed(d, created.get(d.name())));
+            if undo {
+                self.unprepare_hardware(claim, &record).await?;
+            }
+            // Independent, so at once: a crash with only the spec gone leaves a completed claim
+            // whose spec start-up rewrites (the kubelet, unanswered, unprepares it again); one
+            // with only the record gone leaves an orphan spec that start-up removes.
+            let (removed, unlinked) = tokio::join!(
+                self.update(claim, |c| {
+                    c.claims.remove(&claim.uid);
+                    Ok(())
+                }),
+                self.cdi_io(claim, move |cdi| cdi.remove(&uid))
+            );
+            removed?;
+            unlinked?;
             failpoint::hit("unprepare/after-cdi-remove");
             failpoint::hit("unprepare/after-hardware");
             failpoint::hit("unprepare/after-checkpoint");
