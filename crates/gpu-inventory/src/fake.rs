@@ -115,12 +115,17 @@ impl Topology {
     /// # Errors
     /// [`TopologyError`] naming the file and, for bad content, the GPU and field.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TopologyError> {
-        let path = path.as_ref();
+        Ok(Self::read(path.as_ref())?.0)
+    }
+
+    /// Reads and validates a topology file; the topology and the text it was parsed from.
+    fn read(path: &Path) -> Result<(Self, String), TopologyError> {
         let text = std::fs::read_to_string(path).map_err(|source| TopologyError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Self::parse(&text, &path.display().to_string())
+        let topology = Self::parse(&text, &path.display().to_string())?;
+        Ok((topology, text))
     }
 
     /// Parses and validates topology YAML; `origin` names it in errors.
@@ -288,11 +293,7 @@ impl FakeBackend {
     /// [`TopologyError`] when the file cannot be read or is invalid at first.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TopologyError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| TopologyError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        let topology = Topology::parse(&text, &path.display().to_string())?;
+        let (topology, text) = Topology::read(path)?;
         let mut fake = Self::new(topology);
         fake.source = Some((path.to_owned(), Mutex::new(text)));
         Ok(fake)

@@ -999,16 +999,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
     }
 
+    /// The claim's record as staged, if any.
+    async fn record(&self, uid: &str) -> Option<ClaimRecord> {
+        self.inner.checkpoint.lock().await.claims.get(uid).cloned()
+    }
+
     /// Unprepares or rolls back `claim` from whatever state it is in. Caller holds its lock.
     async fn release_locked(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
         let inner = &self.inner;
-        let record = inner
-            .checkpoint
-            .lock()
-            .await
-            .claims
-            .get(&claim.uid)
-            .cloned();
+        let record = self.record(&claim.uid).await;
         let uid = claim.uid.clone();
         let Some(record) = record else {
             // Nothing recorded; a spec without a record is an orphan of a crash.

@@ -222,15 +222,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         pending: Pending,
     ) -> Result<Recovered, ClaimError> {
         let mut done = Recovered::default();
-        let record = self
-            .inner
-            .checkpoint
-            .lock()
-            .await
-            .claims
-            .get(&claim.uid)
-            .cloned();
-        let Some(record) = record else {
+        let Some(record) = self.record(&claim.uid).await else {
             return Ok(done);
         };
         if pending == Pending::Release || record.state != ClaimState::PrepareCompleted {
