@@ -685,6 +685,7 @@ impl Active {
                 loop {
                     tick.tick().await;
                     controller.unprepare_stale().await;
+                    controller.restart_dead_daemons().await;
                 }
             })
         };

@@ -1070,6 +1070,54 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(())
     }
 
+    /// Starts again the MPS daemons of completed claims that no longer answer (a daemon that
+    /// crashed, or one that lived in the container of a previous instance which has since gone
+    /// away after a handover), so the claim's next containers find a server. Running clients of
+    /// a dead daemon are not helped by this. Each claim is handled under its lock; failures are
+    /// logged and retried at the next call. Returns the UIDs whose daemon was started.
+    pub async fn restart_dead_daemons(&self) -> Vec<String> {
+        let mps_claims: Vec<(String, ClaimRecord)> = self
+            .inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted && plan::uses_mps(&r.devices))
+            .map(|(u, r)| (u.clone(), r.clone()))
+            .collect();
+        let mut restarted = Vec::new();
+        for (uid, r) in mps_claims {
+            if self.inner.config.mps.is_running(&uid).await {
+                continue;
+            }
+            let claim = ClaimRef {
+                namespace: r.namespace,
+                name: r.name,
+                uid: uid.clone(),
+            };
+            let _guard = self.claim_lock(&uid).lock_owned().await;
+            // Unprepared meanwhile: nothing to restart.
+            let Some(record) = self.record(&uid).await else {
+                continue;
+            };
+            if record.state != ClaimState::PrepareCompleted
+                || self.inner.config.mps.is_running(&uid).await
+            {
+                continue;
+            }
+            match self.share(&claim, &record.devices).await {
+                Ok(()) => {
+                    warn!(claim = %claim, "the claim's MPS daemon had stopped answering; started it again");
+                    restarted.push(uid);
+                }
+                Err(e) => warn!(claim = %claim, error = %e,
+                    "restarting the claim's MPS daemon failed; retrying at the next check"),
+            }
+        }
+        restarted
+    }
+
     /// Unprepares completed claims that no longer exist in the API server or whose UID
     /// changed (the kubelet missed them, e.g. a pod deleted while the plugin was down).
     /// Claims whose lookup fails are left alone. Returns the UIDs unprepared.
