@@ -808,6 +808,22 @@ async fn an_mps_claim_gets_its_own_daemon_with_limits_and_the_cdi_edits_to_reach
     );
 }
 
+/// Stops claim `uid`'s MPS daemon behind the plugin's back (its own `quit` command).
+async fn quit_daemon(control: &gpu_kubelet_plugin::mps::MpsControl, uid: &str) {
+    let quit = std::process::Command::new(&control.binary)
+        .env("CUDA_MPS_PIPE_DIRECTORY", control.pipe_dir(uid))
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child.stdin.take().expect("stdin").write_all(b"quit\n")?;
+            child.wait()
+        })
+        .expect("quit");
+    assert!(quit.success());
+    assert!(!control.is_running(uid).await);
+}
+
 #[tokio::test]
 async fn a_daemon_that_died_with_the_plugin_is_started_again_at_start() {
     let mut f = Fixture::new(vec![with_configs(
@@ -821,18 +837,7 @@ async fn a_daemon_that_died_with_the_plugin_is_started_again_at_start() {
         .expect("prepared");
     // Kill the daemon behind the plugin's back.
     let control = mps_control(&f.dir.path().join("mps"));
-    let quit = std::process::Command::new(&control.binary)
-        .env("CUDA_MPS_PIPE_DIRECTORY", f.dir.path().join("mps/u1/pipe"))
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().expect("stdin").write_all(b"quit\n")?;
-            child.wait()
-        })
-        .expect("quit");
-    assert!(quit.success());
-    assert!(!control.is_running("u1").await);
+    quit_daemon(&control, "u1").await;
     let (_restarted, report) = f.start().await;
     assert_eq!(report.mps_restarted, ["u1"]);
     assert!(control.is_running("u1").await);
@@ -1026,18 +1031,7 @@ async fn a_daemon_that_stopped_while_the_plugin_runs_is_started_again_by_the_per
     assert!(r.values().all(Result::is_ok), "{r:?}");
     assert!(c.restart_dead_daemons().await.is_empty(), "both answer");
     let control = mps_control(&f.dir.path().join("mps"));
-    let quit = std::process::Command::new(&control.binary)
-        .env("CUDA_MPS_PIPE_DIRECTORY", f.dir.path().join("mps/u1/pipe"))
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write;
-            child.stdin.take().expect("stdin").write_all(b"quit\n")?;
-            child.wait()
-        })
-        .expect("quit");
-    assert!(quit.success());
-    assert!(!control.is_running("u1").await);
+    quit_daemon(&control, "u1").await;
 
     assert_eq!(c.restart_dead_daemons().await, ["u1"]);
     assert!(control.is_running("u1").await);

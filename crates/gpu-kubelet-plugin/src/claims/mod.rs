@@ -999,6 +999,19 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
     }
 
+    /// The records of completed claims as staged, by UID.
+    async fn completed_records(&self) -> Vec<(String, ClaimRecord)> {
+        self.inner
+            .checkpoint
+            .lock()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
+            .map(|(u, r)| (u.clone(), r.clone()))
+            .collect()
+    }
+
     /// The claim's record as staged, if any.
     async fn record(&self, uid: &str) -> Option<ClaimRecord> {
         self.inner.checkpoint.lock().await.claims.get(uid).cloned()
@@ -1076,16 +1089,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// a dead daemon are not helped by this. Each claim is handled under its lock; failures are
     /// logged and retried at the next call. Returns the UIDs whose daemon was started.
     pub async fn restart_dead_daemons(&self) -> Vec<String> {
-        let mps_claims: Vec<(String, ClaimRecord)> = self
-            .inner
-            .checkpoint
-            .lock()
-            .await
-            .claims
-            .iter()
-            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted && plan::uses_mps(&r.devices))
-            .map(|(u, r)| (u.clone(), r.clone()))
-            .collect();
+        let mut mps_claims = self.completed_records().await;
+        mps_claims.retain(|(_, r)| plan::uses_mps(&r.devices));
         let mut restarted = Vec::new();
         for (uid, r) in mps_claims {
             if self.inner.config.mps.is_running(&uid).await {
@@ -1122,16 +1127,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// changed (the kubelet missed them, e.g. a pod deleted while the plugin was down).
     /// Claims whose lookup fails are left alone. Returns the UIDs unprepared.
     pub async fn unprepare_stale(&self) -> Vec<String> {
-        let records: Vec<(String, ClaimRecord)> = self
-            .inner
-            .checkpoint
-            .lock()
-            .await
-            .claims
-            .iter()
-            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
-            .map(|(u, r)| (u.clone(), r.clone()))
-            .collect();
+        let records = self.completed_records().await;
         let mut released = Vec::new();
         for (uid, r) in records {
             let gone = match self.inner.cluster.get_claim(&r.namespace, &r.name).await {
