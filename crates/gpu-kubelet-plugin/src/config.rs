@@ -89,6 +89,9 @@ pub struct Config {
     pub mps_root: PathBuf,
     /// How long an MPS daemon may take to start answering.
     pub mps_start_timeout: Duration,
+    /// Run each MPS daemon in its own Pod on this node (so it outlives the plugin); `None`: as
+    /// the plugin's child process.
+    pub mps_daemon_pods: Option<MpsDaemonPods>,
     /// Where the NVIDIA driver's files are read and what host path CDI specs name them by
     /// (default: `/` for both, no explicit hook): [`crate::driver_files`].
     pub driver_root: crate::driver_files::DriverRoot,
@@ -123,6 +126,7 @@ impl Config {
             mps_control_binary: PathBuf::from("nvidia-cuda-mps-control"),
             mps_root: PathBuf::from("/run/drust/mps"),
             mps_start_timeout: Duration::from_secs(5),
+            mps_daemon_pods: None,
             driver_root: crate::driver_files::DriverRoot {
                 root: PathBuf::from("/"),
                 host_root: PathBuf::from("/"),
@@ -130,4 +134,18 @@ impl Config {
             },
         }
     }
+}
+
+/// How MPS daemon Pods are made ([`crate::mps::DaemonPods`] without what the plugin knows
+/// itself: the client, the node, the driver root).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsDaemonPods {
+    /// Image with `chroot`: the plugin's own.
+    pub image: String,
+    /// Its `imagePullPolicy`.
+    pub pull_policy: String,
+    /// Namespace of the Pods: the plugin's own.
+    pub namespace: String,
+    /// `priorityClassName` of the Pods, if any.
+    pub priority_class: Option<String>,
 }

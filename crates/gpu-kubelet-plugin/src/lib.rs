@@ -473,6 +473,18 @@ impl Active {
     }
 }
 
+/// The MPS control tool as a daemon Pod runs it, relative to the driver root it chroots into:
+/// `--mps-control-binary` under `--driver-root` (the chart's case), else the tool's usual place.
+fn daemon_binary(config: &Config) -> std::path::PathBuf {
+    config
+        .mps_control_binary
+        .strip_prefix(&config.driver_root.root)
+        .ok()
+        .filter(|relative| !relative.as_os_str().is_empty())
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_else(|| std::path::PathBuf::from("usr/bin/nvidia-cuda-mps-control"))
+}
+
 /// The CDI edits of the driver's files under `config.driver_root`, for the driver version NVML
 /// reports (blocking work, off the async workers). Missing files are logged, not fatal: the
 /// plugin still serves claims (device nodes alone are enough for containers that bring their
@@ -539,7 +551,7 @@ async fn take_over(
     let driver_edits = driver_files(config, backend).await?;
     let fs: Arc<dyn Fs> = Arc::new(RealFs);
     let (controller, _report) = ClaimController::start(
-        KubeCluster::new(client, &config.driver_name, &config.node_name),
+        KubeCluster::new(client.clone(), &config.driver_name, &config.node_name),
         Arc::new(
             BackendHardware::new(Arc::clone(backend), &config.dev_root, &config.proc_root)
                 .with_host_dev_root(
@@ -560,6 +572,16 @@ async fn take_over(
                 binary: config.mps_control_binary.clone(),
                 root: config.mps_root.clone(),
                 start_timeout: config.mps_start_timeout,
+                pods: config.mps_daemon_pods.as_ref().map(|pods| mps::DaemonPods {
+                    client: client.clone(),
+                    namespace: pods.namespace.clone(),
+                    node_name: config.node_name.clone(),
+                    image: pods.image.clone(),
+                    pull_policy: pods.pull_policy.clone(),
+                    priority_class: pods.priority_class.clone(),
+                    host_driver_root: config.driver_root.host_root.clone(),
+                    daemon_binary: daemon_binary(config),
+                }),
             },
             driver_edits,
         },
@@ -746,5 +768,30 @@ async fn publish_with_retry(publisher: &SlicePublisher, pool: &Pool) {
                 attempt += 1;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_mps_daemon_pod_runs_the_configured_tool_inside_the_driver_root() {
+        let mut config = Config::new("gpu.drust.dev", "node-a", Backend::Nvml { library: None });
+        assert_eq!(
+            daemon_binary(&config),
+            std::path::Path::new("usr/bin/nvidia-cuda-mps-control")
+        );
+        config.driver_root.root = "/driver-root".into();
+        config.mps_control_binary = "/driver-root/opt/nvidia/bin/nvidia-cuda-mps-control".into();
+        assert_eq!(
+            daemon_binary(&config),
+            std::path::Path::new("opt/nvidia/bin/nvidia-cuda-mps-control")
+        );
+        config.mps_control_binary = "/elsewhere/nvidia-cuda-mps-control".into();
+        assert_eq!(
+            daemon_binary(&config),
+            std::path::Path::new("usr/bin/nvidia-cuda-mps-control")
+        );
     }
 }

@@ -106,6 +106,20 @@ struct Args {
     /// less than --claim-timeout-seconds (the start is part of a prepare).
     #[arg(long, default_value_t = 5, value_parser = claim_deadline)]
     mps_start_timeout_seconds: u64,
+    /// Run each MPS control daemon in its own Pod on this node, in this image (the plugin's
+    /// own; it needs `chroot`), so daemons and their clients outlive plugin restarts and
+    /// rolling updates. Unset: daemons are the plugin's child processes and die with it.
+    #[arg(long)]
+    mps_daemon_image: Option<String>,
+    /// `imagePullPolicy` of the MPS daemon Pods.
+    #[arg(long, default_value = "IfNotPresent", value_parser = ["Always", "IfNotPresent", "Never"])]
+    mps_daemon_image_pull_policy: String,
+    /// Namespace of the MPS daemon Pods (the plugin's own).
+    #[arg(long, env = "POD_NAMESPACE")]
+    mps_daemon_namespace: Option<String>,
+    /// `priorityClassName` of the MPS daemon Pods.
+    #[arg(long)]
+    mps_daemon_priority_class: Option<String>,
     /// Root of the NVIDIA driver installation as this process sees it: its libraries,
     /// binaries, firmware and sockets go into every claim's CDI spec.
     #[arg(long, default_value = "/")]
@@ -193,6 +207,22 @@ impl Args {
         config.mps_control_binary = self.mps_control_binary;
         config.mps_root = self.mps_root;
         config.mps_start_timeout = std::time::Duration::from_secs(self.mps_start_timeout_seconds);
+        config.mps_daemon_pods = match (
+            self.mps_daemon_image.filter(|i| !i.is_empty()),
+            self.mps_daemon_namespace,
+        ) {
+            (None, _) => None,
+            (Some(_), None) => anyhow::bail!(
+                "--mps-daemon-image needs --mps-daemon-namespace (or POD_NAMESPACE): the \
+                 namespace the daemon Pods are created in"
+            ),
+            (Some(image), Some(namespace)) => Some(gpu_kubelet_plugin::config::MpsDaemonPods {
+                image,
+                pull_policy: self.mps_daemon_image_pull_policy,
+                namespace,
+                priority_class: self.mps_daemon_priority_class.filter(|p| !p.is_empty()),
+            }),
+        };
         config.driver_root = gpu_kubelet_plugin::driver_files::DriverRoot {
             host_root: self
                 .host_driver_root

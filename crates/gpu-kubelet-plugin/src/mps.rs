@@ -1,29 +1,48 @@
 //! Per-claim MPS control daemons (CUDA Multi-Process Service).
 //!
 //! A claim whose devices are configured for MPS ([`crate::claim_config::Sharing::Mps`]) gets its
-//! own control daemon, started with `nvidia-cuda-mps-control -d` and driven through the same tool
-//! in client mode (commands on stdin), as NVIDIA documents it (MPS guide, "Control daemon"):
+//! own control daemon, driven through `nvidia-cuda-mps-control` in client mode (commands on
+//! stdin), as NVIDIA documents it (MPS guide, "Control daemon"):
 //!
 //! - `CUDA_VISIBLE_DEVICES` lists the claim's GPU or MIG UUIDs, so the daemon serves only them;
-//! - `CUDA_MPS_PIPE_DIRECTORY` is `<root>/<claim-uid>/pipe` and `CUDA_MPS_LOG_DIRECTORY`
-//!   `<root>/<claim-uid>/log`: derived from the claim UID, so undoing never needs a record;
+//! - its pipe, log and shared-memory directories are `<root>/<claim-uid>/{pipe,log,shm}`:
+//!   derived from the claim UID, so undoing never needs a record;
 //! - limits: `set_default_active_thread_percentage <pct>` and, per device ordinal,
 //!   `set_default_device_pinned_mem_limit <ordinal> <MiB>M`; both are read back
 //!   (`get_default_*`) and a daemon that does not report them is stopped and the prepare fails;
 //! - start is bounded: the daemon must answer `get_server_list` within the start timeout.
 //!
 //! Containers reach the daemon through the pipe directory, mounted at [`CONTAINER_PIPE_DIR`]
-//! with `CUDA_MPS_PIPE_DIRECTORY` pointing there ([`MpsControl::container_edits`]).
+//! with `CUDA_MPS_PIPE_DIRECTORY` pointing there, and share its `/dev/shm`
+//! ([`MpsControl::container_edits`]).
 //!
-//! The daemon runs in the plugin's process tree (and so its container): when the plugin restarts,
-//! start-up recovery starts the daemons of prepared claims again, but running clients of the old
-//! daemon lose it.
+//! # Where a daemon runs
+//!
+//! With [`DaemonPods`] (the chart's setting), each daemon runs in its own Pod on this node,
+//! created through the API server: `chroot <driver root> nvidia-cuda-mps-control -f` in the
+//! plugin's own image, privileged, with the claim's directory over the driver root's `/tmp` and
+//! its `shm` over the driver root's `/dev/shm`, so the daemon, the servers it spawns and the
+//! clients in the claim's containers share one pipe directory and one `/dev/shm` (as NVIDIA's
+//! DRA driver runs its daemons, in `cmd/gpu-kubelet-plugin/sharing.go`). The daemon is then not
+//! the plugin's child: a plugin restart or a rolling update of the DaemonSet leaves it running
+//! and its clients connected; the next instance finds it answering and adopts it. Why a Pod per
+//! claim, not a Deployment: the plugin already decides when a daemon must run (prepare,
+//! start-up recovery, the periodic check) and starts a lost one with the claim's limits again;
+//! a Deployment's controller would restart a daemon without them. `restartPolicy: Never` keeps
+//! that decision with the plugin. Daemons of one GPU shared by several claims (issue 17) fit the
+//! same shape with the GPU UUID in place of the claim UID.
+//!
+//! Without [`DaemonPods`] (plugins run outside Kubernetes, tests), the daemon is started with
+//! `-d` in the plugin's process tree and dies with the plugin's container.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use tracing::{info, warn};
@@ -50,9 +69,47 @@ pub struct MpsControl {
     pub binary: PathBuf,
     /// Host directory holding one `<claim-uid>/` directory per daemon.
     pub root: PathBuf,
-    /// How long a daemon may take to answer after `-d`, and each control command.
+    /// How long a daemon may take to answer after its start, and each control command or API
+    /// call.
     pub start_timeout: Duration,
+    /// Run each daemon in its own Pod (survives plugin restarts); `None`: as a child process.
+    pub pods: Option<DaemonPods>,
 }
+
+/// Where and how daemon Pods run.
+#[derive(Clone)]
+pub struct DaemonPods {
+    /// The API server.
+    pub client: kube::Client,
+    /// Namespace of the daemon Pods (the plugin's own).
+    pub namespace: String,
+    /// This node: the Pods' `spec.nodeName`.
+    pub node_name: String,
+    /// Image with `chroot` (the plugin's own image).
+    pub image: String,
+    /// `imagePullPolicy` of that image.
+    pub pull_policy: String,
+    /// `priorityClassName` of the Pods, if any.
+    pub priority_class: Option<String>,
+    /// The driver root on the host (mounted at `/driver-root`, the daemon's root).
+    pub host_driver_root: PathBuf,
+    /// `nvidia-cuda-mps-control` inside the driver root.
+    pub daemon_binary: PathBuf,
+}
+
+impl std::fmt::Debug for DaemonPods {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DaemonPods")
+            .field("namespace", &self.namespace)
+            .field("node_name", &self.node_name)
+            .field("image", &self.image)
+            .field("host_driver_root", &self.host_driver_root)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Label on every daemon Pod naming the claim it serves.
+pub const CLAIM_UID_LABEL: &str = "drust.dev/mps-claim-uid";
 
 /// An MPS action failed.
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +154,18 @@ pub enum MpsError {
         /// The bound.
         timeout_ms: u128,
     },
+    /// The API server refused or did not answer a call about the daemon's Pod.
+    #[error("MPS control daemon pod {namespace}/{name}: {what}: {problem}")]
+    Pod {
+        /// Namespace of the Pod.
+        namespace: String,
+        /// Its name.
+        name: String,
+        /// The call.
+        what: &'static str,
+        /// The error.
+        problem: String,
+    },
     /// The daemon does not report the limits it was given.
     #[error("MPS control daemon in {pipe_dir}: {setting} is {found:?} after setting {wanted:?}")]
     LimitNotApplied {
@@ -122,15 +191,32 @@ impl MpsControl {
         self.claim_dir(uid).join("pipe")
     }
 
+    /// `<root>/<uid>/shm`: the `/dev/shm` of the daemon, its servers and its clients.
+    pub fn shm_dir(&self, uid: &str) -> PathBuf {
+        self.claim_dir(uid).join("shm")
+    }
+
+    /// The name of the Pod running the daemon of claim `uid`.
+    pub fn pod_name(uid: &str) -> String {
+        format!("mps-control-daemon-{uid}")
+    }
+
     /// The CDI edits that connect a container to the claim's daemon.
     pub fn container_edits(&self, uid: &str) -> ContainerEdits {
         ContainerEdits {
             env: vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")],
-            mounts: vec![Mount {
-                host_path: self.pipe_dir(uid).display().to_string(),
-                container_path: CONTAINER_PIPE_DIR.to_owned(),
-                options: vec!["rbind".into(), "rw".into()],
-            }],
+            mounts: vec![
+                Mount {
+                    host_path: self.pipe_dir(uid).display().to_string(),
+                    container_path: CONTAINER_PIPE_DIR.to_owned(),
+                    options: vec!["rbind".into(), "rw".into()],
+                },
+                Mount {
+                    host_path: self.shm_dir(uid).display().to_string(),
+                    container_path: "/dev/shm".to_owned(),
+                    options: vec!["rbind".into(), "rw".into(), "nosuid".into(), "nodev".into()],
+                },
+            ],
             ..ContainerEdits::default()
         }
     }
@@ -152,14 +238,19 @@ impl MpsControl {
         let pipe = self.pipe_dir(uid);
         let log = self.claim_dir(uid).join("log");
         // Containers of any user reach the daemon through the pipe directory; the plugin's own
-        // umask (077) would shut them out.
-        let dirs = [self.claim_dir(uid), pipe.clone(), log.clone()];
+        // umask (077) would shut them out. Shared memory is writable by all, as /dev/shm is.
+        let dirs = [
+            (self.claim_dir(uid), 0o755),
+            (pipe.clone(), 0o755),
+            (log.clone(), 0o755),
+            (self.shm_dir(uid), 0o1777),
+        ];
         // Directory work blocks on a slow disk: off the async workers.
         off_workers(&self.claim_dir(uid), move || {
-            for dir in dirs {
+            for (dir, mode) in dirs {
                 std::fs::create_dir_all(&dir)
                     .and_then(|()| {
-                        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+                        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
                     })
                     .map_err(|source| MpsError::Dir { path: dir, source })?;
             }
@@ -187,16 +278,27 @@ impl MpsControl {
     ) -> Result<(), MpsError> {
         let started = tokio::time::Instant::now();
         let visible_ids: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
-        // The daemon creates its pipes with the umask it inherits; give it the usual 022.
-        let mut daemon = Command::new("sh");
-        daemon
-            .arg("-c")
-            .arg("umask 022 && exec \"$0\" -d")
-            .arg(&self.binary)
-            .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
-            .env("CUDA_MPS_LOG_DIRECTORY", log)
-            .env("CUDA_VISIBLE_DEVICES", visible_ids.join(","));
-        self.run(daemon, "-d", None).await?;
+        if let Some(pods) = &self.pods {
+            let pod = self.build_daemon_pod(pods, uid, &visible_ids.join(","))?;
+            self.pod_call(pods, uid, "create", async {
+                Api::<Pod>::namespaced(pods.client.clone(), &pods.namespace)
+                    .create(&PostParams::default(), &pod)
+                    .await
+                    .map(drop)
+            })
+            .await?;
+        } else {
+            // The daemon creates its pipes with the umask it inherits; give it the usual 022.
+            let mut daemon = Command::new("sh");
+            daemon
+                .arg("-c")
+                .arg("umask 022 && exec \"$0\" -d")
+                .arg(&self.binary)
+                .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+                .env("CUDA_MPS_LOG_DIRECTORY", log)
+                .env("CUDA_VISIBLE_DEVICES", visible_ids.join(","));
+            self.run(daemon, "-d", None).await?;
+        }
         // Bounded start: poll until the daemon answers.
         let deadline = started + self.start_timeout;
         loop {
@@ -204,6 +306,11 @@ impl MpsControl {
                 break;
             }
             if tokio::time::Instant::now() >= deadline {
+                let pod = match &self.pods {
+                    Some(pods) => format!(" (pod: {})", self.pod_state(pods, uid).await),
+                    None => String::new(),
+                };
+                warn!(claim = uid, "MPS control daemon did not answer{pod}");
                 return Err(MpsError::Timeout {
                     pipe_dir: pipe.to_owned(),
                     what: "answer after start",
@@ -288,7 +395,8 @@ impl MpsControl {
             off_workers(&dir.clone(), move || Ok(dir.exists())).await?
         };
         if !exists {
-            return Ok(());
+            // A Pod whose directories are gone serves nobody.
+            return self.delete_pod(uid).await;
         }
         let pipe = self.pipe_dir(uid);
         if self.command(&pipe, "get_server_list").await.is_ok() {
@@ -306,12 +414,157 @@ impl MpsControl {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
+        // The daemon has quit (or never answered): its Pod goes, then its directories.
+        self.delete_pod(uid).await?;
         off_workers(&dir.clone(), move || match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(source) => Err(MpsError::Dir { path: dir, source }),
         })
         .await
+    }
+
+    /// The Pod that runs the daemon of claim `uid` for `visible_ids` (comma-separated GPU or
+    /// MIG UUIDs), as [`Self::start`] creates it (see the module docs); `None` without
+    /// [`DaemonPods`].
+    ///
+    /// # Errors
+    /// [`MpsError::Pod`] if the Pod cannot be built (a bug).
+    pub fn daemon_pod(&self, uid: &str, visible_ids: &str) -> Result<Option<Pod>, MpsError> {
+        match &self.pods {
+            Some(pods) => self.build_daemon_pod(pods, uid, visible_ids).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn build_daemon_pod(
+        &self,
+        pods: &DaemonPods,
+        uid: &str,
+        visible_ids: &str,
+    ) -> Result<Pod, MpsError> {
+        let binary = Path::new("/").join(&pods.daemon_binary);
+        let pod = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": Self::pod_name(uid),
+                "namespace": pods.namespace,
+                "labels": {
+                    "app.kubernetes.io/name": "mps-control-daemon",
+                    "app.kubernetes.io/managed-by": "gpu-kubelet-plugin",
+                    CLAIM_UID_LABEL: uid,
+                },
+            },
+            "spec": {
+                "nodeName": pods.node_name,
+                // The plugin starts a lost daemon again, with the claim's limits.
+                "restartPolicy": "Never",
+                "automountServiceAccountToken": false,
+                "enableServiceLinks": false,
+                "terminationGracePeriodSeconds": 5,
+                "priorityClassName": pods.priority_class,
+                // It serves a claim already running here: no taint may keep it off the node.
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [{
+                    "name": "mps-control-daemon",
+                    "image": pods.image,
+                    "imagePullPolicy": pods.pull_policy,
+                    "command": ["chroot", "/driver-root", binary, "-f"],
+                    "env": [
+                        {"name": "CUDA_VISIBLE_DEVICES", "value": visible_ids},
+                        {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/pipe"},
+                        {"name": "CUDA_MPS_LOG_DIRECTORY", "value": "/tmp/log"},
+                    ],
+                    // The daemon and its servers open the GPUs' device nodes.
+                    "securityContext": {"privileged": true},
+                    "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+                    "volumeMounts": [
+                        {"name": "driver-root", "mountPath": "/driver-root",
+                         "mountPropagation": "HostToContainer"},
+                        {"name": "claim", "mountPath": "/driver-root/tmp"},
+                        {"name": "shm", "mountPath": "/driver-root/dev/shm"},
+                    ],
+                }],
+                "volumes": [
+                    {"name": "driver-root",
+                     "hostPath": {"path": pods.host_driver_root, "type": "Directory"}},
+                    {"name": "claim",
+                     "hostPath": {"path": self.claim_dir(uid), "type": "Directory"}},
+                    {"name": "shm",
+                     "hostPath": {"path": self.shm_dir(uid), "type": "Directory"}},
+                ],
+            },
+        });
+        serde_json::from_value(pod).map_err(|e| MpsError::Pod {
+            namespace: pods.namespace.clone(),
+            name: Self::pod_name(uid),
+            what: "build",
+            problem: e.to_string(),
+        })
+    }
+
+    /// Deletes the daemon Pod of claim `uid` at once (its daemon has quit or is lost), if any.
+    async fn delete_pod(&self, uid: &str) -> Result<(), MpsError> {
+        let Some(pods) = &self.pods else {
+            return Ok(());
+        };
+        self.pod_call(pods, uid, "delete", async {
+            match Api::<Pod>::namespaced(pods.client.clone(), &pods.namespace)
+                .delete(
+                    &Self::pod_name(uid),
+                    &DeleteParams::default().grace_period(0),
+                )
+                .await
+            {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+    }
+
+    /// One API call about the daemon Pod of `uid`, bounded by the start timeout.
+    async fn pod_call(
+        &self,
+        pods: &DaemonPods,
+        uid: &str,
+        what: &'static str,
+        call: impl std::future::Future<Output = Result<(), kube::Error>>,
+    ) -> Result<(), MpsError> {
+        let problem = match tokio::time::timeout(self.start_timeout, call).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {} ms", self.start_timeout.as_millis()),
+        };
+        Err(MpsError::Pod {
+            namespace: pods.namespace.clone(),
+            name: Self::pod_name(uid),
+            what,
+            problem,
+        })
+    }
+
+    /// The phase and container state of the daemon Pod of `uid`, for error messages.
+    async fn pod_state(&self, pods: &DaemonPods, uid: &str) -> String {
+        let api = Api::<Pod>::namespaced(pods.client.clone(), &pods.namespace);
+        match tokio::time::timeout(self.start_timeout, api.get_opt(&Self::pod_name(uid))).await {
+            Ok(Ok(Some(pod))) => {
+                let status = pod.status.unwrap_or_default();
+                let containers = status
+                    .container_statuses
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|c| format!("{:?}", c.state))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                format!("phase {:?}, {containers}", status.phase)
+            }
+            Ok(Ok(None)) => "not found".to_owned(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no answer".to_owned(),
+        }
     }
 
     /// Sends one control command to the daemon of `pipe`; its answer.
@@ -416,10 +669,10 @@ mod tests {
 
     fn control(dir: &Path) -> MpsControl {
         MpsControl {
-            binary: Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/fakes/nvidia-cuda-mps-control"),
+            binary: drust_fakes::mps_control().to_owned(),
             root: dir.to_owned(),
             start_timeout: Duration::from_secs(10),
+            pods: None,
         }
     }
 

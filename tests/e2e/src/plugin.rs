@@ -79,8 +79,7 @@ impl NodePlugin {
         config.checkpoint_path = config.sockets.plugin_dir.join("checkpoint.json");
         config.cdi_root = dir.path().join("cdi");
         config.mps_root = dir.path().join("mps");
-        config.mps_control_binary =
-            crate::manifests::repo_path("tests/fakes/nvidia-cuda-mps-control");
+        config.mps_control_binary = drust_fakes::mps_control().to_owned();
         config.dev_root = dir.path().to_owned();
         config.proc_root = dir.path().to_owned();
         config.boot_id_path = dir.path().join("boot_id");

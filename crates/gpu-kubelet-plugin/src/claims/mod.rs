@@ -1310,6 +1310,7 @@ mod tests {
                     binary: "/nonexistent".into(),
                     root: dir.path().join("mps"),
                     start_timeout: Duration::from_secs(1),
+                    pods: None,
                 },
                 driver_edits: Default::default(),
             },

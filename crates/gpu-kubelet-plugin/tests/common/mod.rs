@@ -133,10 +133,10 @@ impl Hardware for ScriptedHardware {
 /// MPS daemons under `root`, run by the fake control tool in tests/fakes.
 pub fn mps_control(root: &Path) -> MpsControl {
     MpsControl {
-        binary: Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fakes/nvidia-cuda-mps-control"),
+        binary: drust_fakes::mps_control().to_owned(),
         root: root.to_owned(),
         start_timeout: Duration::from_secs(10),
+        pods: None,
     }
 }
 
