@@ -73,18 +73,24 @@ pub struct Image {
     pub entries: Vec<Entry>,
 }
 
+/// `Ok` when Debian's static busybox is installed.
+fn need_busybox() -> io::Result<()> {
+    if Path::new(BUSYBOX).exists() {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{BUSYBOX} is missing: install Debian's busybox-static"),
+    ))
+}
+
 /// The busybox root filesystem: `/bin/busybox`, its applet links, and the directories a
 /// container runtime expects.
 ///
 /// # Errors
 /// When `/bin/busybox` is missing (install Debian's `busybox-static`).
 pub fn busybox_rootfs() -> io::Result<Vec<Entry>> {
-    if !Path::new(BUSYBOX).exists() {
-        return Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!("{BUSYBOX} is missing: install Debian's busybox-static"),
-        ));
-    }
+    need_busybox()?;
     let mut entries: Vec<Entry> = ["bin", "dev", "etc", "proc", "sys", "tmp", "var", "run"]
         .iter()
         .map(|d| Entry::Dir((*d).to_owned()))
@@ -144,7 +150,8 @@ pub const PLUGIN_TOPOLOGY: &str = "/etc/drust/topology.yaml";
 
 /// The node plugin's image as the chart runs it: `binary` at `/usr/bin/gpu-kubelet-plugin` (the
 /// entrypoint, as in `deploy/Dockerfile`), the shared libraries it links (from `ldd`, at the
-/// same paths, with the dynamic loader), and `topology` at [`PLUGIN_TOPOLOGY`] for
+/// same paths, with the dynamic loader), `chroot` (which MPS daemon Pods run) and `sh` from
+/// busybox (the Dockerfile's Debian image has both), and `topology` at [`PLUGIN_TOPOLOGY`] for
 /// `--fake-topology`. `name` is the fully qualified image name with its tag.
 ///
 /// # Errors
@@ -167,11 +174,24 @@ pub fn plugin(name: &str, binary: &Path, topology: &Path) -> io::Result<Image> {
             path.starts_with('/').then(|| path.to_owned())
         })
         .collect();
-    let mut dirs: Vec<String> = ["dev", "etc", "etc/drust", "proc", "sys", "tmp", "run"]
-        .iter()
-        .map(|d| (*d).to_owned())
-        .chain(["usr", "usr/bin"].iter().map(|d| (*d).to_owned()))
-        .collect();
+    let mut dirs: Vec<String> = [
+        "bin",
+        "dev",
+        "etc",
+        "etc/drust",
+        "proc",
+        "sys",
+        "tmp",
+        "run",
+    ]
+    .iter()
+    .map(|d| (*d).to_owned())
+    .chain(
+        ["usr", "usr/bin", "usr/sbin"]
+            .iter()
+            .map(|d| (*d).to_owned()),
+    )
+    .collect();
     for lib in &libraries {
         let mut parent = Path::new(lib.trim_start_matches('/')).parent();
         let mut chain = Vec::new();
@@ -190,6 +210,21 @@ pub fn plugin(name: &str, binary: &Path, topology: &Path) -> io::Result<Image> {
         path: "usr/bin/gpu-kubelet-plugin".into(),
         source: binary.to_owned(),
         mode: 0o755,
+    });
+    need_busybox()?;
+    entries.push(Entry::File {
+        path: "bin/busybox".into(),
+        source: BUSYBOX.into(),
+        mode: 0o755,
+    });
+    // `chroot` and `sh`, as the Dockerfile's Debian image has them.
+    entries.push(Entry::Symlink {
+        path: "usr/sbin/chroot".into(),
+        target: "/bin/busybox".into(),
+    });
+    entries.push(Entry::Symlink {
+        path: "bin/sh".into(),
+        target: "busybox".into(),
     });
     entries.extend(libraries.iter().map(|lib| Entry::File {
         path: lib.trim_start_matches('/').to_owned(),

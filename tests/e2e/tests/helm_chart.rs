@@ -16,6 +16,7 @@ use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
+use gpu_kubelet_plugin::mps::{DaemonPods, MpsControl};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
@@ -31,6 +32,8 @@ const RELEASE: &str = "drust";
 const NAMESPACE: &str = "drust-system";
 const SERVICE_ACCOUNT: &str = "drust-kubelet-plugin";
 const POLICY: &str = "drust-resourceslices-own-node";
+const POD_POLICY: &str = "drust-mps-daemon-pods-own-node";
+const IMAGE: &str = "registry.example.com/drust/gpu-kubelet-plugin:0.1.0";
 const DRIVER: &str = "gpu.drust.dev";
 
 /// The documents of a rendered chart, as JSON values.
@@ -116,12 +119,12 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
         ("DeviceClass", 3),
-        ("Role", 1),
-        ("RoleBinding", 1),
+        ("Role", 2),
+        ("RoleBinding", 2),
         ("Service", 1),
         ("ServiceAccount", 1),
-        ("ValidatingAdmissionPolicy", 1),
-        ("ValidatingAdmissionPolicyBinding", 1),
+        ("ValidatingAdmissionPolicy", 2),
+        ("ValidatingAdmissionPolicyBinding", 2),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_owned(), n))
@@ -150,6 +153,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "--sharing=true",
         "--health-monitoring=true",
         "--http-address=0.0.0.0:9477",
+        "--mps-daemon-image=ghcr.io/drust/gpu-kubelet-plugin:0.1.0",
+        "--mps-daemon-priority-class=system-node-critical",
     ] {
         ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
     }
@@ -165,7 +170,11 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     ensure!(c["livenessProbe"]["httpGet"]["path"] == "/healthz", "{c}");
     ensure!(c["readinessProbe"]["httpGet"]["path"] == "/readyz", "{c}");
     let env = c["env"].as_array().context("env")?;
-    for (name, field) in [("NODE_NAME", "spec.nodeName"), ("POD_UID", "metadata.uid")] {
+    for (name, field) in [
+        ("NODE_NAME", "spec.nodeName"),
+        ("POD_UID", "metadata.uid"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ] {
         ensure!(
             env.iter()
                 .any(|e| e["name"] == name && e["valueFrom"]["fieldRef"]["fieldPath"] == field),
@@ -197,6 +206,17 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     )?;
     ensure!(kinds(&docs)["DeviceClass"] == 2, "{:?}", kinds(&docs));
     ensure!(!kinds(&docs).contains_key("Service"), "{:?}", kinds(&docs));
+    // Without sharing, no MPS daemon Pods: no Role, no policy for Pods, no daemon flags.
+    ensure!(
+        kinds(&docs)["Role"] == 1 && kinds(&docs)["ValidatingAdmissionPolicy"] == 1,
+        "{:?}",
+        kinds(&docs)
+    );
+    ensure!(
+        !args(&docs)?.iter().any(|a| a.starts_with("--mps-")),
+        "{:?}",
+        args(&docs)?
+    );
     for class in ["gpu.example.com", "mig.example.com"] {
         let expression =
             find(&docs, "DeviceClass", class)?["spec"]["selectors"][0]["cel"]["expression"]
@@ -278,8 +298,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "{message}"
     );
 
-    // The rendered flags are the binary's: it parses them (plus a fake topology) and publishes
-    // under the rendered driver name.
+    // The rendered flags are the binary's: it parses them (plus a fake topology and the env the
+    // pod gets) and publishes under the rendered driver name.
     let docs = documents(&template(RELEASE, NAMESPACE, &["driverName=gpu.example.com"]).await?)?;
     let a = args(&docs)?;
     let binary = tokio::task::spawn_blocking(drust_e2e::binary::plugin_binary)
@@ -291,6 +311,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         .arg(repo_path("examples/topologies/dgx-h100.yaml"))
         .env("DRIVER_NAME", "gpu.example.com")
         .env("NODE_NAME", "node-a")
+        // What the downward API gives the pod (the daemon Pods' namespace).
+        .env("POD_NAMESPACE", NAMESPACE)
         .output()
         .await?;
     ensure!(
@@ -644,17 +666,97 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         &[&user, r#"cannot delete resource "nodes""#],
     )?;
     denied(
-        "create a Pod",
-        Api::<Pod>::namespaced(plugin_client.clone(), NAMESPACE)
+        "create a Pod outside the release namespace",
+        Api::<Pod>::namespaced(plugin_client.clone(), "default")
             .create(
                 &PostParams::default(),
                 &serde_json::from_value(json!({
                     "metadata": {"name": "escalate"},
-                    "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+                    "spec": {"nodeName": "gpu-node-a",
+                             "containers": [{"name": "c", "image": IMAGE}]},
                 }))?,
             )
             .await,
         &[&user, r#"cannot create resource "pods""#],
+    )?;
+
+    // 6b. MPS control daemon Pods: the plugin may create the Pod its code builds (dry run), in
+    //     its namespace, on its node, of its image; not on another node, not of another image,
+    //     and it may not delete Pods of another node.
+    let pod_policy = format!("ValidatingAdmissionPolicy '{POD_POLICY}'");
+    let daemon_pods: Api<Pod> = Api::namespaced(plugin_client.clone(), NAMESPACE);
+    let mps = |node: &str, image: &str| MpsControl {
+        binary: "nvidia-cuda-mps-control".into(),
+        root: "/run/drust/mps".into(),
+        start_timeout: TIMEOUT,
+        pods: Some(DaemonPods {
+            client: plugin_client.clone(),
+            namespace: NAMESPACE.to_owned(),
+            node_name: node.to_owned(),
+            image: image.to_owned(),
+            pull_policy: "IfNotPresent".to_owned(),
+            priority_class: Some("system-node-critical".to_owned()),
+            host_driver_root: "/".into(),
+            daemon_binary: "usr/bin/nvidia-cuda-mps-control".into(),
+        }),
+    };
+    let uid = "0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9";
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    daemon_pods
+        .create(
+            &dry,
+            &mps("gpu-node-a", IMAGE)
+                .daemon_pod(uid, "GPU-0")?
+                .context("a pod")?,
+        )
+        .await
+        .context("the plugin may create its MPS daemon Pod on its own node")?;
+    denied(
+        "create an MPS daemon Pod on gpu-node-b",
+        daemon_pods
+            .create(
+                &dry,
+                &mps("gpu-node-b", IMAGE)
+                    .daemon_pod(uid, "GPU-0")?
+                    .context("a pod")?,
+            )
+            .await,
+        &[
+            &pod_policy,
+            "on node gpu-node-a may only create or delete Pods with spec.nodeName gpu-node-a, not gpu-node-b",
+        ],
+    )?;
+    denied(
+        "create a Pod of another image on its own node",
+        daemon_pods
+            .create(
+                &dry,
+                &mps("gpu-node-a", "busybox")
+                    .daemon_pod(uid, "GPU-0")?
+                    .context("a pod")?,
+            )
+            .await,
+        &[&pod_policy, "may only create Pods of its own image"],
+    )?;
+    denied(
+        "delete the plugin Pod of gpu-node-b",
+        daemon_pods
+            .delete(
+                placed["gpu-node-b"]
+                    .metadata
+                    .name
+                    .as_deref()
+                    .unwrap_or_default(),
+                &DeleteParams {
+                    dry_run: true,
+                    ..Default::default()
+                },
+            )
+            .await,
+        &[&pod_policy, "not gpu-node-b"],
     )?;
     for namespace in [NAMESPACE, "kube-system"] {
         let secrets: Api<Secret> = Api::namespaced(plugin_client.clone(), namespace);

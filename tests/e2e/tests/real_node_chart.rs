@@ -5,7 +5,9 @@
 //! real kubelet as its ServiceAccount (RBAC and the chart's admission policy enforced), and a
 //! workload pod gets its GPU. Then a rolling update of the DaemonSet to a new image tag while
 //! one workload pod runs and another is being created: no prepare fails, no pod restarts, and
-//! the new instance unprepares what the old one prepared.
+//! the new instance unprepares what the old one prepared. A claim shared through MPS keeps its
+//! control daemon (its own Pod, created by the plugin) and a connected client across the rolling
+//! update, and the new instance stops the daemon at unprepare.
 //!
 //! The test node runs no kube-proxy, so the `kubernetes` Service's ClusterIP does not route:
 //! the plugin pod reaches the API server at the machine's address through the chart's
@@ -27,7 +29,7 @@ use drust_e2e::node_pods::{
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Event, Pod};
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
 
@@ -128,6 +130,78 @@ fn checkpointed_claims(node: &Node) -> anyhow::Result<usize> {
         .map_or(0, serde_json::Map::len))
 }
 
+/// A ResourceClaim for one whole GPU shared through MPS: the claim gets its own control daemon.
+fn mps_claim() -> anyhow::Result<ResourceClaim> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "mps-gpu", "namespace": "default"},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.drust.dev"}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": "gpu.drust.dev/v1alpha1", "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 50}},
+            }}}],
+        }},
+    }))?)
+}
+
+/// A pod standing for a CUDA process connected to its claim's MPS daemon: the fake control
+/// tool (from the driver root, through the claim's CDI spec) sends `fake_client_attach` and
+/// prints `attached <daemon pid> <n>` every 200 ms while the daemon serves it. When the daemon
+/// goes, the container fails: the pod can only stay Running with a live daemon.
+fn mps_client_pod() -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "mps-client", "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 2,
+            "containers": [{
+                "name": "cuda",
+                "image": images::WORKLOAD_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; \
+                    (echo fake_client_attach | /usr/bin/nvidia-cuda-mps-control) & wait $!; \
+                    echo lost the MPS daemon > /dev/termination-log; exit 1"],
+                "resources": {"claims": [{"name": "gpu"}]},
+            }],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": "mps-gpu"}],
+        },
+    }))?)
+}
+
+/// `(daemon pid, n)` of each `attached` line the MPS client has printed so far.
+fn attached(node: &Node) -> Vec<(u32, u64)> {
+    node.pod_logs("default", "mps-client", 100_000)
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split(" attached ").nth(1)?.split_whitespace();
+            Some((words.next()?.parse().ok()?, words.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Waits until the MPS client has printed a line after `after` (`n`), returning the last one.
+async fn attached_after(node: &Node, after: Option<u64>) -> anyhow::Result<(u32, u64)> {
+    let start = Instant::now();
+    loop {
+        if let Some(&last) = attached(node).last()
+            && after.is_none_or(|n| last.1 > n)
+        {
+            return Ok(last);
+        }
+        ensure!(
+            start.elapsed() < TIMEOUT,
+            "the MPS client printed nothing new after {after:?}\n{}\n{}",
+            node.pod_logs("default", "mps-client", 20),
+            node.pod_logs(NAMESPACE, "mps-control-daemon", 20)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test]
 async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failing_a_pod()
 -> anyhow::Result<()> {
@@ -164,6 +238,15 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
     // mount on the host side: the node's root is one (as `/` on a systemd host).
     let driver_root = node.root().join("driver-root");
     std::fs::create_dir_all(&driver_root)?;
+    // Its MPS control tool (the static stand-in), and the directories a root filesystem has
+    // that the MPS daemon Pods mount over (`/tmp`, `/dev/shm`).
+    for dir in ["usr/bin", "tmp", "dev/shm"] {
+        std::fs::create_dir_all(driver_root.join(dir))?;
+    }
+    std::fs::copy(
+        drust_fakes::mps_control(),
+        driver_root.join("usr/bin/nvidia-cuda-mps-control"),
+    )?;
 
     // Two tags of the plugin image, from the binary this test run built.
     for tag in ["v1", "v2"] {
@@ -186,7 +269,11 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         format!("host.driverRoot={}", driver_root.display()),
         format!("host.devRoot={}", host.root().display()),
         format!("host.mpsRoot={}", host.root().join("mps").display()),
-        format!("extraArgs={{--fake-topology={}}}", images::PLUGIN_TOPOLOGY),
+        // A daemon Pod's start is part of a prepare: give this 2-core machine's kubelet room.
+        format!(
+            "extraArgs={{--fake-topology={},--claim-timeout-seconds=40,--mps-start-timeout-seconds=30}}",
+            images::PLUGIN_TOPOLOGY
+        ),
     ];
     let env = serde_json::json!([
         {"name": "KUBERNETES_SERVICE_HOST", "value": address.to_string()},
@@ -246,6 +333,35 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
     );
     pods.delete("cuda-one-gpu", &DeleteParams::default())
         .await?;
+
+    // MPS: a client connected to its claim's control daemon, which the plugin runs in its own
+    // Pod on this node.
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    claims.create(&PostParams::default(), &mps_claim()?).await?;
+    let mps_started = Instant::now();
+    pods.create(&PostParams::default(), &mps_client_pod()?)
+        .await?;
+    wait_running(&pods, "mps-client", &node).await?;
+    let (daemon_pid, _) = attached_after(&node, None).await?;
+    eprintln!(
+        "MPS claim: daemon pod started, client attached: {} ms",
+        mps_started.elapsed().as_millis()
+    );
+    let mps_uid = claims
+        .get("mps-gpu")
+        .await?
+        .metadata
+        .uid
+        .context("claim UID")?;
+    let daemon_name = format!("mps-control-daemon-{mps_uid}");
+    // Checked after the rolling update, so that a daemon without a Pod of its own shows what
+    // it costs first: the client losing its server.
+    let daemon = system_pods.get_opt(&daemon_name).await?;
+    let control_log = host
+        .root()
+        .join("mps")
+        .join(&mps_uid)
+        .join("log/control.log");
 
     // Rolling update: a pod holds a GPU, another is created while `helm upgrade` moves the
     // DaemonSet to v2 (surge: the new pod registers beside the old one, then the old one hands
@@ -317,11 +433,51 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         .collect();
     ensure!(warnings.is_empty(), "warnings: {warnings:#?}");
 
+    // The MPS client never lost its daemon: the same daemon process still serves it, its pod
+    // never restarted, and the new instance adopted it instead of starting another.
+    let (_, n_after_rollout) = attached(&node).last().copied().unwrap_or_default();
+    let mps_client = pods.get("mps-client").await?;
+    ensure!(
+        mps_client.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"),
+        "the MPS client lost its daemon in the rolling update: {:?}\n{}",
+        mps_client.status,
+        node.pod_logs("default", "mps-client", 10)
+    );
+    let (pid, _) = attached_after(&node, Some(n_after_rollout)).await?;
+    let daemon = daemon.context("the MPS daemon has no Pod of its own")?;
+    ensure!(
+        daemon.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(NODE),
+        "the daemon pod is bound to the node: {:?}",
+        daemon.spec
+    );
+    let daemon_after = system_pods.get(&daemon_name).await?;
+    let starts = std::fs::read_to_string(&control_log)?
+        .lines()
+        .filter(|l| l.starts_with("start "))
+        .count();
+    ensure!(
+        pid == daemon_pid
+            && mps_client.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            && restarts(&mps_client) == 0
+            && daemon_after.metadata.uid == daemon.metadata.uid
+            && restarts(&daemon_after) == 0
+            && starts == 1,
+        "the MPS client kept its daemon across the rolling update: pid {pid} (was {daemon_pid}), \
+         client {:?}, daemon {:?}, {starts} daemon starts\n{}",
+        mps_client.status,
+        daemon_after.status,
+        node.pod_logs("default", "mps-client", 10)
+    );
+
     // The new instance unprepares what the old one prepared.
-    ensure!(checkpointed_claims(&node)? == 2, "both claims checkpointed");
-    for name in ["holder", "during"] {
+    ensure!(
+        checkpointed_claims(&node)? == 3,
+        "all three claims checkpointed"
+    );
+    for name in ["holder", "during", "mps-client"] {
         pods.delete(name, &DeleteParams::default()).await?;
     }
+    claims.delete("mps-gpu", &DeleteParams::default()).await?;
     let start = Instant::now();
     while checkpointed_claims(&node)? > 0
         || std::fs::read_dir(node.cdi_root())?.flatten().count() > 0
@@ -333,6 +489,13 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The new instance stopped the MPS daemon it adopted: its Pod and directories are gone.
+    ensure!(
+        system_pods.get_opt(&daemon_name).await?.is_none()
+            && !host.root().join("mps").join(&mps_uid).exists(),
+        "the MPS daemon outlived its claim\n{}",
+        node.pod_logs(NAMESPACE, RELEASE, 40)
+    );
 
     helm_in(
         Some(&helm_home),
