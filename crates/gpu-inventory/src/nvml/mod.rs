@@ -380,27 +380,9 @@ impl GpuBackend for NvmlBackend {
     }
 
     /// NVML has no call for the compute time slice; `nvidia-smi compute-policy` (from the driver
-    /// root, on `PATH`) sets it, as NVIDIA's own DRA driver does.
+    /// root, on `PATH`) sets it, as NVIDIA's own DRA driver does, within [`TOOL_TIMEOUT`].
     fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
-        let fail = |message: String| BackendError::Action {
-            call: "nvidia-smi compute-policy --set-timeslice",
-            index,
-            message,
-        };
-        let out = std::process::Command::new("nvidia-smi")
-            .args(["compute-policy", "-i", &index.to_string()])
-            .arg(format!("--set-timeslice={value}"))
-            .output()
-            .map_err(|e| fail(e.to_string()))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(fail(format!(
-                "{}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )))
-        }
+        set_time_slice_with(OsStr::new("nvidia-smi"), index, value, TOOL_TIMEOUT)
     }
 
     fn create_mig_device(
@@ -531,6 +513,62 @@ impl GpuBackend for NvmlBackend {
     }
 }
 
+/// How long `nvidia-smi` may run before it is killed and its action fails: a wedged driver can
+/// hang it, and the claim's GPU lock is held meanwhile. Well below the kubelet's 45 s.
+pub const TOOL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `program compute-policy -i <index> --set-timeslice=<value>`, killed after `timeout`.
+///
+/// # Errors
+/// [`BackendError::Action`] when the tool cannot start, exits unsuccessfully (with its stderr) or
+/// does not exit within `timeout` (it is killed and reaped first).
+fn set_time_slice_with(
+    program: &OsStr,
+    index: u32,
+    value: u8,
+    timeout: Duration,
+) -> Result<(), BackendError> {
+    use std::io::Read;
+    use wait_timeout::ChildExt;
+    let fail = |message: String| BackendError::Action {
+        call: "nvidia-smi compute-policy --set-timeslice",
+        index,
+        message,
+    };
+    let mut child = std::process::Command::new(program)
+        .args(["compute-policy", "-i", &index.to_string()])
+        .arg(format!("--set-timeslice={value}"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(format!("{}: {e}", program.to_string_lossy())))?;
+    let status = match child.wait_timeout(timeout) {
+        Ok(Some(status)) => status,
+        Ok(None) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(fail(format!(
+                "no answer within {} ms; killed",
+                timeout.as_millis()
+            )));
+        }
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(fail(e.to_string()));
+        }
+    };
+    if status.success() {
+        return Ok(());
+    }
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.stderr.take() {
+        let _ = pipe.read_to_string(&mut stderr);
+    }
+    Err(fail(format!("{status}: {}", stderr.trim())))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -545,5 +583,57 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.contains("/nonexistent/libnvidia-ml.so.1"), "{msg}");
         assert!(msg.contains("--fake-topology"), "{msg}");
+    }
+
+    /// A script standing in for `nvidia-smi`, with `body` as its shell code.
+    fn tool(dir: &std::path::Path, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join("nvidia-smi");
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_hung_nvidia_smi_is_killed_and_fails_its_time_slice_action_within_the_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("still-running");
+        let hung = tool(dir.path(), &format!("sleep 3; touch {}", marker.display()));
+        let started = std::time::Instant::now();
+        let err = set_time_slice_with(hung.as_os_str(), 2, 1, Duration::from_millis(300))
+            .expect_err("a hung tool fails");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("no answer within 300 ms"), "{msg}");
+        assert!(msg.contains("compute-policy"), "{msg}");
+        // Killed, not left behind: it never gets to its next command.
+        std::thread::sleep(Duration::from_millis(3500));
+        assert!(!marker.exists(), "the hung tool was not killed");
+    }
+
+    #[test]
+    fn nvidia_smi_time_slice_arguments_and_failures_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = dir.path().join("args");
+        let ok = tool(dir.path(), &format!("echo \"$@\" > {}", args.display()));
+        set_time_slice_with(ok.as_os_str(), 3, 2, TOOL_TIMEOUT).expect("succeeds");
+        assert_eq!(
+            std::fs::read_to_string(&args).unwrap().trim(),
+            "compute-policy -i 3 --set-timeslice=2"
+        );
+        let failing = tool(dir.path(), "echo 'Insufficient Permissions' >&2; exit 4");
+        let msg = set_time_slice_with(failing.as_os_str(), 0, 1, TOOL_TIMEOUT)
+            .expect_err("fails")
+            .to_string();
+        assert!(msg.contains("Insufficient Permissions"), "{msg}");
+        let missing =
+            set_time_slice_with(OsStr::new("/nonexistent/nvidia-smi"), 0, 1, TOOL_TIMEOUT)
+                .expect_err("no tool")
+                .to_string();
+        assert!(missing.contains("/nonexistent/nvidia-smi"), "{missing}");
     }
 }
