@@ -965,6 +965,14 @@ gpus:
                     && h.message.contains("wait_health_event")),
             "{unknown:?}"
         );
+        // Said once: fifteen more failed waits neither report the devices again nor (the same
+        // branch) log again.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !devices.has_changed().expect("monitor alive"),
+            "failing waits were reported again: {:?}",
+            *devices.borrow()
+        );
         fake.fail_health_events(false);
         tokio::time::timeout(
             timeout,

@@ -365,6 +365,7 @@ async fn published(api: &Api<ResourceSlice>) -> anyhow::Result<Vec<Device>> {
 /// does) keeps the taint of a GPU its predecessor found unhealthy, from its first publish on:
 /// it once republished the slices untainted, and the scheduler placed the next pod on the GPU
 /// that had just raised XID 94. The verdicts are kept in `health.json` beside the checkpoint.
+/// The same holds across a rolling-update handover to a second instance.
 #[tokio::test]
 async fn a_restarted_plugin_keeps_the_taints_of_gpus_still_unhealthy() -> anyhow::Result<()> {
     use drust_e2e::host::{BinaryHost, PluginProcess, stop};
@@ -382,12 +383,18 @@ async fn a_restarted_plugin_keeps_the_taints_of_gpus_still_unhealthy() -> anyhow
         NODE,
     )?;
     let log = host.root().join("plugin.log");
-    let start = || -> anyhow::Result<PluginProcess> {
-        let mut cmd = host.command(&log, None)?;
+    let log_b = host.root().join("plugin-b.log");
+    let start_as = |log: &std::path::Path, id: Option<&str>| -> anyhow::Result<PluginProcess> {
+        let mut cmd = host.command(log, None)?;
         cmd.arg("--fake-state-dir").arg(host.state_dir());
+        if let Some(id) = id {
+            cmd.args(["--instance-id", id]);
+        }
         Ok(PluginProcess(cmd.spawn()?))
     };
+    let start = || start_as(&log, None);
     let tail = || std::fs::read_to_string(&log).unwrap_or_default();
+    let tail_b = || std::fs::read_to_string(&log_b).unwrap_or_default();
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let want = |devices: &[Device]| expected(devices, &[(&gpu, "xid-94", "NoSchedule")]);
 
@@ -437,7 +444,32 @@ async fn a_restarted_plugin_keeps_the_taints_of_gpus_still_unhealthy() -> anyhow
         "{}",
         tail()
     );
+
+    // Rolling-update handover: instance b starts beside the running one, which is then stopped
+    // (SIGTERM, as the DaemonSet's surge does); b takes over and the taint never goes.
+    let b = start_as(&log_b, Some("b"))?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     stop(plugin).await?;
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(5)
+        || !tail_b().contains("GPUs still unhealthy from before the restart")
+    {
+        let devices = published(&slices).await?;
+        ensure!(
+            taints(&devices) == want(&devices),
+            "{:?} after the handover: {:?}\n{}",
+            began.elapsed(),
+            taints(&devices),
+            tail_b()
+        );
+        ensure!(
+            began.elapsed() < TIMEOUT,
+            "b did not take over\n{}",
+            tail_b()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop(b).await?;
     cp.stop().await?;
     Ok(())
 }
