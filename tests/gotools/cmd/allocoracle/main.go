@@ -6,6 +6,10 @@
 // Usage:
 //
 //	allocoracle -f FILE [-f FILE]... [--node NAME] [--timeout 10s] [-v N]
+//	allocoracle --batch FILE|- [--jobs N] [--timeout 10s] [-v N]
+//
+// The second form answers many scenarios (JSON Lines in, JSON Lines out) in one process; batch.go
+// describes it. What follows describes one run of the first form, which each scenario repeats.
 //
 // Input: each FILE is YAML or JSON as `kubectl get -o yaml|json` prints it: a stream of documents,
 // each one object or a List (kind List, items). Kinds: Node (v1), DeviceClass, ResourceSlice,
@@ -180,28 +184,32 @@ func (d *decoder) read(path string, r io.Reader, in *input) error {
 		if len(raw.Raw) == 0 || string(raw.Raw) == "null" {
 			continue // empty document
 		}
-		where := fmt.Sprintf("%s: document %d", path, index)
-		obj, gvk, err := d.strict.Decode(raw.Raw, nil, nil)
-		if err != nil {
-			return decodeError(where, obj, gvk, err)
-		}
-		if list, ok := obj.(*v1.List); ok {
-			for i, item := range list.Items {
-				itemWhere := fmt.Sprintf("%s, item %d", where, i)
-				obj, gvk, err := d.strict.Decode(item.Raw, nil, nil)
-				if err != nil {
-					return decodeError(itemWhere, obj, gvk, err)
-				}
-				if err := d.add(itemWhere, obj, gvk, in); err != nil {
-					return err
-				}
-			}
-			continue
-		}
-		if err := d.add(where, obj, gvk, in); err != nil {
+		if err := d.document(fmt.Sprintf("%s: document %d", path, index), raw.Raw, in); err != nil {
 			return err
 		}
 	}
+}
+
+// document decodes one JSON document (an object or a List of objects) and adds its objects.
+func (d *decoder) document(where string, raw []byte, in *input) error {
+	obj, gvk, err := d.strict.Decode(raw, nil, nil)
+	if err != nil {
+		return decodeError(where, obj, gvk, err)
+	}
+	if list, ok := obj.(*v1.List); ok {
+		for i, item := range list.Items {
+			itemWhere := fmt.Sprintf("%s, item %d", where, i)
+			obj, gvk, err := d.strict.Decode(item.Raw, nil, nil)
+			if err != nil {
+				return decodeError(itemWhere, obj, gvk, err)
+			}
+			if err := d.add(itemWhere, obj, gvk, in); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return d.add(where, obj, gvk, in)
 }
 
 // decodeError names the object where strict decoding got that far.
@@ -517,6 +525,9 @@ type fileList []string
 func (f *fileList) String() string     { return strings.Join(*f, ",") }
 func (f *fileList) Set(v string) error { *f = append(*f, v); return nil }
 
+// stdin is where --batch - reads from (a variable for tests).
+var stdin io.Reader = os.Stdin
+
 func main() {
 	os.Exit(mainWithArgs(os.Args[1:], os.Stdout, os.Stderr))
 }
@@ -529,11 +540,13 @@ func mainWithArgs(args []string, stdout, stderr io.Writer) int {
 	node := flags.String("node", "", "only this node")
 	timeout := flags.Duration("timeout", schedconfigv1.DynamicResourcesFilterTimeoutDefault, "filter timeout per node (DynamicResourcesArgs.filterTimeout; 0 disables)")
 	verbosity := flags.String("v", "0", "klog verbosity (logs go to stderr; the allocator logs at 5 to 7)")
+	batch := flags.String("batch", "", "JSON Lines scenarios file (- for stdin): batch mode, see batch.go")
+	jobs := flags.Int("jobs", 1, "batch mode: scenarios run concurrently")
 	if err := flags.Parse(args); err != nil {
 		return 2
 	}
-	if len(files) == 0 || flags.NArg() > 0 {
-		_, _ = fmt.Fprintln(stderr, "usage: allocoracle -f FILE [-f FILE]... [--node NAME] [--timeout 10s]")
+	if (len(files) == 0) == (*batch == "") || flags.NArg() > 0 || (*batch != "" && *node != "") {
+		_, _ = fmt.Fprintln(stderr, "usage: allocoracle -f FILE [-f FILE]... [--node NAME] [--timeout 10s]\n       allocoracle --batch FILE|- [--jobs N] [--timeout 10s]")
 		return 2
 	}
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
@@ -541,6 +554,9 @@ func mainWithArgs(args []string, stdout, stderr io.Writer) int {
 	_ = klogFlags.Set("v", *verbosity)
 	_ = klogFlags.Set("logtostderr", "true")
 	klog.SetOutput(stderr)
+	if *batch != "" {
+		return batchMain(*batch, *jobs, *timeout, stdin, stdout, stderr)
+	}
 
 	in, err := loadFiles(files)
 	if err != nil {
