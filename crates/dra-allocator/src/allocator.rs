@@ -1,0 +1,1509 @@
+//! The search: claims → requests → devices, depth first, first solution wins.
+//!
+//! upstream: `structured/internal/incubating/allocator_incubating.go` (`NewAllocator`,
+//! `Allocate`, `validateDeviceRequest`, `allocateOne`, `isSelectable`, `selectorsMatch`,
+//! `allocateDevice`, `rollbackDevice`, `checkAvailableCounters`, `taintPreventsAllocation`);
+//! KEP-4381 (structured parameters), KEP-4816 (prioritized list), KEP-5055 (device taints),
+//! KEP-5004/5075 (admin access, consumable capacity), KEP-4815 (partitionable devices),
+//! KEP-5007 (binding conditions).
+//!
+//! The order of pools, slices and devices, the order candidates are tried in, and every check
+//! are upstream's, so the first solution found is upstream's. What differs is bookkeeping:
+//! devices are addressed by position instead of by name, and selectors are compiled once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use dra_cel::{CompileError, CompiledExpression, EvalError, EvalOptions, MatchError};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceClass, DeviceRequest, DeviceSelector, DeviceToleration, ResourceClaim,
+    ResourceSlice,
+};
+
+use crate::capacity::{self, Requests};
+use crate::constraints::Constraint;
+use crate::model::{
+    AllocatedState, ConsumedCapacity, Counters, DeviceData, DeviceId, SliceData, claim_ref,
+};
+use crate::node_selector::node_matches;
+use crate::pools::{Pool, gather_pools};
+use crate::quantity::{self, Quantity};
+use crate::{Error, Features};
+
+/// `resourceapi.AllocationResultsMaxSize`: devices per claim.
+pub const ALLOCATION_RESULTS_MAX_SIZE: i64 = 32;
+
+/// Why [`Allocator::allocate`] gave no answer for a node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocateError {
+    /// The deadline passed first; the search was abandoned, nothing is known about the node.
+    #[error("timed out trying to allocate devices")]
+    TimedOut,
+    /// The caller cancelled the search.
+    #[error("allocation cancelled")]
+    Cancelled,
+    /// A problem with the claims, classes or slices that upstream reports as an error for the
+    /// whole scheduling attempt (a CEL error, a constraint that cannot be satisfied in `All`
+    /// mode, too many devices...). The message is upstream's.
+    #[error("{0}")]
+    Fatal(String),
+    /// A problem that only concerns this node (upstream's `ErrFailedAllocationOnNode`): the
+    /// scheduler reports it as the node's unschedulable reason.
+    #[error("{0}")]
+    FailedOnNode(String),
+}
+
+/// When to give up on a search.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Interrupt<'c> {
+    /// Give up at this instant ([`AllocateError::TimedOut`]).
+    pub deadline: Option<Instant>,
+    /// Give up when this becomes true ([`AllocateError::Cancelled`]).
+    pub cancel: Option<&'c AtomicBool>,
+}
+
+/// What in the allocated state concerns one device.
+#[derive(Debug, Default)]
+struct DeviceFlags {
+    /// Allocated exclusively.
+    dedicated: bool,
+    /// `IsDeviceAllocated`: its counters are consumed.
+    counts_allocated: bool,
+    /// Capacity consumed by shares.
+    aggregated: Option<ConsumedCapacity>,
+}
+
+/// Compiled selectors by expression; compile errors are kept so that they surface where a
+/// selector is evaluated, as upstream's lazily compiling cache does.
+type CelCache = HashMap<String, Result<Arc<CompiledExpression>, CompileError>>;
+
+/// An allocator for one set of slices, classes and allocated devices; reusable for many nodes
+/// and thread-safe, like upstream's `Allocator`.
+#[derive(Debug)]
+pub struct Allocator<'a> {
+    features: Features,
+    classes: HashMap<&'a str, &'a DeviceClass>,
+    slices: Vec<SliceData<'a>>,
+    on_node: HashMap<&'a str, Vec<usize>>,
+    shared: Vec<usize>,
+    /// Index of each slice's first device in `flags`.
+    offsets: Vec<usize>,
+    flags: Vec<DeviceFlags>,
+    compiler: dra_cel::Compiler,
+    cel: Mutex<CelCache>,
+    /// Available counters per pool *name* (upstream keys them so, across drivers), computed
+    /// the first time a pool's counters are needed and then kept for later nodes.
+    available_counters: Mutex<HashMap<String, Arc<BTreeMap<String, Counters>>>>,
+    invocations: AtomicU64,
+}
+
+impl<'a> Allocator<'a> {
+    /// Reads the slices and classes (`NewAllocator`). Slices without a node name, or with
+    /// counter sets, are candidates for every node; the others only for their node.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedFeatures`] for list-type attributes (upstream's experimental
+    /// variant), [`Error::InvalidQuantity`] for a capacity or counter that is not a quantity.
+    pub fn new(
+        features: Features,
+        allocated: &AllocatedState,
+        classes: &'a [DeviceClass],
+        slices: &'a [ResourceSlice],
+    ) -> Result<Allocator<'a>, Error> {
+        if features.list_type_attributes {
+            return Err(Error::UnsupportedFeatures(
+                "DRAListTypeAttributes needs upstream's experimental allocator".into(),
+            ));
+        }
+        let mut class_map = HashMap::new();
+        for class in classes {
+            class_map.insert(class.metadata.name.as_deref().unwrap_or(""), class);
+        }
+        let mut data = Vec::with_capacity(slices.len());
+        let mut on_node: HashMap<&'a str, Vec<usize>> = HashMap::new();
+        let mut shared = Vec::new();
+        let mut offsets = Vec::with_capacity(slices.len());
+        let mut flags = Vec::new();
+        for (i, slice) in slices.iter().enumerate() {
+            let d = SliceData::new(slice)?;
+            let node = d.node_name.unwrap_or("");
+            if node.is_empty() || d.has_shared_counters() {
+                shared.push(i);
+            } else {
+                on_node.entry(node).or_default().push(i);
+            }
+            offsets.push(flags.len());
+            for dev in &d.devices {
+                let id = DeviceId::new(d.driver, d.pool, dev.name);
+                flags.push(DeviceFlags {
+                    dedicated: allocated.allocated_devices.contains(&id),
+                    counts_allocated: allocated.is_device_allocated(&id),
+                    aggregated: allocated.aggregated_capacity.get(&id).cloned(),
+                });
+            }
+            data.push(d);
+        }
+        Ok(Allocator {
+            features,
+            classes: class_map,
+            slices: data,
+            on_node,
+            shared,
+            offsets,
+            flags,
+            compiler: dra_cel::Compiler::new(
+                dra_cel::Features {
+                    consumable_capacity: features.consumable_capacity,
+                    list_type_attributes: false,
+                },
+                dra_cel::Environment::Stored,
+            ),
+            cel: Mutex::new(HashMap::new()),
+            available_counters: Mutex::new(HashMap::new()),
+            invocations: AtomicU64::new(0),
+        })
+    }
+
+    /// How many times the search stepped (upstream's `NumAllocateOneInvocations`), over all
+    /// calls so far.
+    pub fn steps(&self) -> u64 {
+        self.invocations.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Allocates `claims` together for `node` (`Allocator.Allocate`): `Ok(Some(results))` with
+    /// one result per claim in claim order, `Ok(None)` when they do not fit (incomplete pools
+    /// included).
+    ///
+    /// # Errors
+    /// [`AllocateError`]: a fatal input problem, a node-only failure, or an interruption (never
+    /// a wrong answer).
+    pub fn allocate(
+        &self,
+        node: &Node,
+        claims: &[&ResourceClaim],
+        interrupt: Interrupt<'_>,
+    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+        // The search recurses once per device; deep searches get a large stack of their own.
+        let depth: usize = claims
+            .iter()
+            .map(|c| {
+                let requests = c
+                    .spec
+                    .devices
+                    .as_ref()
+                    .and_then(|d| d.requests.as_ref())
+                    .map_or(0, Vec::len);
+                requests * (ALLOCATION_RESULTS_MAX_SIZE as usize + 2) + 1
+            })
+            .sum();
+        if depth < 200 {
+            return self.allocate_here(node, claims, interrupt);
+        }
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("dra-allocate".into())
+                .stack_size(depth.saturating_mul(4096).clamp(8 << 20, 1 << 30))
+                .spawn_scoped(scope, || self.allocate_here(node, claims, interrupt))
+                .map_err(|e| AllocateError::Fatal(format!("starting the search: {e}")))?
+                .join()
+                .unwrap_or_else(|_| Err(AllocateError::Fatal("the search failed".into())))
+        })
+    }
+
+    fn allocate_here(
+        &self,
+        node: &Node,
+        claims: &[&ResourceClaim],
+        interrupt: Interrupt<'_>,
+    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+        let node_name = node.metadata.name.as_deref().unwrap_or("");
+        let mut for_node: Vec<usize> = self.on_node.get(node_name).cloned().unwrap_or_default();
+        for_node.extend_from_slice(&self.shared);
+        let pools = gather_pools(&self.slices, &for_node, node, self.features)
+            .map_err(|e| AllocateError::Fatal(format!("gather pool information: {e}")))?;
+        let mut search = Search {
+            alloc: self,
+            node,
+            claims: Vec::with_capacity(claims.len()),
+            kobjs: claims.iter().map(|c| claim_ref(c)).collect(),
+            pools,
+            interrupt,
+            matches: HashMap::new(),
+            constraints: Vec::with_capacity(claims.len()),
+            consumed_counters: HashMap::new(),
+            available: HashMap::new(),
+            allocating_devices: HashMap::new(),
+            allocating_capacity: HashMap::new(),
+            results: vec![Vec::new(); claims.len()],
+            steps: 0,
+        };
+        let outcome = search.run(claims);
+        self.invocations
+            .fetch_add(search.steps, AtomicOrdering::Relaxed);
+        outcome
+    }
+
+    /// The compiled selector, compiling it on first use.
+    fn compiled(&self, expression: &str) -> Result<Arc<CompiledExpression>, CompileError> {
+        let mut cache = self.cel.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(c) = cache.get(expression) {
+            return c.clone();
+        }
+        let compiled = self.compiler.compile(expression).map(Arc::new);
+        cache.insert(expression.to_string(), compiled.clone());
+        compiled
+    }
+
+    /// A device by slice and position.
+    fn device(&self, slice: usize, device: usize) -> Option<(&SliceData<'a>, &DeviceData<'a>)> {
+        let s = self.slices.get(slice)?;
+        Some((s, s.devices.get(device)?))
+    }
+
+    fn flat(&self, slice: usize, device: usize) -> usize {
+        self.offsets.get(slice).copied().unwrap_or(0) + device
+    }
+}
+
+/// Why the recursion stops early.
+enum Stop {
+    /// `errAllocationResultMaxSizeExceeded`: a claim would get more than 32 devices.
+    MaxSize,
+    /// Anything else ends the search.
+    Error(AllocateError),
+}
+
+impl From<AllocateError> for Stop {
+    fn from(e: AllocateError) -> Stop {
+        Stop::Error(e)
+    }
+}
+
+type Step<T> = Result<T, Stop>;
+
+/// A device by pool, slice (index into the allocator's slices) and position.
+#[derive(Clone, Copy, Debug)]
+struct DevRef {
+    pool: usize,
+    slice: usize,
+    device: usize,
+    flat: usize,
+}
+
+/// Where the search is: claim, request, subrequest, device of the request.
+#[derive(Clone, Copy, Debug, Default)]
+struct Indices {
+    claim: usize,
+    request: usize,
+    sub: usize,
+    device: usize,
+}
+
+/// Where to continue looking for candidates: pool, slice within the pool, device.
+#[derive(Clone, Copy, Debug, Default)]
+struct Location {
+    pool: usize,
+    slice: usize,
+    device: usize,
+}
+
+/// A request or subrequest, validated (`requestData`).
+#[derive(Debug)]
+struct RequestData<'s> {
+    name: &'s str,
+    /// The request holding this subrequest.
+    parent: Option<&'s str>,
+    class: &'s DeviceClass,
+    all_mode: bool,
+    num_devices: i64,
+    admin: bool,
+    selectors: &'s [DeviceSelector],
+    tolerations: &'s [DeviceToleration],
+    capacity: Option<Requests>,
+    all_devices: Vec<DevRef>,
+}
+
+impl RequestData<'_> {
+    fn full_name(&self) -> String {
+        match self.parent {
+            Some(p) => format!("{p}/{}", self.name),
+            None => self.name.to_string(),
+        }
+    }
+}
+
+/// A request of a claim: one entry, or one per subrequest.
+#[derive(Debug)]
+struct RequestSlot<'s> {
+    subs: Vec<RequestData<'s>>,
+    has_subrequests: bool,
+    /// The subrequest that got picked.
+    selected: usize,
+}
+
+#[derive(Debug)]
+struct ClaimData<'s> {
+    obj: &'s ResourceClaim,
+    kobj: String,
+    requests: Vec<RequestSlot<'s>>,
+}
+
+/// One allocated device (`internalDeviceResult`).
+#[derive(Debug, Clone)]
+pub(crate) struct DeviceResult<'s> {
+    pub request: &'s str,
+    pub parent: Option<&'s str>,
+    pub slice: usize,
+    pub device: usize,
+    pub share_id: Option<String>,
+    pub consumed: Option<BTreeMap<String, Quantity>>,
+    pub admin: bool,
+}
+
+/// What `allocateDevice` changed, for `rollbackDevice`.
+#[derive(Debug, Default)]
+struct Rollback {
+    counters_reserved: bool,
+    constraints_added: usize,
+    device_marked: bool,
+    capacity_inserted: bool,
+    capacity_entry_existed: bool,
+    result_added: bool,
+    previous_results: usize,
+    consumed: Option<ConsumedCapacity>,
+}
+
+/// One `Allocate` call.
+struct Search<'s, 'a> {
+    alloc: &'s Allocator<'a>,
+    node: &'s Node,
+    claims: Vec<ClaimData<'s>>,
+    /// `klog.KObj` of every claim, for messages (also during validation).
+    kobjs: Vec<String>,
+    pools: Vec<Pool<'a>>,
+    interrupt: Interrupt<'s>,
+    /// `deviceMatchesRequest`: (device, claim, request, subrequest) → selectable.
+    matches: HashMap<(usize, usize, usize, usize), bool>,
+    constraints: Vec<Vec<Constraint>>,
+    /// Counters consumed by devices being allocated, per pool name.
+    consumed_counters: HashMap<String, BTreeMap<String, Counters>>,
+    /// This call's copies of the allocator's available counters.
+    available: HashMap<String, Arc<BTreeMap<String, Counters>>>,
+    /// Device → claims it is being allocated for.
+    allocating_devices: HashMap<usize, Vec<usize>>,
+    /// Device → capacity being allocated from it.
+    allocating_capacity: HashMap<usize, ConsumedCapacity>,
+    results: Vec<Vec<DeviceResult<'s>>>,
+    steps: u64,
+}
+
+fn fatal<T>(msg: String) -> Result<T, AllocateError> {
+    Err(AllocateError::Fatal(msg))
+}
+
+impl<'s, 'a: 's> Search<'s, 'a> {
+    fn run(
+        &mut self,
+        claims: &[&'s ResourceClaim],
+    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+        self.prepare(claims)?;
+        if self.some_request_cannot_be_met() {
+            return self.none_fits();
+        }
+        match self.allocate_one(Indices::default(), false, Location::default()) {
+            Ok(true) => {}
+            // Only a subrequest loop or the next claim absorbs this; upstream returns it as is.
+            Err(Stop::MaxSize) => {
+                return Err(AllocateError::Fatal("allocation max size exceeded".into()));
+            }
+            Ok(false) => return self.none_fits(),
+            Err(Stop::Error(e)) => return Err(e),
+        }
+        let mut out = Vec::with_capacity(self.claims.len());
+        for (ci, claim) in self.claims.iter().enumerate() {
+            let results = self.results.get(ci).map(Vec::as_slice).unwrap_or_default();
+            let selected: Vec<Option<(String, &DeviceClass)>> = claim
+                .requests
+                .iter()
+                .map(|slot| {
+                    slot.subs
+                        .get(if slot.has_subrequests {
+                            slot.selected
+                        } else {
+                            0
+                        })
+                        .map(|rd| (rd.full_name(), rd.class))
+                })
+                .collect();
+            let sub_names: Vec<Option<&str>> = claim
+                .requests
+                .iter()
+                .map(|slot| {
+                    slot.has_subrequests
+                        .then(|| slot.subs.get(slot.selected).map(|rd| rd.name))
+                        .flatten()
+                })
+                .collect();
+            out.push(crate::result::build(
+                claim.obj,
+                &self.alloc.slices,
+                results,
+                &selected,
+                &sub_names,
+                self.node.metadata.name.as_deref().unwrap_or(""),
+                self.alloc.features,
+            )?);
+        }
+        Ok(Some(out))
+    }
+
+    /// What the search answers when it finds no solution.
+    fn none_fits(&self) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+        if self.pools.iter().any(|p| p.invalid) {
+            return Err(AllocateError::FailedOnNode(
+                "invalid resource pools were encountered".into(),
+            ));
+        }
+        Ok(None)
+    }
+
+    /// Not upstream's: whether the search must fail because one request, taken in search order,
+    /// has fewer candidates than devices even with nothing else allocated, while no request up
+    /// to it meets an error on any device. Upstream then explores every combination of the
+    /// requests before it (kubernetes/kubernetes#131730) and ends with no solution; errors it
+    /// could meet on the way are the ones ruled out here (selector and node-selection errors on
+    /// those requests' devices; requests in `All` mode and with subrequests end the check, as
+    /// their errors and size limits depend on the search).
+    fn some_request_cannot_be_met(&mut self) -> bool {
+        for claim in 0..self.claims.len() {
+            let n_requests = self.claims.get(claim).map_or(0, |c| c.requests.len());
+            for request in 0..n_requests {
+                let Some(slot) = self.claims.get(claim).and_then(|c| c.requests.get(request))
+                else {
+                    return false;
+                };
+                let Some(rd) = slot.subs.first() else {
+                    return false;
+                };
+                if slot.has_subrequests || rd.all_mode {
+                    return false;
+                }
+                let (needed, admin, class, selectors) =
+                    (rd.num_devices, rd.admin, rd.class, rd.selectors);
+                let r = Indices {
+                    claim,
+                    request,
+                    ..Indices::default()
+                };
+                let found = self.count_candidates(
+                    r,
+                    (claim, request, 0),
+                    (class, selectors),
+                    admin,
+                    Location::default(),
+                    None,
+                );
+                match found {
+                    None => return false,
+                    Some(found) if found < needed => return true,
+                    Some(_) => {}
+                }
+            }
+        }
+        false
+    }
+
+    fn check_interrupt(&self) -> Result<(), AllocateError> {
+        if let Some(cancel) = self.interrupt.cancel
+            && cancel.load(AtomicOrdering::Relaxed)
+        {
+            return Err(AllocateError::Cancelled);
+        }
+        if let Some(deadline) = self.interrupt.deadline
+            && Instant::now() >= deadline
+        {
+            return Err(AllocateError::TimedOut);
+        }
+        Ok(())
+    }
+
+    /// The pre-pass of `Allocate`: validate every request, size `All` requests, check the
+    /// per-claim device limit, build constraints.
+    fn prepare(&mut self, claims: &[&'s ResourceClaim]) -> Result<(), AllocateError> {
+        let features = self.alloc.features;
+        for (ci, &claim) in claims.iter().enumerate() {
+            let kobj = claim_ref(claim);
+            let spec = claim.spec.devices.as_ref();
+            let requests: &'s [DeviceRequest] =
+                spec.and_then(|d| d.requests.as_deref()).unwrap_or_default();
+            let mut min_devices: i64 = 0;
+            let mut slots = Vec::with_capacity(requests.len());
+            for (ri, request) in requests.iter().enumerate() {
+                let subs = request.first_available.as_deref().unwrap_or_default();
+                let has_subs = !subs.is_empty();
+                if !features.prioritized_list && has_subs {
+                    return fatal(format!(
+                        "claim {kobj}, request {}: has subrequests, but the DRAPrioritizedList feature is disabled",
+                        request.name
+                    ));
+                }
+                if !features.consumable_capacity {
+                    if request
+                        .exactly
+                        .as_ref()
+                        .is_some_and(|e| e.capacity.is_some())
+                    {
+                        return fatal(format!(
+                            "claim {kobj}, request {}: has capacity requests, but the DRAConsumableCapacity feature is disabled",
+                            request.name
+                        ));
+                    }
+                    if let Some(sub) = subs.iter().find(|s| s.capacity.is_some()) {
+                        return fatal(format!(
+                            "claim {kobj}, subrequest {}: has capacity requests, but the DRAConsumableCapacity feature is disabled",
+                            sub.name
+                        ));
+                    }
+                }
+                if has_subs {
+                    let mut min = i64::MAX;
+                    let mut datas = Vec::with_capacity(subs.len());
+                    for (si, sub) in subs.iter().enumerate() {
+                        let rd = self.validate(
+                            ci,
+                            &kobj,
+                            (ri, si),
+                            Accessor {
+                                name: &sub.name,
+                                parent: Some(&request.name),
+                                class_name: &sub.device_class_name,
+                                mode: sub.allocation_mode.as_deref(),
+                                count: sub.count,
+                                admin: None,
+                                selectors: sub.selectors.as_deref().unwrap_or_default(),
+                                tolerations: sub.tolerations.as_deref().unwrap_or_default(),
+                                capacity: sub.capacity.as_ref().and_then(|c| c.requests.as_ref()),
+                            },
+                        )?;
+                        min = min.min(rd.num_devices);
+                        datas.push(rd);
+                    }
+                    min_devices = min_devices.saturating_add(min);
+                    slots.push(RequestSlot {
+                        subs: datas,
+                        has_subrequests: true,
+                        selected: 0,
+                    });
+                } else {
+                    let Some(exactly) = &request.exactly else {
+                        return fatal(format!(
+                            "claim {kobj}, request {}: unknown request type",
+                            request.name
+                        ));
+                    };
+                    let rd = self.validate(
+                        ci,
+                        &kobj,
+                        (ri, 0),
+                        Accessor {
+                            name: &request.name,
+                            parent: None,
+                            class_name: &exactly.device_class_name,
+                            mode: exactly.allocation_mode.as_deref(),
+                            count: exactly.count,
+                            admin: exactly.admin_access,
+                            selectors: exactly.selectors.as_deref().unwrap_or_default(),
+                            tolerations: exactly.tolerations.as_deref().unwrap_or_default(),
+                            capacity: exactly.capacity.as_ref().and_then(|c| c.requests.as_ref()),
+                        },
+                    )?;
+                    min_devices = min_devices.saturating_add(rd.num_devices);
+                    slots.push(RequestSlot {
+                        subs: vec![rd],
+                        has_subrequests: false,
+                        selected: 0,
+                    });
+                }
+            }
+            if min_devices > ALLOCATION_RESULTS_MAX_SIZE {
+                return fatal(format!(
+                    "claim {kobj}: number of requested devices {min_devices} exceeds the claim limit of {ALLOCATION_RESULTS_MAX_SIZE}"
+                ));
+            }
+            let mut constraints = Vec::new();
+            for (i, c) in spec
+                .and_then(|d| d.constraints.as_deref())
+                .unwrap_or_default()
+                .iter()
+                .enumerate()
+            {
+                let requests = c.requests.as_deref().unwrap_or_default();
+                if let Some(attr) = &c.match_attribute {
+                    constraints.push(Constraint::matching(attr, requests));
+                } else if let Some(attr) = &c.distinct_attribute {
+                    constraints.push(Constraint::distinct(
+                        attr,
+                        requests,
+                        features.distinct_attribute_per_device,
+                    ));
+                } else {
+                    return fatal(format!(
+                        "claim {kobj}, constraint #{i}: empty constraint (unsupported constraint type?)"
+                    ));
+                }
+            }
+            self.constraints.push(constraints);
+            self.claims.push(ClaimData {
+                obj: claim,
+                kobj,
+                requests: slots,
+            });
+        }
+        // Upstream starts the search with a fresh selector cache.
+        self.matches.clear();
+        Ok(())
+    }
+
+    /// `validateDeviceRequest`.
+    fn validate(
+        &mut self,
+        claim_index: usize,
+        kobj: &str,
+        (request_index, sub_index): (usize, usize),
+        r: Accessor<'s>,
+    ) -> Result<RequestData<'s>, AllocateError> {
+        for (i, s) in r.selectors.iter().enumerate() {
+            if s.cel.is_none() {
+                return fatal(format!(
+                    "claim {kobj}, request {}, selector #{i}: CEL expression empty (unsupported selector type?)",
+                    r.name
+                ));
+            }
+        }
+        if !self.alloc.features.admin_access && r.admin.is_some() {
+            return fatal(format!(
+                "claim {kobj}, request {}: admin access is requested, but the feature is disabled",
+                r.name
+            ));
+        }
+        if r.class_name.is_empty() {
+            return fatal(format!(
+                "claim {kobj}, request {}: missing device class name (unsupported request type?)",
+                r.name
+            ));
+        }
+        let Some(&class) = self.alloc.classes.get(r.class_name) else {
+            return fatal(format!(
+                "claim {kobj}, request {}: could not retrieve device class {}: deviceclass.resource.k8s.io \"{}\" not found",
+                r.name, r.class_name, r.class_name
+            ));
+        };
+        let mut capacity = None;
+        if let Some(requests) = r.capacity {
+            let mut parsed = Requests::new();
+            for (name, q) in requests {
+                let value = Quantity::parse(&q.0).map_err(|e| {
+                    AllocateError::Fatal(format!(
+                        "claim {kobj}, request {}: capacity request {name} {:?}: {e}",
+                        r.name, q.0
+                    ))
+                })?;
+                parsed.insert(name.clone(), value);
+            }
+            capacity = Some(parsed);
+        }
+        let mut rd = RequestData {
+            name: r.name,
+            parent: r.parent,
+            class,
+            all_mode: false,
+            num_devices: 0,
+            admin: r.admin == Some(true),
+            selectors: r.selectors,
+            tolerations: r.tolerations,
+            capacity,
+            all_devices: Vec::new(),
+        };
+        match r.mode.unwrap_or("") {
+            "ExactCount" => rd.num_devices = r.count.unwrap_or(0),
+            "All" => {
+                rd.all_mode = true;
+                let key = (claim_index, request_index, sub_index);
+                for pool_index in 0..self.pools.len() {
+                    let Some(pool) = self.pools.get(pool_index) else {
+                        continue;
+                    };
+                    if pool.incomplete {
+                        return fatal(format!(
+                            "claim {kobj}, request {}: asks for all devices, but resource pool {} is currently being updated",
+                            r.name,
+                            pool.id()
+                        ));
+                    }
+                    if pool.invalid {
+                        return fatal(format!(
+                            "claim {kobj}, request {}: asks for all devices, but resource pool {} is currently invalid",
+                            r.name,
+                            pool.id()
+                        ));
+                    }
+                    let slices = pool.slices.clone();
+                    for slice in slices {
+                        let n = self.alloc.slices.get(slice).map_or(0, |s| s.devices.len());
+                        for device in 0..n {
+                            let dev = DevRef {
+                                pool: pool_index,
+                                slice,
+                                device,
+                                flat: self.alloc.flat(slice, device),
+                            };
+                            let selectable = self
+                                .is_selectable(key, class, r.selectors, dev)
+                                .map_err(|s| match s {
+                                    Stop::Error(e) => e,
+                                    Stop::MaxSize => AllocateError::Fatal("internal error".into()),
+                                })?;
+                            if !selectable {
+                                continue;
+                            }
+                            if self.alloc.features.consumable_capacity
+                                && self.capacity_fits(rd.capacity.as_ref(), dev) != Ok(true)
+                            {
+                                continue;
+                            }
+                            rd.all_devices.push(dev);
+                        }
+                    }
+                }
+                rd.num_devices = rd.all_devices.len() as i64;
+            }
+            other => {
+                return fatal(format!(
+                    "claim {kobj}, request {}: unsupported count mode {other}",
+                    r.name
+                ));
+            }
+        }
+        Ok(rd)
+    }
+
+    /// `allocateOne`.
+    fn allocate_one(&mut self, r: Indices, allocate_sub: bool, start: Location) -> Step<bool> {
+        self.steps += 1;
+        self.check_interrupt()?;
+        let Some(claim) = self.claims.get(r.claim) else {
+            // Every claim is done: the first solution wins.
+            return Ok(true);
+        };
+        let Some(slot) = claim.requests.get(r.request) else {
+            let next = Indices {
+                claim: r.claim + 1,
+                ..Indices::default()
+            };
+            return match self.allocate_one(next, false, Location::default()) {
+                // Another claim needing fewer devices may succeed after changes further up.
+                Err(Stop::MaxSize) => Ok(false),
+                other => other,
+            };
+        };
+        if !allocate_sub && slot.has_subrequests {
+            let n = slot.subs.len();
+            let mut all_exceeded = true;
+            for sub in 0..n {
+                match self.allocate_one(Indices { sub, ..r }, true, Location::default()) {
+                    Err(Stop::MaxSize) => continue,
+                    Err(e) => return Err(e),
+                    Ok(true) => {
+                        if let Some(slot) = self
+                            .claims
+                            .get_mut(r.claim)
+                            .and_then(|c| c.requests.get_mut(r.request))
+                        {
+                            slot.selected = sub;
+                        }
+                        return Ok(true);
+                    }
+                    Ok(false) => all_exceeded = false,
+                }
+            }
+            return if all_exceeded {
+                Err(Stop::MaxSize)
+            } else {
+                Ok(false)
+            };
+        }
+        let Some(rd) = slot.subs.get(r.sub) else {
+            return Ok(false);
+        };
+        let (all_mode, num_devices, admin) = (rd.all_mode, rd.num_devices, rd.admin);
+        let (class, selectors) = (rd.class, rd.selectors);
+        if all_mode && rd.all_devices.is_empty() {
+            return Ok(false);
+        }
+        if r.device as i64 >= num_devices {
+            let next = Indices {
+                claim: r.claim,
+                request: r.request + 1,
+                ..Indices::default()
+            };
+            return self.allocate_one(next, false, Location::default());
+        }
+        let allocated = self.results.get(r.claim).map_or(0, Vec::len) as i64;
+        if allocated + num_devices - r.device as i64 > ALLOCATION_RESULTS_MAX_SIZE {
+            return Err(Stop::MaxSize);
+        }
+        let next = Indices {
+            device: r.device + 1,
+            ..r
+        };
+        if all_mode {
+            let Some(&dev) = rd.all_devices.get(r.device) else {
+                return Ok(false);
+            };
+            let Some(undo) = self.allocate_device(r, dev, true)? else {
+                // "All" devices are needed: without this one there is no solution.
+                return Ok(false);
+            };
+            let done = self.allocate_one(next, allocate_sub, Location::default());
+            if !matches!(done, Ok(true)) {
+                self.rollback(r, dev, undo);
+            }
+            return done;
+        }
+        let key = (r.claim, r.request, r.sub);
+        let needed = num_devices - r.device as i64;
+        if needed >= 2 && !self.enough_candidates(r, key, (class, selectors), admin, start, needed)
+        {
+            return Ok(false);
+        }
+        for pool_index in start.pool..self.pools.len() {
+            let Some(pool) = self.pools.get(pool_index) else {
+                break;
+            };
+            if pool.incomplete || pool.invalid {
+                continue;
+            }
+            let slice_start = if pool_index == start.pool {
+                start.slice
+            } else {
+                0
+            };
+            let n_slices = pool.slices.len();
+            for slice_pos in slice_start..n_slices {
+                let Some(&slice) = self
+                    .pools
+                    .get(pool_index)
+                    .and_then(|p| p.slices.get(slice_pos))
+                else {
+                    break;
+                };
+                let device_start = if pool_index == start.pool && slice_pos == start.slice {
+                    start.device
+                } else {
+                    0
+                };
+                let n_devices = self.alloc.slices.get(slice).map_or(0, |s| s.devices.len());
+                for device in device_start..n_devices {
+                    let dev = DevRef {
+                        pool: pool_index,
+                        slice,
+                        device,
+                        flat: self.alloc.flat(slice, device),
+                    };
+                    if admin {
+                        if self.allocating_for_claim(dev.flat, r.claim) {
+                            continue;
+                        }
+                    } else if self.in_use(dev.flat) {
+                        continue;
+                    }
+                    if !self.is_selectable(key, class, selectors, dev)? {
+                        continue;
+                    }
+                    if self.alloc.features.consumable_capacity {
+                        let capacity = self.request(r).and_then(|rd| rd.capacity.as_ref());
+                        if self.capacity_fits(capacity, dev) != Ok(true) {
+                            continue;
+                        }
+                    }
+                    let Some(undo) = self.allocate_device(r, dev, false)? else {
+                        continue;
+                    };
+                    let from = Location {
+                        pool: pool_index,
+                        slice: slice_pos,
+                        device: device + 1,
+                    };
+                    match self.allocate_one(next, allocate_sub, from) {
+                        Ok(true) => return Ok(true),
+                        Ok(false) => self.rollback(r, dev, undo),
+                        Err(e) => {
+                            self.rollback(r, dev, undo);
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Whether at least `needed` devices from `start` on could each join request `r` as things
+    /// stand, tried with the loop's own checks ([`Search::allocate_device`] and a rollback).
+    ///
+    /// Not upstream's: a bound that keeps its answers while cutting its exponential searches
+    /// (kubernetes/kubernetes#131730). Every check only gets stricter deeper in the search
+    /// (devices get used, counters and capacity consumed, constraint values fixed), so with
+    /// fewer candidates than devices still needed the subtree holds no solution, and upstream's
+    /// search of it ends in `false` without other effects. Any error answers `true`: the search
+    /// then meets it where upstream does. The claim's constraints are restored from a copy
+    /// after each try, because upstream's `distinctAttribute` removal is not an exact undo;
+    /// for the same reason a claim with such a constraint is not bounded (answer `true`).
+    fn enough_candidates(
+        &mut self,
+        r: Indices,
+        key: (usize, usize, usize),
+        request: (&'s DeviceClass, &'s [DeviceSelector]),
+        admin: bool,
+        start: Location,
+        needed: i64,
+    ) -> bool {
+        // Deeper in the search such a constraint may accept what it refuses now.
+        if self
+            .constraints
+            .get(r.claim)
+            .is_some_and(|cs| cs.iter().any(Constraint::loosens_on_removal))
+        {
+            return true;
+        }
+        self.count_candidates(r, key, request, admin, start, Some(needed))
+            .is_none_or(|found| found >= needed)
+    }
+
+    /// How many devices from `start` on could each join request `r` as things stand (counting
+    /// stops at `stop_at`); `None` when a check fails with an error.
+    fn count_candidates(
+        &mut self,
+        r: Indices,
+        key: (usize, usize, usize),
+        (class, selectors): (&'s DeviceClass, &'s [DeviceSelector]),
+        admin: bool,
+        start: Location,
+        stop_at: Option<i64>,
+    ) -> Option<i64> {
+        let saved = self.constraints.get(r.claim).cloned().unwrap_or_default();
+        let mut found = 0i64;
+        let try_at = Indices {
+            device: r.device,
+            ..r
+        };
+        for pool_index in start.pool..self.pools.len() {
+            let Some(pool) = self.pools.get(pool_index) else {
+                break;
+            };
+            if pool.incomplete || pool.invalid {
+                continue;
+            }
+            let slice_start = if pool_index == start.pool {
+                start.slice
+            } else {
+                0
+            };
+            for slice_pos in slice_start..pool.slices.len() {
+                let Some(&slice) = self
+                    .pools
+                    .get(pool_index)
+                    .and_then(|p| p.slices.get(slice_pos))
+                else {
+                    break;
+                };
+                let device_start = if pool_index == start.pool && slice_pos == start.slice {
+                    start.device
+                } else {
+                    0
+                };
+                let n_devices = self.alloc.slices.get(slice).map_or(0, |s| s.devices.len());
+                for device in device_start..n_devices {
+                    let dev = DevRef {
+                        pool: pool_index,
+                        slice,
+                        device,
+                        flat: self.alloc.flat(slice, device),
+                    };
+                    if admin {
+                        if self.allocating_for_claim(dev.flat, r.claim) {
+                            continue;
+                        }
+                    } else if self.in_use(dev.flat) {
+                        continue;
+                    }
+                    match self.is_selectable(key, class, selectors, dev) {
+                        Ok(true) => {}
+                        Ok(false) => continue,
+                        Err(_) => return None,
+                    }
+                    match self.allocate_device(try_at, dev, false) {
+                        Ok(Some(undo)) => {
+                            self.rollback(try_at, dev, undo);
+                            if let Some(cs) = self.constraints.get_mut(r.claim) {
+                                cs.clone_from(&saved);
+                            }
+                            found += 1;
+                            if stop_at.is_some_and(|n| found >= n) {
+                                return Some(found);
+                            }
+                        }
+                        Ok(None) => {
+                            if let Some(cs) = self.constraints.get_mut(r.claim) {
+                                cs.clone_from(&saved);
+                            }
+                        }
+                        Err(_) => {
+                            if let Some(cs) = self.constraints.get_mut(r.claim) {
+                                cs.clone_from(&saved);
+                            }
+                            return None;
+                        }
+                    }
+                }
+            }
+        }
+        Some(found)
+    }
+
+    fn request(&self, r: Indices) -> Option<&RequestData<'s>> {
+        self.claims
+            .get(r.claim)?
+            .requests
+            .get(r.request)?
+            .subs
+            .get(r.sub)
+    }
+
+    fn in_use(&self, flat: usize) -> bool {
+        self.alloc.flags.get(flat).is_some_and(|f| f.dedicated)
+            || self
+                .allocating_devices
+                .get(&flat)
+                .is_some_and(|c| !c.is_empty())
+    }
+
+    fn allocating_for_claim(&self, flat: usize, claim: usize) -> bool {
+        self.allocating_devices
+            .get(&flat)
+            .is_some_and(|c| c.contains(&claim))
+    }
+
+    fn capacity_in_use(&self, flat: usize) -> bool {
+        self.alloc
+            .flags
+            .get(flat)
+            .is_some_and(|f| f.aggregated.is_some())
+            || self.allocating_capacity.contains_key(&flat)
+    }
+
+    /// `allocator.CmpRequestOverCapacity`.
+    fn capacity_fits(&self, requests: Option<&Requests>, dev: DevRef) -> Result<bool, ()> {
+        let Some((_, device)) = self.alloc.device(dev.slice, dev.device) else {
+            return Err(());
+        };
+        capacity::fits(
+            self.alloc
+                .flags
+                .get(dev.flat)
+                .and_then(|f| f.aggregated.as_ref()),
+            requests,
+            &device.capacity,
+            self.allocating_capacity.get(&dev.flat),
+        )
+    }
+
+    /// `isSelectable`: class selectors, request selectors, per-device node selection; cached.
+    fn is_selectable(
+        &mut self,
+        (claim, request, sub): (usize, usize, usize),
+        class: &'s DeviceClass,
+        selectors: &'s [DeviceSelector],
+        dev: DevRef,
+    ) -> Step<bool> {
+        let alloc = self.alloc;
+        let Some((slice, device)) = alloc.device(dev.slice, dev.device) else {
+            return Ok(false);
+        };
+        if !alloc.features.device_binding_and_status && device.has_binding_conditions {
+            return Ok(false);
+        }
+        let key = (dev.flat, claim, request, sub);
+        if let Some(&m) = self.matches.get(&key) {
+            return Ok(m);
+        }
+        let class_selectors = class.spec.selectors.as_deref().unwrap_or_default();
+        let result = self.selectors_match(claim, device, Some(class), class_selectors)?
+            && self.selectors_match(claim, device, None, selectors)?
+            && (!slice.per_device_node_selection
+                || node_matches(
+                    self.node,
+                    device.obj.node_name.as_deref().unwrap_or(""),
+                    device.obj.all_nodes.unwrap_or(false),
+                    device.obj.node_selector.as_ref(),
+                )
+                .map_err(AllocateError::Fatal)?);
+        self.matches.insert(key, result);
+        Ok(result)
+    }
+
+    /// `selectorsMatch`.
+    fn selectors_match(
+        &self,
+        claim: usize,
+        device: &DeviceData<'_>,
+        class: Option<&DeviceClass>,
+        selectors: &[DeviceSelector],
+    ) -> Step<bool> {
+        let owner = || match class {
+            Some(c) => format!("class {}", c.metadata.name.as_deref().unwrap_or("")),
+            None => format!("claim {}", self.kobjs.get(claim).map_or("", String::as_str)),
+        };
+        for (i, selector) in selectors.iter().enumerate() {
+            let Some(cel) = &selector.cel else {
+                return Err(AllocateError::Fatal(format!(
+                    "{}: selector #{i}: CEL expression empty (unsupported selector type?)",
+                    owner()
+                ))
+                .into());
+            };
+            let compiled = match self.alloc.compiled(&cel.expression) {
+                Ok(c) => c,
+                Err(e) => {
+                    return Err(AllocateError::Fatal(format!(
+                        "{}: selector #{i}: CEL compile error: {e}",
+                        owner()
+                    ))
+                    .into());
+                }
+            };
+            let options = EvalOptions {
+                cost_limit: dra_cel::MAX_COST,
+                deadline: self.interrupt.deadline,
+            };
+            match compiled.matches_with(&device.cel, options) {
+                Ok(true) => {}
+                Ok(false) => return Ok(false),
+                Err(MatchError::Eval(EvalError::Interrupted)) => {
+                    return Err(AllocateError::TimedOut.into());
+                }
+                Err(e) => {
+                    return Err(AllocateError::Fatal(format!(
+                        "{}: selector #{i}: CEL runtime error: {e}",
+                        owner()
+                    ))
+                    .into());
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// `allocateDevice`: `Some(undo)` when the device was taken.
+    fn allocate_device(&mut self, r: Indices, dev: DevRef, must: bool) -> Step<Option<Rollback>> {
+        let alloc = self.alloc;
+        let features = alloc.features;
+        let Some((slice, device)) = alloc.device(dev.slice, dev.device) else {
+            return Ok(None);
+        };
+        let Some(rd) = self.request(r) else {
+            return Ok(None);
+        };
+        let (admin, request_name, parent) = (rd.admin, rd.name, rd.parent);
+        let allow_multiple = features.consumable_capacity && device.allow_multiple;
+        if !allow_multiple && admin && self.allocating_for_claim(dev.flat, r.claim) {
+            return Ok(None);
+        }
+        if !admin && self.in_use(dev.flat) {
+            return Ok(None);
+        }
+        if !features.partitionable_devices && !device.consumes_counters.is_empty() {
+            return Ok(None);
+        }
+        let skip_counters = allow_multiple && self.capacity_in_use(dev.flat);
+        let mut undo = Rollback {
+            previous_results: self.results.get(r.claim).map_or(0, Vec::len),
+            ..Rollback::default()
+        };
+        if !skip_counters && !device.consumes_counters.is_empty() {
+            if !self.reserve_counters(dev) {
+                return Ok(None);
+            }
+            undo.counters_reserved = true;
+        }
+        let (base, sub) = match parent {
+            Some(p) => (p, Some(request_name)),
+            None => (request_name, None),
+        };
+        if features.device_taints && self.taint_prevents(device, r) {
+            self.rollback(r, dev, undo);
+            return Ok(None);
+        }
+        let n_constraints = self.constraints.get(r.claim).map_or(0, Vec::len);
+        for i in 0..n_constraints {
+            let ok = self
+                .constraints
+                .get_mut(r.claim)
+                .and_then(|cs| cs.get_mut(i))
+                .is_none_or(|c| c.add(base, sub, device.obj.attributes.as_ref(), slice.driver));
+            if !ok {
+                self.rollback(r, dev, undo);
+                if must {
+                    let kobj = self.claims.get(r.claim).map_or("", |c| c.kobj.as_str());
+                    return Err(AllocateError::Fatal(format!(
+                        "claim {kobj}, request {request_name}: cannot add device {}/{}/{} because a claim constraint would not be satisfied",
+                        slice.driver, slice.pool, device.name
+                    ))
+                    .into());
+                }
+                return Ok(None);
+            }
+            undo.constraints_added += 1;
+        }
+        if !allow_multiple {
+            self.allocating_devices
+                .entry(dev.flat)
+                .or_default()
+                .push(r.claim);
+            undo.device_marked = true;
+        }
+        let mut consumed = None;
+        let mut share_id = None;
+        if features.consumable_capacity {
+            let requests = self.request(r).and_then(|rd| rd.capacity.as_ref());
+            if self.capacity_fits(requests, dev) != Ok(true) {
+                self.rollback(r, dev, undo);
+                return Ok(None);
+            }
+            if allow_multiple {
+                let amounts = capacity::consumed_from_request(requests, &device.capacity);
+                let exact: ConsumedCapacity = amounts
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.exact().clone()))
+                    .collect();
+                share_id = Some(crate::uid::new_uid());
+                undo.capacity_entry_existed = self.allocating_capacity.contains_key(&dev.flat);
+                capacity::insert(
+                    self.allocating_capacity.entry(dev.flat).or_default(),
+                    &exact,
+                );
+                undo.capacity_inserted = true;
+                undo.consumed = Some(exact);
+                if !amounts.is_empty() {
+                    consumed = Some(amounts);
+                }
+            }
+        }
+        if let Some(results) = self.results.get_mut(r.claim) {
+            results.push(DeviceResult {
+                request: request_name,
+                parent,
+                slice: dev.slice,
+                device: dev.device,
+                share_id,
+                consumed,
+                admin,
+            });
+            undo.result_added = true;
+        }
+        Ok(Some(undo))
+    }
+
+    /// `rollbackDevice`.
+    fn rollback(&mut self, r: Indices, dev: DevRef, undo: Rollback) {
+        if undo.result_added
+            && let Some(results) = self.results.get_mut(r.claim)
+        {
+            results.truncate(undo.previous_results);
+        }
+        if undo.capacity_inserted {
+            if let Some(consumed) = &undo.consumed
+                && let Some(entry) = self.allocating_capacity.get_mut(&dev.flat)
+                && capacity::remove(entry, consumed)
+            {
+                self.allocating_capacity.remove(&dev.flat);
+            }
+            if undo.capacity_entry_existed {
+                self.allocating_capacity.entry(dev.flat).or_default();
+            }
+        }
+        if undo.device_marked
+            && let Some(claims) = self.allocating_devices.get_mut(&dev.flat)
+        {
+            claims.retain(|&c| c != r.claim);
+        }
+        if undo.constraints_added > 0 {
+            let (base, sub) = match self.request(r) {
+                Some(rd) => match rd.parent {
+                    Some(p) => (p, Some(rd.name)),
+                    None => (rd.name, None),
+                },
+                None => ("", None),
+            };
+            if let Some(cs) = self.constraints.get_mut(r.claim) {
+                for i in (0..undo.constraints_added).rev() {
+                    if let Some(c) = cs.get_mut(i) {
+                        c.remove(base, sub);
+                    }
+                }
+            }
+        }
+        if undo.counters_reserved {
+            self.release_counters(dev);
+        }
+    }
+
+    /// `taintPreventsAllocation`: a NoSchedule or NoExecute taint no toleration matches.
+    fn taint_prevents(&self, device: &DeviceData<'_>, r: Indices) -> bool {
+        let tolerations = self.request(r).map_or(&[][..], |rd| rd.tolerations);
+        device.taints.iter().any(|taint| {
+            matches!(taint.effect.as_str(), "NoExecute" | "NoSchedule")
+                && !tolerations.iter().any(|t| tolerates(t, taint))
+        })
+    }
+
+    /// `checkAvailableCounters`: reserves the device's counters if they are all available.
+    fn reserve_counters(&mut self, dev: DevRef) -> bool {
+        let alloc = self.alloc;
+        let Some((_, device)) = alloc.device(dev.slice, dev.device) else {
+            return false;
+        };
+        let Some(pool) = self.pools.get(dev.pool) else {
+            return false;
+        };
+        let pool_name = pool.pool.to_string();
+        let available = match self.available.get(&pool_name) {
+            Some(a) => Arc::clone(a),
+            None => {
+                let a = alloc.available_counters_for(pool);
+                self.available.insert(pool_name.clone(), Arc::clone(&a));
+                a
+            }
+        };
+        let consumed = self.consumed_counters.entry(pool_name).or_default();
+        for (set, counters) in &device.consumes_counters {
+            let entry = consumed.entry(set.clone()).or_default();
+            for (name, value) in counters {
+                match entry.get_mut(name) {
+                    Some(c) => *c = quantity::add(c, value),
+                    None => {
+                        entry.insert(name.clone(), value.clone());
+                    }
+                }
+            }
+        }
+        let zero = quantity::zero();
+        for (set, counters) in available.iter() {
+            let used = consumed.get(set);
+            for (name, value) in counters {
+                let c = used.and_then(|u| u.get(name)).unwrap_or(&zero);
+                if value.compare(c) == std::cmp::Ordering::Less {
+                    self.release_counters(dev);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// `deallocateCountersForDevice`.
+    fn release_counters(&mut self, dev: DevRef) {
+        let Some((_, device)) = self.alloc.device(dev.slice, dev.device) else {
+            return;
+        };
+        let Some(pool) = self.pools.get(dev.pool) else {
+            return;
+        };
+        let Some(consumed) = self.consumed_counters.get_mut(pool.pool) else {
+            return;
+        };
+        for (set, counters) in &device.consumes_counters {
+            let Some(entry) = consumed.get_mut(set) else {
+                continue;
+            };
+            for (name, value) in counters {
+                let c = entry.entry(name.clone()).or_insert_with(quantity::zero);
+                *c = quantity::sub(c, value);
+            }
+        }
+    }
+}
+
+impl Allocator<'_> {
+    /// The counters of a pool left by allocated devices, computed once per pool name.
+    fn available_counters_for(&self, pool: &Pool<'_>) -> Arc<BTreeMap<String, Counters>> {
+        let mut cache = self
+            .available_counters
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(a) = cache.get(pool.pool) {
+            return Arc::clone(a);
+        }
+        let mut available = pool.counter_sets.clone();
+        for &slice in pool.slices.iter().chain(&pool.not_targeting) {
+            let Some(s) = self.slices.get(slice) else {
+                continue;
+            };
+            for (i, d) in s.devices.iter().enumerate() {
+                if !self
+                    .flags
+                    .get(self.flat(slice, i))
+                    .is_some_and(|f| f.counts_allocated)
+                {
+                    continue;
+                }
+                for (set, counters) in &d.consumes_counters {
+                    let Some(avail) = available.get_mut(set) else {
+                        continue;
+                    };
+                    for (name, value) in counters {
+                        if let Some(a) = avail.get_mut(name) {
+                            *a = quantity::sub(a, value);
+                        }
+                    }
+                }
+            }
+        }
+        let available = Arc::new(available);
+        cache.insert(pool.pool.to_string(), Arc::clone(&available));
+        available
+    }
+}
+
+/// `resourceclaim.ToleratesTaint`.
+fn tolerates(t: &DeviceToleration, taint: &k8s_openapi::api::resource::v1::DeviceTaint) -> bool {
+    let effect = t.effect.as_deref().unwrap_or("");
+    if !effect.is_empty() && effect != taint.effect {
+        return false;
+    }
+    let key = t.key.as_deref().unwrap_or("");
+    if !key.is_empty() && key != taint.key {
+        return false;
+    }
+    match t.operator.as_deref().unwrap_or("") {
+        "" | "Equal" => t.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or(""),
+        "Exists" => true,
+        _ => false,
+    }
+}
+
+/// The parts of a request or subrequest that validation reads (`requestAccessor`).
+struct Accessor<'s> {
+    name: &'s str,
+    parent: Option<&'s str>,
+    class_name: &'s str,
+    mode: Option<&'s str>,
+    count: Option<i64>,
+    admin: Option<bool>,
+    selectors: &'s [DeviceSelector],
+    tolerations: &'s [DeviceToleration],
+    capacity: Option<&'s BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
+}
