@@ -1,7 +1,12 @@
 //! The drust CLI library half: `dractl cel eval` evaluates DRA CEL selectors against devices in
-//! the JSON Lines case format shared with the upstream oracle (`tests/gotools/cmd/celoracle`).
+//! the JSON Lines case format shared with the upstream oracle (`tests/gotools/cmd/celoracle`);
+//! `dractl allocate` ([`allocate`], reading input with [`objects`]) computes the scheduler's
+//! device allocations offline.
 
 use std::io::{BufRead, Write};
+
+pub mod allocate;
+pub mod objects;
 
 use dra_cel::{CompileError, Compiler, Device, Environment, EvalOptions, Features, MatchError};
 use serde::{Deserialize, Serialize};

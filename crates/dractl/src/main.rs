@@ -19,6 +19,31 @@ enum Command {
         #[command(subcommand)]
         command: CelCommand,
     },
+    /// Allocate a pod's claims on each node as kube-scheduler v1.36 would, offline.
+    ///
+    /// Reads Nodes, DeviceClasses, ResourceSlices and ResourceClaims (YAML or JSON as
+    /// `kubectl get -o yaml|json` prints them). Claims without status.allocation are the pod's
+    /// claims; those with one are in use. Invalid input exits with status 2.
+    Allocate {
+        /// Input file (`-` for stdin); repeatable.
+        #[arg(short = 'f', long = "filename", required = true)]
+        files: Vec<String>,
+        /// Only this node.
+        #[arg(long)]
+        node: Option<String>,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value = "json")]
+        output: dractl::allocate::Format,
+        /// Time allowed per node, e.g. `10s`, `500ms`, `1m 30s`, `0` to disable (the
+        /// scheduler's filterTimeout).
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+        /// Apply the fix of an upstream allocator bug that kube-scheduler v1.36.3 still has
+        /// (default: behave exactly as it does). Known: 140438 (distinctAttribute lets a
+        /// request with several devices repeat a value; kubernetes/kubernetes PR #140600).
+        #[arg(long = "fix-upstream-bug", value_name = "ISSUE", value_parser = ["140438"])]
+        fix_upstream_bug: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -51,6 +76,21 @@ enum CelCommand {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Command::Allocate {
+        files,
+        node,
+        output,
+        timeout,
+        fix_upstream_bug,
+    } = &cli.command
+    {
+        let options = dractl::allocate::Options {
+            node: node.clone(),
+            timeout: *timeout,
+            fix_distinct_attribute: fix_upstream_bug.iter().any(|b| b == "140438"),
+        };
+        std::process::exit(allocate(files, &options, *output));
+    }
     if let Command::Cel {
         command: CelCommand::Bench { batch, iterations },
     } = &cli.command
@@ -68,6 +108,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     match cli.command {
+        Command::Allocate { .. } => {}
         Command::Cel {
             command: CelCommand::Bench { .. },
         } => {}
@@ -98,4 +139,38 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `dractl allocate`: 0 when the run completed (whatever fits), 2 for bad input, 1 otherwise.
+fn allocate(
+    files: &[String],
+    options: &dractl::allocate::Options,
+    output: dractl::allocate::Format,
+) -> i32 {
+    let report = match dractl::objects::load_files(files)
+        .and_then(|inputs| dractl::allocate::allocate(inputs, options))
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dractl allocate: {e}");
+            return 2;
+        }
+    };
+    match dractl::allocate::render(&report, output) {
+        Ok(text) => {
+            let mut out = std::io::stdout().lock();
+            if out
+                .write_all(text.as_bytes())
+                .and_then(|()| out.flush())
+                .is_err()
+            {
+                return 1;
+            }
+            0
+        }
+        Err(e) => {
+            eprintln!("dractl allocate: {e}");
+            1
+        }
+    }
 }

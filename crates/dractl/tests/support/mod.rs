@@ -1,0 +1,104 @@
+//! Test support for `dractl allocate`: the scenario generator, the upstream oracle in batch
+//! mode, and the comparison and property checks.
+#![allow(dead_code)]
+
+pub mod check;
+pub mod scenarios;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::{Value, json};
+
+/// The oracle binary (`tests/gotools/cmd/allocoracle`), built once per source hash.
+pub fn oracle() -> PathBuf {
+    drust_gotools::go_tool("allocoracle")
+        .unwrap_or_else(|e| panic!("building the allocation oracle (Go is required): {e}"))
+}
+
+/// Where tests write their files: `<target dir>/dractl-allocate/`.
+pub fn out_dir() -> PathBuf {
+    // The test binary is <target>/<profile>/deps/<name>.
+    let exe = std::env::current_exe().unwrap_or_default();
+    let target = exe
+        .ancestors()
+        .nth(3)
+        .map(Path::to_path_buf)
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = target.join("dractl-allocate");
+    std::fs::create_dir_all(&dir).expect("create the output directory");
+    dir
+}
+
+/// One oracle answer: the report, or the reason the input was refused.
+pub enum Answer {
+    Report(Value),
+    Invalid(String),
+}
+
+/// Runs the oracle on scenarios (id, objects) in one batch process; answers in order.
+pub fn oracle_batch(scenarios: &[(String, Vec<Value>)], jobs: usize) -> Vec<Answer> {
+    let path = out_dir().join(format!("oracle-input-{}.jsonl", std::process::id()));
+    {
+        let mut f =
+            std::io::BufWriter::new(std::fs::File::create(&path).expect("create batch file"));
+        for (id, objects) in scenarios {
+            let line = json!({"id": id, "objects": objects});
+            writeln!(f, "{line}").expect("write batch file");
+        }
+    }
+    let out = Command::new(oracle())
+        .arg("--batch")
+        .arg(&path)
+        .arg("--jobs")
+        .arg(jobs.to_string())
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the oracle");
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "oracle failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let answers: Vec<Answer> = text
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).expect("oracle answers JSON");
+            match v.get("output") {
+                Some(o) => Answer::Report(o.clone()),
+                None => Answer::Invalid(v["invalid"].as_str().unwrap_or("").to_owned()),
+            }
+        })
+        .collect();
+    assert_eq!(answers.len(), scenarios.len(), "one answer per scenario");
+    answers
+}
+
+/// Our side: the objects read as `dractl allocate` reads them, then allocated.
+pub fn ours(id: &str, objects: &[Value]) -> Result<Value, String> {
+    ours_with(id, objects, &dractl::allocate::Options::default())
+}
+
+/// [`ours`] with other options.
+pub fn ours_with(
+    id: &str,
+    objects: &[Value],
+    options: &dractl::allocate::Options,
+) -> Result<Value, String> {
+    let mut reader = dractl::objects::Reader::new();
+    for (i, o) in objects.iter().enumerate() {
+        let location = dractl::objects::Location {
+            file: id.to_owned(),
+            document: i,
+            item: None,
+        };
+        reader
+            .read_value(location, o.clone())
+            .map_err(|e| e.to_string())?;
+    }
+    let report = dractl::allocate::allocate(reader.finish(), options).map_err(|e| e.to_string())?;
+    serde_json::to_value(&report).map_err(|e| e.to_string())
+}
