@@ -1027,13 +1027,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             return self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await;
         };
         let catalogue = self.catalogue();
-        let used: Vec<NodeDevice> = record
+        // Borrowed, not cloned: a GPU carries its MIG tables and links.
+        let used: Vec<&NodeDevice> = record
             .devices
             .iter()
-            .filter_map(|d| catalogue.get(&d.device_name).cloned())
+            .filter_map(|d| catalogue.get(&d.device_name))
             .collect();
         failpoint::hit("unprepare/before-started-checkpoint");
-        if !plan::changes_hardware(&record.devices, &used) {
+        if !plan::changes_hardware(&record.devices, used.iter().copied()) {
             // Nothing on the hardware to undo (see prepare_locked; the hardware's undo is a
             // check, idempotent): the record goes in one durable write; a crash before the CDI
             // spec is removed leaves an orphan spec that start-up removes. The failpoints mark

@@ -293,11 +293,14 @@ pub fn device_env(device: &str, uuid: &str) -> String {
 /// Whether preparing `devices` (with their node devices `used`) changes the hardware: a MIG
 /// placement is created, or a GPU's sharing (time slice, MPS) is set. Admin-access devices never
 /// carry sharing ([`plan`]). Such claims keep the two-phase checkpoint records.
-pub(crate) fn changes_hardware(devices: &[RecordedDevice], used: &[NodeDevice]) -> bool {
+pub(crate) fn changes_hardware<'d>(
+    devices: &[RecordedDevice],
+    used: impl IntoIterator<Item = &'d NodeDevice>,
+) -> bool {
     devices
         .iter()
         .any(|d| d.sharing.is_some() || d.mig.is_some())
         || used
-            .iter()
+            .into_iter()
             .any(|d| matches!(d, NodeDevice::MigPlacement { .. }))
 }
