@@ -89,6 +89,9 @@ pub struct Allocator<'a> {
     slices: Vec<SliceData<'a>>,
     on_node: HashMap<&'a str, Vec<usize>>,
     shared: Vec<usize>,
+    /// Every slice of each (driver, pool), in input order: upstream's `checkSlicesInPool`
+    /// scans all slices for each pool it finds incomplete, for every node.
+    by_pool: HashMap<(&'a str, &'a str), Vec<usize>>,
     /// Index of each slice's first device in `flags`.
     offsets: Vec<usize>,
     flags: Vec<DeviceFlags>,
@@ -125,6 +128,7 @@ impl<'a> Allocator<'a> {
         let mut data = Vec::with_capacity(slices.len());
         let mut on_node: HashMap<&'a str, Vec<usize>> = HashMap::new();
         let mut shared = Vec::new();
+        let mut by_pool: HashMap<(&'a str, &'a str), Vec<usize>> = HashMap::new();
         let mut offsets = Vec::with_capacity(slices.len());
         let mut flags = Vec::new();
         for (i, slice) in slices.iter().enumerate() {
@@ -135,6 +139,7 @@ impl<'a> Allocator<'a> {
             } else {
                 on_node.entry(node).or_default().push(i);
             }
+            by_pool.entry((d.driver, d.pool)).or_default().push(i);
             offsets.push(flags.len());
             for dev in &d.devices {
                 let id = DeviceId::new(d.driver, d.pool, dev.name);
@@ -152,6 +157,7 @@ impl<'a> Allocator<'a> {
             slices: data,
             on_node,
             shared,
+            by_pool,
             offsets,
             flags,
             compiler: dra_cel::Compiler::new(
@@ -222,7 +228,7 @@ impl<'a> Allocator<'a> {
         let node_name = node.metadata.name.as_deref().unwrap_or("");
         let mut for_node: Vec<usize> = self.on_node.get(node_name).cloned().unwrap_or_default();
         for_node.extend_from_slice(&self.shared);
-        let pools = gather_pools(&self.slices, &for_node, node, self.features)
+        let pools = gather_pools(&self.slices, &self.by_pool, &for_node, node, self.features)
             .map_err(|e| AllocateError::Fatal(format!("gather pool information: {e}")))?;
         let mut search = Search {
             alloc: self,

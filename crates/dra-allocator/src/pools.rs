@@ -48,6 +48,7 @@ impl Pool<'_> {
 /// A node selector that does not parse.
 pub(crate) fn gather_pools<'a>(
     all: &[SliceData<'a>],
+    by_pool: &HashMap<(&'a str, &'a str), Vec<usize>>,
     slices_for_node: &[usize],
     node: &Node,
     features: Features,
@@ -149,10 +150,10 @@ pub(crate) fn gather_pools<'a>(
             // checkSlicesInPool: look at every slice of the pool, for any node.
             let mut all_for_pool = Vec::new();
             let mut obsolete = false;
-            for (i, s) in all.iter().enumerate() {
-                if (s.driver, s.pool) != key {
+            for &i in by_pool.get(&key).into_iter().flatten() {
+                let Some(s) = all.get(i) else {
                     continue;
-                }
+                };
                 if s.generation == generation {
                     all_for_pool.push(i);
                 } else if s.generation > generation {
