@@ -416,7 +416,10 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         claims: &[&'s ResourceClaim],
     ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
         self.prepare(claims)?;
-        if self.some_request_cannot_be_met() {
+        // With one request the search has nothing to backtrack over: the bound inside it is
+        // enough, and counting every candidate first would only cost time.
+        let requests: usize = self.claims.iter().map(|c| c.requests.len()).sum();
+        if requests > 1 && self.some_request_cannot_be_met() {
             return self.none_fits();
         }
         match self.allocate_one(Indices::default(), false, Location::default()) {
