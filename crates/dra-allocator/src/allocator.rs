@@ -888,76 +888,80 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         {
             return Ok(false);
         }
-        for pool_index in start.pool..self.pools.len() {
-            let Some(pool) = self.pools.get(pool_index) else {
-                break;
-            };
-            if pool.incomplete || pool.invalid {
+        let mut at = start;
+        while let Some((dev, from)) = self.device_from(at) {
+            at = from;
+            if admin {
+                if self.allocating_for_claim(dev.flat, r.claim) {
+                    continue;
+                }
+            } else if self.in_use(dev.flat) {
                 continue;
             }
-            let slice_start = if pool_index == start.pool {
-                start.slice
-            } else {
-                0
+            if !self.is_selectable(key, class, selectors, dev)? {
+                continue;
+            }
+            if self.alloc.features.consumable_capacity {
+                let capacity = self.request(r).and_then(|rd| rd.capacity.as_ref());
+                if self.capacity_fits(capacity, dev) != Ok(true) {
+                    continue;
+                }
+            }
+            let Some(undo) = self.allocate_device(r, dev, false)? else {
+                continue;
             };
-            let n_slices = pool.slices.len();
-            for slice_pos in slice_start..n_slices {
-                let Some(&slice) = self
-                    .pools
-                    .get(pool_index)
-                    .and_then(|p| p.slices.get(slice_pos))
-                else {
-                    break;
-                };
-                let device_start = if pool_index == start.pool && slice_pos == start.slice {
-                    start.device
-                } else {
-                    0
-                };
-                let n_devices = self.alloc.slices.get(slice).map_or(0, |s| s.devices.len());
-                for device in device_start..n_devices {
-                    let dev = DevRef {
-                        pool: pool_index,
-                        slice,
-                        device,
-                        flat: self.alloc.flat(slice, device),
-                    };
-                    if admin {
-                        if self.allocating_for_claim(dev.flat, r.claim) {
-                            continue;
-                        }
-                    } else if self.in_use(dev.flat) {
-                        continue;
-                    }
-                    if !self.is_selectable(key, class, selectors, dev)? {
-                        continue;
-                    }
-                    if self.alloc.features.consumable_capacity {
-                        let capacity = self.request(r).and_then(|rd| rd.capacity.as_ref());
-                        if self.capacity_fits(capacity, dev) != Ok(true) {
-                            continue;
-                        }
-                    }
-                    let Some(undo) = self.allocate_device(r, dev, false)? else {
-                        continue;
-                    };
-                    let from = Location {
-                        pool: pool_index,
-                        slice: slice_pos,
-                        device: device + 1,
-                    };
-                    match self.allocate_one(next, allocate_sub, from) {
-                        Ok(true) => return Ok(true),
-                        Ok(false) => self.rollback(r, dev, undo),
-                        Err(e) => {
-                            self.rollback(r, dev, undo);
-                            return Err(e);
-                        }
-                    }
+            match self.allocate_one(next, allocate_sub, from) {
+                Ok(true) => return Ok(true),
+                Ok(false) => self.rollback(r, dev, undo),
+                Err(e) => {
+                    self.rollback(r, dev, undo);
+                    return Err(e);
                 }
             }
         }
         Ok(false)
+    }
+
+    /// The first device at or after `at` in search order (pools, their slices, their devices;
+    /// incomplete and invalid pools skipped), with the place after it.
+    fn device_from(&self, at: Location) -> Option<(DevRef, Location)> {
+        let mut at = at;
+        loop {
+            let pool = self.pools.get(at.pool)?;
+            let next_pool = Location {
+                pool: at.pool + 1,
+                ..Location::default()
+            };
+            if pool.incomplete || pool.invalid {
+                at = next_pool;
+                continue;
+            }
+            let Some(&slice) = pool.slices.get(at.slice) else {
+                at = next_pool;
+                continue;
+            };
+            if at.device >= self.alloc.slices.get(slice).map_or(0, |s| s.devices.len()) {
+                at = Location {
+                    slice: at.slice + 1,
+                    device: 0,
+                    ..at
+                };
+                continue;
+            }
+            let dev = DevRef {
+                pool: at.pool,
+                slice,
+                device: at.device,
+                flat: self.alloc.flat(slice, at.device),
+            };
+            return Some((
+                dev,
+                Location {
+                    device: at.device + 1,
+                    ..at
+                },
+            ));
+        }
     }
 
     /// Whether at least `needed` devices from `start` on could each join request `r` as things
@@ -1005,78 +1009,36 @@ impl<'s, 'a: 's> Search<'s, 'a> {
     ) -> Option<i64> {
         let saved = self.constraints.get(r.claim).cloned().unwrap_or_default();
         let mut found = 0i64;
-        let try_at = Indices {
-            device: r.device,
-            ..r
-        };
-        for pool_index in start.pool..self.pools.len() {
-            let Some(pool) = self.pools.get(pool_index) else {
-                break;
-            };
-            if pool.incomplete || pool.invalid {
+        let mut at = start;
+        while let Some((dev, from)) = self.device_from(at) {
+            at = from;
+            if admin {
+                if self.allocating_for_claim(dev.flat, r.claim) {
+                    continue;
+                }
+            } else if self.in_use(dev.flat) {
                 continue;
             }
-            let slice_start = if pool_index == start.pool {
-                start.slice
-            } else {
-                0
+            match self.is_selectable(key, class, selectors, dev) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(_) => return None,
+            }
+            let joined = match self.allocate_device(r, dev, false) {
+                Ok(Some(undo)) => {
+                    self.rollback(r, dev, undo);
+                    Some(true)
+                }
+                Ok(None) => Some(false),
+                Err(_) => None,
             };
-            for slice_pos in slice_start..pool.slices.len() {
-                let Some(&slice) = self
-                    .pools
-                    .get(pool_index)
-                    .and_then(|p| p.slices.get(slice_pos))
-                else {
-                    break;
-                };
-                let device_start = if pool_index == start.pool && slice_pos == start.slice {
-                    start.device
-                } else {
-                    0
-                };
-                let n_devices = self.alloc.slices.get(slice).map_or(0, |s| s.devices.len());
-                for device in device_start..n_devices {
-                    let dev = DevRef {
-                        pool: pool_index,
-                        slice,
-                        device,
-                        flat: self.alloc.flat(slice, device),
-                    };
-                    if admin {
-                        if self.allocating_for_claim(dev.flat, r.claim) {
-                            continue;
-                        }
-                    } else if self.in_use(dev.flat) {
-                        continue;
-                    }
-                    match self.is_selectable(key, class, selectors, dev) {
-                        Ok(true) => {}
-                        Ok(false) => continue,
-                        Err(_) => return None,
-                    }
-                    match self.allocate_device(try_at, dev, false) {
-                        Ok(Some(undo)) => {
-                            self.rollback(try_at, dev, undo);
-                            if let Some(cs) = self.constraints.get_mut(r.claim) {
-                                cs.clone_from(&saved);
-                            }
-                            found += 1;
-                            if stop_at.is_some_and(|n| found >= n) {
-                                return Some(found);
-                            }
-                        }
-                        Ok(None) => {
-                            if let Some(cs) = self.constraints.get_mut(r.claim) {
-                                cs.clone_from(&saved);
-                            }
-                        }
-                        Err(_) => {
-                            if let Some(cs) = self.constraints.get_mut(r.claim) {
-                                cs.clone_from(&saved);
-                            }
-                            return None;
-                        }
-                    }
+            if let Some(cs) = self.constraints.get_mut(r.claim) {
+                cs.clone_from(&saved);
+            }
+            if joined? {
+                found += 1;
+                if stop_at.is_some_and(|n| found >= n) {
+                    return Some(found);
                 }
             }
         }
@@ -1298,7 +1260,8 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                     .iter()
                     .map(|(k, v)| (k.clone(), v.exact().clone()))
                     .collect();
-                share_id = Some(crate::uid::new_uid());
+                // A random (version 4) UUID, as upstream's `GenerateShareID`.
+                share_id = Some(uuid::Uuid::new_v4().to_string());
                 undo.capacity_entry_existed = self.allocating_capacity.contains_key(&dev.flat);
                 capacity::insert(
                     self.allocating_capacity.entry(dev.flat).or_default(),

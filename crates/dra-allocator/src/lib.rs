@@ -40,7 +40,6 @@ mod pools;
 pub mod quantity;
 mod result;
 mod scheduler;
-mod uid;
 
 use std::time::Duration;
 
