@@ -891,11 +891,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         let mut at = start;
         while let Some((dev, from)) = self.device_from(at) {
             at = from;
-            if admin {
-                if self.allocating_for_claim(dev.flat, r.claim) {
-                    continue;
-                }
-            } else if self.in_use(dev.flat) {
+            if self.taken(dev.flat, r.claim, admin) {
                 continue;
             }
             if !self.is_selectable(key, class, selectors, dev)? {
@@ -920,6 +916,16 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             }
         }
         Ok(false)
+    }
+
+    /// Whether the device is out of reach for this claim's request before any other check:
+    /// in use (or being allocated), or for admin access, already being allocated to this claim.
+    fn taken(&self, flat: usize, claim: usize, admin: bool) -> bool {
+        if admin {
+            self.allocating_for_claim(flat, claim)
+        } else {
+            self.in_use(flat)
+        }
     }
 
     /// The first device at or after `at` in search order (pools, their slices, their devices;
@@ -1012,11 +1018,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         let mut at = start;
         while let Some((dev, from)) = self.device_from(at) {
             at = from;
-            if admin {
-                if self.allocating_for_claim(dev.flat, r.claim) {
-                    continue;
-                }
-            } else if self.in_use(dev.flat) {
+            if self.taken(dev.flat, r.claim, admin) {
                 continue;
             }
             match self.is_selectable(key, class, selectors, dev) {

@@ -67,6 +67,21 @@ pub struct Objects {
     pub claims: Vec<ResourceClaim>,
 }
 
+impl Objects {
+    /// The pod's claims: those without `status.allocation`, in input order.
+    pub fn to_allocate(&self) -> Vec<&ResourceClaim> {
+        self.claims
+            .iter()
+            .filter(|c| {
+                c.status
+                    .as_ref()
+                    .and_then(|s| s.allocation.as_ref())
+                    .is_none()
+            })
+            .collect()
+    }
+}
+
 /// How to run [`allocate`].
 #[derive(Debug, Clone)]
 pub struct Options {

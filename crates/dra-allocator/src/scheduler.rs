@@ -33,16 +33,7 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
     let every = |f: &dyn Fn(String) -> NodeReport| Report {
         nodes: nodes.iter().map(|n| f(name(n))).collect(),
     };
-    let to_allocate: Vec<&ResourceClaim> = objects
-        .claims
-        .iter()
-        .filter(|c| {
-            c.status
-                .as_ref()
-                .and_then(|s| s.allocation.as_ref())
-                .is_none()
-        })
-        .collect();
+    let to_allocate = objects.to_allocate();
     if to_allocate.is_empty() {
         // Nothing to allocate: the plugin skips the pod, every node fits.
         return every(&|name| NodeReport::Allocated {

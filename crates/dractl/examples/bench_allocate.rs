@@ -364,16 +364,7 @@ fn ours(objects: &[Value], rounds: usize) -> anyhow::Result<(Vec<Duration>, Valu
     };
     let answer = serde_json::to_value(dra_allocator::allocate(&objects, &options))?;
     let features = dra_allocator::Features::V1_36;
-    let claims: Vec<_> = objects
-        .claims
-        .iter()
-        .filter(|c| {
-            c.status
-                .as_ref()
-                .and_then(|s| s.allocation.as_ref())
-                .is_none()
-        })
-        .collect();
+    let claims = objects.to_allocate();
     let mut all = Vec::new();
     for _ in 0..rounds {
         // What PreFilter does once per pod, untimed as upstream's is.
