@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::storage::{Fs, remove_file, write_atomic};
+use crate::storage::{Fs, remove_file, replace};
 
 /// Spec annotation naming the claim's namespace, so a spec found on disk identifies its claim.
 pub const ANNOTATION_NAMESPACE: &str = "claim.drust.dev/namespace";
@@ -191,7 +191,11 @@ impl CdiWriter {
     }
 
     /// Writes `spec` for the claim atomically (a runtime never reads half a file) and returns
-    /// its path.
+    /// its path. Not synced: a spec is only used once its claim's `PrepareCompleted` record is
+    /// durable in the checkpoint, which holds the spec too, and start-up rewrites every
+    /// completed claim's spec that is missing or differs (`recovery::ensure_spec`); a spec
+    /// without a record is an orphan and removed. Syncing it would only add two fsyncs to
+    /// every prepare.
     ///
     /// # Errors
     /// [`CdiError::Write`].
@@ -204,7 +208,7 @@ impl CdiWriter {
         let mut bytes = serde_json::to_vec_pretty(spec).map_err(|e| write_err(e.into()))?;
         bytes.push(b'\n');
         self.fs.create_dir_all(&self.root).map_err(write_err)?;
-        write_atomic(self.fs.as_ref(), &path, &bytes).map_err(write_err)?;
+        replace(self.fs.as_ref(), &path, &bytes).map_err(write_err)?;
         Ok(path)
     }
 

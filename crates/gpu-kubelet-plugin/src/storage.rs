@@ -136,6 +136,14 @@ fn parent(path: &Path) -> io::Result<&Path> {
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no parent"))
 }
 
+/// `.<name>.tmp` beside `path`.
+fn temp_path(path: &Path) -> io::Result<PathBuf> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    Ok(parent(path)?.join(format!(".{}.tmp", name.to_string_lossy())))
+}
+
 /// Replaces `path` with `bytes` so that after a crash or power cut it holds either the old or the
 /// new content: write a temp file beside it, fsync it, rename it over `path`, fsync the directory.
 ///
@@ -143,15 +151,28 @@ fn parent(path: &Path) -> io::Result<&Path> {
 /// Any I/O error; the temp file is removed on failure where possible.
 pub fn write_atomic(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = parent(path)?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    let tmp = temp_path(path)?;
     let result = fs
         .write(&tmp, bytes)
         .and_then(|()| fs.sync_file(&tmp))
         .and_then(|()| fs.rename(&tmp, path))
         .and_then(|()| fs.sync_dir(dir));
+    if result.is_err() {
+        let _ = fs.remove(&tmp);
+    }
+    result
+}
+
+/// Replaces `path` with `bytes` so that a reader sees either the old or the whole new content
+/// (temp file beside it, rename), without making either durable: after a crash or power cut
+/// `path` may be the old file, the new one, missing, or empty. For files rebuilt at start-up
+/// from a durable record, where the two fsyncs of [`write_atomic`] would buy nothing.
+///
+/// # Errors
+/// Any I/O error; the temp file is removed on failure where possible.
+pub fn replace(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = temp_path(path)?;
+    let result = fs.write(&tmp, bytes).and_then(|()| fs.rename(&tmp, path));
     if result.is_err() {
         let _ = fs.remove(&tmp);
     }

@@ -16,6 +16,13 @@
 //! Every crash in between leaves an orphan spec or a completed record without its spec, both of
 //! which start-up reconciles.
 //!
+//! CDI specs are written atomically but not synced: the checkpoint record holds each spec, and
+//! the kubelet hears of a prepare only once `PrepareCompleted` is durable, so the record alone
+//! decides and start-up rewrites a spec a crash lost. Unsynced data is lost only with the
+//! machine (a plugin crash keeps the page cache), and after a reboot every claim of the previous
+//! boot is dropped and prepared again anyway, so rebuilding a damaged checkpoint from the specs
+//! loses nothing either.
+//!
 //! Dynamic MIG (partitionable mode): the hardware step creates the MIG device of each allocated
 //! placement; what it created is written to the checkpoint (`devices[].mig`) before the CDI
 //! spec, which is computed only then (the new device's capability nodes and UUID). A failure
@@ -948,7 +955,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             // Without hardware actions the two writes are independent, so they run at once: a
             // crash with only the record durable leaves a completed claim whose spec start-up
             // rewrites from the record; one with only the spec leaves an orphan spec that
-            // start-up removes. The kubelet hears of success only when both are durable.
+            // start-up removes. The kubelet hears of success only when the record is durable
+            // (the spec is never synced, see the module docs).
             let (written, completed) = tokio::join!(
                 write_spec,
                 self.set_state(claim, ClaimState::PrepareCompleted)
