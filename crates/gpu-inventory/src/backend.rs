@@ -127,6 +127,28 @@ pub struct MigPlacement {
     pub size: u32,
 }
 
+/// What the claim lifecycle checks before it acts on a GPU ([`GpuBackend::gpu_state`]): which
+/// GPU sits at an index now, and its MIG devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuState {
+    /// `nvmlDeviceGetUUID`.
+    pub uuid: String,
+    /// `/dev/nvidia<minor>` (`nvmlDeviceGetMinorNumber`).
+    pub minor: u32,
+    /// The MIG devices that exist now; empty unless MIG mode is enabled.
+    pub mig_devices: Vec<RawMigDevice>,
+}
+
+impl From<RawGpu> for GpuState {
+    fn from(g: RawGpu) -> GpuState {
+        GpuState {
+            uuid: g.uuid,
+            minor: g.minor,
+            mig_devices: g.mig_devices,
+        }
+    }
+}
+
 /// One existing MIG device: a compute instance inside a GPU instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -318,6 +340,16 @@ pub trait GpuBackend: Send + Sync {
     /// # Errors
     /// [`BackendError`] when any query for that GPU fails.
     fn gpu(&self, index: u32) -> Result<RawGpu, BackendError>;
+
+    /// The identity and MIG devices of the GPU at `index` now: the few queries prepare and
+    /// unprepare need, where [`GpuBackend::gpu`] also walks every MIG profile and placement.
+    /// The default answers from [`GpuBackend::gpu`].
+    ///
+    /// # Errors
+    /// [`BackendError`] when a query for that GPU fails.
+    fn gpu_state(&self, index: u32) -> Result<GpuState, BackendError> {
+        self.gpu(index).map(GpuState::from)
+    }
 
     /// Sets the compute time slice of the GPU at `index` to `value`, in the encoding of
     /// `nvidia-smi compute-policy --set-timeslice` (0 default, 1 short, 2 medium, 3 long).

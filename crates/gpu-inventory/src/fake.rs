@@ -64,7 +64,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    BackendError, GpuBackend, MigAttributes, MigMode, MigPlacement, RawGpu, RawMigDevice,
+    BackendError, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement, RawGpu, RawMigDevice,
     SystemInfo,
 };
 use crate::health::{EVENT_POLL_INTERVAL, HealthEvent, events_dir, take_event_file};
@@ -481,6 +481,30 @@ impl GpuBackend for FakeBackend {
         Ok(gpu)
     }
 
+    fn gpu_state(&self, index: u32) -> Result<GpuState, BackendError> {
+        self.record(format!("gpu_state({index})"));
+        if lock(&self.failing_gpus).contains(&index) {
+            return Err(BackendError::Injected {
+                call: "gpu_state",
+                index,
+            });
+        }
+        let topology = self.topology();
+        let gpu = topology
+            .gpus
+            .get(index as usize)
+            .ok_or_else(|| BackendError::Query {
+                call: "nvmlDeviceGetHandleByIndex_v2",
+                index,
+                message: "Invalid Argument".into(),
+            })?;
+        Ok(GpuState {
+            uuid: gpu.uuid.clone(),
+            minor: gpu.minor,
+            mig_devices: self.with_mig(|state| Ok((state.devices(gpu).to_vec(), false)))?,
+        })
+    }
+
     fn create_mig_device(
         &self,
         index: u32,
@@ -635,6 +659,44 @@ gpus:
         assert_eq!(fake.gpu(0).expect("gpu").uuid, "GPU-a");
         assert!(fake.gpu(1).is_err());
         assert_eq!(fake.calls(), ["device_count", "gpu(0)", "gpu(1)"]);
+    }
+
+    /// Prepare checks a GPU with the light query: it must tell the same identity and MIG
+    /// devices as the full one, also after a MIG device is created.
+    #[test]
+    fn the_light_gpu_state_agrees_with_the_full_query() {
+        let topology = Topology::from_file(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../examples/topologies/dgx-a100-mig.yaml"),
+        )
+        .expect("example topology");
+        let fake = FakeBackend::new(topology);
+        let count = fake.device_count().expect("count");
+        assert!(count > 1);
+        // Free GPU 0's first MIG device, then create one in its place.
+        let first = fake.gpu_state(0).expect("state").mig_devices[0].clone();
+        fake.destroy_mig_device(0, first.gpu_instance_id, first.compute_instance_id)
+            .expect("destroy");
+        let before = fake.gpu_state(0).expect("state").mig_devices.len();
+        let profiles = fake.gpu(0).expect("gpu").mig_profiles;
+        let created = profiles
+            .iter()
+            .flat_map(|p| p.placements.iter().map(move |&at| (p.id, at)))
+            .find_map(|(id, at)| fake.create_mig_device(0, id, at).ok());
+        assert!(created.is_some(), "some placement is free");
+        for index in 0..count {
+            let full = GpuState::from(fake.gpu(index).expect("gpu"));
+            assert_eq!(fake.gpu_state(index).expect("state"), full, "GPU {index}");
+        }
+        assert_eq!(
+            fake.gpu_state(0).expect("state").mig_devices.len(),
+            before + 1
+        );
+        fake.fail_gpu(1);
+        assert!(matches!(
+            fake.gpu_state(1),
+            Err(BackendError::Injected { index: 1, .. })
+        ));
     }
 
     #[test]

@@ -53,7 +53,7 @@ pub mod slices;
 pub mod sysfs;
 pub mod validate;
 
-pub use backend::{BackendError, GpuBackend, RawGpu, SystemInfo};
+pub use backend::{BackendError, GpuBackend, GpuState, RawGpu, SystemInfo};
 pub use fake::{FakeBackend, Topology, TopologyError};
 pub use health::{HealthEvent, HealthEventKind, RecoveryProbe};
 pub use mig::MigDevice;

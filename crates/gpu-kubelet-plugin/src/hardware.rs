@@ -504,10 +504,10 @@ impl BackendHardware {
 
 impl BackendHardware {
     /// The GPU as the backend sees it now, refusing another GPU at the published index.
-    fn current(&self, device: &str, gpu: &Gpu) -> Result<gpu_inventory::RawGpu, HardwareError> {
+    fn current(&self, device: &str, gpu: &Gpu) -> Result<gpu_inventory::GpuState, HardwareError> {
         let now = self
             .backend
-            .gpu(gpu.raw.index)
+            .gpu_state(gpu.raw.index)
             .map_err(|source| HardwareError::Query {
                 device: device.to_owned(),
                 source,

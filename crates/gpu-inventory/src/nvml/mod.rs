@@ -44,8 +44,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use crate::backend::{
-    BackendError, GpuBackend, MigAttributes, MigMode, MigPlacement, MigProfile, NvLinkGroup,
-    RawGpu, RawMigDevice, SystemInfo,
+    BackendError, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement, MigProfile,
+    NvLinkGroup, RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::health::{HealthEvent, HealthEventKind, RecoveryProbe};
 use crate::mig_tables::PROFILE_COUNT;
@@ -313,6 +313,28 @@ impl GpuBackend for NvmlBackend {
         self.nvml
             .device_count()
             .map_err(query("nvmlDeviceGetCount_v2", u32::MAX))
+    }
+
+    fn gpu_state(&self, index: u32) -> Result<GpuState, BackendError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
+        // NOT_SUPPORTED: not MIG-capable, so no MIG devices.
+        let mig_enabled = d
+            .mig_mode()
+            .is_ok_and(|m| m.current == nvml_wrapper_sys::bindings::NVML_DEVICE_MIG_ENABLE);
+        Ok(GpuState {
+            uuid: d.uuid().map_err(query("nvmlDeviceGetUUID", index))?,
+            minor: d
+                .minor_number()
+                .map_err(query("nvmlDeviceGetMinorNumber", index))?,
+            mig_devices: if mig_enabled {
+                self.mig_devices(&d, index)?
+            } else {
+                Vec::new()
+            },
+        })
     }
 
     fn gpu(&self, index: u32) -> Result<RawGpu, BackendError> {
