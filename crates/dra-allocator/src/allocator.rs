@@ -11,12 +11,16 @@
 //! are upstream's, so the first solution found is upstream's. What differs is bookkeeping:
 //! devices are addressed by position instead of by name, and selectors are compiled once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use foldhash::{HashMap, HashMapExt};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use dra_cel::{CompileError, CompiledExpression, EvalError, EvalOptions, MatchError};
+use dra_cel::{
+    CompileError, CompiledExpression, DeviceError, DeviceView, EvalError, EvalOptions, MatchError,
+};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceClass, DeviceRequest, DeviceSelector, DeviceToleration, ResourceClaim,
@@ -1114,8 +1118,10 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             return Ok(m);
         }
         let class_selectors = class.spec.selectors.as_deref().unwrap_or_default();
-        let result = self.selectors_match(claim, device, Some(class), class_selectors)?
-            && self.selectors_match(claim, device, None, selectors)?
+        // One view of the device for every selector of class and request.
+        let view = DeviceView::new(&device.cel, false);
+        let result = self.selectors_match(claim, &view, Some(class), class_selectors)?
+            && self.selectors_match(claim, &view, None, selectors)?
             && (!slice.per_device_node_selection
                 || node_matches(
                     self.node,
@@ -1132,7 +1138,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
     fn selectors_match(
         &self,
         claim: usize,
-        device: &DeviceData<'_>,
+        view: &Result<DeviceView<'_>, DeviceError>,
         class: Option<&DeviceClass>,
         selectors: &[DeviceSelector],
     ) -> Step<bool> {
@@ -1162,7 +1168,11 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 cost_limit: dra_cel::MAX_COST,
                 deadline: self.interrupt.deadline,
             };
-            match compiled.matches_with(&device.cel, options) {
+            let matched = match view {
+                Ok(view) => compiled.matches_view(view, options),
+                Err(e) => Err(MatchError::Device(e.clone())),
+            };
+            match matched {
                 Ok(true) => {}
                 Ok(false) => return Ok(false),
                 Err(MatchError::Eval(EvalError::Interrupted)) => {

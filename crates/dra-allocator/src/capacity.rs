@@ -30,6 +30,15 @@ pub(crate) fn fits(
     {
         return Err(());
     }
+    // Nothing requested, allocated or being allocated, and no policy: each capacity consumes
+    // exactly itself, which fits. The common case, without a quantity copied.
+    if requests.is_none_or(BTreeMap::is_empty)
+        && current.is_none_or(BTreeMap::is_empty)
+        && allocating.is_none_or(BTreeMap::is_empty)
+        && capacity.values().all(|c| c.policy.is_none())
+    {
+        return Ok(true);
+    }
     for (name, cap) in capacity {
         let consumed = consumed_for(requests.and_then(|r| r.get(name)), cap);
         if violates_policy(&consumed, cap.policy.as_ref()) {

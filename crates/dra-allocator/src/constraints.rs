@@ -7,7 +7,9 @@
 //! request with several devices can repeat a value: kubernetes/kubernetes#140438, fixed after
 //! v1.36.2 by #140600 but present in the v0.36.3 code we mirror.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
+
+use foldhash::HashSet;
 
 use k8s_openapi::api::resource::v1::DeviceAttribute;
 

@@ -5,7 +5,9 @@
 //! upstream: `k8s.io/dynamic-resource-allocation/api` (`draapi`, the allocator's internal copy of
 //! ResourceSlice) and `structured/schedulerapi/types.go` (`AllocatedState`).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use foldhash::{HashMap, HashSet, HashSetExt};
 
 use dra_cel::libs::quantity::Quantity as Exact;
 use k8s_openapi::api::core::v1::NodeSelector;
@@ -202,6 +204,12 @@ pub(crate) struct SliceData<'a> {
     /// `sharedCounters`, in order; empty when none.
     pub shared_counters: Vec<(String, Counters)>,
     pub devices: Vec<DeviceData<'a>>,
+    /// The first device whose name an earlier device of this slice has too.
+    pub duplicate_device: Option<&'a str>,
+    /// Some device has binding conditions.
+    pub has_binding_conditions: bool,
+    /// Some device consumes counters.
+    pub consumes_counters: bool,
 }
 
 impl SliceData<'_> {
@@ -257,6 +265,10 @@ impl<'a> SliceData<'a> {
         for (i, d) in spec.devices.iter().flatten().enumerate() {
             devices.push(DeviceData::new(slice, i, d)?);
         }
+        let mut seen = HashSet::with_capacity(devices.len());
+        let duplicate_device = devices.iter().map(|d| d.name).find(|n| !seen.insert(*n));
+        let has_binding_conditions = devices.iter().any(|d| d.has_binding_conditions);
+        let consumes_counters = devices.iter().any(|d| !d.consumes_counters.is_empty());
         Ok(SliceData {
             name: slice.metadata.name.as_deref().unwrap_or(""),
             driver: &spec.driver,
@@ -270,6 +282,9 @@ impl<'a> SliceData<'a> {
             per_device_node_selection_set: spec.per_device_node_selection.is_some(),
             shared_counters,
             devices,
+            duplicate_device,
+            has_binding_conditions,
+            consumes_counters,
         })
     }
 }

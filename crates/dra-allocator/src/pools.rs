@@ -5,7 +5,9 @@
 //! `buildPool`, `checkSlicesInPool`, `validateDeviceNames`, `validateDeviceCounterConsumption`);
 //! KEP-4815 (partitionable devices), KEP-5007 (binding conditions: such pools go last).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 
 use k8s_openapi::api::core::v1::Node;
 
@@ -175,10 +177,10 @@ pub(crate) fn gather_pools<'a>(
             }
             build_pool(all, key, &mut slices, Some(&all_for_pool), features)
         };
-        let binding = pool.slices.iter().any(|&i| {
-            all.get(i)
-                .is_some_and(|s| s.devices.iter().any(|d| d.has_binding_conditions))
-        });
+        let binding = pool
+            .slices
+            .iter()
+            .any(|&i| all.get(i).is_some_and(|s| s.has_binding_conditions));
         if binding {
             with_binding.push(pool);
         } else {
@@ -210,6 +212,23 @@ fn build_pool<'a>(
         invalid_reason: reason,
         ..Pool::default()
     };
+    // The common pool, one slice of plain devices that the node sees whole: its checks were
+    // made when the slice was read. Same outcome as the general path below.
+    if let [only] = *slices
+        && let Some(s) = all.get(only)
+        && all_for_pool.is_none_or(|a| a.len() == 1)
+        && !(features.partitionable_devices && (s.has_shared_counters() || s.consumes_counters))
+    {
+        if let Some(d) = s.duplicate_device {
+            return invalid(format!("duplicate device name {d}"));
+        }
+        return Pool {
+            driver: key.0,
+            pool: key.1,
+            slices: vec![only],
+            ..Pool::default()
+        };
+    }
     let (counter_slices, device_slices): (Vec<usize>, Vec<usize>) =
         if features.partitionable_devices {
             slices

@@ -3,7 +3,7 @@
 //! upstream: `structured/internal/incubating/allocator_incubating.go`, the end of `Allocate`
 //! (results, class and claim configs) and `createNodeSelector`.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
