@@ -278,6 +278,10 @@ impl<'a> Allocator<'a> {
     }
 }
 
+/// Steps of the search (`allocateOne` calls) before [`Search::enough_candidates`] bounds it.
+/// The bound never changes an answer, only when it starts cutting.
+const BOUND_AFTER_STEPS: u64 = 16;
+
 /// Why the recursion stops early.
 enum Stop {
     /// `errAllocationResultMaxSizeExceeded`: a claim would get more than 32 devices.
@@ -888,7 +892,14 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         }
         let key = (r.claim, r.request, r.sub);
         let needed = num_devices - r.device as i64;
-        if needed >= 2 && !self.enough_candidates(r, key, (class, selectors), admin, start, needed)
+        // The bound only pays where the search has to backtrack: an ordinary search finds its
+        // answer in a handful of steps, and counting candidates first would double its work.
+        // Once the search is that long, the bound is checked on entry and again each time a
+        // device failed here, for the devices after it, so levels entered before it started
+        // cutting are cut too.
+        let bounded = |this: &Self| needed >= 2 && this.steps > BOUND_AFTER_STEPS;
+        if bounded(self)
+            && !self.enough_candidates(r, key, (class, selectors), admin, start, needed)
         {
             return Ok(false);
         }
@@ -912,7 +923,14 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             };
             match self.allocate_one(next, allocate_sub, from) {
                 Ok(true) => return Ok(true),
-                Ok(false) => self.rollback(r, dev, undo),
+                Ok(false) => {
+                    self.rollback(r, dev, undo);
+                    if bounded(self)
+                        && !self.enough_candidates(r, key, (class, selectors), admin, from, needed)
+                    {
+                        return Ok(false);
+                    }
+                }
                 Err(e) => {
                     self.rollback(r, dev, undo);
                     return Err(e);
