@@ -33,7 +33,7 @@ use crate::model::{
     AllocatedState, ConsumedCapacity, Counters, DeviceData, DeviceId, SliceData, claim_ref,
 };
 use crate::node_selector::node_matches;
-use crate::pools::{Pool, gather_pools};
+use crate::pools::{Pool, PoolCache, gather_pools};
 use crate::quantity::{self, Quantity};
 use crate::{Error, Features};
 
@@ -104,6 +104,8 @@ pub struct Allocator<'a> {
     /// Available counters per pool *name* (upstream keys them so, across drivers), computed
     /// the first time a pool's counters are needed and then kept for later nodes.
     available_counters: Mutex<HashMap<String, Arc<BTreeMap<String, Counters>>>>,
+    /// Pools that any node may see, built for the first node that saw them.
+    pools: PoolCache<'a>,
     invocations: AtomicU64,
 }
 
@@ -173,6 +175,7 @@ impl<'a> Allocator<'a> {
             ),
             cel: Mutex::new(HashMap::new()),
             available_counters: Mutex::new(HashMap::new()),
+            pools: Mutex::new(HashMap::new()),
             invocations: AtomicU64::new(0),
         })
     }
@@ -230,10 +233,17 @@ impl<'a> Allocator<'a> {
         interrupt: Interrupt<'_>,
     ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
         let node_name = node.metadata.name.as_deref().unwrap_or("");
-        let mut for_node: Vec<usize> = self.on_node.get(node_name).cloned().unwrap_or_default();
-        for_node.extend_from_slice(&self.shared);
-        let pools = gather_pools(&self.slices, &self.by_pool, &for_node, node, self.features)
-            .map_err(|e| AllocateError::Fatal(format!("gather pool information: {e}")))?;
+        let own = self.on_node.get(node_name).map_or(&[][..], Vec::as_slice);
+        let for_node = own.iter().chain(&self.shared).copied();
+        let pools = gather_pools(
+            &self.slices,
+            &self.by_pool,
+            for_node,
+            node,
+            self.features,
+            &self.pools,
+        )
+        .map_err(|e| AllocateError::Fatal(format!("gather pool information: {e}")))?;
         let mut search = Search {
             alloc: self,
             node,
@@ -397,7 +407,7 @@ struct Search<'s, 'a> {
     claims: Vec<ClaimData<'s>>,
     /// `klog.KObj` of every claim, for messages (also during validation).
     kobjs: Vec<String>,
-    pools: Vec<Pool<'a>>,
+    pools: Vec<Arc<Pool<'a>>>,
     interrupt: Interrupt<'s>,
     /// `deviceMatchesRequest`: (device, claim, request, subrequest) → selectable.
     matches: HashMap<(usize, usize, usize, usize), bool>,

@@ -6,6 +6,7 @@
 //! KEP-4815 (partitionable devices), KEP-5007 (binding conditions: such pools go last).
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 
@@ -51,14 +52,17 @@ impl Pool<'_> {
 pub(crate) fn gather_pools<'a>(
     all: &[SliceData<'a>],
     by_pool: &HashMap<(&'a str, &'a str), Vec<usize>>,
-    slices_for_node: &[usize],
+    slices_for_node: impl IntoIterator<Item = usize>,
     node: &Node,
     features: Features,
-) -> Result<Vec<Pool<'a>>, String> {
-    // (driver, pool) -> slices of the newest generation seen, in input order.
-    let mut pools: HashMap<(&'a str, &'a str), Vec<usize>> = HashMap::new();
-    let mut order: Vec<(&'a str, &'a str)> = Vec::new();
-    for &index in slices_for_node {
+    cache: &PoolCache<'a>,
+) -> Result<Vec<Arc<Pool<'a>>>, String> {
+    // (driver, pool) and the slices of the newest generation seen, in input order; looked up
+    // through `index` once there are more than a few pools (a node usually sees one or two).
+    let mut pools: Vec<((&'a str, &'a str), Vec<usize>)> = Vec::new();
+    let mut index_of: HashMap<(&'a str, &'a str), usize> = HashMap::new();
+    const LINEAR: usize = 8;
+    for index in slices_for_node {
         let Some(slice) = all.get(index) else {
             continue;
         };
@@ -115,10 +119,20 @@ pub(crate) fn gather_pools<'a>(
         }
         // addSlice
         let key = (slice.driver, slice.pool);
-        match pools.get_mut(&key) {
+        let at = if pools.len() <= LINEAR {
+            pools.iter().position(|(k, _)| *k == key)
+        } else {
+            if index_of.is_empty() {
+                index_of.extend(pools.iter().enumerate().map(|(i, (k, _))| (*k, i)));
+            }
+            index_of.get(&key).copied()
+        };
+        match at.and_then(|i| pools.get_mut(i)).map(|(_, list)| list) {
             None => {
-                pools.insert(key, vec![index]);
-                order.push(key);
+                if !index_of.is_empty() {
+                    index_of.insert(key, pools.len());
+                }
+                pools.push((key, vec![index]));
             }
             Some(list) => {
                 let current = list
@@ -136,46 +150,40 @@ pub(crate) fn gather_pools<'a>(
         }
     }
 
-    let mut result: Vec<Pool<'a>> = Vec::new();
-    let mut with_binding: Vec<Pool<'a>> = Vec::new();
-    for key in order {
-        let Some(mut slices) = pools.remove(&key) else {
-            continue;
-        };
-        let Some(first) = slices.first().and_then(|&i| all.get(i)) else {
-            continue;
-        };
-        let (generation, count) = (first.generation, first.slice_count);
-        let pool = if slices.len() as i64 == count {
-            build_pool(all, key, &mut slices, None, features)
-        } else {
-            // checkSlicesInPool: look at every slice of the pool, for any node.
-            let mut all_for_pool = Vec::new();
-            let mut obsolete = false;
-            for &i in by_pool.get(&key).into_iter().flatten() {
-                let Some(s) = all.get(i) else {
-                    continue;
-                };
-                if s.generation == generation {
-                    all_for_pool.push(i);
-                } else if s.generation > generation {
-                    obsolete = true;
-                    break;
+    let mut result: Vec<Arc<Pool<'a>>> = Vec::new();
+    let mut with_binding: Vec<Arc<Pool<'a>>> = Vec::new();
+    for (key, slices) in pools {
+        // A pool of slices that every node may see (no node name, or counter sets) comes out
+        // the same for every node that sees the same slices: built once per allocator.
+        let shared = slices.iter().all(|&i| {
+            all.get(i)
+                .is_some_and(|s| s.node_name.is_none_or(str::is_empty) || s.has_shared_counters())
+        });
+        let pool = if shared {
+            let cache_key = (key, slices);
+            let cached = cache
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&cache_key)
+                .cloned();
+            match cached {
+                Some(pool) => pool,
+                None => {
+                    let (key, mut slices) = cache_key.clone();
+                    let pool = one_pool(all, by_pool, key, &mut slices, features).map(Arc::new);
+                    cache
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(cache_key, pool.clone());
+                    pool
                 }
             }
-            if obsolete {
-                continue;
-            }
-            if all_for_pool.len() as i64 != count {
-                result.push(Pool {
-                    driver: key.0,
-                    pool: key.1,
-                    incomplete: true,
-                    ..Pool::default()
-                });
-                continue;
-            }
-            build_pool(all, key, &mut slices, Some(&all_for_pool), features)
+        } else {
+            let mut slices = slices;
+            one_pool(all, by_pool, key, &mut slices, features).map(Arc::new)
+        };
+        let Some(pool) = pool else {
+            continue;
         };
         let binding = pool
             .slices
@@ -187,12 +195,63 @@ pub(crate) fn gather_pools<'a>(
             result.push(pool);
         }
     }
-    let by_id =
-        |a: &Pool<'_>, b: &Pool<'_>| a.driver.cmp(b.driver).then_with(|| a.pool.cmp(b.pool));
+    let by_id = |a: &Arc<Pool<'_>>, b: &Arc<Pool<'_>>| {
+        a.driver.cmp(b.driver).then_with(|| a.pool.cmp(b.pool))
+    };
     result.sort_by(by_id);
     with_binding.sort_by(by_id);
     result.append(&mut with_binding);
     Ok(result)
+}
+
+/// Pools built for earlier nodes, by (driver, pool) and the slices the node saw; `None` for
+/// an obsolete pool (skipped).
+pub(crate) type PoolCache<'a> = Mutex<HashMap<PoolKey<'a>, Option<Arc<Pool<'a>>>>>;
+
+/// (driver, pool) and the slices a node sees of it.
+pub(crate) type PoolKey<'a> = ((&'a str, &'a str), Vec<usize>);
+
+/// One pool as a node sees it (`slices`, of its newest generation): incomplete, invalid, or
+/// built; `None` when a newer generation exists elsewhere (obsolete, skipped).
+fn one_pool<'a>(
+    all: &[SliceData<'a>],
+    by_pool: &HashMap<(&'a str, &'a str), Vec<usize>>,
+    key: (&'a str, &'a str),
+    slices: &mut [usize],
+    features: Features,
+) -> Option<Pool<'a>> {
+    let first = slices.first().and_then(|&i| all.get(i))?;
+    let (generation, count) = (first.generation, first.slice_count);
+    Some(if slices.len() as i64 == count {
+        build_pool(all, key, slices, None, features)
+    } else {
+        // checkSlicesInPool: look at every slice of the pool, for any node.
+        let mut all_for_pool = Vec::new();
+        let mut obsolete = false;
+        for &i in by_pool.get(&key).into_iter().flatten() {
+            let Some(s) = all.get(i) else {
+                continue;
+            };
+            if s.generation == generation {
+                all_for_pool.push(i);
+            } else if s.generation > generation {
+                obsolete = true;
+                break;
+            }
+        }
+        if obsolete {
+            return None;
+        }
+        if all_for_pool.len() as i64 != count {
+            return Some(Pool {
+                driver: key.0,
+                pool: key.1,
+                incomplete: true,
+                ..Pool::default()
+            });
+        }
+        build_pool(all, key, slices, Some(&all_for_pool), features)
+    })
 }
 
 /// `buildPool`.
