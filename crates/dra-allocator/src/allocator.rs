@@ -1147,7 +1147,10 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         }
         let class_selectors = class.spec.selectors.as_deref().unwrap_or_default();
         // One view of the device for every selector of class and request.
-        let view = DeviceView::new(&device.cel, false);
+        let view = match &device.view_error {
+            None => Ok(DeviceView::checked(&device.cel, false)),
+            Some(e) => Err(e.clone()),
+        };
         let result = self.selectors_match(claim, &view, Some(class), class_selectors)?
             && self.selectors_match(claim, &view, None, selectors)?
             && (!slice.per_device_node_selection

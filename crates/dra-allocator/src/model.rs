@@ -184,6 +184,8 @@ pub(crate) struct DeviceData<'a> {
     pub taints: &'a [DeviceTaint],
     /// `bindingConditions` is set (even empty).
     pub has_binding_conditions: bool,
+    /// Why selectors cannot see the device (checked once, reported where one is evaluated).
+    pub view_error: Option<dra_cel::DeviceError>,
 }
 
 /// A ResourceSlice, preprocessed.
@@ -391,15 +393,19 @@ impl<'a> DeviceData<'a> {
                 )
             })
             .collect();
+        let cel = dra_cel::Device {
+            driver: slice.spec.driver.clone(),
+            attributes,
+            capacity: cel_capacity,
+            allow_multiple_allocations: d.allow_multiple_allocations,
+        };
+        // The allocator's environment has no list-type attributes (see `Allocator::new`).
+        let view_error = dra_cel::DeviceView::new(&cel, false).err();
         Ok(DeviceData {
             obj: d,
             name: &d.name,
-            cel: dra_cel::Device {
-                driver: slice.spec.driver.clone(),
-                attributes,
-                capacity: cel_capacity,
-                allow_multiple_allocations: d.allow_multiple_allocations,
-            },
+            cel,
+            view_error,
             capacity,
             consumes_counters,
             allow_multiple: d.allow_multiple_allocations == Some(true),

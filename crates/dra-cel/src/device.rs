@@ -159,14 +159,22 @@ impl<'a> DeviceView<'a> {
                 None => return Err(DeviceError::Unsupported { name: name.clone() }),
             }
         }
-        Ok(DeviceView {
+        Ok(DeviceView::checked(device, list_attributes))
+    }
+
+    /// The view of a device that [`DeviceView::new`] accepted before, with the same
+    /// `list_attributes`, without checking its attributes again: for callers that evaluate one
+    /// device many times (the allocator checks each device once when it reads its slice). A
+    /// device `new` would refuse must not be given here.
+    pub fn checked(device: &'a Device, list_attributes: bool) -> DeviceView<'a> {
+        DeviceView {
             driver: &device.driver,
             attributes: &device.attributes,
             capacity: &device.capacity,
             allow_multiple_allocations: device.allow_multiple_allocations.unwrap_or(false),
             list_attributes,
             capacity_values: None,
-        })
+        }
     }
 
     /// The view for one evaluation, whose capacity values live in `values`.
