@@ -199,8 +199,48 @@ impl<'a> Allocator<'a> {
         claims: &[&ResourceClaim],
         interrupt: Interrupt<'_>,
     ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+        self.allocate_pod(node, &self.pod(claims), interrupt)
+    }
+
+    /// Validates a pod's claims once for all of its nodes: every request, the per-claim device
+    /// limit and the constraints, which upstream checks again in every `Allocate` call. The
+    /// outcome, errors included, is what each node's call would find; only a request for `All`
+    /// devices depends on the node's pools, and such a pod is validated per node instead.
+    pub fn pod<'s>(&'s self, claims: &[&'s ResourceClaim]) -> Pod<'s> {
+        let kobjs: Arc<Vec<String>> = Arc::new(claims.iter().map(|c| claim_ref(c)).collect());
+        let prepared = (!claims.iter().any(|c| wants_all(c))).then(|| {
+            let mut search = Search::new(
+                self,
+                &NO_NODE,
+                Arc::clone(&kobjs),
+                Vec::new(),
+                Interrupt::default(),
+            );
+            search
+                .prepare(claims)
+                .map(|()| (search.claims, search.constraints))
+        });
+        Pod {
+            claims: claims.to_vec(),
+            kobjs,
+            prepared,
+        }
+    }
+
+    /// [`Allocator::allocate`] for a pod validated with [`Allocator::pod`]: the same answer,
+    /// without validating its claims again.
+    ///
+    /// # Errors
+    /// As [`Allocator::allocate`].
+    pub fn allocate_pod(
+        &self,
+        node: &Node,
+        pod: &Pod<'_>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
         // The search recurses once per device; deep searches get a large stack of their own.
-        let depth: usize = claims
+        let depth: usize = pod
+            .claims
             .iter()
             .map(|c| {
                 let requests = c
@@ -213,13 +253,13 @@ impl<'a> Allocator<'a> {
             })
             .sum();
         if depth < 200 {
-            return self.allocate_here(node, claims, interrupt);
+            return self.allocate_here(node, pod, interrupt);
         }
         std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("dra-allocate".into())
                 .stack_size(depth.saturating_mul(4096).clamp(8 << 20, 1 << 30))
-                .spawn_scoped(scope, || self.allocate_here(node, claims, interrupt))
+                .spawn_scoped(scope, || self.allocate_here(node, pod, interrupt))
                 .map_err(|e| AllocateError::Fatal(format!("starting the search: {e}")))?
                 .join()
                 .unwrap_or_else(|_| Err(AllocateError::Fatal("the search failed".into())))
@@ -229,7 +269,7 @@ impl<'a> Allocator<'a> {
     fn allocate_here(
         &self,
         node: &Node,
-        claims: &[&ResourceClaim],
+        pod: &Pod<'_>,
         interrupt: Interrupt<'_>,
     ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
         let node_name = node.metadata.name.as_deref().unwrap_or("");
@@ -244,23 +284,16 @@ impl<'a> Allocator<'a> {
             &self.pools,
         )
         .map_err(|e| AllocateError::Fatal(format!("gather pool information: {e}")))?;
-        let mut search = Search {
-            alloc: self,
-            node,
-            claims: Vec::with_capacity(claims.len()),
-            kobjs: claims.iter().map(|c| claim_ref(c)).collect(),
-            pools,
-            interrupt,
-            matches: HashMap::new(),
-            constraints: Vec::with_capacity(claims.len()),
-            consumed_counters: HashMap::new(),
-            available: HashMap::new(),
-            allocating_devices: HashMap::new(),
-            allocating_capacity: HashMap::new(),
-            results: vec![Vec::new(); claims.len()],
-            steps: 0,
-        };
-        let outcome = search.run(claims);
+        let mut search = Search::new(self, node, Arc::clone(&pod.kobjs), pools, interrupt);
+        match &pod.prepared {
+            Some(Ok((claims, constraints))) => {
+                search.claims = Arc::clone(claims);
+                search.constraints.clone_from(constraints);
+            }
+            Some(Err(e)) => return Err(e.clone()),
+            None => search.prepare(&pod.claims)?,
+        }
+        let outcome = search.run();
         self.invocations
             .fetch_add(search.steps, AtomicOrdering::Relaxed);
         outcome
@@ -364,8 +397,6 @@ impl RequestData<'_> {
 struct RequestSlot<'s> {
     subs: Vec<RequestData<'s>>,
     has_subrequests: bool,
-    /// The subrequest that got picked.
-    selected: usize,
 }
 
 #[derive(Debug)]
@@ -404,9 +435,12 @@ struct Rollback {
 struct Search<'s, 'a> {
     alloc: &'s Allocator<'a>,
     node: &'s Node,
-    claims: Vec<ClaimData<'s>>,
+    /// The pod's claims, validated ([`Search::prepare`]).
+    claims: Arc<Vec<ClaimData<'s>>>,
+    /// The subrequest picked, per claim and request (once the search succeeded).
+    selected: Vec<Vec<usize>>,
     /// `klog.KObj` of every claim, for messages (also during validation).
-    kobjs: Vec<String>,
+    kobjs: Arc<Vec<String>>,
     pools: Vec<Arc<Pool<'a>>>,
     interrupt: Interrupt<'s>,
     /// `deviceMatchesRequest`: (device, claim, request, subrequest) → selectable.
@@ -428,12 +462,77 @@ fn fatal<T>(msg: String) -> Result<T, AllocateError> {
     Err(AllocateError::Fatal(msg))
 }
 
+/// The node a pod's claims are validated against once for all nodes ([`Allocator::pod`]):
+/// validation without `All` requests reads no node.
+static NO_NODE: std::sync::LazyLock<Node> = std::sync::LazyLock::new(Node::default);
+
+/// Whether a request or subrequest of the claim asks for `All` devices.
+fn wants_all(claim: &ResourceClaim) -> bool {
+    let all = |mode: Option<&String>| mode.is_some_and(|m| m == "All");
+    claim
+        .spec
+        .devices
+        .as_ref()
+        .and_then(|d| d.requests.as_deref())
+        .unwrap_or_default()
+        .iter()
+        .any(|r| {
+            r.exactly
+                .as_ref()
+                .is_some_and(|e| all(e.allocation_mode.as_ref()))
+                || r.first_available
+                    .iter()
+                    .flatten()
+                    .any(|s| all(s.allocation_mode.as_ref()))
+        })
+}
+
+/// A pod's claims, validated once for all of its nodes ([`Allocator::pod`]).
+#[derive(Debug)]
+pub struct Pod<'s> {
+    claims: Vec<&'s ResourceClaim>,
+    kobjs: Arc<Vec<String>>,
+    /// The validated claims and their constraints, or the error every node would meet; `None`
+    /// when validation depends on the node (a request for `All` devices).
+    prepared: Option<PreparedClaims<'s>>,
+}
+
+type PreparedClaims<'s> = Result<(Arc<Vec<ClaimData<'s>>>, Vec<Vec<Constraint>>), AllocateError>;
+
 impl<'s, 'a: 's> Search<'s, 'a> {
-    fn run(
-        &mut self,
-        claims: &[&'s ResourceClaim],
-    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
-        self.prepare(claims)?;
+    fn new(
+        alloc: &'s Allocator<'a>,
+        node: &'s Node,
+        kobjs: Arc<Vec<String>>,
+        pools: Vec<Arc<Pool<'a>>>,
+        interrupt: Interrupt<'s>,
+    ) -> Search<'s, 'a> {
+        Search {
+            alloc,
+            node,
+            claims: Arc::default(),
+            selected: Vec::new(),
+            constraints: Vec::with_capacity(kobjs.len()),
+            kobjs,
+            pools,
+            interrupt,
+            matches: HashMap::new(),
+            consumed_counters: HashMap::new(),
+            available: HashMap::new(),
+            allocating_devices: HashMap::new(),
+            allocating_capacity: HashMap::new(),
+            results: Vec::new(),
+            steps: 0,
+        }
+    }
+
+    fn run(&mut self) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+        self.results = vec![Vec::new(); self.claims.len()];
+        self.selected = self
+            .claims
+            .iter()
+            .map(|c| vec![0; c.requests.len()])
+            .collect();
         // With one request the search has nothing to backtrack over: the bound inside it is
         // enough, and counting every candidate first would only cost time.
         let requests: usize = self.claims.iter().map(|c| c.requests.len()).sum();
@@ -452,25 +551,25 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         let mut out = Vec::with_capacity(self.claims.len());
         for (ci, claim) in self.claims.iter().enumerate() {
             let results = self.results.get(ci).map(Vec::as_slice).unwrap_or_default();
+            let picked = self.selected.get(ci).map(Vec::as_slice).unwrap_or_default();
+            let pick = |ri: usize| picked.get(ri).copied().unwrap_or(0);
             let selected: Vec<Option<(String, &DeviceClass)>> = claim
                 .requests
                 .iter()
-                .map(|slot| {
+                .enumerate()
+                .map(|(ri, slot)| {
                     slot.subs
-                        .get(if slot.has_subrequests {
-                            slot.selected
-                        } else {
-                            0
-                        })
+                        .get(if slot.has_subrequests { pick(ri) } else { 0 })
                         .map(|rd| (rd.full_name(), rd.class))
                 })
                 .collect();
             let sub_names: Vec<Option<&str>> = claim
                 .requests
                 .iter()
-                .map(|slot| {
+                .enumerate()
+                .map(|(ri, slot)| {
                     slot.has_subrequests
-                        .then(|| slot.subs.get(slot.selected).map(|rd| rd.name))
+                        .then(|| slot.subs.get(pick(ri)).map(|rd| rd.name))
                         .flatten()
                 })
                 .collect();
@@ -561,6 +660,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
     /// per-claim device limit, build constraints.
     fn prepare(&mut self, claims: &[&'s ResourceClaim]) -> Result<(), AllocateError> {
         let features = self.alloc.features;
+        let mut prepared = Vec::with_capacity(claims.len());
         for (ci, &claim) in claims.iter().enumerate() {
             let kobj = claim_ref(claim);
             let spec = claim.spec.devices.as_ref();
@@ -622,7 +722,6 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                     slots.push(RequestSlot {
                         subs: datas,
                         has_subrequests: true,
-                        selected: 0,
                     });
                 } else {
                     let Some(exactly) = &request.exactly else {
@@ -651,7 +750,6 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                     slots.push(RequestSlot {
                         subs: vec![rd],
                         has_subrequests: false,
-                        selected: 0,
                     });
                 }
             }
@@ -683,12 +781,13 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 }
             }
             self.constraints.push(constraints);
-            self.claims.push(ClaimData {
+            prepared.push(ClaimData {
                 obj: claim,
                 kobj,
                 requests: slots,
             });
         }
+        self.claims = Arc::new(prepared);
         // Upstream starts the search with a fresh selector cache.
         self.matches.clear();
         Ok(())
@@ -844,12 +943,12 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                     Err(Stop::MaxSize) => continue,
                     Err(e) => return Err(e),
                     Ok(true) => {
-                        if let Some(slot) = self
-                            .claims
+                        if let Some(selected) = self
+                            .selected
                             .get_mut(r.claim)
-                            .and_then(|c| c.requests.get_mut(r.request))
+                            .and_then(|c| c.get_mut(r.request))
                         {
-                            slot.selected = sub;
+                            *selected = sub;
                         }
                         return Ok(true);
                     }

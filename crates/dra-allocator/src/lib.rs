@@ -47,7 +47,7 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{AllocationResult, DeviceClass, ResourceClaim, ResourceSlice};
 use serde::{Serialize, Serializer};
 
-pub use allocator::{ALLOCATION_RESULTS_MAX_SIZE, AllocateError, Allocator, Interrupt};
+pub use allocator::{ALLOCATION_RESULTS_MAX_SIZE, AllocateError, Allocator, Interrupt, Pod};
 pub use defaults::apply_defaults;
 pub use model::{AllocatedState, ConsumedCapacity, DeviceId};
 pub use scheduler::allocate;

@@ -58,7 +58,7 @@ pub(crate) fn gather_pools<'a>(
     cache: &PoolCache<'a>,
 ) -> Result<Vec<Arc<Pool<'a>>>, String> {
     // (driver, pool) and the slices of the newest generation seen, in input order; looked up
-    // through `index` once there are more than a few pools (a node usually sees one or two).
+    // through `index_of` once there are more than a few pools (a node usually sees one or two).
     let mut pools: Vec<((&'a str, &'a str), Vec<usize>)> = Vec::new();
     let mut index_of: HashMap<(&'a str, &'a str), usize> = HashMap::new();
     const LINEAR: usize = 8;

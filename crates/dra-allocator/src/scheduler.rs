@@ -76,6 +76,8 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
     let mut report = Report {
         nodes: Vec::with_capacity(nodes.len()),
     };
+    // The pod's claims are validated once, not once per node.
+    let pod = allocator.pod(&to_allocate);
     for node in nodes {
         let node_name = name(node);
         let deadline = (!options.timeout.is_zero())
@@ -85,7 +87,7 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
             deadline,
             cancel: None,
         };
-        let entry = match allocator.allocate(node, &to_allocate, interrupt) {
+        let entry = match allocator.allocate_pod(node, &pod, interrupt) {
             Ok(Some(results)) => NodeReport::Allocated {
                 name: node_name,
                 allocated: True,
