@@ -214,6 +214,23 @@ impl<'a> DeviceView<'a> {
         v
     }
 
+    /// `domain` as one of the attribute domains (borrowed from the device), if it is one;
+    /// what `attribute_domains().contains(..)` answers, without collecting them.
+    pub(crate) fn attribute_domain(&self, domain: &str) -> Option<&'a str> {
+        self.attributes
+            .keys()
+            .map(|k| split_name(k, self.driver).0)
+            .find(|d| *d == domain)
+    }
+
+    /// `domain` as one of the capacity domains (borrowed from the device), if it is one.
+    pub(crate) fn capacity_domain(&self, domain: &str) -> Option<&'a str> {
+        self.capacity
+            .keys()
+            .map(|k| split_name(k, self.driver).0)
+            .find(|d| *d == domain)
+    }
+
     /// The distinct capacity domains.
     pub(crate) fn capacity_domains(&self) -> Vec<&'a str> {
         let mut v: Vec<&'a str> = self

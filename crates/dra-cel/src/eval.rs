@@ -468,8 +468,8 @@ impl<'a> Evaluator<'a> {
 
     fn contains_key(&mut self, m: &Value<'a>, key: &Value<'_>) -> Result<bool, EvalError> {
         Ok(match (m, key) {
-            (Value::Attributes(d), Value::String(s)) => d.attribute_domains().contains(&s.as_str()),
-            (Value::Capacity(d), Value::String(s)) => d.capacity_domains().contains(&s.as_str()),
+            (Value::Attributes(d), Value::String(s)) => d.attribute_domain(s.as_str()).is_some(),
+            (Value::Capacity(d), Value::String(s)) => d.capacity_domain(s.as_str()).is_some(),
             (Value::AttributeDomain(d, dom), Value::String(s)) => {
                 d.attribute(dom.as_str(), s.as_str()).is_some()
             }
@@ -493,18 +493,14 @@ impl<'a> Evaluator<'a> {
         match (&base, key) {
             (Value::Attributes(d), Value::String(s)) => {
                 let dom = d
-                    .attribute_domains()
-                    .into_iter()
-                    .find(|x| *x == s.as_str())
+                    .attribute_domain(s.as_str())
                     .map(Str::Borrowed)
                     .unwrap_or_else(|| Str::Shared(Arc::from(s.as_str())));
                 Ok(Value::AttributeDomain(d, dom))
             }
             (Value::Capacity(d), Value::String(s)) => {
                 let dom = d
-                    .capacity_domains()
-                    .into_iter()
-                    .find(|x| *x == s.as_str())
+                    .capacity_domain(s.as_str())
                     .map(Str::Borrowed)
                     .unwrap_or_else(|| Str::Shared(Arc::from(s.as_str())));
                 Ok(Value::CapacityDomain(d, dom))
