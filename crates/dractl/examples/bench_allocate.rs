@@ -172,6 +172,15 @@ fn one_more_than_free(free: usize) -> Vec<Value> {
     let devices: Vec<Value> = (0..free)
         .map(|d| gpu(&format!("gpu-{d}"), "H100", 0, 0))
         .collect();
+    one_node(
+        devices,
+        json!({"requests": [{"name": "gpus",
+            "exactly": {"deviceClassName": "gpu", "count": free + 1}}]}),
+    )
+}
+
+/// The class, one node with `devices` in one slice, and the pod's claim asking `devices_spec`.
+fn one_node(devices: Vec<Value>, devices_spec: Value) -> Vec<Value> {
     vec![
         class(),
         node("node-000"),
@@ -182,8 +191,7 @@ fn one_more_than_free(free: usize) -> Vec<Value> {
             1,
             json!({"devices": devices}),
         ),
-        pod_claim(json!({"requests": [{"name": "gpus",
-            "exactly": {"deviceClassName": "gpu", "count": free + 1}}]})),
+        pod_claim(devices_spec),
     ]
 }
 
@@ -193,20 +201,12 @@ fn one_short_per_value(groups: usize, want: usize) -> Vec<Value> {
     let devices: Vec<Value> = (0..groups * (want - 1))
         .map(|d| gpu(&format!("gpu-{d}"), "H100", 0, (d / (want - 1)) as i64))
         .collect();
-    vec![
-        class(),
-        node("node-000"),
-        slice(
-            "node-000",
-            "node-000",
-            "node-000",
-            1,
-            json!({"devices": devices}),
-        ),
-        pod_claim(json!({
+    one_node(
+        devices,
+        json!({
             "requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu", "count": want}}],
-            "constraints": [{"matchAttribute": format!("{DRIVER}/group")}]})),
-    ]
+            "constraints": [{"matchAttribute": format!("{DRIVER}/group")}]}),
+    )
 }
 
 struct Case {
