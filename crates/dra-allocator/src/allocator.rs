@@ -69,20 +69,32 @@ pub struct Interrupt<'c> {
     pub cancel: Option<&'c AtomicBool>,
 }
 
-/// What in the allocated state concerns one device.
+/// What in the allocated state concerns one device: two bytes, so that the flags of a node's
+/// devices share a cache line or two (the search reads them for every device it passes).
 #[derive(Debug, Default)]
 struct DeviceFlags {
     /// Allocated exclusively.
     dedicated: bool,
     /// `IsDeviceAllocated`: its counters are consumed.
     counts_allocated: bool,
-    /// Capacity consumed by shares.
-    aggregated: Option<ConsumedCapacity>,
 }
 
 /// Compiled selectors by expression; compile errors are kept so that they surface where a
 /// selector is evaluated, as upstream's lazily compiling cache does.
-type CelCache = HashMap<String, Result<Arc<CompiledExpression>, CompileError>>;
+type CelCache = HashMap<String, Compiled>;
+
+/// A selector's compiled expression, or why it does not compile.
+type Compiled = Result<Arc<CompiledExpression>, CompileError>;
+
+/// What decides whether a device can serve one (sub)request: its class's selectors, then its
+/// own, each compiled once per pod (compile errors surface only when a device is checked, as
+/// upstream compiles lazily in `isSelectable`).
+#[derive(Debug)]
+struct Selectors<'s> {
+    class: &'s DeviceClass,
+    class_cel: Vec<Option<Compiled>>,
+    request_cel: Vec<Option<Compiled>>,
+}
 
 /// An allocator for one set of slices, classes and allocated devices; reusable for many nodes
 /// and thread-safe, like upstream's `Allocator`.
@@ -91,7 +103,9 @@ pub struct Allocator<'a> {
     features: Features,
     classes: HashMap<&'a str, &'a DeviceClass>,
     slices: Vec<SliceData<'a>>,
-    on_node: HashMap<&'a str, Vec<usize>>,
+    /// Per node name, its own slices: a range of `node_slices`.
+    on_node: HashMap<&'a str, std::ops::Range<usize>>,
+    node_slices: Vec<usize>,
     shared: Vec<usize>,
     /// Every slice of each (driver, pool), in input order: upstream's `checkSlicesInPool`
     /// scans all slices for each pool it finds incomplete, for every node.
@@ -99,6 +113,8 @@ pub struct Allocator<'a> {
     /// Index of each slice's first device in `flags`.
     offsets: Vec<usize>,
     flags: Vec<DeviceFlags>,
+    /// Capacity consumed by shares, per device (by index in `flags`) that has any.
+    aggregated: HashMap<usize, ConsumedCapacity>,
     compiler: dra_cel::Compiler,
     cel: Mutex<CelCache>,
     /// Available counters per pool *name* (upstream keys them so, across drivers), computed
@@ -107,6 +123,9 @@ pub struct Allocator<'a> {
     /// Pools that any node may see, built for the first node that saw them.
     pools: PoolCache<'a>,
     invocations: AtomicU64,
+    /// The hash seed of each call's maps, made once (a fresh seed per map costs more than a
+    /// small search).
+    hasher: foldhash::fast::RandomState,
 }
 
 impl<'a> Allocator<'a> {
@@ -137,6 +156,7 @@ impl<'a> Allocator<'a> {
         let mut by_pool: HashMap<(&'a str, &'a str), Vec<usize>> = HashMap::new();
         let mut offsets = Vec::with_capacity(slices.len());
         let mut flags = Vec::new();
+        let mut aggregated = HashMap::new();
         for (i, slice) in slices.iter().enumerate() {
             let d = SliceData::new(slice)?;
             let node = d.node_name.unwrap_or("");
@@ -149,23 +169,36 @@ impl<'a> Allocator<'a> {
             offsets.push(flags.len());
             for dev in &d.devices {
                 let id = DeviceId::new(d.driver, d.pool, dev.name);
+                if let Some(consumed) = allocated.aggregated_capacity.get(&id) {
+                    aggregated.insert(flags.len(), consumed.clone());
+                }
                 flags.push(DeviceFlags {
                     dedicated: allocated.allocated_devices.contains(&id),
                     counts_allocated: allocated.is_device_allocated(&id),
-                    aggregated: allocated.aggregated_capacity.get(&id).cloned(),
                 });
             }
             data.push(d);
         }
+        let mut node_slices = Vec::with_capacity(data.len());
+        let on_node = on_node
+            .into_iter()
+            .map(|(node, slices)| {
+                let start = node_slices.len();
+                node_slices.extend(slices);
+                (node, start..node_slices.len())
+            })
+            .collect();
         Ok(Allocator {
             features,
             classes: class_map,
             slices: data,
             on_node,
+            node_slices,
             shared,
             by_pool,
             offsets,
             flags,
+            aggregated,
             compiler: dra_cel::Compiler::new(
                 dra_cel::Features {
                     consumable_capacity: features.consumable_capacity,
@@ -177,6 +210,7 @@ impl<'a> Allocator<'a> {
             available_counters: Mutex::new(HashMap::new()),
             pools: Mutex::new(HashMap::new()),
             invocations: AtomicU64::new(0),
+            hasher: foldhash::fast::RandomState::default(),
         })
     }
 
@@ -273,7 +307,11 @@ impl<'a> Allocator<'a> {
         interrupt: Interrupt<'_>,
     ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
         let node_name = node.metadata.name.as_deref().unwrap_or("");
-        let own = self.on_node.get(node_name).map_or(&[][..], Vec::as_slice);
+        let own = self
+            .on_node
+            .get(node_name)
+            .and_then(|r| self.node_slices.get(r.clone()))
+            .unwrap_or_default();
         let for_node = own.iter().chain(&self.shared).copied();
         let pools = gather_pools(
             &self.slices,
@@ -377,7 +415,7 @@ struct RequestData<'s> {
     all_mode: bool,
     num_devices: i64,
     admin: bool,
-    selectors: &'s [DeviceSelector],
+    selectors: Arc<Selectors<'s>>,
     tolerations: &'s [DeviceToleration],
     capacity: Option<Requests>,
     all_devices: Vec<DevRef>,
@@ -445,13 +483,14 @@ struct Search<'s, 'a> {
     interrupt: Interrupt<'s>,
     /// `deviceMatchesRequest`: (device, claim, request, subrequest) → selectable.
     matches: HashMap<(usize, usize, usize, usize), bool>,
-    constraints: Vec<Vec<Constraint>>,
+    constraints: Vec<Vec<Constraint<'s>>>,
     /// Counters consumed by devices being allocated, per pool name.
     consumed_counters: HashMap<String, BTreeMap<String, Counters>>,
     /// This call's copies of the allocator's available counters.
     available: HashMap<String, Arc<BTreeMap<String, Counters>>>,
-    /// Device → claims it is being allocated for.
-    allocating_devices: HashMap<usize, Vec<usize>>,
+    /// (device, claim) for each device being allocated, in the order added: a list, as a
+    /// search holds a few dozen devices at most (32 per claim) and a map cost more per node.
+    allocating_devices: Vec<(usize, usize)>,
     /// Device → capacity being allocated from it.
     allocating_capacity: HashMap<usize, ConsumedCapacity>,
     results: Vec<Vec<DeviceResult<'s>>>,
@@ -497,7 +536,8 @@ pub struct Pod<'s> {
     prepared: Option<PreparedClaims<'s>>,
 }
 
-type PreparedClaims<'s> = Result<(Arc<Vec<ClaimData<'s>>>, Vec<Vec<Constraint>>), AllocateError>;
+type PreparedClaims<'s> =
+    Result<(Arc<Vec<ClaimData<'s>>>, Vec<Vec<Constraint<'s>>>), AllocateError>;
 
 impl<'s, 'a: 's> Search<'s, 'a> {
     fn new(
@@ -516,11 +556,11 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             kobjs,
             pools,
             interrupt,
-            matches: HashMap::new(),
-            consumed_counters: HashMap::new(),
-            available: HashMap::new(),
-            allocating_devices: HashMap::new(),
-            allocating_capacity: HashMap::new(),
+            matches: HashMap::with_hasher(alloc.hasher),
+            consumed_counters: HashMap::with_hasher(alloc.hasher),
+            available: HashMap::with_hasher(alloc.hasher),
+            allocating_devices: Vec::new(),
+            allocating_capacity: HashMap::with_hasher(alloc.hasher),
             results: Vec::new(),
             steps: 0,
         }
@@ -617,8 +657,8 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 if slot.has_subrequests || rd.all_mode {
                     return false;
                 }
-                let (needed, admin, class, selectors) =
-                    (rd.num_devices, rd.admin, rd.class, rd.selectors);
+                let (needed, admin, selectors) =
+                    (rd.num_devices, rd.admin, Arc::clone(&rd.selectors));
                 let r = Indices {
                     claim,
                     request,
@@ -627,7 +667,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 let found = self.count_candidates(
                     r,
                     (claim, request, 0),
-                    (class, selectors),
+                    &selectors,
                     admin,
                     Location::default(),
                     None,
@@ -841,6 +881,18 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             }
             capacity = Some(parsed);
         }
+        let compile = |selectors: &[DeviceSelector]| -> Vec<Option<Compiled>> {
+            selectors
+                .iter()
+                .map(|s| s.cel.as_ref().map(|c| self.alloc.compiled(&c.expression)))
+                .collect()
+        };
+        let class_selectors = class.spec.selectors.as_deref().unwrap_or_default();
+        let selectors = Arc::new(Selectors {
+            class,
+            class_cel: compile(class_selectors),
+            request_cel: compile(r.selectors),
+        });
         let mut rd = RequestData {
             name: r.name,
             parent: r.parent,
@@ -848,7 +900,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             all_mode: false,
             num_devices: 0,
             admin: r.admin == Some(true),
-            selectors: r.selectors,
+            selectors: Arc::clone(&selectors),
             tolerations: r.tolerations,
             capacity,
             all_devices: Vec::new(),
@@ -886,12 +938,14 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                                 device,
                                 flat: self.alloc.flat(slice, device),
                             };
-                            let selectable = self
-                                .is_selectable(key, class, r.selectors, dev)
-                                .map_err(|s| match s {
-                                    Stop::Error(e) => e,
-                                    Stop::MaxSize => AllocateError::Fatal("internal error".into()),
-                                })?;
+                            let selectable =
+                                self.is_selectable(key, &selectors, dev)
+                                    .map_err(|s| match s {
+                                        Stop::Error(e) => e,
+                                        Stop::MaxSize => {
+                                            AllocateError::Fatal("internal error".into())
+                                        }
+                                    })?;
                             if !selectable {
                                 continue;
                             }
@@ -965,7 +1019,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             return Ok(false);
         };
         let (all_mode, num_devices, admin) = (rd.all_mode, rd.num_devices, rd.admin);
-        let (class, selectors) = (rd.class, rd.selectors);
+        let selectors = Arc::clone(&rd.selectors);
         if all_mode && rd.all_devices.is_empty() {
             return Ok(false);
         }
@@ -1007,9 +1061,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         // device failed here, for the devices after it, so levels entered before it started
         // cutting are cut too.
         let bounded = |this: &Self| needed >= 2 && this.steps > BOUND_AFTER_STEPS;
-        if bounded(self)
-            && !self.enough_candidates(r, key, (class, selectors), admin, start, needed)
-        {
+        if bounded(self) && !self.enough_candidates(r, key, &selectors, admin, start, needed) {
             return Ok(false);
         }
         let mut at = start;
@@ -1018,7 +1070,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             if self.taken(dev.flat, r.claim, admin) {
                 continue;
             }
-            if !self.is_selectable(key, class, selectors, dev)? {
+            if !self.is_selectable(key, &selectors, dev)? {
                 continue;
             }
             if self.alloc.features.consumable_capacity {
@@ -1035,7 +1087,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 Ok(false) => {
                     self.rollback(r, dev, undo);
                     if bounded(self)
-                        && !self.enough_candidates(r, key, (class, selectors), admin, from, needed)
+                        && !self.enough_candidates(r, key, &selectors, admin, from, needed)
                     {
                         return Ok(false);
                     }
@@ -1116,7 +1168,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         &mut self,
         r: Indices,
         key: (usize, usize, usize),
-        request: (&'s DeviceClass, &'s [DeviceSelector]),
+        selectors: &Selectors<'s>,
         admin: bool,
         start: Location,
         needed: i64,
@@ -1129,7 +1181,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         {
             return true;
         }
-        self.count_candidates(r, key, request, admin, start, Some(needed))
+        self.count_candidates(r, key, selectors, admin, start, Some(needed))
             .is_none_or(|found| found >= needed)
     }
 
@@ -1139,7 +1191,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         &mut self,
         r: Indices,
         key: (usize, usize, usize),
-        (class, selectors): (&'s DeviceClass, &'s [DeviceSelector]),
+        selectors: &Selectors<'s>,
         admin: bool,
         start: Location,
         stop_at: Option<i64>,
@@ -1152,7 +1204,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             if self.taken(dev.flat, r.claim, admin) {
                 continue;
             }
-            match self.is_selectable(key, class, selectors, dev) {
+            match self.is_selectable(key, selectors, dev) {
                 Ok(true) => {}
                 Ok(false) => continue,
                 Err(_) => return None,
@@ -1189,24 +1241,17 @@ impl<'s, 'a: 's> Search<'s, 'a> {
 
     fn in_use(&self, flat: usize) -> bool {
         self.alloc.flags.get(flat).is_some_and(|f| f.dedicated)
-            || self
-                .allocating_devices
-                .get(&flat)
-                .is_some_and(|c| !c.is_empty())
+            || self.allocating_devices.iter().any(|&(d, _)| d == flat)
     }
 
     fn allocating_for_claim(&self, flat: usize, claim: usize) -> bool {
-        self.allocating_devices
-            .get(&flat)
-            .is_some_and(|c| c.contains(&claim))
+        self.allocating_devices.contains(&(flat, claim))
     }
 
     fn capacity_in_use(&self, flat: usize) -> bool {
-        self.alloc
-            .flags
-            .get(flat)
-            .is_some_and(|f| f.aggregated.is_some())
-            || self.allocating_capacity.contains_key(&flat)
+        (!self.alloc.aggregated.is_empty() && self.alloc.aggregated.contains_key(&flat))
+            || (!self.allocating_capacity.is_empty()
+                && self.allocating_capacity.contains_key(&flat))
     }
 
     /// `allocator.CmpRequestOverCapacity`.
@@ -1214,11 +1259,17 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         let Some((_, device)) = self.alloc.device(dev.slice, dev.device) else {
             return Err(());
         };
+        // Nothing requested, nothing of it allocated or being allocated, no policy: each
+        // capacity consumes exactly itself and fits (what `capacity::fits` answers), decided
+        // without reading the capacities.
+        if requests.is_none_or(BTreeMap::is_empty)
+            && !device.capacity_policy
+            && !self.capacity_in_use(dev.flat)
+        {
+            return Ok(true);
+        }
         capacity::fits(
-            self.alloc
-                .flags
-                .get(dev.flat)
-                .and_then(|f| f.aggregated.as_ref()),
+            self.alloc.aggregated.get(&dev.flat),
             requests,
             &device.capacity,
             self.allocating_capacity.get(&dev.flat),
@@ -1229,8 +1280,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
     fn is_selectable(
         &mut self,
         (claim, request, sub): (usize, usize, usize),
-        class: &'s DeviceClass,
-        selectors: &'s [DeviceSelector],
+        selectors: &Selectors<'s>,
         dev: DevRef,
     ) -> Step<bool> {
         let alloc = self.alloc;
@@ -1244,22 +1294,26 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         if let Some(&m) = self.matches.get(&key) {
             return Ok(m);
         }
-        let class_selectors = class.spec.selectors.as_deref().unwrap_or_default();
         // One view of the device for every selector of class and request.
         let view = match &device.view_error {
-            None => Ok(DeviceView::checked(&device.cel, false)),
-            Some(e) => Err(e.clone()),
+            None => Ok(DeviceView::checked_with_driver(
+                &device.cel,
+                slice.driver,
+                false,
+            )),
+            Some(e) => Err((**e).clone()),
         };
-        let result = self.selectors_match(claim, &view, Some(class), class_selectors)?
-            && self.selectors_match(claim, &view, None, selectors)?
-            && (!slice.per_device_node_selection
-                || node_matches(
-                    self.node,
-                    device.obj.node_name.as_deref().unwrap_or(""),
-                    device.obj.all_nodes.unwrap_or(false),
-                    device.obj.node_selector.as_ref(),
-                )
-                .map_err(AllocateError::Fatal)?);
+        let result =
+            self.selectors_match(claim, &view, Some(selectors.class), &selectors.class_cel)?
+                && self.selectors_match(claim, &view, None, &selectors.request_cel)?
+                && (!slice.per_device_node_selection
+                    || node_matches(
+                        self.node,
+                        device.obj.node_name.as_deref().unwrap_or(""),
+                        device.obj.all_nodes.unwrap_or(false),
+                        device.obj.node_selector.as_ref(),
+                    )
+                    .map_err(AllocateError::Fatal)?);
         self.matches.insert(key, result);
         Ok(result)
     }
@@ -1270,21 +1324,21 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         claim: usize,
         view: &Result<DeviceView<'_>, DeviceError>,
         class: Option<&DeviceClass>,
-        selectors: &[DeviceSelector],
+        selectors: &[Option<Compiled>],
     ) -> Step<bool> {
         let owner = || match class {
             Some(c) => format!("class {}", c.metadata.name.as_deref().unwrap_or("")),
             None => format!("claim {}", self.kobjs.get(claim).map_or("", String::as_str)),
         };
-        for (i, selector) in selectors.iter().enumerate() {
-            let Some(cel) = &selector.cel else {
+        for (i, compiled) in selectors.iter().enumerate() {
+            let Some(compiled) = compiled else {
                 return Err(AllocateError::Fatal(format!(
                     "{}: selector #{i}: CEL expression empty (unsupported selector type?)",
                     owner()
                 ))
                 .into());
             };
-            let compiled = match self.alloc.compiled(&cel.expression) {
+            let compiled = match compiled {
                 Ok(c) => c,
                 Err(e) => {
                     return Err(AllocateError::Fatal(format!(
@@ -1366,7 +1420,10 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 .constraints
                 .get_mut(r.claim)
                 .and_then(|cs| cs.get_mut(i))
-                .is_none_or(|c| c.add(base, sub, device.obj.attributes.as_ref(), slice.driver));
+                .is_none_or(|c| {
+                    let attributes = slice.attributes.get(device.attributes.clone());
+                    c.add(base, sub, attributes.unwrap_or_default(), slice.driver)
+                });
             if !ok {
                 self.rollback(r, dev, undo);
                 if must {
@@ -1382,10 +1439,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             undo.constraints_added += 1;
         }
         if !allow_multiple {
-            self.allocating_devices
-                .entry(dev.flat)
-                .or_default()
-                .push(r.claim);
+            self.allocating_devices.push((dev.flat, r.claim));
             undo.device_marked = true;
         }
         let mut consumed = None;
@@ -1449,10 +1503,9 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 self.allocating_capacity.entry(dev.flat).or_default();
             }
         }
-        if undo.device_marked
-            && let Some(claims) = self.allocating_devices.get_mut(&dev.flat)
-        {
-            claims.retain(|&c| c != r.claim);
+        if undo.device_marked {
+            self.allocating_devices
+                .retain(|&entry| entry != (dev.flat, r.claim));
         }
         if undo.constraints_added > 0 {
             let (base, sub) = match self.request(r) {

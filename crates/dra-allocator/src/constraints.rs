@@ -8,73 +8,121 @@
 //! v1.36.2 by #140600 but present in the v0.36.3 code we mirror.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use foldhash::HashSet;
 
 use k8s_openapi::api::resource::v1::DeviceAttribute;
 
-/// A scalar attribute value.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Value {
-    String(String),
+/// A scalar attribute value, borrowed from the device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Value<'v> {
+    String(&'v str),
     Int(i64),
     Bool(bool),
-    Version(String),
+    Version(&'v str),
     /// None of the scalar fields set.
     Unknown,
 }
 
-fn value_of(a: &DeviceAttribute) -> Value {
+fn value_of(a: &DeviceAttribute) -> Value<'_> {
     if let Some(s) = &a.string {
-        Value::String(s.clone())
+        Value::String(s)
     } else if let Some(i) = a.int {
         Value::Int(i)
     } else if let Some(b) = a.bool {
         Value::Bool(b)
     } else if let Some(v) = &a.version {
-        Value::Version(v.clone())
+        Value::Version(v)
     } else {
         Value::Unknown
     }
 }
 
+/// One attribute of a device as constraints read it: its name, the name's first eight bytes
+/// inline (most names are told apart, and names of up to eight bytes matched, without reading
+/// them: a device is usually cold in memory when the search reaches it), and its value.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Attribute<'v> {
+    head: u64,
+    name: &'v str,
+    value: Value<'v>,
+}
+
+/// The first eight bytes of a name, zero-padded.
+fn head(name: &str) -> u64 {
+    let mut bytes = [0u8; 8];
+    for (b, n) in bytes.iter_mut().zip(name.bytes()) {
+        *b = n;
+    }
+    u64::from_le_bytes(bytes)
+}
+
+impl<'v> Attribute<'v> {
+    /// A device's attributes, in map order.
+    pub fn entries(
+        attributes: Option<&'v BTreeMap<String, DeviceAttribute>>,
+    ) -> impl Iterator<Item = Self> {
+        attributes.into_iter().flatten().map(|(name, a)| Attribute {
+            head: head(name),
+            name,
+            value: value_of(a),
+        })
+    }
+
+    fn is(&self, name: &str, name_head: u64) -> bool {
+        self.head == name_head
+            && self.name.len() == name.len()
+            && (name.len() <= 8 || self.name == name)
+    }
+}
+
 /// `lookupAttribute`: the fully qualified name, or the bare ID when the domain is the driver's.
-fn lookup(
-    attributes: Option<&BTreeMap<String, DeviceAttribute>>,
-    driver: &str,
-    name: &str,
-) -> Option<Value> {
-    let attributes = attributes?;
-    if let Some(a) = attributes.get(name) {
-        return Some(value_of(a));
+fn lookup<'v>(attributes: &[Attribute<'v>], driver: &str, name: &str) -> Option<Value<'v>> {
+    let bare = match name.split_once('/') {
+        Some((domain, id)) if domain == driver => Some((id, head(id))),
+        _ => None,
+    };
+    let name_head = head(name);
+    let mut by_id = None;
+    for a in attributes {
+        if a.is(name, name_head) {
+            return Some(a.value);
+        }
+        if let Some((id, id_head)) = bare
+            && a.is(id, id_head)
+        {
+            by_id = Some(a.value);
+        }
     }
-    let (domain, id) = name.split_once('/')?;
-    if domain != driver {
-        return None;
-    }
-    attributes.get(id).map(value_of)
+    by_id
+}
+
+/// What a constraint is, shared by every copy of it (one per node searched).
+#[derive(Debug)]
+pub(crate) struct Spec {
+    requests: HashSet<String>,
+    attribute: String,
 }
 
 /// One constraint of a claim, with the state of the devices added so far.
 #[derive(Debug, Clone)]
-pub(crate) enum Constraint {
+pub(crate) enum Constraint<'v> {
     /// `matchAttribute`.
     Match {
-        requests: HashSet<String>,
-        attribute: String,
-        value: Option<Value>,
+        spec: Arc<Spec>,
+        value: Option<Value<'v>>,
         devices: usize,
     },
     /// `distinctAttribute`.
     Distinct {
-        requests: HashSet<String>,
-        attribute: String,
+        spec: Arc<Spec>,
         /// Upstream: the last value added per request.
-        values: BTreeMap<String, Value>,
+        values: BTreeMap<&'v str, Value<'v>>,
         devices: usize,
         /// With the fix of #140438: every device's value, in the order added (the search
         /// removes in reverse order).
-        per_device: Option<Vec<(String, Value)>>,
+        per_device: Option<Vec<(&'v str, Value<'v>)>>,
     },
 }
 
@@ -89,22 +137,26 @@ fn applies(requests: &HashSet<String>, request: &str, sub: Option<&str>) -> bool
     }
 }
 
-impl Constraint {
+impl<'v> Constraint<'v> {
     /// A `matchAttribute` constraint.
-    pub fn matching(attribute: &str, requests: &[String]) -> Constraint {
+    pub fn matching(attribute: &str, requests: &[String]) -> Constraint<'v> {
         Constraint::Match {
-            requests: requests.iter().cloned().collect(),
-            attribute: attribute.to_string(),
+            spec: Arc::new(Spec {
+                requests: requests.iter().cloned().collect(),
+                attribute: attribute.to_string(),
+            }),
             value: None,
             devices: 0,
         }
     }
 
     /// A `distinctAttribute` constraint; `per_device`: with the fix of #140438.
-    pub fn distinct(attribute: &str, requests: &[String], per_device: bool) -> Constraint {
+    pub fn distinct(attribute: &str, requests: &[String], per_device: bool) -> Constraint<'v> {
         Constraint::Distinct {
-            requests: requests.iter().cloned().collect(),
-            attribute: attribute.to_string(),
+            spec: Arc::new(Spec {
+                requests: requests.iter().cloned().collect(),
+                attribute: attribute.to_string(),
+            }),
             values: BTreeMap::new(),
             devices: 0,
             per_device: per_device.then(Vec::new),
@@ -127,22 +179,21 @@ impl Constraint {
     /// `add`: whether the device may join, recording it if so.
     pub fn add(
         &mut self,
-        request: &str,
+        request: &'v str,
         sub: Option<&str>,
-        attributes: Option<&BTreeMap<String, DeviceAttribute>>,
+        attributes: &[Attribute<'v>],
         driver: &str,
     ) -> bool {
         match self {
             Constraint::Match {
-                requests,
-                attribute,
+                spec,
                 value,
                 devices,
             } => {
-                if !applies(requests, request, sub) {
+                if !applies(&spec.requests, request, sub) {
                     return true;
                 }
-                let Some(found) = lookup(attributes, driver, attribute) else {
+                let Some(found) = lookup(attributes, driver, &spec.attribute) else {
                     return false;
                 };
                 if *devices == 0 {
@@ -162,27 +213,26 @@ impl Constraint {
                 true
             }
             Constraint::Distinct {
-                requests,
-                attribute,
+                spec,
                 values,
                 devices,
                 per_device,
             } => {
-                if !applies(requests, request, sub) {
+                if !applies(&spec.requests, request, sub) {
                     return true;
                 }
-                let Some(found) = lookup(attributes, driver, attribute) else {
+                let Some(found) = lookup(attributes, driver, &spec.attribute) else {
                     return false;
                 };
                 if let Some(seen) = per_device {
                     if found == Value::Unknown || seen.iter().any(|(_, v)| *v == found) {
                         return false;
                     }
-                    seen.push((request.to_string(), found));
+                    seen.push((request, found));
                     return true;
                 }
                 if *devices == 0 {
-                    values.insert(request.to_string(), found);
+                    values.insert(request, found);
                     *devices = 1;
                     return true;
                 }
@@ -192,7 +242,7 @@ impl Constraint {
                 {
                     return false;
                 }
-                values.insert(request.to_string(), found);
+                values.insert(request, found);
                 *devices += 1;
                 true
             }
@@ -202,25 +252,22 @@ impl Constraint {
     /// `remove`: undoes one successful [`Constraint::add`] with the same arguments.
     pub fn remove(&mut self, request: &str, sub: Option<&str>) {
         match self {
-            Constraint::Match {
-                requests, devices, ..
-            } => {
-                if applies(requests, request, sub) {
+            Constraint::Match { spec, devices, .. } => {
+                if applies(&spec.requests, request, sub) {
                     *devices = devices.saturating_sub(1);
                 }
             }
             Constraint::Distinct {
-                requests,
+                spec,
                 values,
                 devices,
                 per_device,
-                ..
             } => {
-                if !applies(requests, request, sub) {
+                if !applies(&spec.requests, request, sub) {
                     return;
                 }
                 if let Some(seen) = per_device {
-                    if let Some(i) = seen.iter().rposition(|(r, _)| r == request) {
+                    if let Some(i) = seen.iter().rposition(|(r, _)| *r == request) {
                         seen.remove(i);
                     }
                     return;
@@ -238,11 +285,12 @@ impl Constraint {
 mod tests {
     use super::*;
 
-    fn attrs(pairs: &[(&str, DeviceAttribute)]) -> BTreeMap<String, DeviceAttribute> {
-        pairs
+    fn attrs(pairs: &[(&str, DeviceAttribute)]) -> Box<[Attribute<'static>]> {
+        let map: BTreeMap<String, DeviceAttribute> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect()
+            .collect();
+        Attribute::entries(Some(Box::leak(Box::new(map)))).collect()
     }
 
     fn s(v: &str) -> DeviceAttribute {
@@ -258,26 +306,23 @@ mod tests {
         let a = attrs(&[("model", s("A100"))]);
         let b = attrs(&[("drv.example.com/model", s("A100"))]);
         let other = attrs(&[("model", s("H100"))]);
-        assert!(c.add("r", None, Some(&a), "drv.example.com"));
-        assert!(c.add("r", None, Some(&b), "drv.example.com"));
-        assert!(!c.add("r", None, Some(&other), "drv.example.com"));
-        assert!(
-            !c.add("r", None, Some(&a), "other.example.com"),
-            "foreign domain"
-        );
+        assert!(c.add("r", None, &a, "drv.example.com"));
+        assert!(c.add("r", None, &b, "drv.example.com"));
+        assert!(!c.add("r", None, &other, "drv.example.com"));
+        assert!(!c.add("r", None, &a, "other.example.com"), "foreign domain");
     }
 
     #[test]
     fn a_constraint_for_other_requests_lets_every_device_pass() {
         let mut c = Constraint::matching("x/y", &["a".into()]);
-        assert!(c.add("b", None, None, "x"));
-        assert!(!c.add("a", None, None, "x"));
+        assert!(c.add("b", None, &[], "x"));
+        assert!(!c.add("a", None, &[], "x"));
         assert!(
-            c.add("b", Some("s"), None, "x"),
+            c.add("b", Some("s"), &[], "x"),
             "b/s is not one of its requests"
         );
         let mut c = Constraint::matching("x/y", &["b/s".into()]);
-        assert!(!c.add("b", Some("s"), None, "x"));
+        assert!(!c.add("b", Some("s"), &[], "x"));
     }
 
     #[test]
@@ -287,18 +332,18 @@ mod tests {
         let mut c = Constraint::distinct("x/v", &[], false);
         let one = attrs(&[("v", s("1"))]);
         let two = attrs(&[("v", s("2"))]);
-        assert!(c.add("r", None, Some(&one), "x"));
-        assert!(!c.add("r", None, Some(&one), "x"));
-        assert!(c.add("r", None, Some(&two), "x"));
-        assert!(c.add("r", None, Some(&one), "x"));
+        assert!(c.add("r", None, &one, "x"));
+        assert!(!c.add("r", None, &one, "x"));
+        assert!(c.add("r", None, &two, "x"));
+        assert!(c.add("r", None, &one, "x"));
 
         // With the fix every device's value counts, and removal takes back the last one added.
         let mut c = Constraint::distinct("x/v", &[], true);
-        assert!(c.add("r", None, Some(&one), "x"));
-        assert!(c.add("r", None, Some(&two), "x"));
-        assert!(!c.add("r", None, Some(&one), "x"));
+        assert!(c.add("r", None, &one, "x"));
+        assert!(c.add("r", None, &two, "x"));
+        assert!(!c.add("r", None, &one, "x"));
         c.remove("r", None);
-        assert!(c.add("r", None, Some(&two), "x"), "2 was removed");
-        assert!(!c.add("s", None, Some(&one), "x"));
+        assert!(c.add("r", None, &two, "x"), "2 was removed");
+        assert!(!c.add("s", None, &one, "x"));
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use foldhash::{HashMap, HashSet, HashSetExt};
 
 use k8s_openapi::api::core::v1::Node;
 
@@ -60,7 +60,7 @@ pub(crate) fn gather_pools<'a>(
     // (driver, pool) and the slices of the newest generation seen, in input order; looked up
     // through `index_of` once there are more than a few pools (a node usually sees one or two).
     let mut pools: Vec<((&'a str, &'a str), Vec<usize>)> = Vec::new();
-    let mut index_of: HashMap<(&'a str, &'a str), usize> = HashMap::new();
+    let mut index_of: Option<HashMap<(&'a str, &'a str), usize>> = None;
     const LINEAR: usize = 8;
     for index in slices_for_node {
         let Some(slice) = all.get(index) else {
@@ -122,14 +122,20 @@ pub(crate) fn gather_pools<'a>(
         let at = if pools.len() <= LINEAR {
             pools.iter().position(|(k, _)| *k == key)
         } else {
-            if index_of.is_empty() {
-                index_of.extend(pools.iter().enumerate().map(|(i, (k, _))| (*k, i)));
-            }
-            index_of.get(&key).copied()
+            index_of
+                .get_or_insert_with(|| {
+                    pools
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (k, _))| (*k, i))
+                        .collect()
+                })
+                .get(&key)
+                .copied()
         };
         match at.and_then(|i| pools.get_mut(i)).map(|(_, list)| list) {
             None => {
-                if !index_of.is_empty() {
+                if let Some(index_of) = &mut index_of {
                     index_of.insert(key, pools.len());
                 }
                 pools.push((key, vec![index]));

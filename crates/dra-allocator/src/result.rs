@@ -3,8 +3,6 @@
 //! upstream: `structured/internal/incubating/allocator_incubating.go`, the end of `Allocate`
 //! (results, class and claim configs) and `createNodeSelector`.
 
-use foldhash::{HashMap, HashMapExt};
-
 use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm};
 use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceClass,
@@ -54,7 +52,11 @@ pub(crate) fn build(
             request: name,
             driver: slice.driver.to_string(),
             pool: slice.pool.to_string(),
-            device: device.name.to_string(),
+            device: slice
+                .names
+                .get(device.name_at.clone())
+                .unwrap_or(device.name)
+                .to_string(),
             admin_access: r.admin.then_some(true),
             tolerations: non_empty(tolerations(claim, r.request, r.parent).to_vec()),
             share_id: r.share_id.clone(),
@@ -64,8 +66,11 @@ pub(crate) fn build(
                 .map(|c| c.iter().map(|(k, v)| (k.clone(), v.to_api())).collect()),
             ..Default::default()
         };
-        if features.device_binding_and_status {
+        // The flags spare reading the API object of every device (cold memory) to find none.
+        if features.device_binding_and_status && device.has_binding_conditions {
             out.binding_conditions = device.obj.binding_conditions.clone().and_then(non_empty);
+        }
+        if features.device_binding_and_status && device.has_binding_failure_conditions {
             out.binding_failure_conditions = device
                 .obj
                 .binding_failure_conditions
@@ -77,10 +82,11 @@ pub(crate) fn build(
 
     // Class configs, each class once, naming every request that uses the class.
     let mut config: Vec<DeviceAllocationConfiguration> = Vec::new();
-    let mut class_ranges: HashMap<&str, (usize, usize)> = HashMap::new();
+    // A claim names few classes: a list beats a map.
+    let mut class_ranges: Vec<(&str, (usize, usize))> = Vec::new();
     for (name, class) in selected.iter().flatten() {
         let class_name = class.metadata.name.as_deref().unwrap_or("");
-        if let Some(&(start, end)) = class_ranges.get(class_name) {
+        if let Some(&(_, (start, end))) = class_ranges.iter().find(|(c, _)| *c == class_name) {
             for c in config.get_mut(start..end).into_iter().flatten() {
                 c.requests.get_or_insert_with(Vec::new).push(name.clone());
             }
@@ -94,7 +100,7 @@ pub(crate) fn build(
                 opaque: c.opaque.clone(),
             });
         }
-        class_ranges.insert(class_name, (start, config.len()));
+        class_ranges.push((class_name, (start, config.len())));
     }
     // Claim configs: once per request (or selected subrequest) they name, as upstream does.
     for c in spec.and_then(|d| d.config.as_deref()).unwrap_or_default() {

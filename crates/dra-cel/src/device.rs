@@ -167,8 +167,21 @@ impl<'a> DeviceView<'a> {
     /// device many times (the allocator checks each device once when it reads its slice). A
     /// device `new` would refuse must not be given here.
     pub fn checked(device: &'a Device, list_attributes: bool) -> DeviceView<'a> {
+        DeviceView::checked_with_driver(device, &device.driver, list_attributes)
+    }
+
+    /// [`DeviceView::checked`] reading the driver name from `driver`, which must equal
+    /// `device.driver`: every device of a ResourceSlice has the slice's driver, so a caller
+    /// evaluating many devices can hand in the one string they share instead of each device's
+    /// copy (one memory read fewer per device).
+    pub fn checked_with_driver(
+        device: &'a Device,
+        driver: &'a str,
+        list_attributes: bool,
+    ) -> DeviceView<'a> {
+        debug_assert_eq!(driver, device.driver);
         DeviceView {
-            driver: &device.driver,
+            driver,
             attributes: &device.attributes,
             capacity: &device.capacity,
             allow_multiple_allocations: device.allow_multiple_allocations.unwrap_or(false),
@@ -280,11 +293,27 @@ impl<'a> DeviceView<'a> {
 
     /// One attribute by domain and id.
     pub(crate) fn attribute(&self, domain: &str, id: &str) -> Option<&'a DeviceAttribute> {
-        // Fast path: the fully qualified key, then the bare id for the driver's domain.
+        // The key is `domain/id`, or `id` alone in the driver's domain. Lengths are compared
+        // before bytes, so keys of another length are never read. When both spellings are
+        // present the later key in map order wins, as before.
+        // A key splits at its first '/' (`split_name`): a domain with a '/' matches no key, and
+        // a bare key never holds one.
+        let bare = domain == self.driver && !id.contains('/');
+        let qualified = if domain.contains('/') {
+            usize::MAX
+        } else {
+            domain.len() + 1 + id.len()
+        };
         let mut found = None;
         for (k, a) in self.attributes.iter() {
-            let (d, n) = split_name(k, self.driver);
-            if d == domain && n == id {
+            let hit = if k.len() == qualified {
+                k.as_bytes().get(domain.len()) == Some(&b'/')
+                    && k.starts_with(domain)
+                    && k.ends_with(id)
+            } else {
+                bare && k.len() == id.len() && k == id
+            };
+            if hit {
                 found = Some(a);
             }
         }
@@ -359,5 +388,57 @@ impl<'a> DeviceView<'a> {
         Err(DeviceError::Unsupported {
             name: String::new(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `attribute` answers as splitting every key at its first '/' would, without reading keys
+    /// of another length.
+    #[test]
+    fn attribute_lookup_agrees_with_splitting_every_key() {
+        let keys = [
+            "model",
+            "d.example.com/model",
+            "a/b/c",
+            "a/b",
+            "b/c",
+            "other.io/model",
+            "c",
+            "d.example.com/x/y",
+        ];
+        let device = Device {
+            driver: "d.example.com".into(),
+            attributes: keys
+                .iter()
+                .enumerate()
+                .map(|(i, k)| {
+                    let a = DeviceAttribute {
+                        int: Some(i as i64),
+                        ..Default::default()
+                    };
+                    (k.to_string(), a)
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let view = DeviceView::checked(&device, false);
+        let naive = |domain: &str, id: &str| {
+            device
+                .attributes
+                .iter()
+                .filter(|(k, _)| split_name(k, &device.driver) == (domain, id))
+                .map(|(_, a)| a)
+                .last()
+        };
+        let domains = ["d.example.com", "a", "a/b", "b", "other.io", "", "x"];
+        let ids = ["model", "b/c", "b", "c", "x/y", "y", ""];
+        for domain in domains {
+            for id in ids {
+                assert_eq!(view.attribute(domain, id), naive(domain, id), "{domain} {id}");
+            }
+        }
     }
 }

@@ -23,6 +23,7 @@ mod cost;
 mod decls;
 pub mod device;
 mod eval;
+mod fast;
 mod functions;
 pub mod libs;
 mod parse;
@@ -116,6 +117,8 @@ pub struct CompiledExpression {
     expression: String,
     features: Features,
     cost_limit: u64,
+    /// The expression as one direct comparison, when it has such a shape.
+    fast: Option<fast::Comparison>,
 }
 
 /// Per-evaluation options.
@@ -168,6 +171,7 @@ impl Compiler {
         let (checked, estimate) = parse::with_stack(deep, move || self.check(&parsed))
             .unwrap_or_else(|| Err(CompileError::Parse("max recursion depth exceeded".into())))?;
         Ok(CompiledExpression {
+            fast: fast::Comparison::recognize(&checked.root),
             estimate,
             depth,
             checked,
@@ -266,6 +270,12 @@ impl CompiledExpression {
         view: &DeviceView<'_>,
         options: EvalOptions,
     ) -> Result<bool, MatchError> {
+        if let Some(fast) = &self.fast
+            && options.cost_limit >= fast::COST_BOUND
+            && let Some(matched) = fast.evaluate(view)
+        {
+            return Ok(matched);
+        }
         self.evaluate_view(view, options).0
     }
 

@@ -9,8 +9,8 @@
 //! allocator). Ours: the same objects read and validated as `dractl allocate` reads them, the
 //! allocator built once, the pod's claims validated once ([`dra_allocator::Allocator::pod`],
 //! its time added to the first node's), and each node's
-//! [`dra_allocator::Allocator::allocate_pod`] timed. Both run
-//! `rounds` times; the per-node figures of all rounds make the median and p99. The answers must
+//! [`dra_allocator::Allocator::allocate_pod`] timed. The two sides take turns, `rounds` rounds
+//! each; the per-node figures of all rounds make the median and p99. The answers must
 //! be identical (share IDs by presence), or the case says which nodes differ.
 //!
 //! Prints a Markdown table for BENCHMARKS.md.
@@ -232,32 +232,32 @@ fn cases() -> Vec<Case> {
         Case {
             name: "500 nodes x 10 GPUs, 0% in use, 1 H100",
             objects: cluster(500, 10, 0.0, one_h100()),
-            rounds: 3,
+            rounds: 5,
         },
         Case {
             name: "500 nodes x 10 GPUs, 50% in use, 1 H100",
             objects: cluster(500, 10, 0.5, one_h100()),
-            rounds: 3,
+            rounds: 5,
         },
         Case {
             name: "500 nodes x 10 GPUs, 99% in use, 1 H100",
             objects: cluster(500, 10, 0.99, one_h100()),
-            rounds: 3,
+            rounds: 5,
         },
         Case {
             name: "100 nodes, 2,000 partitionable slices, 1 partition",
             objects: partitionable(),
-            rounds: 3,
+            rounds: 5,
         },
         Case {
             name: "500 nodes x 10 GPUs, 50% in use, prioritized list",
             objects: cluster(500, 10, 0.5, prioritized()),
-            rounds: 3,
+            rounds: 5,
         },
         Case {
             name: "500 nodes x 10 GPUs, 50% in use, 2 GPUs matchAttribute numa",
             objects: cluster(500, 10, 0.5, numa_pair()),
-            rounds: 3,
+            rounds: 5,
         },
         Case {
             name: "adversarial: 21 GPUs wanted, 20 free",
@@ -405,8 +405,18 @@ fn main() -> anyhow::Result<()> {
         let file = dir.path().join("input.json");
         let list = json!({"apiVersion": "v1", "kind": "List", "items": case.objects});
         std::fs::write(&file, serde_json::to_vec(&list)?)?;
-        let (mut theirs, mut their_answer) = upstream(&file, dir.path(), case.rounds)?;
-        let (mut mine, mut my_answer) = ours(&case.objects, case.rounds)?;
+        // Rounds alternate between the two sides, so that both meet the machine in the same
+        // moods (a shared VM's memory bandwidth moves medians by up to 2x over a minute).
+        let (mut theirs, mut mine) = (Vec::new(), Vec::new());
+        let (mut their_answer, mut my_answer) = (Value::Null, Value::Null);
+        for _ in 0..case.rounds {
+            let (t, answer) = upstream(&file, dir.path(), 1)?;
+            theirs.extend(t);
+            their_answer = answer;
+            let (m, answer) = ours(&case.objects, 1)?;
+            mine.extend(m);
+            my_answer = answer;
+        }
         normalize(&mut their_answer);
         normalize(&mut my_answer);
         let same = if their_answer == my_answer {
