@@ -421,15 +421,6 @@ struct RequestData<'s> {
     all_devices: Vec<DevRef>,
 }
 
-impl RequestData<'_> {
-    fn full_name(&self) -> String {
-        match self.parent {
-            Some(p) => format!("{p}/{}", self.name),
-            None => self.name.to_string(),
-        }
-    }
-}
-
 /// A request of a claim: one entry, or one per subrequest.
 #[derive(Debug)]
 struct RequestSlot<'s> {
@@ -593,14 +584,14 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             let results = self.results.get(ci).map(Vec::as_slice).unwrap_or_default();
             let picked = self.selected.get(ci).map(Vec::as_slice).unwrap_or_default();
             let pick = |ri: usize| picked.get(ri).copied().unwrap_or(0);
-            let selected: Vec<Option<(String, &DeviceClass)>> = claim
+            let selected: Vec<crate::result::Selected<'_>> = claim
                 .requests
                 .iter()
                 .enumerate()
                 .map(|(ri, slot)| {
                     slot.subs
                         .get(if slot.has_subrequests { pick(ri) } else { 0 })
-                        .map(|rd| (rd.full_name(), rd.class))
+                        .map(|rd| (rd.parent, rd.name, rd.class))
                 })
                 .collect();
             let sub_names: Vec<Option<&str>> = claim

@@ -13,8 +13,8 @@ use crate::Features;
 use crate::allocator::{AllocateError, DeviceResult};
 use crate::model::SliceData;
 
-/// Per request of the claim: the full name of the (selected sub)request and its class.
-pub(crate) type Selected<'c> = Option<(String, &'c DeviceClass)>;
+/// Per request of the claim: the (selected sub)request as (parent request, name) and its class.
+pub(crate) type Selected<'c> = Option<(Option<&'c str>, &'c str, &'c DeviceClass)>;
 
 fn non_empty<T>(v: Vec<T>) -> Option<Vec<T>> {
     (!v.is_empty()).then_some(v)
@@ -84,11 +84,16 @@ pub(crate) fn build(
     let mut config: Vec<DeviceAllocationConfiguration> = Vec::new();
     // A claim names few classes: a list beats a map.
     let mut class_ranges: Vec<(&str, (usize, usize))> = Vec::new();
-    for (name, class) in selected.iter().flatten() {
+    for &(parent, name, class) in selected.iter().flatten() {
+        // Made only for a class with configuration: most have none.
+        let full_name = || match parent {
+            Some(p) => format!("{p}/{name}"),
+            None => name.to_string(),
+        };
         let class_name = class.metadata.name.as_deref().unwrap_or("");
         if let Some(&(_, (start, end))) = class_ranges.iter().find(|(c, _)| *c == class_name) {
             for c in config.get_mut(start..end).into_iter().flatten() {
-                c.requests.get_or_insert_with(Vec::new).push(name.clone());
+                c.requests.get_or_insert_with(Vec::new).push(full_name());
             }
             continue;
         }
@@ -96,7 +101,7 @@ pub(crate) fn build(
         for c in class.spec.config.iter().flatten() {
             config.push(DeviceAllocationConfiguration {
                 source: "FromClass".into(),
-                requests: Some(vec![name.clone()]),
+                requests: Some(vec![full_name()]),
                 opaque: c.opaque.clone(),
             });
         }

@@ -431,13 +431,17 @@ mod tests {
                 .iter()
                 .filter(|(k, _)| split_name(k, &device.driver) == (domain, id))
                 .map(|(_, a)| a)
-                .last()
+                .next_back()
         };
         let domains = ["d.example.com", "a", "a/b", "b", "other.io", "", "x"];
         let ids = ["model", "b/c", "b", "c", "x/y", "y", ""];
         for domain in domains {
             for id in ids {
-                assert_eq!(view.attribute(domain, id), naive(domain, id), "{domain} {id}");
+                assert_eq!(
+                    view.attribute(domain, id),
+                    naive(domain, id),
+                    "{domain} {id}"
+                );
             }
         }
     }
