@@ -83,6 +83,16 @@ struct DeviceFlags {
 /// selector is evaluated, as upstream's lazily compiling cache does.
 type CelCache = HashMap<String, Compiled>;
 
+/// A device's attribute table and driver, for selectors answered without the evaluator
+/// ([`crate::attributes::compare`], valid at the allocator's cost limit).
+#[derive(Clone, Copy)]
+struct Table<'t, 'v> {
+    attributes: &'t [crate::attributes::Attribute<'v>],
+    driver: &'t str,
+}
+
+const _: () = assert!(dra_cel::MAX_COST >= dra_cel::SHORTCUT_COST_BOUND);
+
 /// A selector's compiled expression, or why it does not compile.
 type Compiled = Result<Arc<CompiledExpression>, CompileError>;
 
@@ -1294,9 +1304,20 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             )),
             Some(e) => Err((**e).clone()),
         };
+        let table = Table {
+            attributes: slice
+                .attributes
+                .get(device.attributes.clone())
+                .unwrap_or_default(),
+            driver: slice.driver,
+        };
         let result =
-            self.selectors_match(claim, &view, Some(selectors.class), &selectors.class_cel)?
-                && self.selectors_match(claim, &view, None, &selectors.request_cel)?
+            self.selectors_match(
+                claim,
+                (&view, table),
+                Some(selectors.class),
+                &selectors.class_cel,
+            )? && self.selectors_match(claim, (&view, table), None, &selectors.request_cel)?
                 && (!slice.per_device_node_selection
                     || node_matches(
                         self.node,
@@ -1313,7 +1334,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
     fn selectors_match(
         &self,
         claim: usize,
-        view: &Result<DeviceView<'_>, DeviceError>,
+        (view, table): (&Result<DeviceView<'_>, DeviceError>, Table<'_, '_>),
         class: Option<&DeviceClass>,
         selectors: &[Option<Compiled>],
     ) -> Step<bool> {
@@ -1344,7 +1365,13 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 deadline: self.interrupt.deadline,
             };
             let matched = match view {
-                Ok(view) => compiled.matches_view(view, options),
+                Ok(view) => match compiled
+                    .attribute_comparison()
+                    .and_then(|c| crate::attributes::compare(table.attributes, table.driver, &c))
+                {
+                    Some(answer) => Ok(answer),
+                    None => compiled.matches_view(view, options),
+                },
                 Err(e) => Err(MatchError::Device(e.clone())),
             };
             match matched {

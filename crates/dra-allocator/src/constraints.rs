@@ -12,91 +12,7 @@ use std::sync::Arc;
 
 use foldhash::HashSet;
 
-use k8s_openapi::api::resource::v1::DeviceAttribute;
-
-/// A scalar attribute value, borrowed from the device.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Value<'v> {
-    String(&'v str),
-    Int(i64),
-    Bool(bool),
-    Version(&'v str),
-    /// None of the scalar fields set.
-    Unknown,
-}
-
-fn value_of(a: &DeviceAttribute) -> Value<'_> {
-    if let Some(s) = &a.string {
-        Value::String(s)
-    } else if let Some(i) = a.int {
-        Value::Int(i)
-    } else if let Some(b) = a.bool {
-        Value::Bool(b)
-    } else if let Some(v) = &a.version {
-        Value::Version(v)
-    } else {
-        Value::Unknown
-    }
-}
-
-/// One attribute of a device as constraints read it: its name, the name's first eight bytes
-/// inline (most names are told apart, and names of up to eight bytes matched, without reading
-/// them: a device is usually cold in memory when the search reaches it), and its value.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Attribute<'v> {
-    head: u64,
-    name: &'v str,
-    value: Value<'v>,
-}
-
-/// The first eight bytes of a name, zero-padded.
-fn head(name: &str) -> u64 {
-    let mut bytes = [0u8; 8];
-    for (b, n) in bytes.iter_mut().zip(name.bytes()) {
-        *b = n;
-    }
-    u64::from_le_bytes(bytes)
-}
-
-impl<'v> Attribute<'v> {
-    /// A device's attributes, in map order.
-    pub fn entries(
-        attributes: Option<&'v BTreeMap<String, DeviceAttribute>>,
-    ) -> impl Iterator<Item = Self> {
-        attributes.into_iter().flatten().map(|(name, a)| Attribute {
-            head: head(name),
-            name,
-            value: value_of(a),
-        })
-    }
-
-    fn is(&self, name: &str, name_head: u64) -> bool {
-        self.head == name_head
-            && self.name.len() == name.len()
-            && (name.len() <= 8 || self.name == name)
-    }
-}
-
-/// `lookupAttribute`: the fully qualified name, or the bare ID when the domain is the driver's.
-fn lookup<'v>(attributes: &[Attribute<'v>], driver: &str, name: &str) -> Option<Value<'v>> {
-    let bare = match name.split_once('/') {
-        Some((domain, id)) if domain == driver => Some((id, head(id))),
-        _ => None,
-    };
-    let name_head = head(name);
-    let mut by_id = None;
-    for a in attributes {
-        if a.is(name, name_head) {
-            return Some(a.value);
-        }
-        if let Some((id, id_head)) = bare
-            && a.is(id, id_head)
-        {
-            by_id = Some(a.value);
-        }
-    }
-    by_id
-}
+use crate::attributes::{Attribute, Value, lookup};
 
 /// What a constraint is, shared by every copy of it (one per node searched).
 #[derive(Debug)]
@@ -284,6 +200,7 @@ impl<'v> Constraint<'v> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::resource::v1::DeviceAttribute;
 
     fn attrs(pairs: &[(&str, DeviceAttribute)]) -> Box<[Attribute<'static>]> {
         let map: BTreeMap<String, DeviceAttribute> = pairs

@@ -31,6 +31,7 @@
 //! ```
 
 mod allocator;
+mod attributes;
 mod capacity;
 mod constraints;
 mod defaults;

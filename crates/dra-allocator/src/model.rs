@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::NodeSelector;
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceClaim, ResourceSlice};
 
 use crate::Error;
-use crate::constraints::Attribute;
+use crate::attributes::Attribute;
 use crate::quantity::Quantity;
 
 /// A device by driver, pool and device name (`DeviceID`).

@@ -17,7 +17,7 @@ use crate::value::Value;
 
 /// A cost limit at or above which the shapes recognised here cannot run out of budget (their
 /// runtime cost is at most 5).
-pub(crate) const COST_BOUND: u64 = 100;
+pub const COST_BOUND: u64 = 100;
 
 /// A literal of a comparison.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +31,45 @@ enum Literal {
 #[derive(Debug, Clone, PartialEq)]
 enum Subject {
     Driver,
-    Attribute { domain: String, id: String },
+    Attribute {
+        domain: String,
+        id: String,
+        /// `domain/id`.
+        qualified: String,
+    },
+}
+
+/// A literal as [`AttributeComparison`] hands it out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LiteralRef<'a> {
+    /// A string literal.
+    String(&'a str),
+    /// An int literal.
+    Int(i64),
+    /// A bool literal.
+    Bool(bool),
+}
+
+/// A selector `device.attributes["domain"].id == literal` (either side, `["id"]` too), for a
+/// caller that keeps its own index of device attributes
+/// ([`crate::CompiledExpression::attribute_comparison`]).
+///
+/// The answer is `attribute == literal` only where the attribute the selector reads (see
+/// [`DeviceView`]: the key `domain/id`, or `id` alone when `domain` is the driver, the later
+/// one in key order when both exist) is present, holds exactly one scalar value and that value
+/// has the literal's type (a version never does); anywhere else the caller must evaluate the
+/// expression, which also yields its errors. Valid for cost limits of at least [`COST_BOUND`]
+/// and without list-type attributes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttributeComparison<'a> {
+    /// The attribute's domain.
+    pub domain: &'a str,
+    /// The attribute's id within the domain.
+    pub id: &'a str,
+    /// `domain/id`.
+    pub qualified: &'a str,
+    /// The literal it is compared with.
+    pub literal: LiteralRef<'a>,
 }
 
 /// A selector that is one comparison of a device field with a literal.
@@ -98,6 +136,7 @@ fn subject(n: &Node) -> Option<Subject> {
     Some(Subject::Attribute {
         domain: domain.to_string(),
         id: id.to_string(),
+        qualified: format!("{domain}/{id}"),
     })
 }
 
@@ -124,6 +163,28 @@ impl Comparison {
         Some(Comparison { subject, literal })
     }
 
+    /// The comparison of an attribute, if this is one.
+    pub(crate) fn attribute(&self) -> Option<AttributeComparison<'_>> {
+        let Subject::Attribute {
+            domain,
+            id,
+            qualified,
+        } = &self.subject
+        else {
+            return None;
+        };
+        Some(AttributeComparison {
+            domain,
+            id,
+            qualified,
+            literal: match &self.literal {
+                Literal::String(s) => LiteralRef::String(s),
+                Literal::Int(i) => LiteralRef::Int(*i),
+                Literal::Bool(b) => LiteralRef::Bool(*b),
+            },
+        })
+    }
+
     /// The answer, or `None` where the evaluator must decide.
     pub(crate) fn evaluate(&self, view: &DeviceView<'_>) -> Option<bool> {
         match &self.subject {
@@ -131,7 +192,7 @@ impl Comparison {
                 Literal::String(s) => Some(view.driver == s),
                 _ => None,
             },
-            Subject::Attribute { domain, id } => {
+            Subject::Attribute { domain, id, .. } => {
                 if view.list_attributes {
                     return None;
                 }

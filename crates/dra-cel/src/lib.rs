@@ -38,6 +38,7 @@ pub use checker::{CheckError, Features};
 pub use cost::CostEstimate;
 pub use device::{Device, DeviceAttribute, DeviceCapacity, DeviceError, DeviceView};
 pub use eval::EvalError;
+pub use fast::{AttributeComparison, COST_BOUND as SHORTCUT_COST_BOUND, LiteralRef};
 pub use types::Type;
 
 /// Runtime cost limit per evaluation: `resource.k8s.io` `CELSelectorExpressionMaxCost`.
@@ -222,6 +223,13 @@ impl CompiledExpression {
     /// The source text.
     pub fn expression(&self) -> &str {
         &self.expression
+    }
+
+    /// The selector as one comparison of a device attribute with a literal, if it has that
+    /// shape: for callers that index device attributes themselves (the allocator), see
+    /// [`AttributeComparison`] for when its answer stands.
+    pub fn attribute_comparison(&self) -> Option<AttributeComparison<'_>> {
+        self.fast.as_ref()?.attribute()
     }
 
     /// The checked result type (`bool`, or `any`/`dyn` for a bare attribute).
