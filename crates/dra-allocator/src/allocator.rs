@@ -87,7 +87,7 @@ type CelCache = HashMap<String, Compiled>;
 /// ([`crate::attributes::compare`], valid at the allocator's cost limit).
 #[derive(Clone, Copy)]
 struct Table<'t, 'v> {
-    attributes: &'t [crate::attributes::Attribute<'v>],
+    attributes: crate::attributes::Attributes<'t, 'v>,
     driver: &'t str,
 }
 
@@ -1305,10 +1305,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             Some(e) => Err((**e).clone()),
         };
         let table = Table {
-            attributes: slice
-                .attributes
-                .get(device.attributes.clone())
-                .unwrap_or_default(),
+            attributes: slice.attributes.device(device.attributes.clone()),
             driver: slice.driver,
         };
         let result =
@@ -1439,8 +1436,8 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 .get_mut(r.claim)
                 .and_then(|cs| cs.get_mut(i))
                 .is_none_or(|c| {
-                    let attributes = slice.attributes.get(device.attributes.clone());
-                    c.add(base, sub, attributes.unwrap_or_default(), slice.driver)
+                    let attributes = slice.attributes.device(device.attributes.clone());
+                    c.add(base, sub, attributes, slice.driver)
                 });
             if !ok {
                 self.rollback(r, dev, undo);

@@ -50,16 +50,39 @@ fn single(a: &DeviceAttribute) -> bool {
     set.iter().filter(|s| **s).count() == 1
 }
 
-/// One attribute of a device.
+/// Where a name is matched: its first eight bytes and its length, so most names are told
+/// apart, and names of up to eight bytes matched, without reading them.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Attribute<'v> {
-    /// The first eight bytes of `name`.
+struct Key {
     head: u64,
-    name: &'v str,
+    len: usize,
+}
+
+/// An attribute's value, with what comparisons need inline.
+#[derive(Debug, Clone, Copy)]
+struct Entry<'v> {
     value: Value<'v>,
     /// The first eight bytes of a string value.
     value_head: u64,
     single: bool,
+}
+
+/// The attributes of a slice's devices, device after device, in three parallel columns: keys
+/// (16 bytes each, what a lookup scans), full names (read only for names over eight bytes) and
+/// values (read only for the attribute found).
+#[derive(Debug, Default)]
+pub(crate) struct AttributeTable<'v> {
+    keys: Vec<Key>,
+    names: Vec<&'v str>,
+    entries: Vec<Entry<'v>>,
+}
+
+/// One device's attributes in an [`AttributeTable`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Attributes<'t, 'v> {
+    keys: &'t [Key],
+    names: &'t [&'v str],
+    entries: &'t [Entry<'v>],
 }
 
 /// The first eight bytes of a string, zero-padded.
@@ -77,34 +100,63 @@ fn same(s: &str, s_head: u64, want: &str, want_head: u64) -> bool {
     s_head == want_head && s.len() == want.len() && (want.len() <= 8 || s == want)
 }
 
-impl<'v> Attribute<'v> {
-    /// A device's attributes, in map order.
-    pub fn entries(
+impl<'v> AttributeTable<'v> {
+    /// Adds a device's attributes (in map order); returns where they are.
+    pub fn push(
+        &mut self,
         attributes: Option<&'v BTreeMap<String, DeviceAttribute>>,
-    ) -> impl Iterator<Item = Self> {
-        attributes.into_iter().flatten().map(|(name, a)| {
+    ) -> std::ops::Range<usize> {
+        let start = self.keys.len();
+        for (name, a) in attributes.into_iter().flatten() {
             let value = value_of(a);
-            Attribute {
+            self.keys.push(Key {
                 head: head(name),
-                name,
+                len: name.len(),
+            });
+            self.names.push(name);
+            self.entries.push(Entry {
                 value,
                 value_head: match value {
                     Value::String(s) => head(s),
                     _ => 0,
                 },
                 single: single(a),
-            }
-        })
+            });
+        }
+        start..self.keys.len()
     }
 
-    fn is(&self, name: &str, name_head: u64) -> bool {
-        same(self.name, self.head, name, name_head)
+    /// The attributes of the device at `range` (empty if out of range).
+    pub fn device(&self, range: std::ops::Range<usize>) -> Attributes<'_, 'v> {
+        match (
+            self.keys.get(range.clone()),
+            self.names.get(range.clone()),
+            self.entries.get(range),
+        ) {
+            (Some(keys), Some(names), Some(entries)) => Attributes {
+                keys,
+                names,
+                entries,
+            },
+            _ => Attributes::default(),
+        }
+    }
+}
+
+impl<'v> Attributes<'_, 'v> {
+    /// Whether attribute `i` is named `name` (whose first eight bytes are `name_head`).
+    fn is(&self, i: usize, name: &str, name_head: u64) -> bool {
+        self.keys.get(i).is_some_and(|k| {
+            k.head == name_head
+                && k.len == name.len()
+                && (name.len() <= 8 || self.names.get(i).is_some_and(|n| *n == name))
+        })
     }
 }
 
 /// `lookupAttribute`: the fully qualified name, or the bare ID when the domain is the driver's.
 pub(crate) fn lookup<'v>(
-    attributes: &[Attribute<'v>],
+    attributes: Attributes<'_, 'v>,
     driver: &str,
     name: &str,
 ) -> Option<Value<'v>> {
@@ -114,17 +166,17 @@ pub(crate) fn lookup<'v>(
     };
     let name_head = head(name);
     let mut by_id = None;
-    for a in attributes {
-        if a.is(name, name_head) {
-            return Some(a.value);
+    for i in 0..attributes.keys.len() {
+        if attributes.is(i, name, name_head) {
+            return attributes.entries.get(i).map(|e| e.value);
         }
         if let Some((id, id_head)) = bare
-            && a.is(id, id_head)
+            && attributes.is(i, id, id_head)
         {
-            by_id = Some(a.value);
+            by_id = Some(i);
         }
     }
-    by_id
+    attributes.entries.get(by_id?).map(|e| e.value)
 }
 
 /// A selector of the form `device.attributes["domain"].id == literal` answered from the
@@ -134,7 +186,7 @@ pub(crate) fn lookup<'v>(
 /// The attribute is the one `dra_cel::DeviceView` reads: keys split at their first '/', the
 /// bare id in the driver's domain, the later key in map order when both spellings exist.
 pub(crate) fn compare(
-    attributes: &[Attribute<'_>],
+    attributes: Attributes<'_, '_>,
     driver: &str,
     c: &dra_cel::AttributeComparison<'_>,
 ) -> Option<bool> {
@@ -145,12 +197,14 @@ pub(crate) fn compare(
     let qualified = (c.qualified, head(c.qualified));
     let bare = (c.domain == driver && !c.id.contains('/')).then(|| (c.id, head(c.id)));
     let mut found = None;
-    for a in attributes {
-        if a.is(qualified.0, qualified.1) || bare.is_some_and(|(id, h)| a.is(id, h)) {
-            found = Some(a);
+    for i in 0..attributes.keys.len() {
+        if attributes.is(i, qualified.0, qualified.1)
+            || bare.is_some_and(|(id, h)| attributes.is(i, id, h))
+        {
+            found = Some(i);
         }
     }
-    let a = found?;
+    let a = attributes.entries.get(found?)?;
     if !a.single {
         return None;
     }
@@ -230,8 +284,9 @@ mod tests {
                 .attribute_comparison()
                 .expect("an attribute comparison");
             for attrs in &devices {
-                let table: Vec<Attribute<'_>> = Attribute::entries(Some(attrs)).collect();
-                let Some(answer) = compare(&table, driver, &c) else {
+                let mut table = AttributeTable::default();
+                let range = table.push(Some(attrs));
+                let Some(answer) = compare(table.device(range), driver, &c) else {
                     continue;
                 };
                 answered += 1;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use foldhash::HashSet;
 
-use crate::attributes::{Attribute, Value, lookup};
+use crate::attributes::{Attributes, Value, lookup};
 
 /// What a constraint is, shared by every copy of it (one per node searched).
 #[derive(Debug)]
@@ -97,7 +97,7 @@ impl<'v> Constraint<'v> {
         &mut self,
         request: &'v str,
         sub: Option<&str>,
-        attributes: &[Attribute<'v>],
+        attributes: Attributes<'_, 'v>,
         driver: &str,
     ) -> bool {
         match self {
@@ -202,12 +202,14 @@ mod tests {
     use super::*;
     use k8s_openapi::api::resource::v1::DeviceAttribute;
 
-    fn attrs(pairs: &[(&str, DeviceAttribute)]) -> Box<[Attribute<'static>]> {
+    fn attrs(pairs: &[(&str, DeviceAttribute)]) -> Attributes<'static, 'static> {
         let map: BTreeMap<String, DeviceAttribute> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.clone()))
             .collect();
-        Attribute::entries(Some(Box::leak(Box::new(map)))).collect()
+        let table = Box::leak(Box::new(crate::attributes::AttributeTable::default()));
+        let range = table.push(Some(Box::leak(Box::new(map))));
+        table.device(range)
     }
 
     fn s(v: &str) -> DeviceAttribute {
@@ -223,23 +225,23 @@ mod tests {
         let a = attrs(&[("model", s("A100"))]);
         let b = attrs(&[("drv.example.com/model", s("A100"))]);
         let other = attrs(&[("model", s("H100"))]);
-        assert!(c.add("r", None, &a, "drv.example.com"));
-        assert!(c.add("r", None, &b, "drv.example.com"));
-        assert!(!c.add("r", None, &other, "drv.example.com"));
-        assert!(!c.add("r", None, &a, "other.example.com"), "foreign domain");
+        assert!(c.add("r", None, a, "drv.example.com"));
+        assert!(c.add("r", None, b, "drv.example.com"));
+        assert!(!c.add("r", None, other, "drv.example.com"));
+        assert!(!c.add("r", None, a, "other.example.com"), "foreign domain");
     }
 
     #[test]
     fn a_constraint_for_other_requests_lets_every_device_pass() {
         let mut c = Constraint::matching("x/y", &["a".into()]);
-        assert!(c.add("b", None, &[], "x"));
-        assert!(!c.add("a", None, &[], "x"));
+        assert!(c.add("b", None, Attributes::default(), "x"));
+        assert!(!c.add("a", None, Attributes::default(), "x"));
         assert!(
-            c.add("b", Some("s"), &[], "x"),
+            c.add("b", Some("s"), Attributes::default(), "x"),
             "b/s is not one of its requests"
         );
         let mut c = Constraint::matching("x/y", &["b/s".into()]);
-        assert!(!c.add("b", Some("s"), &[], "x"));
+        assert!(!c.add("b", Some("s"), Attributes::default(), "x"));
     }
 
     #[test]
@@ -249,18 +251,18 @@ mod tests {
         let mut c = Constraint::distinct("x/v", &[], false);
         let one = attrs(&[("v", s("1"))]);
         let two = attrs(&[("v", s("2"))]);
-        assert!(c.add("r", None, &one, "x"));
-        assert!(!c.add("r", None, &one, "x"));
-        assert!(c.add("r", None, &two, "x"));
-        assert!(c.add("r", None, &one, "x"));
+        assert!(c.add("r", None, one, "x"));
+        assert!(!c.add("r", None, one, "x"));
+        assert!(c.add("r", None, two, "x"));
+        assert!(c.add("r", None, one, "x"));
 
         // With the fix every device's value counts, and removal takes back the last one added.
         let mut c = Constraint::distinct("x/v", &[], true);
-        assert!(c.add("r", None, &one, "x"));
-        assert!(c.add("r", None, &two, "x"));
-        assert!(!c.add("r", None, &one, "x"));
+        assert!(c.add("r", None, one, "x"));
+        assert!(c.add("r", None, two, "x"));
+        assert!(!c.add("r", None, one, "x"));
         c.remove("r", None);
-        assert!(c.add("r", None, &two, "x"), "2 was removed");
-        assert!(!c.add("s", None, &one, "x"));
+        assert!(c.add("r", None, two, "x"), "2 was removed");
+        assert!(!c.add("s", None, one, "x"));
     }
 }

@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::NodeSelector;
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceClaim, ResourceSlice};
 
 use crate::Error;
-use crate::attributes::Attribute;
+use crate::attributes::AttributeTable;
 use crate::quantity::Quantity;
 
 /// A device by driver, pool and device name (`DeviceID`).
@@ -217,7 +217,7 @@ pub(crate) struct SliceData<'a> {
     pub devices: Vec<DeviceData<'a>>,
     /// The attributes of all devices as constraints read them, device after device (side by
     /// side in memory, so that the search reads few cache lines for neighbouring devices).
-    pub attributes: Vec<Attribute<'a>>,
+    pub attributes: AttributeTable<'a>,
     /// The names of all devices, one after the other (for the results, as `attributes`).
     pub names: String,
     /// The first device whose name an earlier device of this slice has too.
@@ -278,16 +278,14 @@ impl<'a> SliceData<'a> {
             shared_counters.push((set.name.clone(), counters(slice, &path, &set.counters)?));
         }
         let mut devices = Vec::new();
-        let mut attributes = Vec::new();
+        let mut attributes = AttributeTable::default();
         let mut names = String::new();
         for (i, d) in spec.devices.iter().flatten().enumerate() {
             let mut device = DeviceData::new(slice, i, d)?;
             let start = names.len();
             names.push_str(&d.name);
             device.name_at = start..names.len();
-            let start = attributes.len();
-            attributes.extend(Attribute::entries(d.attributes.as_ref()));
-            device.attributes = start..attributes.len();
+            device.attributes = attributes.push(d.attributes.as_ref());
             devices.push(device);
         }
         let mut seen = HashSet::with_capacity(devices.len());
