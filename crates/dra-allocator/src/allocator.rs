@@ -86,7 +86,7 @@ type CelCache = HashMap<String, Compiled>;
 /// A device's attribute table and driver, for selectors answered without the evaluator
 /// ([`crate::attributes::compare`], valid at the allocator's cost limit).
 #[derive(Clone, Copy)]
-struct Table<'t, 'v> {
+struct SelectorInput<'t, 'v> {
     attributes: crate::attributes::Attributes<'t, 'v>,
     driver: &'t str,
 }
@@ -1304,7 +1304,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             )),
             Some(e) => Err((**e).clone()),
         };
-        let table = Table {
+        let table = SelectorInput {
             attributes: slice.attributes.device(device.attributes.clone()),
             driver: slice.driver,
         };
@@ -1331,7 +1331,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
     fn selectors_match(
         &self,
         claim: usize,
-        (view, table): (&Result<DeviceView<'_>, DeviceError>, Table<'_, '_>),
+        (view, table): (&Result<DeviceView<'_>, DeviceError>, SelectorInput<'_, '_>),
         class: Option<&DeviceClass>,
         selectors: &[Option<Compiled>],
     ) -> Step<bool> {

@@ -180,7 +180,8 @@ pub(crate) struct DeviceData<'a> {
     pub capacity: BTreeMap<String, Capacity>,
     /// Its name: a range of the slice's `names`.
     pub name_at: std::ops::Range<usize>,
-    /// Its attributes as constraints read them: a range of the slice's `attributes`.
+    /// Its attributes as constraints and selectors read them: a range of the slice's
+    /// `attributes`.
     pub attributes: std::ops::Range<usize>,
     /// Some capacity has a request policy.
     pub capacity_policy: bool,
@@ -215,8 +216,9 @@ pub(crate) struct SliceData<'a> {
     /// `sharedCounters`, in order; empty when none.
     pub shared_counters: Vec<(String, Counters)>,
     pub devices: Vec<DeviceData<'a>>,
-    /// The attributes of all devices as constraints read them, device after device (side by
-    /// side in memory, so that the search reads few cache lines for neighbouring devices).
+    /// The attributes of all devices as constraints and selectors read them, device after
+    /// device (side by side in memory, so that the search reads few cache lines for
+    /// neighbouring devices).
     pub attributes: AttributeTable<'a>,
     /// The names of all devices, one after the other (for the results, as `attributes`).
     pub names: String,
@@ -281,12 +283,7 @@ impl<'a> SliceData<'a> {
         let mut attributes = AttributeTable::default();
         let mut names = String::new();
         for (i, d) in spec.devices.iter().flatten().enumerate() {
-            let mut device = DeviceData::new(slice, i, d)?;
-            let start = names.len();
-            names.push_str(&d.name);
-            device.name_at = start..names.len();
-            device.attributes = attributes.push(d.attributes.as_ref());
-            devices.push(device);
+            devices.push(DeviceData::new(slice, i, d, &mut names, &mut attributes)?);
         }
         let mut seen = HashSet::with_capacity(devices.len());
         let duplicate_device = devices.iter().map(|d| d.name).find(|n| !seen.insert(*n));
@@ -315,7 +312,15 @@ impl<'a> SliceData<'a> {
 }
 
 impl<'a> DeviceData<'a> {
-    fn new(slice: &ResourceSlice, index: usize, d: &'a Device) -> Result<DeviceData<'a>, Error> {
+    /// Reads device `index` of `slice`, adding its name to the slice's `names` and its
+    /// attributes to the slice's `table`.
+    fn new(
+        slice: &ResourceSlice,
+        index: usize,
+        d: &'a Device,
+        names: &mut String,
+        table: &mut AttributeTable<'a>,
+    ) -> Result<DeviceData<'a>, Error> {
         let path = format!("spec.devices[{index}]");
         let mut capacity = BTreeMap::new();
         let mut cel_capacity = BTreeMap::new();
@@ -430,8 +435,12 @@ impl<'a> DeviceData<'a> {
             cel,
             view_error,
             capacity_policy: capacity.values().any(|c| c.policy.is_some()),
-            attributes: 0..0,
-            name_at: 0..0,
+            attributes: table.push(d.attributes.as_ref()),
+            name_at: {
+                let start = names.len();
+                names.push_str(&d.name);
+                start..names.len()
+            },
             capacity,
             consumes_counters,
             allow_multiple: d.allow_multiple_allocations == Some(true),
