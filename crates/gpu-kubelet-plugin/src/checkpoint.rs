@@ -1,32 +1,49 @@
 //! The record of claims being and having been prepared, so prepare is idempotent across calls,
 //! restarts, crashes and upgrades.
 //!
-//! On disk (`<plugin-dir>/checkpoint.json`, replaced with [`write_atomic`]):
+//! On disk: two slot files, `<plugin-dir>/checkpoint.json` and `checkpoint.b.json` beside it
+//! ([`slot_paths`]), each holding
 //!
 //! ```json
-//! {"version":2,"minReaderVersion":2,"checksum":"sha256:<hex>","data":{"bootId":"…","claims":{…}}}
+//! {"version":4,"minReaderVersion":4,"checksum":"sha256:<hex>","data":{"generation":7,"bootId":"…","claims":{…}}}
 //! ```
 //!
+//! followed by spaces up to the slot's length (a multiple of 4 KiB).
+//!
+//! - **One fsync per durable write.** Each store writes the next `generation` into the slot that
+//!   does not hold the newest one, in place over its allocated blocks, and makes it durable with
+//!   one `fdatasync`: no temp file, no rename, no directory sync (only the first write to a slot
+//!   creates it, and that one also syncs the directory). A load reads both slots and takes the
+//!   valid one with the higher generation. A power cut during a store can tear only the slot
+//!   being written; the other still holds the previous generation, which was durable before
+//!   the store began, so a load sees either the previous or the new checkpoint, never a mix.
+//!   This is the meta-page scheme of LMDB and of etcd's bbolt (two meta pages, the valid one
+//!   with the higher transaction ID wins). Its one cost: a slot damaged *after* its write was
+//!   acknowledged (media corruption, not a torn write) cannot be told from a torn one, so the
+//!   load falls back to the previous generation and says so in a warning.
 //! - `checksum` is SHA-256 over the bytes of `data` exactly as stored, never over re-serialized
-//!   data, so any bit flip or torn write is detected.
+//!   data, so any bit flip or torn write is detected; `generation` is inside `data`, so it is
+//!   covered too.
 //! - `version` is the writer's format version; `minReaderVersion` the oldest reader that can use
 //!   the file. A reader accepts any file whose `minReaderVersion` it meets and ignores fields it
 //!   does not know, so a future version that only adds fields stays readable after a downgrade.
+//! - Version 4 (the slots) is written with `minReaderVersion` 4: an older build reads only
+//!   `checkpoint.json`, which may be one generation behind, so it must refuse the file (as too
+//!   new), move it aside and rebuild its claims from the CDI specs and the API server, rather
+//!   than act on a stale record.
+//! - Versions 1 to 3 were one file, `checkpoint.json`, replaced by rename. They are read as
+//!   slot 0 at generation 0, so the first store after an upgrade goes to `checkpoint.b.json`
+//!   and the old file stays intact until a newer generation is durable.
 //! - Version 1 (no envelope: `{"version":1,"claims":{…}}`, written by the first drust builds) is
 //!   read and upgraded on the next write. It could not record in-progress claims or the boot,
 //!   so its claims read as completed in the current boot.
-//! - Version 3 adds `devices[].mig` ([`CreatedMig`]): the MIG device prepare created for a
-//!   partitionable placement, which unprepare must destroy. A version 2 reader would ignore the
-//!   field and leave the MIG device behind, so a file holding any `mig` is written with
-//!   `minReaderVersion` 3; without one it stays 2, and a downgrade keeps working where dynamic
-//!   MIG is not used. (A downgraded plugin refuses the file as too new, rebuilds its claims from
-//!   the CDI specs, and cannot destroy the devices; after the next upgrade they are reclaimed as
-//!   orphans at start.)
+//! - Version 3 added `devices[].mig` ([`CreatedMig`]): the MIG device prepare created for a
+//!   partitionable placement, which unprepare must destroy.
 
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use dra_kubelet::PreparedDevice;
 use serde::{Deserialize, Serialize};
@@ -35,16 +52,15 @@ use sha2::{Digest, Sha256};
 
 use crate::cdi::Spec;
 use crate::hardware::CreatedMig;
-use crate::storage::{Fs, write_atomic};
+use crate::storage::Fs;
 
 /// The checkpoint format version this build writes.
-pub const VERSION: u32 = 3;
-/// The oldest reader version that can read what this build writes when no claim holds a created
-/// MIG device.
-pub const MIN_READER_VERSION: u32 = 2;
-/// The oldest reader version that can read a checkpoint holding a created MIG device
-/// (`devices[].mig`, which it must act on at unprepare).
-pub const MIN_READER_VERSION_MIG: u32 = 3;
+pub const VERSION: u32 = 4;
+/// The oldest reader version that can read what this build writes: 4, the first that reads
+/// both slots (an older one would read `checkpoint.json` alone, possibly a generation behind).
+pub const MIN_READER_VERSION: u32 = 4;
+/// Slot files are written in multiples of this many bytes (a page), padded with spaces.
+pub const SLOT_BLOCK: usize = 4096;
 
 /// How far prepare got for a claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,22 +128,6 @@ impl From<&RecordedDevice> for PreparedDevice {
             device_name: d.device_name.clone(),
             cdi_device_ids: d.cdi_device_ids.clone(),
             share_id: None,
-        }
-    }
-}
-
-impl Checkpoint {
-    /// The oldest reader that can act on this content correctly.
-    pub fn min_reader_version(&self) -> u32 {
-        let mig = self
-            .claims
-            .values()
-            .flat_map(|r| &r.devices)
-            .any(|d| d.mig.is_some());
-        if mig {
-            MIN_READER_VERSION_MIG
-        } else {
-            MIN_READER_VERSION
         }
     }
 }
@@ -226,131 +226,343 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-/// The checkpoint file on a filesystem.
+/// The two slot files of the checkpoint at `path`: `path` itself and `<stem>.b.<ext>` beside it
+/// (`checkpoint.json`, `checkpoint.b.json`).
+pub fn slot_paths(path: &Path) -> [PathBuf; 2] {
+    let other = match (path.file_stem(), path.extension()) {
+        (Some(stem), Some(ext)) => {
+            format!("{}.b.{}", stem.to_string_lossy(), ext.to_string_lossy())
+        }
+        _ => format!(
+            "{}.b",
+            path.file_name().unwrap_or_default().to_string_lossy()
+        ),
+    };
+    [path.to_owned(), path.with_file_name(other)]
+}
+
+/// What this process knows of the two slots since it last read or wrote them.
+#[derive(Debug, Clone, Copy, Default)]
+struct Slots {
+    /// The slot holding the newest durable generation; `None` when neither holds one.
+    newest: Option<usize>,
+    /// That generation (0 when none, or for a file written before version 4).
+    generation: u64,
+    /// Each slot file's length, where it exists and was written whole: a store overwrites it
+    /// in place. `None`: absent or unknown, so a store (re)creates it and syncs the directory.
+    len: [Option<usize>; 2],
+}
+
+/// A slot as read.
+enum SlotRead {
+    Absent,
+    Valid {
+        generation: u64,
+        checkpoint: Checkpoint,
+        len: usize,
+    },
+    Invalid {
+        error: CheckpointError,
+        len: usize,
+    },
+}
+
+/// `data` as stored: the generation beside the checkpoint's own fields.
+#[derive(Serialize)]
+struct StoredRef<'a> {
+    generation: u64,
+    #[serde(flatten)]
+    checkpoint: &'a Checkpoint,
+}
+
+#[derive(Deserialize)]
+struct Stored {
+    #[serde(default)]
+    generation: u64,
+    #[serde(flatten)]
+    checkpoint: Checkpoint,
+}
+
+/// The checkpoint on a filesystem: two slot files (see the module docs). Clones share what they
+/// know of the slots, and stores through any of them are serialized.
 #[derive(Debug, Clone)]
 pub struct CheckpointFile {
     fs: Arc<dyn Fs>,
-    path: PathBuf,
+    paths: [PathBuf; 2],
+    slots: Arc<Mutex<Option<Slots>>>,
 }
 
 impl CheckpointFile {
-    /// The checkpoint at `path` on `fs`.
+    /// The checkpoint at `path` (its first slot; the second is beside it, see [`slot_paths`])
+    /// on `fs`.
     pub fn new(fs: Arc<dyn Fs>, path: impl Into<PathBuf>) -> Self {
         Self {
             fs,
-            path: path.into(),
+            paths: slot_paths(&path.into()),
+            slots: Arc::default(),
         }
     }
 
-    /// Its path.
+    /// Its path (the first slot).
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.paths[0]
     }
 
-    /// Reads the checkpoint; `Ok(None)` when there is none.
+    /// Both slot files.
+    pub fn slot_paths(&self) -> &[PathBuf; 2] {
+        &self.paths
+    }
+
+    fn read_slot(&self, slot: usize) -> Result<SlotRead, CheckpointError> {
+        let path = &self.paths[slot];
+        match self.fs.read(path) {
+            Ok(bytes) => Ok(match decode(path, &bytes) {
+                Ok((generation, checkpoint)) => SlotRead::Valid {
+                    generation,
+                    checkpoint,
+                    len: bytes.len(),
+                },
+                Err(error) => SlotRead::Invalid {
+                    error,
+                    len: bytes.len(),
+                },
+            }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(SlotRead::Absent),
+            Err(source) => Err(CheckpointError::Read {
+                path: path.clone(),
+                source,
+            }),
+        }
+    }
+
+    /// Reads the checkpoint: the valid slot with the higher generation; `Ok(None)` when
+    /// neither slot exists. A slot that is damaged while the other is valid is reported in a
+    /// warning (a store torn by a crash leaves exactly that) and the other is used.
     ///
     /// # Errors
-    /// [`CheckpointError::Read`], [`CheckpointError::Corrupt`] (bad JSON, checksum mismatch,
-    /// missing fields) or [`CheckpointError::TooNew`].
+    /// [`CheckpointError::Read`] when a slot exists but cannot be read;
+    /// [`CheckpointError::TooNew`] when either slot needs a newer reader;
+    /// [`CheckpointError::Corrupt`] (bad JSON, checksum mismatch, missing fields) when no slot
+    /// is valid.
     pub fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
-        let bytes = match self.fs.read(&self.path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => {
-                return Err(CheckpointError::Read {
-                    path: self.path.clone(),
-                    source,
-                });
-            }
-        };
-        self.decode(&bytes).map(Some)
-    }
-
-    fn decode(&self, bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
-        let corrupt = |problem: String| CheckpointError::Corrupt {
-            path: self.path.clone(),
-            problem,
-        };
-        let env: Envelope<'_> =
-            serde_json::from_slice(bytes).map_err(|e| corrupt(e.to_string()))?;
-        match env.version {
-            0 => Err(corrupt("field `version` must be at least 1".into())),
-            1 => {
-                let claims = env
-                    .claims
-                    .ok_or_else(|| corrupt("version 1 without field `claims`".into()))?;
-                Ok(upgrade_v1(claims))
-            }
-            written => {
-                let needed = env.min_reader_version.unwrap_or(written);
-                if needed > VERSION {
-                    return Err(CheckpointError::TooNew {
-                        path: self.path.clone(),
-                        needed,
-                        written,
-                    });
+        let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        let reads = [self.read_slot(0)?, self.read_slot(1)?];
+        let mut slots = Slots::default();
+        let mut newest: Option<(usize, Checkpoint)> = None;
+        let mut invalid: Option<CheckpointError> = None;
+        for (i, read) in reads.into_iter().enumerate() {
+            match read {
+                SlotRead::Absent => {}
+                SlotRead::Valid {
+                    generation,
+                    checkpoint,
+                    len,
+                } => {
+                    slots.len[i] = Some(len);
+                    if newest.is_none() || generation > slots.generation {
+                        slots.generation = generation;
+                        slots.newest = Some(i);
+                        newest = Some((i, checkpoint));
+                    }
                 }
-                let data = env
-                    .data
-                    .ok_or_else(|| corrupt("field `data` is missing".into()))?;
-                let checksum = env
-                    .checksum
-                    .ok_or_else(|| corrupt("field `checksum` is missing".into()))?;
-                let actual = format!("sha256:{}", sha256_hex(data.get().as_bytes()));
-                if checksum != actual {
-                    return Err(corrupt(format!(
-                        "field `checksum` is {checksum} but `data` hashes to {actual}"
-                    )));
+                SlotRead::Invalid {
+                    error: error @ CheckpointError::TooNew { .. },
+                    ..
+                } => return Err(error),
+                SlotRead::Invalid { error, len } => {
+                    // The next store overwrites it in place.
+                    slots.len[i] = Some(len);
+                    invalid = Some(error);
                 }
-                serde_json::from_str(data.get()).map_err(|e| corrupt(format!("field `data`: {e}")))
+            }
+        }
+        match (newest, invalid) {
+            (None, Some(e)) => Err(e),
+            (newest, invalid) => {
+                if let (Some((i, _)), Some(e)) = (&newest, &invalid) {
+                    tracing::warn!(
+                        error = %e,
+                        using = %self.paths[*i].display(),
+                        generation = slots.generation,
+                        "one checkpoint slot is damaged (a store torn by a crash, or later \
+                         damage); using the other"
+                    );
+                }
+                *guard = Some(slots);
+                Ok(newest.map(|(_, c)| c))
             }
         }
     }
 
-    /// Replaces the file with `checkpoint`, durably.
+    /// Writes `checkpoint` durably as the next generation, into the slot not holding the
+    /// newest one: in place and one `fdatasync` where the slot exists, else created, synced
+    /// and its directory synced.
     ///
     /// # Errors
-    /// [`CheckpointError::Write`].
+    /// [`CheckpointError::Write`]; the newest durable generation is then unchanged and the
+    /// next store writes the same slot again.
     pub fn store(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+        let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut slots = match *guard {
+            Some(s) => s,
+            None => self.scan(),
+        };
+        let target = slots.newest.map_or(0, |i| 1 - i);
+        let path = &self.paths[target];
         let write_err = |source| CheckpointError::Write {
-            path: self.path.clone(),
+            path: path.clone(),
             source,
         };
-        let data = serde_json::to_vec(checkpoint).map_err(|e| write_err(e.into()))?;
-        let mut bytes = format!(
-            "{{\"version\":{VERSION},\"minReaderVersion\":{},\
-             \"checksum\":\"sha256:{}\",\"data\":",
-            checkpoint.min_reader_version(),
-            sha256_hex(&data)
-        )
-        .into_bytes();
-        bytes.extend_from_slice(&data);
-        bytes.extend_from_slice(b"}\n");
-        if let Some(dir) = self.path.parent() {
-            self.fs.create_dir_all(dir).map_err(write_err)?;
+        let generation = slots.generation + 1;
+        let bytes = encode(checkpoint, generation).map_err(write_err)?;
+        let needed = bytes.len().div_ceil(SLOT_BLOCK) * SLOT_BLOCK;
+        // Grow in place; shrink (rewrite) only when the slot is far larger than needed.
+        let in_place = slots.len[target].filter(|&len| len >= needed && len <= 4 * needed);
+        let mut padded = bytes;
+        padded.resize(in_place.unwrap_or(needed), b' ');
+        let result = match in_place {
+            Some(_) => self
+                .fs
+                .overwrite(path, &padded)
+                .and_then(|()| self.fs.sync_file(path)),
+            None => {
+                let dir = path.parent().unwrap_or(Path::new("."));
+                self.fs
+                    .create_dir_all(dir)
+                    .and_then(|()| self.fs.write(path, &padded))
+                    .and_then(|()| self.fs.sync_file(path))
+                    .and_then(|()| self.fs.sync_dir(dir))
+            }
+        };
+        match result {
+            Ok(()) => {
+                slots.newest = Some(target);
+                slots.generation = generation;
+                slots.len[target] = Some(padded.len());
+                *guard = Some(slots);
+                Ok(())
+            }
+            Err(e) => {
+                // The slot may be torn or half created: recreate it next time.
+                slots.len[target] = None;
+                *guard = Some(slots);
+                Err(write_err(e))
+            }
         }
-        write_atomic(self.fs.as_ref(), &self.path, &bytes).map_err(write_err)
     }
 
-    /// Moves a damaged checkpoint aside (`<name>.corrupt`), keeping it for inspection.
+    /// What the slots hold, for a store without a successful load before it (the caller
+    /// ignored a load error, or never loaded): a valid slot counts, anything else is free.
+    fn scan(&self) -> Slots {
+        let mut slots = Slots::default();
+        for i in 0..2 {
+            if let Ok(SlotRead::Valid {
+                generation, len, ..
+            }) = self.read_slot(i)
+            {
+                slots.len[i] = Some(len);
+                if slots.newest.is_none() || generation > slots.generation {
+                    slots.newest = Some(i);
+                    slots.generation = generation;
+                }
+            }
+        }
+        slots
+    }
+
+    /// Moves damaged slots aside (`<name>.corrupt`), keeping them for inspection; returns
+    /// where each went. The next store starts over at slot 0.
     ///
     /// # Errors
     /// [`CheckpointError::Write`].
-    pub fn quarantine(&self) -> Result<PathBuf, CheckpointError> {
-        let mut aside = self.path.clone().into_os_string();
-        aside.push(".corrupt");
-        let aside = PathBuf::from(aside);
-        self.fs
-            .rename(&self.path, &aside)
-            .and_then(|()| match self.path.parent() {
-                Some(dir) => self.fs.sync_dir(dir),
-                None => Ok(()),
-            })
-            .map_err(|source| CheckpointError::Write {
-                path: self.path.clone(),
-                source,
-            })?;
-        Ok(aside)
+    pub fn quarantine(&self) -> Result<Vec<PathBuf>, CheckpointError> {
+        let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut moved = Vec::new();
+        for path in &self.paths {
+            let mut aside = path.clone().into_os_string();
+            aside.push(".corrupt");
+            let aside = PathBuf::from(aside);
+            match self.fs.rename(path, &aside) {
+                Ok(()) => moved.push(aside),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    return Err(CheckpointError::Write {
+                        path: path.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        if let Some(dir) = self.paths[0].parent() {
+            self.fs
+                .sync_dir(dir)
+                .map_err(|source| CheckpointError::Write {
+                    path: self.paths[0].clone(),
+                    source,
+                })?;
+        }
+        *guard = Some(Slots::default());
+        Ok(moved)
+    }
+}
+
+/// The bytes of one slot (before padding): the envelope around `data`.
+fn encode(checkpoint: &Checkpoint, generation: u64) -> io::Result<Vec<u8>> {
+    let data = serde_json::to_vec(&StoredRef {
+        generation,
+        checkpoint,
+    })?;
+    let mut bytes = format!(
+        "{{\"version\":{VERSION},\"minReaderVersion\":{MIN_READER_VERSION},\
+         \"checksum\":\"sha256:{}\",\"data\":",
+        sha256_hex(&data)
+    )
+    .into_bytes();
+    bytes.extend_from_slice(&data);
+    bytes.extend_from_slice(b"}\n");
+    Ok(bytes)
+}
+
+/// One slot's content: its generation (0 before version 4) and checkpoint.
+fn decode(path: &Path, bytes: &[u8]) -> Result<(u64, Checkpoint), CheckpointError> {
+    let corrupt = |problem: String| CheckpointError::Corrupt {
+        path: path.to_owned(),
+        problem,
+    };
+    let env: Envelope<'_> = serde_json::from_slice(bytes).map_err(|e| corrupt(e.to_string()))?;
+    match env.version {
+        0 => Err(corrupt("field `version` must be at least 1".into())),
+        1 => {
+            let claims = env
+                .claims
+                .ok_or_else(|| corrupt("version 1 without field `claims`".into()))?;
+            Ok((0, upgrade_v1(claims)))
+        }
+        written => {
+            let needed = env.min_reader_version.unwrap_or(written);
+            if needed > VERSION {
+                return Err(CheckpointError::TooNew {
+                    path: path.to_owned(),
+                    needed,
+                    written,
+                });
+            }
+            let data = env
+                .data
+                .ok_or_else(|| corrupt("field `data` is missing".into()))?;
+            let checksum = env
+                .checksum
+                .ok_or_else(|| corrupt("field `checksum` is missing".into()))?;
+            let actual = format!("sha256:{}", sha256_hex(data.get().as_bytes()));
+            if checksum != actual {
+                return Err(corrupt(format!(
+                    "field `checksum` is {checksum} but `data` hashes to {actual}"
+                )));
+            }
+            let stored: Stored = serde_json::from_str(data.get())
+                .map_err(|e| corrupt(format!("field `data`: {e}")))?;
+            Ok((stored.generation, stored.checkpoint))
+        }
     }
 }
 
@@ -474,12 +686,15 @@ mod tests {
         assert_eq!(r.state, ClaimState::PrepareCompleted);
         assert_eq!(r.devices[0].device_name, "gpu-3");
         assert_eq!(r.cdi_spec_path, PathBuf::from("/cdi/x.json"));
-        // The next write is the current version, readable by version 2, and reads back the same.
+        // The next write is the current version, in the other slot (the old file stays until
+        // a newer generation is durable), and reads back the same.
+        let before = std::fs::read(f.path()).expect("read");
         f.store(&c).expect("store");
+        assert_eq!(std::fs::read(f.path()).expect("read"), before);
         assert!(
-            std::fs::read_to_string(f.path())
+            std::fs::read_to_string(&f.slot_paths()[1])
                 .expect("read")
-                .starts_with("{\"version\":3,\"minReaderVersion\":2,")
+                .starts_with("{\"version\":4,\"minReaderVersion\":4,")
         );
         assert_eq!(f.load().expect("load"), Some(c));
     }
@@ -500,11 +715,12 @@ mod tests {
             b.push(b'}');
             b
         };
-        std::fs::write(f.path(), with(3, 2)).expect("write");
+        std::fs::write(f.path(), with(5, 4)).expect("write");
         assert_eq!(f.load().expect("readable").expect("present").boot_id, "b");
-        std::fs::write(f.path(), with(4, 4)).expect("write");
+        // Either slot needing a newer reader refuses the whole checkpoint.
+        std::fs::write(&f.slot_paths()[1], with(5, 5)).expect("write");
         let err = f.load().expect_err("too new").to_string();
-        assert!(err.contains("needs reader version 4"), "{err}");
+        assert!(err.contains("needs reader version 5"), "{err}");
     }
 
     #[test]
@@ -528,7 +744,7 @@ mod tests {
     }
 
     #[test]
-    fn a_created_mig_device_is_recorded_and_needs_a_reader_that_destroys_it() {
+    fn a_created_mig_device_is_recorded_and_reads_back() {
         let dir = tempfile::tempdir().expect("tempdir");
         let f = file(dir.path());
         let mut c = sample();
@@ -542,26 +758,229 @@ mod tests {
             compute_instance_id: 0,
         };
         if let Some(r) = c.claims.get_mut("u") {
-            r.devices[0].mig = Some(mig.clone());
+            r.devices[0].mig = Some(mig);
         }
         f.store(&c).expect("store");
         let text = std::fs::read_to_string(f.path()).expect("read");
-        assert!(
-            text.starts_with("{\"version\":3,\"minReaderVersion\":3,"),
-            "{text}"
-        );
         assert!(text.contains("\"gpuInstanceId\":10"), "{text}");
-        assert_eq!(f.load().expect("load"), Some(c.clone()));
-        // Once the device is gone from every record, older readers may read the file again.
-        if let Some(r) = c.claims.get_mut("u") {
-            r.devices[0].mig = None;
+        assert_eq!(f.load().expect("load"), Some(c));
+    }
+
+    /// Counts the filesystem calls of each kind.
+    #[derive(Debug, Default)]
+    struct Counting(Mutex<BTreeMap<&'static str, usize>>);
+
+    impl Counting {
+        fn count(&self, op: &'static str) {
+            *self.0.lock().expect("lock").entry(op).or_default() += 1;
         }
-        f.store(&c).expect("store");
-        let text = std::fs::read_to_string(f.path()).expect("read");
-        assert!(
-            text.starts_with("{\"version\":3,\"minReaderVersion\":2,"),
-            "{text}"
+        fn take(&self) -> BTreeMap<&'static str, usize> {
+            std::mem::take(&mut *self.0.lock().expect("lock"))
+        }
+    }
+
+    impl Fs for Counting {
+        fn read(&self, p: &Path) -> io::Result<Vec<u8>> {
+            RealFs.read(p)
+        }
+        fn write(&self, p: &Path, b: &[u8]) -> io::Result<()> {
+            self.count("write");
+            RealFs.write(p, b)
+        }
+        fn overwrite(&self, p: &Path, b: &[u8]) -> io::Result<()> {
+            self.count("overwrite");
+            RealFs.overwrite(p, b)
+        }
+        fn sync_file(&self, p: &Path) -> io::Result<()> {
+            self.count("sync_file");
+            RealFs.sync_file(p)
+        }
+        fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+            self.count("rename");
+            RealFs.rename(from, to)
+        }
+        fn sync_dir(&self, d: &Path) -> io::Result<()> {
+            self.count("sync_dir");
+            RealFs.sync_dir(d)
+        }
+        fn remove(&self, p: &Path) -> io::Result<()> {
+            RealFs.remove(p)
+        }
+        fn list(&self, d: &Path) -> io::Result<Vec<PathBuf>> {
+            RealFs.list(d)
+        }
+        fn create_dir_all(&self, d: &Path) -> io::Result<()> {
+            RealFs.create_dir_all(d)
+        }
+    }
+
+    /// The point of the slots: after each slot's first write, a durable store is one in-place
+    /// write and one sync, with no rename and no directory sync, alternating between slots.
+    #[test]
+    fn a_store_is_one_write_in_place_and_one_sync_once_both_slots_exist() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fs = Arc::new(Counting::default());
+        let f = CheckpointFile::new(fs.clone(), dir.path().join("checkpoint.json"));
+        assert_eq!(f.load().expect("load"), None);
+        let mut c = sample();
+        for (i, expected_slot) in [0, 1, 0, 1, 0].into_iter().enumerate() {
+            c.boot_id = format!("b{i}");
+            f.store(&c).expect("store");
+            let ops = fs.take();
+            let first = i < 2;
+            let expected: BTreeMap<&str, usize> = if first {
+                BTreeMap::from([("sync_dir", 1), ("sync_file", 1), ("write", 1)])
+            } else {
+                BTreeMap::from([("overwrite", 1), ("sync_file", 1)])
+            };
+            assert_eq!(ops, expected, "store {i}");
+            let written = std::fs::read_to_string(&f.slot_paths()[expected_slot]).expect("read");
+            assert!(
+                written.contains(&format!("\"generation\":{}", i + 1)),
+                "{written}"
+            );
+            assert_eq!(written.len() % SLOT_BLOCK, 0, "padded to whole blocks");
+            // A fresh reader (a restart) sees the newest generation.
+            let reread = CheckpointFile::new(Arc::new(RealFs), f.path()).load();
+            assert_eq!(reread.expect("load"), Some(c.clone()), "store {i}");
+        }
+    }
+
+    /// A crash during a store tears the slot being written, at any byte: the other slot still
+    /// holds the previous generation, and a load returns it (or the new one, when the tear
+    /// kept every byte that matters), never an error and never a mix.
+    #[test]
+    fn a_store_torn_at_any_byte_loads_the_previous_generation_or_the_new_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = file(dir.path());
+        let mut old = sample();
+        old.boot_id = "gen-1".into();
+        f.store(&old).expect("store");
+        let mut previous = sample();
+        previous.boot_id = "gen-2".into();
+        previous.claims.clear();
+        f.store(&previous).expect("store");
+        // Generation 3 goes to slot 0 over generation 1: build the torn states by hand.
+        let before = std::fs::read(f.path()).expect("read");
+        let mut next = sample();
+        next.boot_id = "gen-3".into();
+        f.store(&next).expect("store");
+        let after = std::fs::read(f.path()).expect("read");
+        assert_eq!(
+            before.len(),
+            after.len(),
+            "same slot length: written in place"
         );
-        assert!(!text.contains("\"mig\""), "{text}");
+        let (mut saw_previous, mut saw_next) = (0, 0);
+        for cut in 0..=after.len() {
+            let mut torn = after[..cut].to_vec();
+            torn.extend_from_slice(&before[cut..]);
+            std::fs::write(f.path(), &torn).expect("write");
+            let loaded = CheckpointFile::new(Arc::new(RealFs), f.path())
+                .load()
+                .unwrap_or_else(|e| panic!("torn at byte {cut}: {e}"))
+                .expect("present");
+            if loaded == previous {
+                saw_previous += 1;
+            } else {
+                assert_eq!(loaded, next, "torn at byte {cut}: neither generation");
+                saw_next += 1;
+            }
+        }
+        assert!(
+            saw_previous > 0 && saw_next > 0,
+            "{saw_previous} {saw_next}"
+        );
+        // The tear can also keep the old tail of a longer new content: a torn slot whose new
+        // bytes stop anywhere inside the content is invalid.
+        let content_end = after.iter().rposition(|&b| b != b' ').expect("content");
+        for cut in (0..content_end).step_by(7) {
+            let mut torn = after[..cut].to_vec();
+            torn.resize(after.len(), 0);
+            std::fs::write(f.path(), &torn).expect("write");
+            let loaded = CheckpointFile::new(Arc::new(RealFs), f.path()).load();
+            assert_eq!(
+                loaded.expect("load"),
+                Some(previous.clone()),
+                "zeroed from {cut}"
+            );
+        }
+    }
+
+    /// A store that failed (the disk refused the sync) leaves the newest durable generation
+    /// where it was: the next store goes to the same slot, never over the only durable copy.
+    #[test]
+    fn a_failed_store_never_makes_the_next_one_overwrite_the_durable_slot() {
+        #[derive(Debug)]
+        struct FailSync(std::sync::atomic::AtomicBool);
+        impl Fs for FailSync {
+            fn read(&self, p: &Path) -> io::Result<Vec<u8>> {
+                RealFs.read(p)
+            }
+            fn write(&self, p: &Path, b: &[u8]) -> io::Result<()> {
+                RealFs.write(p, b)
+            }
+            fn overwrite(&self, p: &Path, b: &[u8]) -> io::Result<()> {
+                RealFs.overwrite(p, b)
+            }
+            fn sync_file(&self, p: &Path) -> io::Result<()> {
+                if self.0.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    return Err(io::Error::other("EIO"));
+                }
+                RealFs.sync_file(p)
+            }
+            fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+                RealFs.rename(from, to)
+            }
+            fn sync_dir(&self, d: &Path) -> io::Result<()> {
+                RealFs.sync_dir(d)
+            }
+            fn remove(&self, p: &Path) -> io::Result<()> {
+                RealFs.remove(p)
+            }
+            fn list(&self, d: &Path) -> io::Result<Vec<PathBuf>> {
+                RealFs.list(d)
+            }
+            fn create_dir_all(&self, d: &Path) -> io::Result<()> {
+                RealFs.create_dir_all(d)
+            }
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fs = Arc::new(FailSync(false.into()));
+        let f = CheckpointFile::new(fs.clone(), dir.path().join("checkpoint.json"));
+        let mut c = sample();
+        c.boot_id = "durable".into();
+        f.store(&c).expect("store"); // slot 0
+        let durable = std::fs::read(f.path()).expect("read");
+        fs.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        c.boot_id = "failed".into();
+        let err = f.store(&c).expect_err("sync fails").to_string();
+        assert!(
+            err.contains("checkpoint.b.json") && err.contains("EIO"),
+            "{err}"
+        );
+        c.boot_id = "retried".into();
+        f.store(&c).expect("store");
+        assert_eq!(
+            std::fs::read(f.path()).expect("read"),
+            durable,
+            "slot 0 untouched"
+        );
+        assert_eq!(f.load().expect("load").expect("present").boot_id, "retried");
+    }
+
+    #[test]
+    fn slots_are_named_beside_the_configured_path() {
+        assert_eq!(
+            slot_paths(Path::new("/p/checkpoint.json")),
+            [
+                PathBuf::from("/p/checkpoint.json"),
+                PathBuf::from("/p/checkpoint.b.json")
+            ]
+        );
+        assert_eq!(
+            slot_paths(Path::new("/p/state")),
+            [PathBuf::from("/p/state"), PathBuf::from("/p/state.b")]
+        );
     }
 }

@@ -53,7 +53,8 @@ pub struct Config {
     pub sockets: PluginSockets,
     /// The CDI spec directory (default `/var/run/cdi`).
     pub cdi_root: PathBuf,
-    /// The checkpoint file (default `<plugin-dir>/checkpoint.json`).
+    /// The checkpoint's first slot file (default `<plugin-dir>/checkpoint.json`; the second slot is
+    /// beside it, see [`crate::checkpoint::slot_paths`]).
     pub checkpoint_path: PathBuf,
     /// Root under which device nodes (`/dev/nvidia0`, ...) are checked at prepare (default `/`).
     pub dev_root: PathBuf,

@@ -733,7 +733,9 @@ pub fn secure_state(config: &Config) -> Result<(), Error> {
     if let Some(parent) = config.checkpoint_path.parent() {
         RealFs.create_dir_all(parent).map_err(err(parent))?;
     }
-    storage::restrict_to_owner(&config.checkpoint_path).map_err(err(&config.checkpoint_path))?;
+    for slot in checkpoint::slot_paths(&config.checkpoint_path) {
+        storage::restrict_to_owner(&slot).map_err(err(&slot))?;
+    }
     let cdi = CdiWriter::new(Arc::new(RealFs), &config.cdi_root, &config.driver_name);
     if let Ok(specs) = cdi.list() {
         for (_, path) in specs {

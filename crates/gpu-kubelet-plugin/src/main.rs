@@ -50,7 +50,7 @@ struct Args {
     /// CDI spec directory.
     #[arg(long, default_value = "/var/run/cdi")]
     cdi_root: PathBuf,
-    /// Checkpoint file [default: <plugin-dir>/checkpoint.json].
+    /// Checkpoint file, its first slot; the second is `<stem>.b.<ext>` beside it [default: <plugin-dir>/checkpoint.json].
     #[arg(long)]
     checkpoint: Option<PathBuf>,
     /// sysfs root.

@@ -21,7 +21,15 @@ pub trait Fs: Send + Sync + std::fmt::Debug {
     /// # Errors
     /// Any I/O error.
     fn write(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
-    /// Makes the file's contents durable (`fsync`).
+    /// Writes `bytes` over the start of the existing file `path` in place, without truncating
+    /// it (the file grows if `bytes` is longer); not synced. Until [`Fs::sync_file`], a power
+    /// cut may leave any mix of the old and the new bytes (a torn write).
+    ///
+    /// # Errors
+    /// `NotFound` when the file does not exist, any other I/O error.
+    fn overwrite(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
+    /// Makes the file's contents, and its length, durable (`fdatasync`: metadata not needed to
+    /// read the data back, such as its modification time, may stay behind).
     ///
     /// # Errors
     /// Any I/O error.
@@ -75,11 +83,22 @@ impl Fs for RealFs {
         f.write_all(bytes)
     }
 
-    fn sync_file(&self, path: &Path) -> io::Result<()> {
+    fn overwrite(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
         std::fs::OpenOptions::new()
             .write(true)
             .open(path)?
-            .sync_all()
+            .write_all_at(bytes, 0)
+    }
+
+    fn sync_file(&self, path: &Path) -> io::Result<()> {
+        // fdatasync: an in-place overwrite of allocated blocks then needs no journal commit
+        // (the modification time is all that stays behind), and a new or grown file's length
+        // is still made durable, as POSIX requires for the data to be read back.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)?
+            .sync_data()
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {

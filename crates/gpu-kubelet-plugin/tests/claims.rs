@@ -384,7 +384,10 @@ async fn a_corrupt_checkpoint_is_rebuilt_from_cdi_specs_and_the_api_server_with_
     );
     drop(c);
     f.cluster.claims.lock().unwrap().remove("ns/deleted");
-    std::fs::write(f.checkpoint().path(), b"{\"version\":2,\"chec").unwrap();
+    // Both slots damaged (one alone is a torn store, recovered from the other).
+    for slot in f.checkpoint().slot_paths() {
+        std::fs::write(slot, b"{\"version\":2,\"chec").unwrap();
+    }
 
     let (c, report) = f.start().await;
     assert!(report.corrupt_checkpoint.is_some());
@@ -579,7 +582,7 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
     );
 }
 
-/// Counts checkpoint stores (renames onto the checkpoint file) on the real filesystem.
+/// Counts checkpoint stores (syncs of a checkpoint slot) on the real filesystem.
 #[derive(Debug, Default)]
 struct CountingFs(std::sync::atomic::AtomicUsize);
 
@@ -590,13 +593,16 @@ impl gpu_kubelet_plugin::storage::Fs for CountingFs {
     fn write(&self, p: &std::path::Path, b: &[u8]) -> std::io::Result<()> {
         RealFs.write(p, b)
     }
+    fn overwrite(&self, p: &std::path::Path, b: &[u8]) -> std::io::Result<()> {
+        RealFs.overwrite(p, b)
+    }
     fn sync_file(&self, p: &std::path::Path) -> std::io::Result<()> {
+        if p.ends_with("checkpoint.json") || p.ends_with("checkpoint.b.json") {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
         RealFs.sync_file(p)
     }
     fn rename(&self, from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
-        if to.ends_with("checkpoint.json") {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
         RealFs.rename(from, to)
     }
     fn sync_dir(&self, d: &std::path::Path) -> std::io::Result<()> {
@@ -675,7 +681,7 @@ async fn time_slicing_from_the_claim_overrides_the_class_and_is_undone_at_unprep
     c.prepare(vec![claim_ref("shared", "u1")]).await["u1"]
         .as_ref()
         .expect("prepared");
-    let record = std::fs::read_to_string(f.dir.path().join("checkpoint.json")).expect("cp");
+    let record = serde_json::to_string(&f.checkpoint().load().expect("cp")).expect("json");
     assert!(record.contains(r#""interval":"Long""#), "{record}");
     c.unprepare(vec![claim_ref("shared", "u1")]).await["u1"]
         .as_ref()

@@ -13,7 +13,7 @@ use dra_kubelet::Driver;
 use gpu_inventory::fake::mig::{capability_minor, capability_table};
 use gpu_inventory::{FakeBackend, GpuBackend, MigStrategy, Topology, discover};
 use gpu_kubelet_plugin::cdi::CdiWriter;
-use gpu_kubelet_plugin::checkpoint::CheckpointFile;
+use gpu_kubelet_plugin::checkpoint::{CheckpointFile, slot_paths};
 use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig, RecoveryReport};
 use gpu_kubelet_plugin::hardware::{BackendHardware, NodeDevice, node_devices};
 use gpu_kubelet_plugin::storage::RealFs;
@@ -276,7 +276,9 @@ async fn a_rebuilt_checkpoint_adopts_the_mig_devices_of_its_claims() {
     assert!(c.prepare(vec![claim_ref("small", "u1")]).await["u1"].is_ok());
     let kept = node.mig_on_gpu3(&backend);
     drop(c);
-    std::fs::write(node.dir.path().join("checkpoint.json"), b"{damaged").unwrap();
+    for slot in slot_paths(&node.dir.path().join("checkpoint.json")) {
+        std::fs::write(slot, b"{damaged").unwrap();
+    }
 
     let restarted = node.backend();
     let (c, report) = node.start(Arc::clone(&restarted)).await;

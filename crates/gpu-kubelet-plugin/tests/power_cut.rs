@@ -5,6 +5,8 @@
 //! again at every operation of that recovery itself, and the claims include time-sliced ones
 //! (a sharing setting on the GPU, which outlives the plugin: the model keeps the hardware across
 //! restarts, as a crash of the plugin does) whose GPU settings must end as in the clean run.
+//! Where the cut falls between an in-place overwrite (a checkpoint slot) and its sync, the cut
+//! is also taken with that file torn: the first half of the new bytes written, the rest old.
 
 mod common;
 
@@ -18,13 +20,15 @@ use common::*;
 use dra_kubelet::Driver;
 use gpu_kubelet_plugin::cdi::CdiWriter;
 use gpu_kubelet_plugin::checkpoint::{CheckpointFile, ClaimState};
-use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig};
+use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig, RecoveryReport};
 use gpu_kubelet_plugin::storage::Fs;
 
 #[derive(Debug, Clone, Default)]
 struct Inode {
     data: Vec<u8>,
     synced: Vec<u8>,
+    /// Overwritten in place since its last sync: a power cut may tear it.
+    overwritten: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -78,16 +82,36 @@ impl CrashFs {
         self.0.lock().unwrap().ops
     }
 
-    /// What survives the power cut: durable entries pointing at synced contents.
-    fn after_power_cut(&self) -> Self {
+    /// Whether a power cut now could tear a file (one was overwritten in place, not synced).
+    fn could_tear(&self) -> bool {
+        self.0.lock().unwrap().inodes.iter().any(|i| i.overwritten)
+    }
+
+    /// What survives the power cut: durable entries pointing at synced contents; with `tear`,
+    /// a file overwritten in place since its sync keeps the first half of its new bytes over
+    /// the old ones.
+    fn after_power_cut(&self, tear: bool) -> Self {
         let s = self.0.lock().unwrap();
+        let survivor = |i: &Inode| {
+            if tear && i.overwritten {
+                let half = i.data.len() / 2;
+                let mut torn = i.data[..half].to_vec();
+                if i.synced.len() > half {
+                    torn.extend_from_slice(&i.synced[half..]);
+                }
+                torn
+            } else {
+                i.synced.clone()
+            }
+        };
         let mut next = State {
             inodes: s
                 .inodes
                 .iter()
                 .map(|i| Inode {
-                    data: i.synced.clone(),
-                    synced: i.synced.clone(),
+                    data: survivor(i),
+                    synced: survivor(i),
+                    overwritten: false,
                 })
                 .collect(),
             ..Default::default()
@@ -135,16 +159,39 @@ impl Fs for CrashFs {
         self.mutate(|s| {
             let existing = s.dirs.get(&dir).and_then(|d| d.live.get(&name)).copied();
             match existing {
-                Some(ino) => s.inodes[ino].data = bytes.to_vec(),
+                Some(ino) => {
+                    s.inodes[ino].data = bytes.to_vec();
+                    // Truncated and rewritten: lost whole, as modelled, never torn.
+                    s.inodes[ino].overwritten = false;
+                }
                 None => {
                     s.inodes.push(Inode {
                         data: bytes.to_vec(),
                         synced: Vec::new(),
+                        overwritten: false,
                     });
                     let ino = s.inodes.len() - 1;
                     s.dirs.entry(dir).or_default().live.insert(name, ino);
                 }
             }
+            Ok(())
+        })
+    }
+
+    fn overwrite(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
+        let (dir, name) = split(path)?;
+        self.mutate(|s| {
+            let ino = *s
+                .dirs
+                .get(&dir)
+                .and_then(|d| d.live.get(&name))
+                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+            let inode = &mut s.inodes[ino];
+            if inode.data.len() < bytes.len() {
+                inode.data.resize(bytes.len(), 0);
+            }
+            inode.data[..bytes.len()].copy_from_slice(bytes);
+            inode.overwritten = true;
             Ok(())
         })
     }
@@ -158,6 +205,7 @@ impl Fs for CrashFs {
                 .and_then(|d| d.live.get(&name))
                 .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
             s.inodes[ino].synced = s.inodes[ino].data.clone();
+            s.inodes[ino].overwritten = false;
             Ok(())
         })
     }
@@ -222,6 +270,16 @@ async fn controller(
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
 ) -> Result<ClaimController<Shared, ScriptedHardware>, String> {
+    controller_reporting(fs, cluster, hardware)
+        .await
+        .map(|(c, _)| c)
+}
+
+async fn controller_reporting(
+    fs: Arc<CrashFs>,
+    cluster: &Shared,
+    hardware: &Arc<ScriptedHardware>,
+) -> Result<(ClaimController<Shared, ScriptedHardware>, RecoveryReport), String> {
     ClaimController::start(
         cluster.clone(),
         Arc::clone(hardware),
@@ -240,7 +298,6 @@ async fn controller(
         CheckpointFile::new(fs, CHECKPOINT),
     )
     .await
-    .map(|(c, _)| c)
     .map_err(|e| e.to_string())
 }
 
@@ -325,6 +382,9 @@ impl Fs for CrashFsView {
     fn write(&self, _: &Path, _: &[u8]) -> io::Result<()> {
         Err(lost())
     }
+    fn overwrite(&self, _: &Path, _: &[u8]) -> io::Result<()> {
+        Err(lost())
+    }
     fn sync_file(&self, _: &Path) -> io::Result<()> {
         Err(lost())
     }
@@ -345,11 +405,12 @@ impl Fs for CrashFsView {
     }
 }
 
-/// Restarts after a power cut, with the power failing again after `budget` operations of the
-/// recovery (`None`: it holds); returns the filesystem as the power left it and the controller
-/// if the start finished.
+/// Restarts after a power cut (tearing files overwritten in place with `tear`), with the power
+/// failing again after `budget` operations of the recovery (`None`: it holds); returns the
+/// filesystem as the power left it and the controller if the start finished.
 async fn restart(
     fs: &CrashFs,
+    tear: bool,
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
     budget: Option<usize>,
@@ -357,10 +418,21 @@ async fn restart(
     Arc<CrashFs>,
     Option<ClaimController<Shared, ScriptedHardware>>,
 ) {
-    let after = fs.after_power_cut();
+    let after = fs.after_power_cut(tear);
     after.0.lock().unwrap().budget = budget;
     let after = Arc::new(after);
-    let c = controller(after.clone(), cluster, hardware).await.ok();
+    let c = controller_reporting(after.clone(), cluster, hardware)
+        .await
+        .ok()
+        .map(|(c, report)| {
+            // The checkpoint's stores are atomic: a power cut (torn slot included) never
+            // leaves it unreadable, so recovery never falls back to rebuilding from CDI specs.
+            assert_eq!(
+                report.corrupt_checkpoint, None,
+                "torn: {tear}, recovery budget {budget:?}"
+            );
+            c
+        });
     (after, c)
 }
 
@@ -387,6 +459,7 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
 
     let mut recovered = 0;
     let mut recovery_cuts = 0;
+    let mut torn_cuts = 0;
     for cut in 0..=total_ops {
         let fs = Arc::new(CrashFs::with_budget(Some(cut)));
         let cluster = claims_cluster();
@@ -394,64 +467,81 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
         if let Ok(c) = controller(fs.clone(), &cluster, &hardware).await {
             script(&c).await;
         }
-        // How many operations an undisturbed recovery from here makes.
-        let (probe, _) = restart(&fs, &cluster, &Arc::default(), None).await;
-        let recovery_ops = probe.ops();
-        // Power returns; the recovery is cut at each of its operations (and at none): after
-        // every such second cut, a third start must still recover and converge.
-        for second in (0..recovery_ops).map(Some).chain([None]) {
-            let hardware = Arc::new(ScriptedHardware {
-                calls: std::sync::Mutex::new(hardware.calls.lock().unwrap().clone()),
-                ..Default::default()
-            });
-            let (interrupted, c) = restart(&fs, &cluster, &hardware, second).await;
-            let (after, c) = match (second, c) {
-                (None, Some(c)) => (interrupted, c),
-                (None, None) => panic!("cut {cut}: restart failed"),
-                (Some(_), _) => {
-                    recovery_cuts += 1;
-                    let (after, c) = restart(&interrupted, &cluster, &hardware, None).await;
-                    let c = c.unwrap_or_else(|| {
-                        panic!("cut {cut}, then {second:?} into recovery: restart failed")
-                    });
-                    (after, c)
-                }
-            };
-            let at = format!("cut {cut}, recovery cut {second:?}");
-            check_consistent(&after, &c, cut).await;
-            // No half states survive a restart.
-            let ckpt = CheckpointFile::new(Arc::new(CrashFsView(after.clone())), CHECKPOINT)
-                .load()
-                .unwrap_or_else(|e| panic!("{at}: checkpoint unreadable after recovery: {e}"))
-                .unwrap_or_default();
-            assert!(
-                ckpt.claims
-                    .values()
-                    .all(|r| r.state == ClaimState::PrepareCompleted),
-                "{at}: {:?}",
-                ckpt.claims
-            );
-            // The kubelet repeats its calls; the end state is the uninterrupted one.
-            script(&c).await;
-            assert_eq!(c.prepared_claims().await, final_claims, "{at}");
-            let mut specs = after.files(Path::new(CDI));
-            specs.sort();
-            assert_eq!(specs, final_specs, "{at}");
-            assert_eq!(
-                time_slices(&hardware),
-                final_slices,
-                "{at}: GPU time slices"
-            );
-            recovered += 1;
+        let tears: &[bool] = if fs.could_tear() {
+            torn_cuts += 1;
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &tear in tears {
+            // How many operations an undisturbed recovery from here makes.
+            let (probe, _) = restart(&fs, tear, &cluster, &Arc::default(), None).await;
+            let recovery_ops = probe.ops();
+            // Power returns; the recovery is cut at each of its operations (and at none):
+            // after every such second cut, a third start must still recover and converge.
+            for second in (0..recovery_ops).map(Some).chain([None]) {
+                let hardware = Arc::new(ScriptedHardware {
+                    calls: std::sync::Mutex::new(hardware.calls.lock().unwrap().clone()),
+                    ..Default::default()
+                });
+                let (interrupted, c) = restart(&fs, tear, &cluster, &hardware, second).await;
+                let (after, c) = match (second, c) {
+                    (None, Some(c)) => (interrupted, c),
+                    (None, None) => panic!("cut {cut} (torn: {tear}): restart failed"),
+                    (Some(_), _) => {
+                        recovery_cuts += 1;
+                        let (after, c) =
+                            restart(&interrupted, tear, &cluster, &hardware, None).await;
+                        let c = c.unwrap_or_else(|| {
+                            panic!(
+                                "cut {cut} (torn: {tear}), then {second:?} into recovery: \
+                                 restart failed"
+                            )
+                        });
+                        (after, c)
+                    }
+                };
+                let at = format!("cut {cut} (torn: {tear}), recovery cut {second:?}");
+                check_consistent(&after, &c, cut).await;
+                // No half states survive a restart.
+                let ckpt = CheckpointFile::new(Arc::new(CrashFsView(after.clone())), CHECKPOINT)
+                    .load()
+                    .unwrap_or_else(|e| panic!("{at}: checkpoint unreadable after recovery: {e}"))
+                    .unwrap_or_default();
+                assert!(
+                    ckpt.claims
+                        .values()
+                        .all(|r| r.state == ClaimState::PrepareCompleted),
+                    "{at}: {:?}",
+                    ckpt.claims
+                );
+                // The kubelet repeats its calls; the end state is the uninterrupted one.
+                script(&c).await;
+                assert_eq!(c.prepared_claims().await, final_claims, "{at}");
+                let mut specs = after.files(Path::new(CDI));
+                specs.sort();
+                assert_eq!(specs, final_specs, "{at}");
+                assert_eq!(
+                    time_slices(&hardware),
+                    final_slices,
+                    "{at}: GPU time slices"
+                );
+                recovered += 1;
+            }
         }
     }
     eprintln!(
-        "power cut at each of {total_ops} operations, then at each operation of the recovery \
-         ({recovery_cuts} second cuts): {recovered} recoveries, all consistent"
+        "power cut at each of {total_ops} operations ({torn_cuts} of them also with a torn \
+         checkpoint slot), then at each operation of the recovery ({recovery_cuts} second \
+         cuts): {recovered} recoveries, all consistent"
     );
     assert!(
         total_ops > 20,
         "the script exercises the filesystem ({total_ops} ops)"
     );
     assert!(recovery_cuts > 0, "some recoveries write and were cut");
+    assert!(
+        torn_cuts > 0,
+        "some cuts fall inside an in-place checkpoint store"
+    );
 }

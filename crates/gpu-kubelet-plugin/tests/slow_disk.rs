@@ -48,6 +48,9 @@ impl Fs for SlowDisk {
     fn write(&self, p: &Path, b: &[u8]) -> std::io::Result<()> {
         RealFs.write(p, b)
     }
+    fn overwrite(&self, p: &Path, b: &[u8]) -> std::io::Result<()> {
+        RealFs.overwrite(p, b)
+    }
     fn sync_file(&self, p: &Path) -> std::io::Result<()> {
         if self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
             self.sync.lock().unwrap().0 = Some(Instant::now());

@@ -279,6 +279,18 @@ impl Drop for NodePlugin {
     }
 }
 
+/// The plugin's checkpoint at `path` as JSON (`{"bootId": ..., "claims": {UID: record}}`), read
+/// as the plugin reads it: the newest valid generation of its two slots; `{}`-like empty
+/// content when there is none.
+pub fn read_checkpoint(path: &Path) -> Result<serde_json::Value, String> {
+    let file = gpu_kubelet_plugin::checkpoint::CheckpointFile::new(
+        std::sync::Arc::new(gpu_kubelet_plugin::storage::RealFs),
+        path,
+    );
+    let checkpoint = file.load().map_err(|e| e.to_string())?.unwrap_or_default();
+    serde_json::to_value(checkpoint).map_err(|e| e.to_string())
+}
+
 /// `error: cause: cause` for an error and its sources.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();

@@ -15,7 +15,7 @@ use drust_e2e::claims::{allocated_claim, allocation_results};
 use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
-use drust_e2e::plugin::NodePlugin;
+use drust_e2e::plugin::{NodePlugin, read_checkpoint};
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::backend::RawMigDevice;
 use gpu_inventory::fake::mig::{MigState, capability_minor};
@@ -226,9 +226,10 @@ async fn a_scheduled_1g_claim_creates_its_mig_device_at_prepare_and_destroys_it_
             .exists(),
         "CDI spec left after a failed creation"
     );
-    let checkpoint = read_json(&plugin.config().checkpoint_path)?;
+    let checkpoint =
+        read_checkpoint(&plugin.config().checkpoint_path).map_err(anyhow::Error::msg)?;
     ensure!(
-        checkpoint["data"]["claims"]
+        checkpoint["claims"]
             .as_object()
             .is_none_or(|c| c.is_empty()),
         "checkpoint keeps {checkpoint}"
@@ -365,8 +366,9 @@ async fn a_plugin_killed_at_every_step_of_a_dynamic_mig_claim_leaves_one_device_
             );
             let mig = mig_on_gpu3(&host.state())?;
             ensure!(mig.len() == 1, "{fp}: after retry {mig:?}");
-            let cp_json = read_json(&host.plugin_dir().join("checkpoint.json"))?;
-            let recorded = &cp_json["data"]["claims"][&uid]["devices"][0]["mig"]["uuid"];
+            let cp_json = read_checkpoint(&host.plugin_dir().join("checkpoint.json"))
+                .map_err(anyhow::Error::msg)?;
+            let recorded = &cp_json["claims"][&uid]["devices"][0]["mig"]["uuid"];
             ensure!(
                 recorded == mig[0].uuid.as_str(),
                 "{fp}: recorded {recorded}, have {mig:?}"

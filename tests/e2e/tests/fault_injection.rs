@@ -12,6 +12,7 @@ use drust_e2e::claims::allocated_claim;
 use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::repo_path;
+use drust_e2e::plugin::read_checkpoint;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::failpoint;
 
@@ -99,9 +100,9 @@ impl Host {
     }
 
     fn checkpoint_claims(&self) -> anyhow::Result<BTreeMap<String, serde_json::Value>> {
-        let bytes = std::fs::read(self.plugin_dir().join("checkpoint.json"))?;
-        let v: serde_json::Value = serde_json::from_slice(&bytes)?;
-        Ok(serde_json::from_value(v["data"]["claims"].clone())?)
+        let v = read_checkpoint(&self.plugin_dir().join("checkpoint.json"))
+            .map_err(anyhow::Error::msg)?;
+        Ok(serde_json::from_value(v["claims"].clone())?)
     }
 }
 

@@ -13,7 +13,7 @@ use anyhow::{Context, ensure};
 use drust_e2e::claims::allocated_claim;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::repo_path;
-use drust_e2e::plugin::{NodePlugin, fake_gpu_names, fake_host};
+use drust_e2e::plugin::{NodePlugin, fake_gpu_names, fake_host, read_checkpoint};
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::{HealthEvent, HealthEventKind, Topology};
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
@@ -185,7 +185,9 @@ async fn a_gpu_found_by_rediscovery_is_prepared_and_watched_and_a_lost_one_is_re
         cdi_spec(&held_uid).exists(),
         "the claim prepared on the lost GPU lost its CDI spec"
     );
-    let checkpoint = std::fs::read_to_string(&plugin.config().checkpoint_path)?;
+    let checkpoint = read_checkpoint(&plugin.config().checkpoint_path)
+        .map_err(anyhow::Error::msg)?
+        .to_string();
     ensure!(checkpoint.contains(&held_uid), "{checkpoint}");
     // A repeated prepare of the held claim answers from the checkpoint, as before.
     let r = kubelet.prepare_v1(&[&held]).await?;
@@ -201,7 +203,9 @@ async fn a_gpu_found_by_rediscovery_is_prepared_and_watched_and_a_lost_one_is_re
         r.claims[&held_uid]
     );
     ensure!(!cdi_spec(&held_uid).exists());
-    let checkpoint = std::fs::read_to_string(&plugin.config().checkpoint_path)?;
+    let checkpoint = read_checkpoint(&plugin.config().checkpoint_path)
+        .map_err(anyhow::Error::msg)?
+        .to_string();
     ensure!(!checkpoint.contains(&held_uid), "{checkpoint}");
 
     plugin.stop().await?;

@@ -8,7 +8,7 @@ use anyhow::{Context, ensure};
 use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
-use drust_e2e::plugin::NodePlugin;
+use drust_e2e::plugin::{NodePlugin, read_checkpoint};
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::Topology;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -193,9 +193,9 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         spec["containerEdits"]["env"][0],
         "NVIDIA_VISIBLE_DEVICES=void"
     );
-    let checkpoint: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&plugin.config().checkpoint_path)?)?;
-    let record = &checkpoint["data"]["claims"][&uid];
+    let checkpoint =
+        read_checkpoint(&plugin.config().checkpoint_path).map_err(anyhow::Error::msg)?;
+    let record = &checkpoint["claims"][&uid];
     assert_eq!(record["state"], "PrepareCompleted");
     assert_eq!(
         record["devices"][0]["deviceName"],
@@ -222,9 +222,9 @@ async fn a_pod_gets_an_allocated_gpu_prepared_through_the_kubelet_api() -> anyho
         .await?;
     assert!(resp.claims.values().all(|r| r.error.is_empty()), "{resp:?}");
     assert!(!spec_path.exists(), "CDI spec left behind");
-    let checkpoint: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&plugin.config().checkpoint_path)?)?;
-    assert_eq!(checkpoint["data"]["claims"], serde_json::json!({}));
+    let checkpoint =
+        read_checkpoint(&plugin.config().checkpoint_path).map_err(anyhow::Error::msg)?;
+    assert_eq!(checkpoint["claims"], serde_json::json!({}));
     assert_eq!(
         std::fs::read_dir(cdi_root)?.count(),
         0,

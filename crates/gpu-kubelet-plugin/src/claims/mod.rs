@@ -1256,6 +1256,9 @@ mod tests {
         fn write(&self, p: &std::path::Path, b: &[u8]) -> std::io::Result<()> {
             RealFs.write(p, b)
         }
+        fn overwrite(&self, p: &std::path::Path, b: &[u8]) -> std::io::Result<()> {
+            RealFs.overwrite(p, b)
+        }
         fn sync_file(&self, p: &std::path::Path) -> std::io::Result<()> {
             std::thread::sleep(Duration::from_millis(200));
             RealFs.sync_file(p)

@@ -83,7 +83,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 let aside = inner
                     .checkpoint_file
                     .quarantine()
-                    .map(|p| p.display().to_string())
+                    .map(|moved| {
+                        moved
+                            .iter()
+                            .map(|p| p.display().to_string())
+                            .collect::<Vec<_>>()
+                            .join(" and ")
+                    })
                     .unwrap_or_else(|q| format!("(could not move it aside: {q})"));
                 let message = format!(
                     "{e}; moved to {aside}; rebuilding prepared claims from CDI specs and the API server"
