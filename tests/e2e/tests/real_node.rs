@@ -39,9 +39,9 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Whether the plugin's checkpoint has a record of the claim `uid`.
 fn checkpoint_has(host: &BinaryHost, uid: &str) -> anyhow::Result<bool> {
-    let bytes = std::fs::read(host.plugin_dir().join("checkpoint.json"))?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes)?;
-    Ok(v["data"]["claims"].get(uid).is_some())
+    let v = drust_e2e::plugin::read_checkpoint(&host.plugin_dir().join("checkpoint.json"))
+        .map_err(anyhow::Error::msg)?;
+    Ok(v["claims"].get(uid).is_some())
 }
 
 /// A control plane, a real node, and the plugin binary serving its kubelet on the fake DGX

@@ -124,10 +124,8 @@ fn sees_one_gpu(log: &str) -> bool {
 /// The claims the plugin's checkpoint (on the host) records.
 fn checkpointed_claims(node: &Node) -> anyhow::Result<usize> {
     let path = node.plugin_dir(DRIVER).join("checkpoint.json");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)?;
-    Ok(v["data"]["claims"]
-        .as_object()
-        .map_or(0, serde_json::Map::len))
+    let v = drust_e2e::plugin::read_checkpoint(&path).map_err(anyhow::Error::msg)?;
+    Ok(v["claims"].as_object().map_or(0, serde_json::Map::len))
 }
 
 /// A ResourceClaim for one whole GPU shared through MPS: the claim gets its own control daemon.

@@ -97,9 +97,9 @@ impl Host {
     }
 
     fn checkpoint_claims(&self) -> anyhow::Result<BTreeMap<String, serde_json::Value>> {
-        let bytes = std::fs::read(self.plugin_dir().join("checkpoint.json"))?;
-        let v: serde_json::Value = serde_json::from_slice(&bytes)?;
-        Ok(serde_json::from_value(v["data"]["claims"].clone())?)
+        let v = drust_e2e::plugin::read_checkpoint(&self.plugin_dir().join("checkpoint.json"))
+            .map_err(anyhow::Error::msg)?;
+        Ok(serde_json::from_value(v["claims"].clone())?)
     }
 
     fn spec_files(&self) -> Vec<String> {
