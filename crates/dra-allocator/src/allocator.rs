@@ -83,12 +83,29 @@ struct DeviceFlags {
 /// selector is evaluated, as upstream's lazily compiling cache does.
 type CelCache = HashMap<String, Compiled>;
 
-/// A device's attribute table and driver, for selectors answered without the evaluator
-/// ([`crate::attributes::compare`], valid at the allocator's cost limit).
+/// What selectors read of a device: its attribute table and driver, for selectors answered
+/// without the evaluator ([`crate::attributes::compare`], valid at the allocator's cost limit),
+/// and the device itself, whose CEL view is built only where the evaluator runs (the view
+/// reads parts of the device record the table spares the search).
 #[derive(Clone, Copy)]
 struct SelectorInput<'t, 'v> {
     attributes: crate::attributes::Attributes<'t, 'v>,
     driver: &'t str,
+    device: &'t DeviceData<'v>,
+}
+
+impl<'t> SelectorInput<'t, '_> {
+    /// The device as the evaluator sees it, or why it cannot.
+    fn view(&self) -> Result<DeviceView<'t>, DeviceError> {
+        match &self.device.view_error {
+            None => Ok(DeviceView::checked_with_driver(
+                &self.device.cel,
+                self.driver,
+                false,
+            )),
+            Some(e) => Err((**e).clone()),
+        }
+    }
 }
 
 const _: () = assert!(dra_cel::MAX_COST >= dra_cel::SHORTCUT_COST_BOUND);
@@ -1295,26 +1312,15 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         if let Some(&m) = self.matches.get(&key) {
             return Ok(m);
         }
-        // One view of the device for every selector of class and request.
-        let view = match &device.view_error {
-            None => Ok(DeviceView::checked_with_driver(
-                &device.cel,
-                slice.driver,
-                false,
-            )),
-            Some(e) => Err((**e).clone()),
-        };
-        let table = SelectorInput {
+        let input = SelectorInput {
             attributes: slice.attributes.device(device.attributes.clone()),
             driver: slice.driver,
+            device,
         };
+        input.attributes.start_loading();
         let result =
-            self.selectors_match(
-                claim,
-                (&view, table),
-                Some(selectors.class),
-                &selectors.class_cel,
-            )? && self.selectors_match(claim, (&view, table), None, &selectors.request_cel)?
+            self.selectors_match(claim, input, Some(selectors.class), &selectors.class_cel)?
+                && self.selectors_match(claim, input, None, &selectors.request_cel)?
                 && (!slice.per_device_node_selection
                     || node_matches(
                         self.node,
@@ -1331,7 +1337,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
     fn selectors_match(
         &self,
         claim: usize,
-        (view, table): (&Result<DeviceView<'_>, DeviceError>, SelectorInput<'_, '_>),
+        input: SelectorInput<'_, '_>,
         class: Option<&DeviceClass>,
         selectors: &[Option<Compiled>],
     ) -> Step<bool> {
@@ -1361,15 +1367,22 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                 cost_limit: dra_cel::MAX_COST,
                 deadline: self.interrupt.deadline,
             };
-            let matched = match view {
-                Ok(view) => match compiled
+            // A device the evaluator cannot see fails every selector, table or not.
+            let matched = if let Some(e) = &input.device.view_error {
+                Err(MatchError::Device((**e).clone()))
+            } else if let Some(driver) = compiled.driver_comparison() {
+                Ok(driver == input.driver)
+            } else {
+                match compiled
                     .attribute_comparison()
-                    .and_then(|c| crate::attributes::compare(table.attributes, table.driver, &c))
+                    .and_then(|c| crate::attributes::compare(input.attributes, input.driver, &c))
                 {
                     Some(answer) => Ok(answer),
-                    None => compiled.matches_view(view, options),
-                },
-                Err(e) => Err(MatchError::Device(e.clone())),
+                    None => input
+                        .view()
+                        .map_err(MatchError::Device)
+                        .and_then(|view| compiled.matches_view(&view, options)),
+                }
             };
             match matched {
                 Ok(true) => {}
@@ -1407,7 +1420,9 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         if !admin && self.in_use(dev.flat) {
             return Ok(None);
         }
-        if !features.partitionable_devices && !device.consumes_counters.is_empty() {
+        // The slice's flag spares reading the device's list where no device of it has one.
+        let consumes = slice.consumes_counters && !device.consumes_counters.is_empty();
+        if !features.partitionable_devices && consumes {
             return Ok(None);
         }
         let skip_counters = allow_multiple && self.capacity_in_use(dev.flat);
@@ -1415,7 +1430,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             previous_results: self.results.get(r.claim).map_or(0, Vec::len),
             ..Rollback::default()
         };
-        if !skip_counters && !device.consumes_counters.is_empty() {
+        if !skip_counters && consumes {
             if !self.reserve_counters(dev) {
                 return Ok(None);
             }

@@ -144,6 +144,16 @@ impl<'v> AttributeTable<'v> {
 }
 
 impl<'v> Attributes<'_, 'v> {
+    /// Starts loading the device's attribute keys and values into the cache without waiting
+    /// for them: the search calls it as soon as a device passes the cheap checks, so that these
+    /// two cold lines arrive while it works on the device's record, instead of one after the
+    /// other when a constraint or selector first reads them. (A plain load the processor need
+    /// not wait for: nothing consumes the value.)
+    pub fn start_loading(&self) {
+        std::hint::black_box(self.keys.first().map(|k| k.head));
+        std::hint::black_box(self.entries.first().map(|e| e.value_head));
+    }
+
     /// Whether attribute `i` is named `name` (whose first eight bytes are `name_head`).
     fn is(&self, i: usize, name: &str, name_head: u64) -> bool {
         self.keys.get(i).is_some_and(|k| {

@@ -171,32 +171,43 @@ pub(crate) struct Capacity {
 }
 
 /// A device of a slice, preprocessed.
+///
+/// Laid out for the search, which reads many devices once each (cold memory): what it reads
+/// of every device it considers comes first, within one 64-byte line (the struct is aligned to
+/// one); the API object, capacities and the CEL record (read where a device is chosen, has
+/// capacities, or meets the evaluator) follow.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub(crate) struct DeviceData<'a> {
-    pub obj: &'a Device,
-    pub name: &'a str,
-    /// What selectors see.
-    pub cel: dra_cel::Device,
-    pub capacity: BTreeMap<String, Capacity>,
-    /// Its name: a range of the slice's `names`.
-    pub name_at: std::ops::Range<usize>,
     /// Its attributes as constraints and selectors read them: a range of the slice's
     /// `attributes`.
     pub attributes: std::ops::Range<usize>,
+    /// Its name: a range of the slice's `names`.
+    pub name_at: std::ops::Range<usize>,
+    pub taints: &'a [DeviceTaint],
+    /// Why selectors cannot see the device (checked once, reported where one is evaluated).
+    pub view_error: Option<Box<dra_cel::DeviceError>>,
     /// Some capacity has a request policy.
     pub capacity_policy: bool,
-    /// `consumesCounters`: counter set name and counters.
-    pub consumes_counters: Vec<(String, Counters)>,
     /// `allowMultipleAllocations` is true.
     pub allow_multiple: bool,
-    pub taints: &'a [DeviceTaint],
     /// `bindingConditions` is set (even empty).
     pub has_binding_conditions: bool,
     /// `bindingFailureConditions` is set (even empty).
     pub has_binding_failure_conditions: bool,
-    /// Why selectors cannot see the device (checked once, reported where one is evaluated).
-    pub view_error: Option<Box<dra_cel::DeviceError>>,
+    // Read less often.
+    pub name: &'a str,
+    pub obj: &'a Device,
+    /// `consumesCounters`: counter set name and counters.
+    pub consumes_counters: Vec<(String, Counters)>,
+    pub capacity: BTreeMap<String, Capacity>,
+    /// What selectors see.
+    pub cel: dra_cel::Device,
 }
+
+// The fields every considered device is read for share its first cache line.
+const _: () =
+    assert!(std::mem::offset_of!(DeviceData<'static>, has_binding_failure_conditions) < 64);
 
 /// A ResourceSlice, preprocessed.
 #[derive(Debug)]

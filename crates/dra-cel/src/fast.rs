@@ -185,6 +185,14 @@ impl Comparison {
         })
     }
 
+    /// The driver name compared with, if this is `device.driver == "..."`.
+    pub(crate) fn driver(&self) -> Option<&str> {
+        match (&self.subject, &self.literal) {
+            (Subject::Driver, Literal::String(s)) => Some(s),
+            _ => None,
+        }
+    }
+
     /// The answer, or `None` where the evaluator must decide.
     pub(crate) fn evaluate(&self, view: &DeviceView<'_>) -> Option<bool> {
         match &self.subject {
@@ -261,6 +269,11 @@ mod tests {
                 let full = compiled.evaluate_view(&view, EvalOptions::default()).0;
                 let fast = compiled.matches_view(&view, EvalOptions::default());
                 assert_eq!(format!("{fast:?}"), format!("{full:?}"), "{e} on {d:?}");
+                // What the allocator answers from the driver name alone.
+                if let Some(name) = compiled.driver_comparison() {
+                    let by_name: Result<bool, crate::MatchError> = Ok(d.driver == name);
+                    assert_eq!(format!("{by_name:?}"), format!("{full:?}"), "{e} on {d:?}");
+                }
                 shortcut_taken += usize::from(
                     compiled
                         .fast

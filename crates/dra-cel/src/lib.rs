@@ -232,6 +232,13 @@ impl CompiledExpression {
         self.fast.as_ref()?.attribute()
     }
 
+    /// The driver name, if the selector is `device.driver == "name"` (either side): its
+    /// answer for any device is whether the device's driver is that name (at cost limits of at
+    /// least [`SHORTCUT_COST_BOUND`], like [`CompiledExpression::attribute_comparison`]).
+    pub fn driver_comparison(&self) -> Option<&str> {
+        self.fast.as_ref()?.driver()
+    }
+
     /// The checked result type (`bool`, or `any`/`dyn` for a bare attribute).
     pub fn output_type(&self) -> &Type {
         &self.checked.root.ty
