@@ -390,6 +390,9 @@ impl<'a> Allocator<'a> {
 /// The bound never changes an answer, only when it starts cutting.
 const BOUND_AFTER_STEPS: u64 = 16;
 
+/// Search steps after which selector answers are remembered per device and request.
+const MEMO_AFTER_STEPS: u64 = 16;
+
 /// Why the recursion stops early.
 enum Stop {
     /// `errAllocationResultMaxSizeExceeded`: a claim would get more than 32 devices.
@@ -1329,7 +1332,12 @@ impl<'s, 'a: 's> Search<'s, 'a> {
                         device.obj.node_selector.as_ref(),
                     )
                     .map_err(AllocateError::Fatal)?);
-        self.matches.insert(key, result);
+        // Selector answers are kept once the search is long enough to come back to devices
+        // (backtracking); a short search checks each device once, and the map would only cost
+        // it an allocation. Answers are the same either way: selectors are pure.
+        if self.steps > MEMO_AFTER_STEPS {
+            self.matches.insert(key, result);
+        }
         Ok(result)
     }
 
