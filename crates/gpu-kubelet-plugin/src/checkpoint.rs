@@ -32,8 +32,13 @@
 //!   new), move it aside and rebuild its claims from the CDI specs and the API server, rather
 //!   than act on a stale record.
 //! - Versions 1 to 3 were one file, `checkpoint.json`, replaced by rename. They are read as
-//!   slot 0 at generation 0, so the first store after an upgrade goes to `checkpoint.b.json`
-//!   and the old file stays intact until a newer generation is durable.
+//!   slot 0 at generation 0, and the first store after an upgrade replaces that file the way
+//!   they did (temp file, fsync, rename, directory fsync), so an older build never finds a
+//!   readable `checkpoint.json` a generation behind. After a downgrade and an upgrade again, an
+//!   older-format `checkpoint.json` beside a valid `checkpoint.b.json` was written by the older
+//!   build after this one's last store, and wins; a `checkpoint.b.json` whose `checkpoint.json`
+//!   an older build moved aside and never rewrote is refused (the claims are rebuilt from the
+//!   CDI specs and the API server, as for a damaged checkpoint).
 //! - Version 1 (no envelope: `{"version":1,"claims":{…}}`, written by the first drust builds) is
 //!   read and upgraded on the next write. It could not record in-progress claims or the boot,
 //!   so its claims read as completed in the current boot.
@@ -52,7 +57,7 @@ use sha2::{Digest, Sha256};
 
 use crate::cdi::Spec;
 use crate::hardware::CreatedMig;
-use crate::storage::Fs;
+use crate::storage::{Fs, write_atomic};
 
 /// The checkpoint format version this build writes.
 pub const VERSION: u32 = 4;
@@ -246,8 +251,13 @@ pub fn slot_paths(path: &Path) -> [PathBuf; 2] {
 struct Slots {
     /// The slot holding the newest durable generation; `None` when neither holds one.
     newest: Option<usize>,
-    /// That generation (0 when none, or for a file written before version 4).
+    /// The highest generation seen in a valid slot (0 when none; a file written before
+    /// version 4 counts as 0): the next store writes one more.
     generation: u64,
+    /// The newest slot is a file of an older format (slot 0, `checkpoint.json`): the next
+    /// store replaces it atomically instead of writing the other slot, so that an older
+    /// build never finds a readable `checkpoint.json` a generation behind.
+    legacy: bool,
     /// Each slot file's length, where it exists and was written whole: a store overwrites it
     /// in place. `None`: absent or unknown, so a store (re)creates it and syncs the directory.
     len: [Option<usize>; 2],
@@ -260,6 +270,8 @@ enum SlotRead {
         generation: u64,
         checkpoint: Checkpoint,
         len: usize,
+        /// Written before version 4 (by an older build).
+        legacy: bool,
     },
     Invalid {
         error: CheckpointError,
@@ -317,10 +329,11 @@ impl CheckpointFile {
         let path = &self.paths[slot];
         match self.fs.read(path) {
             Ok(bytes) => Ok(match decode(path, &bytes) {
-                Ok((generation, checkpoint)) => SlotRead::Valid {
+                Ok((generation, checkpoint, legacy)) => SlotRead::Valid {
                     generation,
                     checkpoint,
                     len: bytes.len(),
+                    legacy,
                 },
                 Err(error) => SlotRead::Invalid {
                     error,
@@ -346,7 +359,47 @@ impl CheckpointFile {
     /// is valid.
     pub fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
         let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        let reads = [self.read_slot(0)?, self.read_slot(1)?];
+        let mut reads = [self.read_slot(0)?, self.read_slot(1)?];
+        // This build writes slot 0 first and moves both aside together, so slot 1 alone means
+        // an older build moved `checkpoint.json` aside (it refuses version 4) and may have
+        // prepared and unprepared claims since: slot 1 may be stale.
+        if matches!(reads[0], SlotRead::Absent) && matches!(reads[1], SlotRead::Valid { .. }) {
+            return Err(CheckpointError::Corrupt {
+                path: self.paths[1].clone(),
+                problem: format!(
+                    "{} is missing (an older drust build moves it aside after a downgrade), \
+                     so this slot may be stale",
+                    self.paths[0].display()
+                ),
+            });
+        }
+        // An older-format slot 0 beside a valid slot 1 was written by an older build after
+        // slot 1 (this build replaces an older-format file before it writes slot 1 again):
+        // slot 0 is the newer one, whatever the generations say.
+        let mut stale_generation = 0;
+        if let (
+            SlotRead::Valid { legacy: true, .. },
+            SlotRead::Valid {
+                generation, len, ..
+            },
+        ) = (&reads[0], &reads[1])
+        {
+            stale_generation = *generation;
+            let len = *len;
+            tracing::warn!(
+                stale = %self.paths[1].display(),
+                using = %self.paths[0].display(),
+                "an older drust build wrote the checkpoint after this build's last write; \
+                 using what it wrote"
+            );
+            reads[1] = SlotRead::Invalid {
+                error: CheckpointError::Corrupt {
+                    path: self.paths[1].clone(),
+                    problem: "older than the checkpoint an older build wrote beside it".into(),
+                },
+                len,
+            };
+        }
         let mut slots = Slots::default();
         let mut newest: Option<(usize, Checkpoint)> = None;
         let mut invalid: Option<CheckpointError> = None;
@@ -357,11 +410,13 @@ impl CheckpointFile {
                     generation,
                     checkpoint,
                     len,
+                    legacy,
                 } => {
                     slots.len[i] = Some(len);
                     if newest.is_none() || generation > slots.generation {
                         slots.generation = generation;
                         slots.newest = Some(i);
+                        slots.legacy = legacy;
                         newest = Some((i, checkpoint));
                     }
                 }
@@ -376,6 +431,8 @@ impl CheckpointFile {
                 }
             }
         }
+        // The next generation must also beat a stale slot's.
+        slots.generation = slots.generation.max(stale_generation);
         match (newest, invalid) {
             (None, Some(e)) => Err(e),
             (newest, invalid) => {
@@ -407,7 +464,12 @@ impl CheckpointFile {
             Some(s) => s,
             None => self.scan(),
         };
-        let target = slots.newest.map_or(0, |i| 1 - i);
+        // An older-format newest slot (slot 0) is replaced where it is, atomically.
+        let target = match slots.newest {
+            Some(i) if slots.legacy => i,
+            Some(i) => 1 - i,
+            None => 0,
+        };
         let path = &self.paths[target];
         let write_err = |source| CheckpointError::Write {
             path: path.clone(),
@@ -421,6 +483,7 @@ impl CheckpointFile {
         let mut padded = bytes;
         padded.resize(in_place.unwrap_or(needed), b' ');
         let result = match in_place {
+            _ if slots.legacy => write_atomic(self.fs.as_ref(), path, &padded),
             Some(_) => self
                 .fs
                 .overwrite(path, &padded)
@@ -438,6 +501,7 @@ impl CheckpointFile {
             Ok(()) => {
                 slots.newest = Some(target);
                 slots.generation = generation;
+                slots.legacy = false;
                 slots.len[target] = Some(padded.len());
                 *guard = Some(slots);
                 Ok(())
@@ -457,13 +521,17 @@ impl CheckpointFile {
         let mut slots = Slots::default();
         for i in 0..2 {
             if let Ok(SlotRead::Valid {
-                generation, len, ..
+                generation,
+                len,
+                legacy,
+                ..
             }) = self.read_slot(i)
             {
                 slots.len[i] = Some(len);
                 if slots.newest.is_none() || generation > slots.generation {
                     slots.newest = Some(i);
                     slots.generation = generation;
+                    slots.legacy = legacy;
                 }
             }
         }
@@ -523,8 +591,9 @@ fn encode(checkpoint: &Checkpoint, generation: u64) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// One slot's content: its generation (0 before version 4) and checkpoint.
-fn decode(path: &Path, bytes: &[u8]) -> Result<(u64, Checkpoint), CheckpointError> {
+/// One slot's content: its generation (0 before version 4), checkpoint, and whether it was
+/// written before version 4.
+fn decode(path: &Path, bytes: &[u8]) -> Result<(u64, Checkpoint, bool), CheckpointError> {
     let corrupt = |problem: String| CheckpointError::Corrupt {
         path: path.to_owned(),
         problem,
@@ -536,7 +605,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<(u64, Checkpoint), CheckpointErro
             let claims = env
                 .claims
                 .ok_or_else(|| corrupt("version 1 without field `claims`".into()))?;
-            Ok((0, upgrade_v1(claims)))
+            Ok((0, upgrade_v1(claims), true))
         }
         written => {
             let needed = env.min_reader_version.unwrap_or(written);
@@ -561,7 +630,7 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<(u64, Checkpoint), CheckpointErro
             }
             let stored: Stored = serde_json::from_str(data.get())
                 .map_err(|e| corrupt(format!("field `data`: {e}")))?;
-            Ok((stored.generation, stored.checkpoint))
+            Ok((stored.generation, stored.checkpoint, written < 4))
         }
     }
 }
@@ -686,16 +755,15 @@ mod tests {
         assert_eq!(r.state, ClaimState::PrepareCompleted);
         assert_eq!(r.devices[0].device_name, "gpu-3");
         assert_eq!(r.cdi_spec_path, PathBuf::from("/cdi/x.json"));
-        // The next write is the current version, in the other slot (the old file stays until
-        // a newer generation is durable), and reads back the same.
-        let before = std::fs::read(f.path()).expect("read");
+        // The next write replaces the old file atomically with the current version (an older
+        // build must not find it readable and a generation behind), and reads back the same.
         f.store(&c).expect("store");
-        assert_eq!(std::fs::read(f.path()).expect("read"), before);
         assert!(
-            std::fs::read_to_string(&f.slot_paths()[1])
+            std::fs::read_to_string(f.path())
                 .expect("read")
                 .starts_with("{\"version\":4,\"minReaderVersion\":4,")
         );
+        assert!(!f.slot_paths()[1].exists());
         assert_eq!(f.load().expect("load"), Some(c));
     }
 
@@ -967,6 +1035,58 @@ mod tests {
             "slot 0 untouched"
         );
         assert_eq!(f.load().expect("load").expect("present").boot_id, "retried");
+    }
+
+    /// A version 3 `checkpoint.json` as an older build writes it.
+    fn version_3(c: &Checkpoint) -> Vec<u8> {
+        let data = serde_json::to_vec(c).expect("json");
+        let mut b = format!(
+            "{{\"version\":3,\"minReaderVersion\":2,\"checksum\":\"sha256:{}\",\"data\":",
+            sha256_hex(&data)
+        )
+        .into_bytes();
+        b.extend_from_slice(&data);
+        b.push(b'}');
+        b
+    }
+
+    /// After a downgrade the older build refuses the slots, moves `checkpoint.json` aside and
+    /// writes its own; after the upgrade again, the slot this build left must not win over
+    /// what the older build wrote since (its claims may have been unprepared meanwhile), and a
+    /// slot left alone is refused rather than trusted.
+    #[test]
+    fn a_downgrade_and_upgrade_never_resurrect_the_stale_slot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = file(dir.path());
+        let mut ours = sample();
+        ours.boot_id = "ours-1".into();
+        f.store(&ours).expect("store"); // slot 0
+        ours.boot_id = "ours-2".into();
+        f.store(&ours).expect("store"); // slot 1, generation 2
+        // The older build: moves checkpoint.json aside, rebuilds, writes version 3.
+        std::fs::rename(f.path(), dir.path().join("state/checkpoint.json.corrupt")).expect("mv");
+        let err = file(dir.path())
+            .load()
+            .expect_err("slot 1 alone")
+            .to_string();
+        assert!(
+            err.contains("checkpoint.b.json") && err.contains("stale"),
+            "{err}"
+        );
+        let mut theirs = sample();
+        theirs.boot_id = "older-build".into();
+        theirs.claims.clear();
+        std::fs::write(f.path(), version_3(&theirs)).expect("write");
+        // Upgraded again: the older build's file wins, and the next stores build on it.
+        let upgraded = file(dir.path());
+        assert_eq!(upgraded.load().expect("load"), Some(theirs.clone()));
+        let mut next = theirs.clone();
+        next.boot_id = "upgraded-1".into();
+        upgraded.store(&next).expect("store");
+        assert_eq!(file(dir.path()).load().expect("load"), Some(next.clone()));
+        next.boot_id = "upgraded-2".into();
+        upgraded.store(&next).expect("store");
+        assert_eq!(file(dir.path()).load().expect("load"), Some(next));
     }
 
     #[test]
