@@ -834,9 +834,13 @@ mod tests {
         assert_eq!(f.load().expect("load"), Some(c));
     }
 
-    /// Counts the filesystem calls of each kind.
+    /// The real filesystem, counting the calls of each kind; its next sync fails (EIO) once
+    /// `fail_next_sync` is set.
     #[derive(Debug, Default)]
-    struct Counting(Mutex<BTreeMap<&'static str, usize>>);
+    struct Counting(
+        Mutex<BTreeMap<&'static str, usize>>,
+        std::sync::atomic::AtomicBool,
+    );
 
     impl Counting {
         fn count(&self, op: &'static str) {
@@ -861,6 +865,9 @@ mod tests {
         }
         fn sync_file(&self, p: &Path) -> io::Result<()> {
             self.count("sync_file");
+            if self.1.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                return Err(io::Error::other("EIO"));
+            }
             RealFs.sync_file(p)
         }
         fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
@@ -979,48 +986,14 @@ mod tests {
     /// where it was: the next store goes to the same slot, never over the only durable copy.
     #[test]
     fn a_failed_store_never_makes_the_next_one_overwrite_the_durable_slot() {
-        #[derive(Debug)]
-        struct FailSync(std::sync::atomic::AtomicBool);
-        impl Fs for FailSync {
-            fn read(&self, p: &Path) -> io::Result<Vec<u8>> {
-                RealFs.read(p)
-            }
-            fn write(&self, p: &Path, b: &[u8]) -> io::Result<()> {
-                RealFs.write(p, b)
-            }
-            fn overwrite(&self, p: &Path, b: &[u8]) -> io::Result<()> {
-                RealFs.overwrite(p, b)
-            }
-            fn sync_file(&self, p: &Path) -> io::Result<()> {
-                if self.0.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                    return Err(io::Error::other("EIO"));
-                }
-                RealFs.sync_file(p)
-            }
-            fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-                RealFs.rename(from, to)
-            }
-            fn sync_dir(&self, d: &Path) -> io::Result<()> {
-                RealFs.sync_dir(d)
-            }
-            fn remove(&self, p: &Path) -> io::Result<()> {
-                RealFs.remove(p)
-            }
-            fn list(&self, d: &Path) -> io::Result<Vec<PathBuf>> {
-                RealFs.list(d)
-            }
-            fn create_dir_all(&self, d: &Path) -> io::Result<()> {
-                RealFs.create_dir_all(d)
-            }
-        }
         let dir = tempfile::tempdir().expect("tempdir");
-        let fs = Arc::new(FailSync(false.into()));
+        let fs = Arc::new(Counting::default());
         let f = CheckpointFile::new(fs.clone(), dir.path().join("checkpoint.json"));
         let mut c = sample();
         c.boot_id = "durable".into();
         f.store(&c).expect("store"); // slot 0
         let durable = std::fs::read(f.path()).expect("read");
-        fs.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        fs.1.store(true, std::sync::atomic::Ordering::SeqCst);
         c.boot_id = "failed".into();
         let err = f.store(&c).expect_err("sync fails").to_string();
         assert!(

@@ -142,6 +142,15 @@ impl CrashFs {
     }
 }
 
+/// The inode a live directory entry names.
+fn live_inode(s: &State, dir: &Path, name: &OsString) -> io::Result<usize> {
+    s.dirs
+        .get(dir)
+        .and_then(|d| d.live.get(name))
+        .copied()
+        .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+}
+
 impl Fs for CrashFs {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         let (dir, name) = split(path)?;
@@ -181,11 +190,7 @@ impl Fs for CrashFs {
     fn overwrite(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
         let (dir, name) = split(path)?;
         self.mutate(|s| {
-            let ino = *s
-                .dirs
-                .get(&dir)
-                .and_then(|d| d.live.get(&name))
-                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+            let ino = live_inode(s, &dir, &name)?;
             let inode = &mut s.inodes[ino];
             if inode.data.len() < bytes.len() {
                 inode.data.resize(bytes.len(), 0);
@@ -199,11 +204,7 @@ impl Fs for CrashFs {
     fn sync_file(&self, path: &Path) -> io::Result<()> {
         let (dir, name) = split(path)?;
         self.mutate(|s| {
-            let ino = *s
-                .dirs
-                .get(&dir)
-                .and_then(|d| d.live.get(&name))
-                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+            let ino = live_inode(s, &dir, &name)?;
             s.inodes[ino].synced = s.inodes[ino].data.clone();
             s.inodes[ino].overwritten = false;
             Ok(())
