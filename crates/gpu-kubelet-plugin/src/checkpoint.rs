@@ -478,7 +478,8 @@ impl CheckpointFile {
         let generation = slots.generation + 1;
         let bytes = encode(checkpoint, generation).map_err(write_err)?;
         let needed = bytes.len().div_ceil(SLOT_BLOCK) * SLOT_BLOCK;
-        // Grow in place; shrink (rewrite) only when the slot is far larger than needed.
+        // In place when the slot is big enough and not far larger than needed; else the slot is
+        // rewritten (created or truncated, then its directory synced too).
         let in_place = slots.len[target].filter(|&len| len >= needed && len <= 4 * needed);
         let mut padded = bytes;
         padded.resize(in_place.unwrap_or(needed), b' ');
