@@ -359,6 +359,14 @@ impl CheckpointFile {
     /// is valid.
     pub fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
         let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        let (slots, checkpoint) = self.read_slots()?;
+        *guard = Some(slots);
+        Ok(checkpoint)
+    }
+
+    /// Both slots read and decided between (see [`CheckpointFile::load`]): what the next
+    /// store needs to know of them, and the newest checkpoint.
+    fn read_slots(&self) -> Result<(Slots, Option<Checkpoint>), CheckpointError> {
         let mut reads = [self.read_slot(0)?, self.read_slot(1)?];
         // This build writes slot 0 first and moves both aside together, so slot 1 alone means
         // an older build moved `checkpoint.json` aside (it refuses version 4) and may have
@@ -376,7 +384,7 @@ impl CheckpointFile {
         // An older-format slot 0 beside a valid slot 1 was written by an older build after
         // slot 1 (this build replaces an older-format file before it writes slot 1 again):
         // slot 0 is the newer one, whatever the generations say.
-        let mut stale_generation = 0;
+        let mut stale: Option<(u64, usize)> = None;
         if let (
             SlotRead::Valid { legacy: true, .. },
             SlotRead::Valid {
@@ -384,21 +392,14 @@ impl CheckpointFile {
             },
         ) = (&reads[0], &reads[1])
         {
-            stale_generation = *generation;
-            let len = *len;
+            stale = Some((*generation, *len));
             tracing::warn!(
                 stale = %self.paths[1].display(),
                 using = %self.paths[0].display(),
                 "an older drust build wrote the checkpoint after this build's last write; \
                  using what it wrote"
             );
-            reads[1] = SlotRead::Invalid {
-                error: CheckpointError::Corrupt {
-                    path: self.paths[1].clone(),
-                    problem: "older than the checkpoint an older build wrote beside it".into(),
-                },
-                len,
-            };
+            reads[1] = SlotRead::Absent;
         }
         let mut slots = Slots::default();
         let mut newest: Option<(usize, Checkpoint)> = None;
@@ -431,8 +432,11 @@ impl CheckpointFile {
                 }
             }
         }
-        // The next generation must also beat a stale slot's.
-        slots.generation = slots.generation.max(stale_generation);
+        if let Some((generation, len)) = stale {
+            // The next store overwrites the stale slot, with a generation that beats it.
+            slots.len[1] = Some(len);
+            slots.generation = slots.generation.max(generation);
+        }
         match (newest, invalid) {
             (None, Some(e)) => Err(e),
             (newest, invalid) => {
@@ -445,8 +449,7 @@ impl CheckpointFile {
                          damage); using the other"
                     );
                 }
-                *guard = Some(slots);
-                Ok(newest.map(|(_, c)| c))
+                Ok((slots, newest.map(|(_, c)| c)))
             }
         }
     }
@@ -457,12 +460,14 @@ impl CheckpointFile {
     ///
     /// # Errors
     /// [`CheckpointError::Write`]; the newest durable generation is then unchanged and the
-    /// next store writes the same slot again.
+    /// next store writes the same slot again. Before any load or quarantine in this process,
+    /// the slots are read first, and what [`CheckpointFile::load`] would return for them is
+    /// returned instead of guessing where to write.
     pub fn store(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
         let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         let mut slots = match *guard {
             Some(s) => s,
-            None => self.scan(),
+            None => self.read_slots()?.0,
         };
         // An older-format newest slot (slot 0) is replaced where it is, atomically.
         let target = match slots.newest {
@@ -514,29 +519,6 @@ impl CheckpointFile {
                 Err(write_err(e))
             }
         }
-    }
-
-    /// What the slots hold, for a store without a successful load before it (the caller
-    /// ignored a load error, or never loaded): a valid slot counts, anything else is free.
-    fn scan(&self) -> Slots {
-        let mut slots = Slots::default();
-        for i in 0..2 {
-            if let Ok(SlotRead::Valid {
-                generation,
-                len,
-                legacy,
-                ..
-            }) = self.read_slot(i)
-            {
-                slots.len[i] = Some(len);
-                if slots.newest.is_none() || generation > slots.generation {
-                    slots.newest = Some(i);
-                    slots.generation = generation;
-                    slots.legacy = legacy;
-                }
-            }
-        }
-        slots
     }
 
     /// Moves damaged slots aside (`<name>.corrupt`), keeping them for inspection; returns
