@@ -21,7 +21,7 @@ pub use process::die_with_parent;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -871,16 +871,9 @@ pub fn host_address() -> Option<std::net::IpAddr> {
         })
 }
 
-/// A port that was free a moment ago. Another process may take it before the component binds;
-/// on a test machine that race is rare enough, and shows as a bind error in the component's log.
+/// A port for a component; see [`crate::ports`] for why it is not the kernel's pick.
 fn free_port() -> Result<u16, Error> {
-    let listener =
-        TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|source| Error::PickPort { source })?;
-    let port = listener
-        .local_addr()
-        .map_err(|source| Error::PickPort { source })?
-        .port();
-    Ok(port)
+    crate::ports::free_port().map_err(|source| Error::PickPort { source })
 }
 
 async fn load_config(path: &Path) -> Result<kube::Config, Error> {

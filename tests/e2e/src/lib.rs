@@ -38,6 +38,7 @@ pub mod node;
 pub mod node_pods;
 pub mod plugin;
 pub mod pods;
+pub mod ports;
 pub mod wait;
 
 pub use controlplane::{

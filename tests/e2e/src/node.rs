@@ -24,7 +24,6 @@
 //! so tests of one binary, and test runs side by side, take turns.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -749,10 +748,7 @@ async fn build_binaries() -> Result<PathBuf, NodeError> {
 }
 
 fn free_port() -> Result<u16, NodeError> {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| failed("picking a port", e))
+    crate::ports::free_port().map_err(|e| failed("picking a port", e))
 }
 
 fn list_dir(dir: &Path) -> Vec<PathBuf> {

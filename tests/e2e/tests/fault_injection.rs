@@ -286,9 +286,7 @@ async fn a_plugin_started_while_the_api_server_is_unreachable_waits_for_it_inste
         .context("the API server's address")?;
 
     // A kubeconfig naming a port where nothing listens yet (reserved, then released).
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let port = drust_e2e::ports::free_port()?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
     let admin = std::fs::read_to_string(cp.kubeconfig_path())?;

@@ -115,9 +115,7 @@ impl Host {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    Ok(drust_e2e::ports::free_port()?)
 }
 
 /// `GET path` on the plugin's HTTP endpoint: status code and body.
