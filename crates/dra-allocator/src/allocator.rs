@@ -23,8 +23,7 @@ use dra_cel::{
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceClass, DeviceRequest, DeviceSelector, DeviceToleration, ResourceClaim,
-    ResourceSlice,
+    DeviceClass, DeviceRequest, DeviceSelector, DeviceToleration, ResourceClaim, ResourceSlice,
 };
 
 use crate::capacity::{self, Requests};
@@ -35,6 +34,7 @@ use crate::model::{
 use crate::node_selector::node_matches;
 use crate::pools::{Pool, PoolCache, gather_pools};
 use crate::quantity::{self, Quantity};
+use crate::result::{Allocation, NodeSelection};
 use crate::{Error, Features};
 
 /// `resourceapi.AllocationResultsMaxSize`: devices per claim.
@@ -184,8 +184,13 @@ impl<'a> Allocator<'a> {
         let mut offsets = Vec::with_capacity(slices.len());
         let mut flags = Vec::new();
         let mut aggregated = HashMap::new();
+        // Each driver's name is read from one place, the first slice naming it: every node's
+        // search compares it (class selectors, constraints), so it stays in cache instead of
+        // being one more cold line per slice.
+        let mut drivers: HashMap<&'a str, &'a str> = HashMap::new();
         for (i, slice) in slices.iter().enumerate() {
-            let d = SliceData::new(slice)?;
+            let mut d = SliceData::new(slice)?;
+            d.driver = drivers.entry(d.driver).or_insert(d.driver);
             let node = d.node_name.unwrap_or("");
             if node.is_empty() || d.has_shared_counters() {
                 shared.push(i);
@@ -247,19 +252,20 @@ impl<'a> Allocator<'a> {
         self.invocations.load(AtomicOrdering::Relaxed)
     }
 
-    /// Allocates `claims` together for `node` (`Allocator.Allocate`): `Ok(Some(results))` with
-    /// one result per claim in claim order, `Ok(None)` when they do not fit (incomplete pools
-    /// included).
+    /// Allocates `claims` together for `node` (`Allocator.Allocate`): `Ok(Some(allocations))`
+    /// with one [`Allocation`] per claim in claim order (borrowing from the inputs, as upstream's
+    /// results share their strings; [`Allocation::to_api`] makes the `AllocationResult`),
+    /// `Ok(None)` when they do not fit (incomplete pools included).
     ///
     /// # Errors
     /// [`AllocateError`]: a fatal input problem, a node-only failure, or an interruption (never
     /// a wrong answer).
-    pub fn allocate(
-        &self,
-        node: &Node,
-        claims: &[&ResourceClaim],
+    pub fn allocate<'s>(
+        &'s self,
+        node: &'s Node,
+        claims: &[&'s ResourceClaim],
         interrupt: Interrupt<'_>,
-    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+    ) -> Result<Option<Vec<Allocation<'s>>>, AllocateError> {
         self.allocate_pod(node, &self.pod(claims), interrupt)
     }
 
@@ -293,12 +299,12 @@ impl<'a> Allocator<'a> {
     ///
     /// # Errors
     /// As [`Allocator::allocate`].
-    pub fn allocate_pod(
-        &self,
-        node: &Node,
-        pod: &Pod<'_>,
+    pub fn allocate_pod<'s>(
+        &'s self,
+        node: &'s Node,
+        pod: &Pod<'s>,
         interrupt: Interrupt<'_>,
-    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+    ) -> Result<Option<Vec<Allocation<'s>>>, AllocateError> {
         // The search recurses once per device; deep searches get a large stack of their own.
         let depth: usize = pod
             .claims
@@ -327,18 +333,19 @@ impl<'a> Allocator<'a> {
         })
     }
 
-    fn allocate_here(
-        &self,
-        node: &Node,
-        pod: &Pod<'_>,
+    fn allocate_here<'s>(
+        &'s self,
+        node: &'s Node,
+        pod: &Pod<'s>,
         interrupt: Interrupt<'_>,
-    ) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+    ) -> Result<Option<Vec<Allocation<'s>>>, AllocateError> {
         let node_name = node.metadata.name.as_deref().unwrap_or("");
         let own = self
             .on_node
             .get(node_name)
             .and_then(|r| self.node_slices.get(r.clone()))
             .unwrap_or_default();
+        self.start_loading(own);
         let for_node = own.iter().chain(&self.shared).copied();
         let pools = gather_pools(
             &self.slices,
@@ -362,6 +369,32 @@ impl<'a> Allocator<'a> {
         self.invocations
             .fetch_add(search.steps, AtomicOrdering::Relaxed);
         outcome
+    }
+
+    /// Starts loading, all at once, what the search of a node will read of its own slices: the
+    /// record and attributes of each device not in use (of the first 16 devices of its first
+    /// four slices). A node's data is usually cold in memory (the search visits every node
+    /// once); loads issued together wait for memory together instead of one after the other
+    /// as the search reaches each device. Nothing consumes the values.
+    fn start_loading(&self, own: &[usize]) {
+        for &i in own.iter().take(4) {
+            let Some(slice) = self.slices.get(i) else {
+                continue;
+            };
+            std::hint::black_box(slice.driver.as_bytes().first());
+            std::hint::black_box(slice.pool.as_bytes().first());
+            std::hint::black_box(slice.names.as_bytes().first());
+            let offset = self.offsets.get(i).copied().unwrap_or(0);
+            for (d, device) in slice.devices.iter().enumerate().take(16) {
+                if self.flags.get(offset + d).is_some_and(|f| f.dedicated) {
+                    continue;
+                }
+                slice
+                    .attributes
+                    .device(device.attributes.clone())
+                    .start_loading();
+            }
+        }
     }
 
     /// The compiled selector, compiling it on first use.
@@ -437,11 +470,11 @@ struct Location {
 
 /// A request or subrequest, validated (`requestData`).
 #[derive(Debug)]
-struct RequestData<'s> {
-    name: &'s str,
+pub(crate) struct RequestData<'s> {
+    pub(crate) name: &'s str,
     /// The request holding this subrequest.
-    parent: Option<&'s str>,
-    class: &'s DeviceClass,
+    pub(crate) parent: Option<&'s str>,
+    pub(crate) class: &'s DeviceClass,
     all_mode: bool,
     num_devices: i64,
     admin: bool,
@@ -453,16 +486,16 @@ struct RequestData<'s> {
 
 /// A request of a claim: one entry, or one per subrequest.
 #[derive(Debug)]
-struct RequestSlot<'s> {
-    subs: Vec<RequestData<'s>>,
-    has_subrequests: bool,
+pub(crate) struct RequestSlot<'s> {
+    pub(crate) subs: Vec<RequestData<'s>>,
+    pub(crate) has_subrequests: bool,
 }
 
 #[derive(Debug)]
-struct ClaimData<'s> {
-    obj: &'s ResourceClaim,
+pub(crate) struct ClaimData<'s> {
+    pub(crate) obj: &'s ResourceClaim,
     kobj: String,
-    requests: Vec<RequestSlot<'s>>,
+    pub(crate) requests: Vec<RequestSlot<'s>>,
 }
 
 /// One allocated device (`internalDeviceResult`).
@@ -491,7 +524,7 @@ struct Rollback {
 }
 
 /// One `Allocate` call.
-struct Search<'s, 'a> {
+struct Search<'s, 'a, 'i> {
     alloc: &'s Allocator<'a>,
     node: &'s Node,
     /// The pod's claims, validated ([`Search::prepare`]).
@@ -501,7 +534,7 @@ struct Search<'s, 'a> {
     /// `klog.KObj` of every claim, for messages (also during validation).
     kobjs: Arc<Vec<String>>,
     pools: Vec<Arc<Pool<'a>>>,
-    interrupt: Interrupt<'s>,
+    interrupt: Interrupt<'i>,
     /// `deviceMatchesRequest`: (device, claim, request, subrequest) → selectable.
     matches: HashMap<(usize, usize, usize, usize), bool>,
     constraints: Vec<Vec<Constraint<'s>>>,
@@ -560,14 +593,14 @@ pub struct Pod<'s> {
 type PreparedClaims<'s> =
     Result<(Arc<Vec<ClaimData<'s>>>, Vec<Vec<Constraint<'s>>>), AllocateError>;
 
-impl<'s, 'a: 's> Search<'s, 'a> {
+impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
     fn new(
         alloc: &'s Allocator<'a>,
         node: &'s Node,
         kobjs: Arc<Vec<String>>,
         pools: Vec<Arc<Pool<'a>>>,
-        interrupt: Interrupt<'s>,
-    ) -> Search<'s, 'a> {
+        interrupt: Interrupt<'i>,
+    ) -> Search<'s, 'a, 'i> {
         Search {
             alloc,
             node,
@@ -587,7 +620,7 @@ impl<'s, 'a: 's> Search<'s, 'a> {
         }
     }
 
-    fn run(&mut self) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+    fn run(&mut self) -> Result<Option<Vec<Allocation<'s>>>, AllocateError> {
         self.results = vec![Vec::new(); self.claims.len()];
         self.selected = self
             .claims
@@ -609,46 +642,32 @@ impl<'s, 'a: 's> Search<'s, 'a> {
             Ok(false) => return self.none_fits(),
             Err(Stop::Error(e)) => return Err(e),
         }
+        let node_name = self.node.metadata.name.as_deref().unwrap_or("");
+        let slices: &'s [SliceData<'s>] = &self.alloc.slices;
+        let results = std::mem::take(&mut self.results);
+        let picked = std::mem::take(&mut self.selected);
         let mut out = Vec::with_capacity(self.claims.len());
-        for (ci, claim) in self.claims.iter().enumerate() {
-            let results = self.results.get(ci).map(Vec::as_slice).unwrap_or_default();
-            let picked = self.selected.get(ci).map(Vec::as_slice).unwrap_or_default();
-            let pick = |ri: usize| picked.get(ri).copied().unwrap_or(0);
-            let selected: Vec<crate::result::Selected<'_>> = claim
-                .requests
-                .iter()
-                .enumerate()
-                .map(|(ri, slot)| {
-                    slot.subs
-                        .get(if slot.has_subrequests { pick(ri) } else { 0 })
-                        .map(|rd| (rd.parent, rd.name, rd.class))
-                })
-                .collect();
-            let sub_names: Vec<Option<&str>> = claim
-                .requests
-                .iter()
-                .enumerate()
-                .map(|(ri, slot)| {
-                    slot.has_subrequests
-                        .then(|| slot.subs.get(pick(ri)).map(|rd| rd.name))
-                        .flatten()
-                })
-                .collect();
-            out.push(crate::result::build(
-                claim.obj,
-                &self.alloc.slices,
+        for (ci, (results, picked)) in results.into_iter().zip(picked).enumerate() {
+            let Some(claim) = self.claims.get(ci) else {
+                continue;
+            };
+            let node_selection = NodeSelection::of(claim.obj, slices, &results)?;
+            out.push(Allocation {
+                claims: Arc::clone(&self.claims),
+                claim: ci,
+                picked,
                 results,
-                &selected,
-                &sub_names,
-                self.node.metadata.name.as_deref().unwrap_or(""),
-                self.alloc.features,
-            )?);
+                slices,
+                node_selection,
+                node_name,
+                features: self.alloc.features,
+            });
         }
         Ok(Some(out))
     }
 
     /// What the search answers when it finds no solution.
-    fn none_fits(&self) -> Result<Option<Vec<AllocationResult>>, AllocateError> {
+    fn none_fits(&self) -> Result<Option<Vec<Allocation<'s>>>, AllocateError> {
         if self.pools.iter().any(|p| p.invalid) {
             return Err(AllocateError::FailedOnNode(
                 "invalid resource pools were encountered".into(),

@@ -9,6 +9,8 @@
 //!   whose claims are the claims without `status.allocation` (claims with one are in use).
 //! - [`Allocator`] is upstream's allocator: build it once for the cluster's slices, classes and
 //!   allocated devices, then [`Allocator::allocate`] per node, with a deadline or cancellation.
+//!   It answers with [`Allocation`]s that borrow from the inputs; [`Allocation::to_api`] builds
+//!   the claim's `status.allocation`.
 //! - [`apply_defaults`] applies the API server's defaults to objects given without them.
 //!
 //! ```
@@ -51,6 +53,7 @@ use serde::{Serialize, Serializer};
 pub use allocator::{ALLOCATION_RESULTS_MAX_SIZE, AllocateError, Allocator, Interrupt, Pod};
 pub use defaults::apply_defaults;
 pub use model::{AllocatedState, ConsumedCapacity, DeviceId};
+pub use result::Allocation;
 pub use scheduler::allocate;
 
 /// Everything one run reads (objects as the API server stores them, or given without defaults

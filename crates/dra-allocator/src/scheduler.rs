@@ -97,7 +97,7 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
                     .map(|(claim, allocation)| ClaimAllocation {
                         namespace: claim.metadata.namespace.clone().unwrap_or_default(),
                         name: claim.metadata.name.clone().unwrap_or_default(),
-                        allocation,
+                        allocation: allocation.to_api(),
                     })
                     .collect(),
             },

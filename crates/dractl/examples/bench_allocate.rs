@@ -9,9 +9,12 @@
 //! allocator). Ours: the same objects read and validated as `dractl allocate` reads them, the
 //! allocator built once, the pod's claims validated once ([`dra_allocator::Allocator::pod`],
 //! its time added to the first node's), and each node's
-//! [`dra_allocator::Allocator::allocate_pod`] timed. The two sides take turns, `rounds` rounds
-//! each; the per-node figures of all rounds make the median and p99. The answers must
-//! be identical (share IDs by presence), or the case says which nodes differ.
+//! [`dra_allocator::Allocator::allocate_pod`] timed. Our call returns
+//! [`dra_allocator::Allocation`]s that borrow names from the inputs, as upstream's results share
+//! their strings with its inputs; building the API objects (`AllocationResult`, copies of every
+//! string) is timed on top of it in the "with API objects" columns. The two sides take turns,
+//! `rounds` rounds each; the per-node figures of all rounds make the median and p99. The answers
+//! must be identical (share IDs by presence), or the case says which nodes differ.
 //!
 //! Prints a Markdown table for BENCHMARKS.md.
 
@@ -340,9 +343,15 @@ fn upstream(file: &Path, dir: &Path, rounds: usize) -> anyhow::Result<(Vec<Durat
     Ok((all, answer))
 }
 
+/// Our timings: per node, the search; and the search plus the API objects of its allocations.
+struct Ours {
+    search: Vec<Duration>,
+    with_api: Vec<Duration>,
+}
+
 /// Ours: the objects as `dractl allocate` reads them; each node's allocate time over `rounds`
 /// runs, and the answer `dractl allocate` prints.
-fn ours(objects: &[Value], rounds: usize) -> anyhow::Result<(Vec<Duration>, Value)> {
+fn ours(objects: &[Value], rounds: usize) -> anyhow::Result<(Ours, Value)> {
     let mut reader = dractl::objects::Reader::new();
     for (i, o) in objects.iter().enumerate() {
         let location = dractl::objects::Location {
@@ -367,7 +376,10 @@ fn ours(objects: &[Value], rounds: usize) -> anyhow::Result<(Vec<Duration>, Valu
     let answer = serde_json::to_value(dra_allocator::allocate(&objects, &options))?;
     let features = dra_allocator::Features::V1_36;
     let claims = objects.to_allocate();
-    let mut all = Vec::new();
+    let mut all = Ours {
+        search: Vec::new(),
+        with_api: Vec::new(),
+    };
     for _ in 0..rounds {
         // What PreFilter does once per pod, untimed as upstream's is.
         let state = dra_allocator::AllocatedState::from_claims(
@@ -384,7 +396,14 @@ fn ours(objects: &[Value], rounds: usize) -> anyhow::Result<(Vec<Duration>, Valu
         for node in &objects.nodes {
             let started = Instant::now();
             let result = allocator.allocate_pod(node, &pod, dra_allocator::Interrupt::default());
-            all.push(started.elapsed() + std::mem::take(&mut validation));
+            let search = started.elapsed() + std::mem::take(&mut validation);
+            let started = Instant::now();
+            if let Ok(Some(allocations)) = &result {
+                let api: Vec<_> = allocations.iter().map(|a| a.to_api()).collect();
+                std::hint::black_box(api);
+            }
+            all.with_api.push(search + started.elapsed());
+            all.search.push(search);
             std::hint::black_box(result).ok();
         }
     }
@@ -395,9 +414,9 @@ fn main() -> anyhow::Result<()> {
     let only: Vec<String> = std::env::args().skip(1).collect();
     let dir = tempfile::tempdir()?;
     println!(
-        "| case | nodes | upstream median ms | upstream p99 ms | drust median ms | drust p99 ms | median ratio | p99 ratio | answers |"
+        "| case | nodes | upstream median ms | upstream p99 ms | drust median ms | drust p99 ms | median ratio | p99 ratio | drust median ms with API objects | median ratio with API objects | answers |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for case in cases() {
         if !only.is_empty() && !only.iter().any(|o| case.name.contains(o.as_str())) {
             continue;
@@ -407,14 +426,15 @@ fn main() -> anyhow::Result<()> {
         std::fs::write(&file, serde_json::to_vec(&list)?)?;
         // Rounds alternate between the two sides, so that both meet the machine in the same
         // moods (a shared VM's memory bandwidth moves medians by up to 2x over a minute).
-        let (mut theirs, mut mine) = (Vec::new(), Vec::new());
+        let (mut theirs, mut mine, mut mine_api) = (Vec::new(), Vec::new(), Vec::new());
         let (mut their_answer, mut my_answer) = (Value::Null, Value::Null);
         for _ in 0..case.rounds {
             let (t, answer) = upstream(&file, dir.path(), 1)?;
             theirs.extend(t);
             their_answer = answer;
             let (m, answer) = ours(&case.objects, 1)?;
-            mine.extend(m);
+            mine.extend(m.search);
+            mine_api.extend(m.with_api);
             my_answer = answer;
         }
         normalize(&mut their_answer);
@@ -433,11 +453,13 @@ fn main() -> anyhow::Result<()> {
         };
         theirs.sort();
         mine.sort();
+        mine_api.sort();
         let (tm, tp) = (percentile(&theirs, 0.5), percentile(&theirs, 0.99));
         let (om, op) = (percentile(&mine, 0.5), percentile(&mine, 0.99));
+        let oa = percentile(&mine_api, 0.5);
         let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
         println!(
-            "| {} | {} | {} | {} | {} | {} | {:.1}x | {:.1}x | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.1}x | {:.1}x | {} | {:.1}x | {} |",
             case.name,
             mine.len() / case.rounds.max(1),
             ms(tm),
@@ -446,6 +468,8 @@ fn main() -> anyhow::Result<()> {
             ms(op),
             ratio(tm, om),
             ratio(tp, op),
+            ms(oa),
+            ratio(tm, oa),
             same
         );
     }
