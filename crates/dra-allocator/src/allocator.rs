@@ -28,6 +28,7 @@ use k8s_openapi::api::resource::v1::{
 
 use crate::capacity::{self, Requests};
 use crate::constraints::Constraint;
+use crate::explain::Explanation;
 use crate::model::{
     AllocatedState, ConsumedCapacity, Counters, DeviceData, DeviceId, SliceData, claim_ref,
 };
@@ -35,6 +36,8 @@ use crate::node_selector::node_matches;
 use crate::pools::{Pool, PoolCache, gather_pools};
 use crate::quantity::{self, Quantity};
 use crate::result::{Allocation, NodeSelection};
+
+mod funnel;
 use crate::{Error, Features};
 
 /// `resourceapi.AllocationResultsMaxSize`: devices per claim.
@@ -67,6 +70,21 @@ pub struct Interrupt<'c> {
     pub deadline: Option<Instant>,
     /// Give up when this becomes true ([`AllocateError::Cancelled`]).
     pub cancel: Option<&'c AtomicBool>,
+}
+
+/// What the search decided for a node ([`Allocator::explain_pod`]).
+#[derive(Debug)]
+pub enum Decision<'s> {
+    /// The claims fit: one allocation per claim, in claim order.
+    Fits(Vec<Allocation<'s>>),
+    /// They do not fit, and why.
+    DoesNotFit(Box<Explanation>),
+}
+
+/// [`Decision`], with the explanation only where it was asked for.
+enum Outcome<'s> {
+    Fits(Vec<Allocation<'s>>),
+    DoesNotFit(Option<Box<Explanation>>),
 }
 
 /// What in the allocated state concerns one device: two bytes, so that the flags of a node's
@@ -305,6 +323,38 @@ impl<'a> Allocator<'a> {
         pod: &Pod<'s>,
         interrupt: Interrupt<'_>,
     ) -> Result<Option<Vec<Allocation<'s>>>, AllocateError> {
+        Ok(match self.decide(node, pod, interrupt, false)? {
+            Outcome::Fits(allocations) => Some(allocations),
+            Outcome::DoesNotFit(_) => None,
+        })
+    }
+
+    /// [`Allocator::allocate_pod`], and where the claims do not fit, why
+    /// ([`crate::explain`]): computed by the same search right after it found no solution.
+    ///
+    /// # Errors
+    /// As [`Allocator::allocate`].
+    pub fn explain_pod<'s>(
+        &'s self,
+        node: &'s Node,
+        pod: &Pod<'s>,
+        interrupt: Interrupt<'_>,
+    ) -> Result<Decision<'s>, AllocateError> {
+        Ok(match self.decide(node, pod, interrupt, true)? {
+            Outcome::Fits(allocations) => Decision::Fits(allocations),
+            Outcome::DoesNotFit(explanation) => {
+                Decision::DoesNotFit(explanation.unwrap_or_default())
+            }
+        })
+    }
+
+    fn decide<'s>(
+        &'s self,
+        node: &'s Node,
+        pod: &Pod<'s>,
+        interrupt: Interrupt<'_>,
+        explain: bool,
+    ) -> Result<Outcome<'s>, AllocateError> {
         // The search recurses once per device; deep searches get a large stack of their own.
         let depth: usize = pod
             .claims
@@ -320,13 +370,13 @@ impl<'a> Allocator<'a> {
             })
             .sum();
         if depth < 200 {
-            return self.allocate_here(node, pod, interrupt);
+            return self.allocate_here(node, pod, interrupt, explain);
         }
         std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("dra-allocate".into())
                 .stack_size(depth.saturating_mul(4096).clamp(8 << 20, 1 << 30))
-                .spawn_scoped(scope, || self.allocate_here(node, pod, interrupt))
+                .spawn_scoped(scope, || self.allocate_here(node, pod, interrupt, explain))
                 .map_err(|e| AllocateError::Fatal(format!("starting the search: {e}")))?
                 .join()
                 .unwrap_or_else(|_| Err(AllocateError::Fatal("the search failed".into())))
@@ -338,7 +388,8 @@ impl<'a> Allocator<'a> {
         node: &'s Node,
         pod: &Pod<'s>,
         interrupt: Interrupt<'_>,
-    ) -> Result<Option<Vec<Allocation<'s>>>, AllocateError> {
+        explain: bool,
+    ) -> Result<Outcome<'s>, AllocateError> {
         let node_name = node.metadata.name.as_deref().unwrap_or("");
         let own = self
             .on_node
@@ -368,7 +419,10 @@ impl<'a> Allocator<'a> {
         let outcome = search.run();
         self.invocations
             .fetch_add(search.steps, AtomicOrdering::Relaxed);
-        outcome
+        Ok(match outcome? {
+            Some(allocations) => Outcome::Fits(allocations),
+            None => Outcome::DoesNotFit(explain.then(|| Box::new(search.explain()))),
+        })
     }
 
     /// Starts loading, all at once, what the search of a node will read of its own slices: the
@@ -469,7 +523,7 @@ struct Location {
 }
 
 /// A request or subrequest, validated (`requestData`).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct RequestData<'s> {
     pub(crate) name: &'s str,
     /// The request holding this subrequest.
@@ -1390,28 +1444,7 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
                     .into());
                 }
             };
-            let options = EvalOptions {
-                cost_limit: dra_cel::MAX_COST,
-                deadline: self.interrupt.deadline,
-            };
-            // A device the evaluator cannot see fails every selector, table or not.
-            let matched = if let Some(e) = &input.device.view_error {
-                Err(MatchError::Device((**e).clone()))
-            } else if let Some(driver) = compiled.driver_comparison() {
-                Ok(driver == input.driver)
-            } else {
-                match compiled
-                    .attribute_comparison()
-                    .and_then(|c| crate::attributes::compare(input.attributes, input.driver, &c))
-                {
-                    Some(answer) => Ok(answer),
-                    None => input
-                        .view()
-                        .map_err(MatchError::Device)
-                        .and_then(|view| compiled.matches_view(&view, options)),
-                }
-            };
-            match matched {
+            match self.selector_matches(compiled, input) {
                 Ok(true) => {}
                 Ok(false) => return Ok(false),
                 Err(MatchError::Eval(EvalError::Interrupted)) => {
@@ -1427,6 +1460,35 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
             }
         }
         Ok(true)
+    }
+
+    /// One selector on one device, as upstream's `selectorsMatch` evaluates it.
+    fn selector_matches(
+        &self,
+        compiled: &CompiledExpression,
+        input: SelectorInput<'_, '_>,
+    ) -> Result<bool, MatchError> {
+        let options = EvalOptions {
+            cost_limit: dra_cel::MAX_COST,
+            deadline: self.interrupt.deadline,
+        };
+        // A device the evaluator cannot see fails every selector, table or not.
+        if let Some(e) = &input.device.view_error {
+            Err(MatchError::Device((**e).clone()))
+        } else if let Some(driver) = compiled.driver_comparison() {
+            Ok(driver == input.driver)
+        } else {
+            match compiled
+                .attribute_comparison()
+                .and_then(|c| crate::attributes::compare(input.attributes, input.driver, &c))
+            {
+                Some(answer) => Ok(answer),
+                None => input
+                    .view()
+                    .map_err(MatchError::Device)
+                    .and_then(|view| compiled.matches_view(&view, options)),
+            }
+        }
     }
 
     /// `allocateDevice`: `Some(undo)` when the device was taken.

@@ -22,6 +22,18 @@ pub(crate) enum Value<'v> {
     Unknown,
 }
 
+impl std::fmt::Display for Value<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Value::String(s) => write!(f, "{s:?}"),
+            Value::Int(i) => write!(f, "{i}"),
+            Value::Bool(b) => write!(f, "{b}"),
+            Value::Version(v) => write!(f, "version {v}"),
+            Value::Unknown => f.write_str("(no value)"),
+        }
+    }
+}
+
 /// The value constraints compare (upstream's `lookupAttribute` takes the first of string,
 /// int, bool, version).
 fn value_of(a: &DeviceAttribute) -> Value<'_> {

@@ -79,6 +79,23 @@ impl<'v> Constraint<'v> {
         }
     }
 
+    /// `matchAttribute` or `distinctAttribute`, and the attribute (for explanations).
+    pub fn describe(&self) -> (&'static str, &str) {
+        match self {
+            Constraint::Match { spec, .. } => ("matchAttribute", &spec.attribute),
+            Constraint::Distinct { spec, .. } => ("distinctAttribute", &spec.attribute),
+        }
+    }
+
+    /// Whether the constraint covers a (sub)request.
+    pub fn applies_to(&self, request: &str, sub: Option<&str>) -> bool {
+        match self {
+            Constraint::Match { spec, .. } | Constraint::Distinct { spec, .. } => {
+                applies(&spec.requests, request, sub)
+            }
+        }
+    }
+
     /// Whether removing a device can make this constraint accept more than before the device
     /// was added: upstream's `distinctAttribute`, whose removal forgets the request's value
     /// even while other devices of the request hold it (#140438).

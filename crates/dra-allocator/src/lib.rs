@@ -37,6 +37,7 @@ mod attributes;
 mod capacity;
 mod constraints;
 mod defaults;
+pub mod explain;
 mod model;
 mod node_selector;
 mod pools;
@@ -50,11 +51,13 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{AllocationResult, DeviceClass, ResourceClaim, ResourceSlice};
 use serde::{Serialize, Serializer};
 
-pub use allocator::{ALLOCATION_RESULTS_MAX_SIZE, AllocateError, Allocator, Interrupt, Pod};
+pub use allocator::{
+    ALLOCATION_RESULTS_MAX_SIZE, AllocateError, Allocator, Decision, Interrupt, Pod,
+};
 pub use defaults::apply_defaults;
 pub use model::{AllocatedState, ConsumedCapacity, DeviceId};
 pub use result::Allocation;
-pub use scheduler::allocate;
+pub use scheduler::{allocate, explain};
 
 /// Everything one run reads (objects as the API server stores them, or given without defaults
 /// and then passed through [`apply_defaults`]).

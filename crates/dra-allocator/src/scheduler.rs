@@ -9,16 +9,90 @@ use std::time::Instant;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 
+use crate::explain::{ExplainReport, Explanation, NodeExplanation};
 use crate::model::claim_ref;
 use crate::{
-    AllocateError, AllocatedState, Allocator, ClaimAllocation, False, Features, Interrupt,
-    NodeReport, Objects, Options, Report, True,
+    AllocateError, AllocatedState, Allocator, ClaimAllocation, Decision, False, Features,
+    Interrupt, NodeReport, Objects, Options, Report, True,
 };
 
 /// What the plugin decides for the pod whose claims are `objects.claims` without
 /// `status.allocation`, on every node (or only `options.node`; an unknown name gives no
 /// entries).
 pub fn allocate(objects: &Objects, options: &Options) -> Report {
+    Report {
+        nodes: filter(objects, options, false)
+            .into_iter()
+            .map(|(name, outcome)| match outcome {
+                Outcome::Fits(claims) => NodeReport::Allocated {
+                    name,
+                    allocated: True,
+                    claims,
+                },
+                Outcome::DoesNotFit { reason, .. } => NodeReport::NotAllocated {
+                    name,
+                    allocated: False,
+                    reason,
+                },
+                Outcome::Error(error) => NodeReport::Error { name, error },
+            })
+            .collect(),
+    }
+}
+
+/// [`allocate`], with an [`Explanation`] for every node where the claims do not fit
+/// because no combination of devices does (not where the plugin rejects the pod before the
+/// search, e.g. for a DeviceClass that does not exist: that reason is given alone).
+pub fn explain(objects: &Objects, options: &Options) -> ExplainReport {
+    ExplainReport {
+        nodes: filter(objects, options, true)
+            .into_iter()
+            .map(|(name, outcome)| match outcome {
+                Outcome::Fits(claims) => NodeExplanation {
+                    name,
+                    fits: true,
+                    claims,
+                    reason: None,
+                    explanation: None,
+                    error: None,
+                },
+                Outcome::DoesNotFit {
+                    reason,
+                    explanation,
+                } => NodeExplanation {
+                    name,
+                    fits: false,
+                    claims: Vec::new(),
+                    reason: Some(explanation.as_ref().map_or(reason, |e| e.reason.clone())),
+                    explanation: explanation.map(|e| *e),
+                    error: None,
+                },
+                Outcome::Error(error) => NodeExplanation {
+                    name,
+                    fits: false,
+                    claims: Vec::new(),
+                    reason: None,
+                    explanation: None,
+                    error: Some(error),
+                },
+            })
+            .collect(),
+    }
+}
+
+/// One node's outcome.
+enum Outcome {
+    Fits(Vec<ClaimAllocation>),
+    /// The plugin's reason, and with `explain` where the search decided, why.
+    DoesNotFit {
+        reason: String,
+        explanation: Option<Box<Explanation>>,
+    },
+    Error(String),
+}
+
+/// PreFilter once, then Filter for each node.
+fn filter(objects: &Objects, options: &Options, explain: bool) -> Vec<(String, Outcome)> {
     let nodes: Vec<&Node> = objects
         .nodes
         .iter()
@@ -30,17 +104,11 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
         })
         .collect();
     let name = |n: &Node| n.metadata.name.clone().unwrap_or_default();
-    let every = |f: &dyn Fn(String) -> NodeReport| Report {
-        nodes: nodes.iter().map(|n| f(name(n))).collect(),
-    };
+    let every = |f: &dyn Fn() -> Outcome| nodes.iter().map(|n| (name(n), f())).collect();
     let to_allocate = objects.to_allocate();
     if to_allocate.is_empty() {
         // Nothing to allocate: the plugin skips the pod, every node fits.
-        return every(&|name| NodeReport::Allocated {
-            name,
-            allocated: True,
-            claims: Vec::new(),
-        });
+        return every(&|| Outcome::Fits(Vec::new()));
     }
     let features = Features {
         distinct_attribute_per_device: options.fix_distinct_attribute,
@@ -49,35 +117,22 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
     match pre_filter(&objects.classes, &to_allocate) {
         Verdict::Ok => {}
         Verdict::Unschedulable(reason) => {
-            return every(&|name| NodeReport::NotAllocated {
-                name,
-                allocated: False,
+            return every(&|| Outcome::DoesNotFit {
                 reason: reason.clone(),
+                explanation: None,
             });
         }
-        Verdict::Error(error) => {
-            return every(&|name| NodeReport::Error {
-                name,
-                error: error.clone(),
-            });
-        }
+        Verdict::Error(error) => return every(&|| Outcome::Error(error.clone())),
     }
     let allocator = AllocatedState::from_claims(&objects.claims, features.consumable_capacity)
         .and_then(|state| Allocator::new(features, &state, &objects.classes, &objects.slices));
     let allocator = match allocator {
         Ok(a) => a,
-        Err(e) => {
-            return every(&|name| NodeReport::Error {
-                name,
-                error: e.to_string(),
-            });
-        }
-    };
-    let mut report = Report {
-        nodes: Vec::with_capacity(nodes.len()),
+        Err(e) => return every(&|| Outcome::Error(e.to_string())),
     };
     // The pod's claims are validated once, not once per node.
     let pod = allocator.pod(&to_allocate);
+    let mut outcomes = Vec::with_capacity(nodes.len());
     for node in nodes {
         let node_name = name(node);
         let deadline = (!options.timeout.is_zero())
@@ -87,11 +142,16 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
             deadline,
             cancel: None,
         };
-        let entry = match allocator.allocate_pod(node, &pod, interrupt) {
-            Ok(Some(results)) => NodeReport::Allocated {
-                name: node_name,
-                allocated: True,
-                claims: to_allocate
+        let decision = if explain {
+            allocator.explain_pod(node, &pod, interrupt)
+        } else {
+            allocator
+                .allocate_pod(node, &pod, interrupt)
+                .map(|a| a.map_or_else(|| Decision::DoesNotFit(Box::default()), Decision::Fits))
+        };
+        let outcome = match decision {
+            Ok(Decision::Fits(results)) => Outcome::Fits(
+                to_allocate
                     .iter()
                     .zip(results)
                     .map(|(claim, allocation)| ClaimAllocation {
@@ -100,34 +160,27 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
                         allocation: allocation.to_api(),
                     })
                     .collect(),
-            },
-            Ok(None) => NodeReport::NotAllocated {
-                name: node_name,
-                allocated: False,
+            ),
+            Ok(Decision::DoesNotFit(explanation)) => Outcome::DoesNotFit {
                 reason: "cannot allocate all claims".into(),
+                explanation: explain.then_some(explanation),
             },
-            Err(AllocateError::TimedOut) => NodeReport::Error {
-                error: format!("node {node_name}: timed out trying to allocate devices"),
-                name: node_name,
-            },
-            Err(AllocateError::Cancelled) => NodeReport::NotAllocated {
-                name: node_name,
-                allocated: False,
+            Err(AllocateError::TimedOut) => Outcome::Error(format!(
+                "node {node_name}: timed out trying to allocate devices"
+            )),
+            Err(AllocateError::Cancelled) => Outcome::DoesNotFit {
                 reason: "asked by caller to stop allocating devices: context canceled".into(),
+                explanation: None,
             },
-            Err(AllocateError::FailedOnNode(reason)) => NodeReport::NotAllocated {
-                name: node_name,
-                allocated: False,
+            Err(AllocateError::FailedOnNode(reason)) => Outcome::DoesNotFit {
                 reason,
+                explanation: None,
             },
-            Err(AllocateError::Fatal(error)) => NodeReport::Error {
-                name: node_name,
-                error,
-            },
+            Err(AllocateError::Fatal(error)) => Outcome::Error(error),
         };
-        report.nodes.push(entry);
+        outcomes.push((node_name, outcome));
     }
-    report
+    outcomes
 }
 
 enum Verdict {

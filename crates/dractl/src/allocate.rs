@@ -31,6 +31,15 @@ pub enum Format {
 /// # Errors
 /// An [`InputError`] when `--node` names a node that is not in the input.
 pub fn allocate(inputs: Inputs, options: &Options) -> Result<Report, InputError> {
+    let objects = objects(inputs, options)?;
+    Ok(dra_allocator::allocate(&objects, options))
+}
+
+/// The inputs as the allocator takes them, defaulted like the API server does.
+///
+/// # Errors
+/// An [`InputError`] when `--node` names a node that is not in the input.
+pub fn objects(inputs: Inputs, options: &Options) -> Result<Objects, InputError> {
     if let Some(node) = &options.node
         && !inputs
             .nodes
@@ -48,7 +57,7 @@ pub fn allocate(inputs: Inputs, options: &Options) -> Result<Report, InputError>
         claims: inputs.claims,
     };
     dra_allocator::apply_defaults(&mut objects);
-    Ok(dra_allocator::allocate(&objects, options))
+    Ok(objects)
 }
 
 /// Renders a report in the given format (JSON and YAML end with a newline).

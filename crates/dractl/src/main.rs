@@ -44,6 +44,26 @@ enum Command {
         #[arg(long = "fix-upstream-bug", value_name = "ISSUE", value_parser = ["140438"])]
         fix_upstream_bug: Vec<String>,
     },
+    /// Why a pod's claims do not fit: per node, each request's devices stage by stage.
+    ///
+    /// Reads the same files as `allocate`. Prints a verdict, then the nodes grouped by reason,
+    /// each group with the funnel of its first node: devices offered, left after the class's
+    /// and the request's selectors, not in use, taints tolerated, counters and capacity left,
+    /// and the claim's constraints, with what removed them. Invalid input exits with status 2.
+    Explain {
+        /// Input file (`-` for stdin); repeatable.
+        #[arg(short = 'f', long = "filename", required = true)]
+        files: Vec<String>,
+        /// Only this node.
+        #[arg(long)]
+        node: Option<String>,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+        output: dractl::explain::Format,
+        /// Time allowed per node (the scheduler's filterTimeout); `0` disables.
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+    },
 }
 
 #[derive(Subcommand)]
@@ -91,6 +111,20 @@ fn main() -> anyhow::Result<()> {
         };
         std::process::exit(allocate(files, &options, *output));
     }
+    if let Command::Explain {
+        files,
+        node,
+        output,
+        timeout,
+    } = &cli.command
+    {
+        let options = dractl::explain::Options {
+            node: node.clone(),
+            timeout: *timeout,
+            fix_distinct_attribute: false,
+        };
+        std::process::exit(explain(files, &options, *output));
+    }
     if let Command::Cel {
         command: CelCommand::Bench { batch, iterations },
     } = &cli.command
@@ -108,7 +142,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     match cli.command {
-        Command::Allocate { .. } => {}
+        Command::Allocate { .. } | Command::Explain { .. } => {}
         Command::Cel {
             command: CelCommand::Bench { .. },
         } => {}
@@ -141,6 +175,43 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `dractl explain`: 0 when the run completed (whatever fits), 2 for bad input, 1 otherwise.
+fn explain(
+    files: &[String],
+    options: &dractl::explain::Options,
+    output: dractl::explain::Format,
+) -> i32 {
+    let report = match dractl::objects::load_files(files)
+        .and_then(|inputs| dractl::explain::explain(inputs, options))
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dractl explain: {e}");
+            return 2;
+        }
+    };
+    match dractl::explain::render(&report, output) {
+        Ok(text) => write_stdout(&text),
+        Err(e) => {
+            eprintln!("dractl explain: {e}");
+            1
+        }
+    }
+}
+
+/// Writes the output: 0, or 1 when stdout is gone.
+fn write_stdout(text: &str) -> i32 {
+    let mut out = std::io::stdout().lock();
+    if out
+        .write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .is_err()
+    {
+        return 1;
+    }
+    0
+}
+
 /// `dractl allocate`: 0 when the run completed (whatever fits), 2 for bad input, 1 otherwise.
 fn allocate(
     files: &[String],
@@ -157,17 +228,7 @@ fn allocate(
         }
     };
     match dractl::allocate::render(&report, output) {
-        Ok(text) => {
-            let mut out = std::io::stdout().lock();
-            if out
-                .write_all(text.as_bytes())
-                .and_then(|()| out.flush())
-                .is_err()
-            {
-                return 1;
-            }
-            0
-        }
+        Ok(text) => write_stdout(&text),
         Err(e) => {
             eprintln!("dractl allocate: {e}");
             1

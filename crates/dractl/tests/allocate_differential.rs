@@ -6,6 +6,8 @@
 //! unschedulable, error) and allocations must be equal in every field (`shareID` by presence:
 //! upstream's is random). Our allocations must also pass property checks: no device
 //! double-booked, counters and shared capacity not exceeded, selectors and constraints hold.
+//! Every node where the claims do not fit gets an explanation (`dra_allocator::explain`) that
+//! is checked mechanically against the inputs (`support::explained`).
 //!
 //! `DRUST_ALLOC_SCENARIOS` (default 5000) and `DRUST_ALLOC_SEED` (default 1) make longer or other
 //! runs. Failing scenarios are written to `<target>/dractl-allocate/failures-<seed>.jsonl`, one
@@ -39,21 +41,38 @@ fn generated_scenarios_allocate_like_upstream() {
         .map(|s| (s.id.clone(), s.objects.clone()))
         .collect();
 
-    // Ours on one thread while the oracle works in its own process.
-    let (oracle, (ours, ours_time)) = std::thread::scope(|scope| {
-        let ours = scope.spawn(|| {
+    // Ours on one thread and the explanations' checks on another while the oracle works in
+    // its own process.
+    let ((oracle, (ours, ours_time)), (explanation_problems, explained)) =
+        std::thread::scope(|scope| {
+            let explanations = scope.spawn(|| {
+                let t = Instant::now();
+                let mut tally = support::explained::Tally::default();
+                let problems: Vec<Vec<String>> = scenarios
+                    .iter()
+                    .map(|s| support::explained::check(&s.id, &s.objects, &mut tally))
+                    .collect();
+                eprintln!("explanations: {:.1?}", t.elapsed());
+                (problems, tally)
+            });
+            let ours = scope.spawn(|| {
+                let t = Instant::now();
+                let r: Vec<Result<Value, String>> = scenarios
+                    .iter()
+                    .map(|s| support::ours(&s.id, &s.objects))
+                    .collect();
+                (r, t.elapsed())
+            });
             let t = Instant::now();
-            let r: Vec<Result<Value, String>> = scenarios
-                .iter()
-                .map(|s| support::ours(&s.id, &s.objects))
-                .collect();
-            (r, t.elapsed())
+            let oracle = support::oracle_batch(&batch, 1);
+            eprintln!("oracle: {:.1?}", t.elapsed());
+            (
+                (oracle, ours.join().expect("our side panicked")),
+                explanations
+                    .join()
+                    .expect("the explanations' checks panicked"),
+            )
         });
-        let t = Instant::now();
-        let oracle = support::oracle_batch(&batch, 1);
-        eprintln!("oracle: {:.1?}", t.elapsed());
-        (oracle, ours.join().expect("our side panicked"))
-    });
     eprintln!("ours: {ours_time:.1?}");
 
     let mut failures = Vec::new();
@@ -61,7 +80,12 @@ fn generated_scenarios_allocate_like_upstream() {
     let mut tags: BTreeMap<&str, usize> = BTreeMap::new();
     let mut agree = 0usize;
     let mut known_140438 = 0usize;
-    for ((s, want), got) in scenarios.iter().zip(&oracle).zip(&ours) {
+    for (((s, want), got), explanation_problems) in scenarios
+        .iter()
+        .zip(&oracle)
+        .zip(&ours)
+        .zip(&explanation_problems)
+    {
         for t in &s.tags {
             *tags.entry(t).or_default() += 1;
         }
@@ -80,6 +104,9 @@ fn generated_scenarios_allocate_like_upstream() {
                     *kinds.entry(check::kind(node).to_owned()).or_default() += 1;
                 }
                 diffs.extend(check::compare(w, g));
+                if diffs.is_empty() {
+                    diffs.extend(explanation_problems.iter().cloned());
+                }
                 let properties = check::properties(&s.objects, g);
                 if !properties.is_empty()
                     && diffs.is_empty()
@@ -125,6 +152,11 @@ fn generated_scenarios_allocate_like_upstream() {
          (kubernetes/kubernetes#140438) and keep it with the fix"
     );
     eprintln!("feature coverage (scenarios per tag): {tags:?}");
+    eprintln!(
+        "explanations: {} checked; blocked requests re-allocated alone, by stage: {:?}; \
+         {} requests said to fit alone re-allocated alone; {} explanations name competing requests",
+        explained.explanations, explained.blocked, explained.fits_alone, explained.competition
+    );
 
     if !failures.is_empty() {
         let path = support::out_dir().join(format!("failures-{seed}.jsonl"));

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod check;
+pub mod explained;
 pub mod scenarios;
 
 use std::io::Write;

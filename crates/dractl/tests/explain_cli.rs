@@ -1,0 +1,98 @@
+//! `dractl explain` from the outside: the README's pending example through the binary, as
+//! text and JSON; a pod that fits says where; bad input exits 2.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn cluster() -> Vec<PathBuf> {
+    let r = repo();
+    vec![
+        r.join("examples/allocate/cluster.yaml"),
+        r.join("deploy/deviceclasses/gpu.yaml"),
+        r.join("crates/gpu-kubelet-plugin/tests/snapshots/dgx-h100.yaml"),
+    ]
+}
+
+fn dractl(files: &[PathBuf], extra: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dractl"));
+    cmd.arg("explain");
+    for f in files {
+        cmd.arg("-f").arg(f);
+    }
+    cmd.args(extra).output().expect("dractl runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn the_pending_example_names_the_claim_in_use_and_the_selector_that_removed_every_gpu() {
+    let mut files = cluster();
+    files.push(repo().join("examples/explain/pending-pod-claims.yaml"));
+
+    let out = dractl(&files, &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let human = text(&out.stdout);
+    assert!(
+        human.starts_with("Does not fit: the pod's claims fit on no node (1 node checked).\n"),
+        "{human}"
+    );
+    assert!(
+        human.contains("1 node (gpu-node-0), does not fit: claim default/full-nvlink-domain, request gpus: 7 of 8 devices are not allocated to other claims, the request needs 8"),
+        "{human}"
+    );
+    assert!(
+        human.contains("(removed: gpu-node-0/gpu-0000-18-00-0)  <- too few"),
+        "{human}"
+    );
+    assert!(
+        human.contains("removed 8; removed: gpu-node-0/gpu-0000-18-00-0"),
+        "{human}"
+    );
+
+    let out = dractl(&files, &["-o", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let json: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let node = &json["nodes"][0];
+    assert_eq!(node["name"], "gpu-node-0");
+    assert_eq!(node["fits"], false);
+    let requests = node["explanation"]["requests"].as_array().unwrap();
+    let blocked: Vec<(&str, &str)> = requests
+        .iter()
+        .map(|r| {
+            (
+                r["request"].as_str().unwrap(),
+                r["blockedAt"].as_str().unwrap_or("none"),
+            )
+        })
+        .collect();
+    assert_eq!(blocked, [("gpus", "notInUse"), ("gpu", "requestSelectors")]);
+    assert_eq!(requests[1]["stages"][2]["selectors"][0]["removed"], 8);
+}
+
+#[test]
+fn a_pod_that_fits_says_where_and_bad_input_exits_2() {
+    let mut files = cluster();
+    files.push(repo().join("examples/allocate/pod-claims.yaml"));
+    let out = dractl(&files, &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "Fits on 1 of 1 node: gpu-node-0.\n");
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "apiVersion: v1\nkind: Node\nmetadata: [\n").unwrap();
+    let out = dractl(&[bad], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).starts_with("dractl explain: "),
+        "{}",
+        text(&out.stderr)
+    );
+}
