@@ -7,6 +7,7 @@ use std::io::{BufRead, Write};
 
 pub mod allocate;
 pub mod explain;
+pub mod live;
 pub mod objects;
 
 use dra_cel::{CompileError, Compiler, Device, Environment, EvalOptions, Features, MatchError};

@@ -50,10 +50,25 @@ enum Command {
     /// each group with the funnel of its first node: devices offered, left after the class's
     /// and the request's selectors, not in use, taints tolerated, counters and capacity left,
     /// and the claim's constraints, with what removed them. Invalid input exits with status 2.
+    ///
+    /// `dractl explain pod NAMESPACE/NAME` (or `claim NAMESPACE/NAME`) reads a live cluster
+    /// instead, as kubectl does (`--kubeconfig`, `--context`, else `KUBECONFIG`,
+    /// `~/.kube/config`, in-cluster); read-only, RBAC in `deploy/rbac/dractl-explain.yaml`.
     Explain {
+        /// What to explain in a live cluster.
+        #[arg(value_enum, requires = "name", conflicts_with = "files")]
+        target: Option<dractl::live::Target>,
+        /// NAMESPACE/NAME of the pod or claim.
+        name: Option<String>,
         /// Input file (`-` for stdin); repeatable.
-        #[arg(short = 'f', long = "filename", required = true)]
+        #[arg(short = 'f', long = "filename", required_unless_present = "target")]
         files: Vec<String>,
+        /// Kubeconfig file (live cluster).
+        #[arg(long)]
+        kubeconfig: Option<std::path::PathBuf>,
+        /// Kubeconfig context (live cluster).
+        #[arg(long)]
+        context: Option<String>,
         /// Only this node.
         #[arg(long)]
         node: Option<String>,
@@ -112,7 +127,11 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(allocate(files, &options, *output));
     }
     if let Command::Explain {
+        target,
+        name,
         files,
+        kubeconfig,
+        context,
         node,
         output,
         timeout,
@@ -123,7 +142,17 @@ fn main() -> anyhow::Result<()> {
             timeout: *timeout,
             fix_distinct_attribute: false,
         };
-        std::process::exit(explain(files, &options, *output));
+        let code = match (target, name) {
+            (Some(target), Some(name)) => {
+                let connection = dractl::live::Connection {
+                    kubeconfig: kubeconfig.clone(),
+                    context: context.clone(),
+                };
+                explain_live(&connection, *target, name, &options, *output)
+            }
+            _ => explain(files, &options, *output),
+        };
+        std::process::exit(code);
     }
     if let Command::Cel {
         command: CelCommand::Bench { batch, iterations },
@@ -190,6 +219,55 @@ fn explain(
             return 2;
         }
     };
+    match dractl::explain::render(&report, output) {
+        Ok(text) => write_stdout(&text),
+        Err(e) => {
+            eprintln!("dractl explain: {e}");
+            1
+        }
+    }
+}
+
+/// `dractl explain pod|claim NAMESPACE/NAME`: 0 when explained, 2 for a bad name, 1 when
+/// the cluster cannot be read.
+fn explain_live(
+    connection: &dractl::live::Connection,
+    target: dractl::live::Target,
+    name: &str,
+    options: &dractl::explain::Options,
+    output: dractl::explain::Format,
+) -> i32 {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dractl explain: {e}");
+            return 1;
+        }
+    };
+    let objects = match runtime.block_on(dractl::live::load(connection, target, name)) {
+        Ok(o) => o,
+        Err(e @ dractl::live::LiveError::Name(_)) => {
+            eprintln!("dractl explain: {e}");
+            return 2;
+        }
+        Err(e) => {
+            eprintln!("dractl explain: {e}");
+            return 1;
+        }
+    };
+    if let Some(node) = &options.node
+        && !objects
+            .nodes
+            .iter()
+            .any(|n| n.metadata.name.as_deref() == Some(node))
+    {
+        eprintln!("dractl explain: node {node:?} is not in the cluster");
+        return 2;
+    }
+    let report = dra_allocator::explain(&objects, options);
     match dractl::explain::render(&report, output) {
         Ok(text) => write_stdout(&text),
         Err(e) => {

@@ -1,0 +1,221 @@
+//! Reading a live cluster for `dractl explain pod|claim NAMESPACE/NAME`: the pod's (or the
+//! claim's) unallocated ResourceClaims as the pod's claims, every allocated claim as in use, and
+//! the cluster's Nodes, DeviceClasses and ResourceSlices, as the scheduler sees them.
+//!
+//! Read-only. The RBAC it needs (a ClusterRole): `get` on `pods` (for `explain pod`), `get` and
+//! `list` on `resourceclaims.resource.k8s.io`, `list` on `nodes`, `deviceclasses` and
+//! `resourceslices` (the last two in `resource.k8s.io`). `deploy/rbac/dractl-explain.yaml` has
+//! it.
+//!
+//! What the scheduler's other plugins decide (node affinity, resources, taints of the Node) is
+//! not considered: the explanation is about devices.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{Api, ListParams};
+
+/// Time allowed for each API call.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What to explain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    /// A pod: its ResourceClaims (named, or generated from its templates).
+    Pod,
+    /// One ResourceClaim, as the only claim of a pod.
+    Claim,
+}
+
+/// Why the cluster could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    /// `NAMESPACE/NAME` was not given as such.
+    #[error("{0:?}: expected NAMESPACE/NAME")]
+    Name(String),
+    /// No usable kubeconfig.
+    #[error("kubeconfig: {0}")]
+    Config(String),
+    /// An API call failed or timed out.
+    #[error("{what}: {error}")]
+    Api {
+        /// What was read.
+        what: String,
+        /// Why it failed.
+        error: String,
+    },
+    /// The pod's claim for a template has not been created yet (the resourceclaim
+    /// controller makes it; the scheduler waits for it too).
+    #[error("pod {pod}: the ResourceClaim for its entry {entry:?} does not exist yet")]
+    ClaimNotCreated {
+        /// `namespace/name` of the pod.
+        pod: String,
+        /// The entry of `spec.resourceClaims`.
+        entry: String,
+    },
+}
+
+/// Where to find the cluster: a kubeconfig file and context (as kubectl's flags), else the
+/// usual places (`KUBECONFIG`, `~/.kube/config`, in-cluster).
+#[derive(Clone, Debug, Default)]
+pub struct Connection {
+    /// `--kubeconfig`.
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// `--context`.
+    pub context: Option<String>,
+}
+
+/// The objects to explain the target with.
+pub async fn load(
+    connection: &Connection,
+    target: Target,
+    name: &str,
+) -> Result<dra_allocator::Objects, LiveError> {
+    let (namespace, name) = name
+        .split_once('/')
+        .filter(|(ns, n)| !ns.is_empty() && !n.is_empty())
+        .ok_or_else(|| LiveError::Name(name.to_owned()))?;
+    let client = client(connection).await?;
+    let claim_names: Vec<String> = match target {
+        Target::Claim => vec![name.to_owned()],
+        Target::Pod => pod_claims(&client, namespace, name).await?,
+    };
+    let claims: Api<ResourceClaim> = Api::all(client.clone());
+    let all_claims = call("list resourceclaims", claims.list(&ListParams::default())).await?;
+    let mine: Vec<ResourceClaim> = claim_names
+        .iter()
+        .map(|n| {
+            all_claims
+                .items
+                .iter()
+                .find(|c| {
+                    c.metadata.namespace.as_deref() == Some(namespace)
+                        && c.metadata.name.as_deref() == Some(n.as_str())
+                })
+                .cloned()
+                .ok_or_else(|| LiveError::Api {
+                    what: format!("get resourceclaim {namespace}/{n}"),
+                    error: "not found".into(),
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    let is_mine = |c: &ResourceClaim| {
+        mine.iter().any(|m| {
+            m.metadata.namespace == c.metadata.namespace && m.metadata.name == c.metadata.name
+        })
+    };
+    let allocated = |c: &ResourceClaim| {
+        c.status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .is_some()
+    };
+    // In use: every allocated claim (the pod's own allocated claims too). To allocate: the
+    // pod's claims without an allocation; other pods' pending claims are not this pod's.
+    let mut claims: Vec<ResourceClaim> = all_claims
+        .items
+        .iter()
+        .filter(|c| allocated(c) && !is_mine(c))
+        .cloned()
+        .collect();
+    claims.extend(mine);
+
+    let nodes: Api<Node> = Api::all(client.clone());
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    let slices: Api<ResourceSlice> = Api::all(client);
+    let lp = ListParams::default();
+    let mut objects = dra_allocator::Objects {
+        nodes: call("list nodes", nodes.list(&lp)).await?.items,
+        classes: call("list deviceclasses", classes.list(&lp)).await?.items,
+        slices: call("list resourceslices", slices.list(&lp)).await?.items,
+        claims,
+    };
+    dra_allocator::apply_defaults(&mut objects);
+    Ok(objects)
+}
+
+/// The names of a pod's ResourceClaims, in `spec.resourceClaims` order.
+async fn pod_claims(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> Result<Vec<String>, LiveError> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let pod = call(&format!("get pod {namespace}/{name}"), pods.get(name)).await?;
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_deref())
+        .unwrap_or_default();
+    let mut names = Vec::new();
+    for entry in pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_deref())
+        .unwrap_or_default()
+    {
+        if let Some(claim) = &entry.resource_claim_name {
+            names.push(claim.clone());
+            continue;
+        }
+        match statuses
+            .iter()
+            .find(|s| s.name == entry.name)
+            .and_then(|s| s.resource_claim_name.clone())
+        {
+            Some(claim) => names.push(claim),
+            None => {
+                return Err(LiveError::ClaimNotCreated {
+                    pod: format!("{namespace}/{name}"),
+                    entry: entry.name.clone(),
+                });
+            }
+        }
+    }
+    Ok(names)
+}
+
+async fn client(connection: &Connection) -> Result<kube::Client, LiveError> {
+    let config = if connection.kubeconfig.is_none() && connection.context.is_none() {
+        kube::Config::infer()
+            .await
+            .map_err(|e| LiveError::Config(e.to_string()))?
+    } else {
+        let options = kube::config::KubeConfigOptions {
+            context: connection.context.clone(),
+            ..Default::default()
+        };
+        let kubeconfig = match &connection.kubeconfig {
+            Some(path) => kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| LiveError::Config(format!("{}: {e}", path.display())))?,
+            None => {
+                kube::config::Kubeconfig::read().map_err(|e| LiveError::Config(e.to_string()))?
+            }
+        };
+        kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+            .await
+            .map_err(|e| LiveError::Config(e.to_string()))?
+    };
+    let mut config = config;
+    config.connect_timeout = Some(CALL_TIMEOUT);
+    config.read_timeout = Some(CALL_TIMEOUT);
+    kube::Client::try_from(config).map_err(|e| LiveError::Config(e.to_string()))
+}
+
+async fn call<T>(
+    what: &str,
+    future: impl Future<Output = Result<T, kube::Error>>,
+) -> Result<T, LiveError> {
+    match tokio::time::timeout(CALL_TIMEOUT, future).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(LiveError::Api {
+            what: what.to_owned(),
+            error: e.to_string(),
+        }),
+        Err(_) => Err(LiveError::Api {
+            what: what.to_owned(),
+            error: format!("no answer within {CALL_TIMEOUT:?}"),
+        }),
+    }
+}
