@@ -9,6 +9,7 @@ pub mod allocate;
 pub mod explain;
 pub mod live;
 pub mod objects;
+pub mod simulate;
 
 use dra_cel::{CompileError, Compiler, Device, Environment, EvalOptions, Features, MatchError};
 use serde::{Deserialize, Serialize};

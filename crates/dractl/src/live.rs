@@ -135,6 +135,35 @@ pub async fn load(
     Ok(objects)
 }
 
+/// The cluster as the scheduler sees it, without a pod: Nodes, DeviceClasses,
+/// ResourceSlices and the allocated ResourceClaims (for `dractl simulate`).
+pub async fn load_cluster(connection: &Connection) -> Result<dra_allocator::Objects, LiveError> {
+    let client = client(connection).await?;
+    let lp = ListParams::default();
+    let claims: Api<ResourceClaim> = Api::all(client.clone());
+    let nodes: Api<Node> = Api::all(client.clone());
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    let slices: Api<ResourceSlice> = Api::all(client);
+    let mut objects = dra_allocator::Objects {
+        nodes: call("list nodes", nodes.list(&lp)).await?.items,
+        classes: call("list deviceclasses", classes.list(&lp)).await?.items,
+        slices: call("list resourceslices", slices.list(&lp)).await?.items,
+        claims: call("list resourceclaims", claims.list(&lp))
+            .await?
+            .items
+            .into_iter()
+            .filter(|c| {
+                c.status
+                    .as_ref()
+                    .and_then(|s| s.allocation.as_ref())
+                    .is_some()
+            })
+            .collect(),
+    };
+    dra_allocator::apply_defaults(&mut objects);
+    Ok(objects)
+}
+
 /// The names of a pod's ResourceClaims, in `spec.resourceClaims` order.
 async fn pod_claims(
     client: &kube::Client,

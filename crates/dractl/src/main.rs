@@ -79,6 +79,35 @@ enum Command {
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
     },
+    /// How many more pods with these claim templates fit, on which nodes, and what stops the
+    /// next one.
+    ///
+    /// Places pods one after the other, each on the first node (input order) where its claims
+    /// fit, their devices then in use; stops when one fits nowhere (and explains why) or after
+    /// `--count`. Without `-f`, reads the live cluster (kubeconfig as kubectl; the role in
+    /// `deploy/rbac/dractl-explain.yaml` suffices).
+    Simulate {
+        /// Cluster file (Nodes, DeviceClasses, ResourceSlices, allocated ResourceClaims);
+        /// repeatable. Without it, the live cluster.
+        #[arg(short = 'f', long = "filename")]
+        files: Vec<String>,
+        /// A ResourceClaimTemplate (or ResourceClaim) file: one claim per template per pod;
+        /// repeatable.
+        #[arg(long = "claim-template", required = true)]
+        templates: Vec<String>,
+        /// Stop after this many pods.
+        #[arg(long)]
+        count: Option<usize>,
+        /// Kubeconfig file (live cluster).
+        #[arg(long)]
+        kubeconfig: Option<std::path::PathBuf>,
+        /// Kubeconfig context (live cluster).
+        #[arg(long)]
+        context: Option<String>,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+        output: dractl::explain::Format,
+    },
 }
 
 #[derive(Subcommand)]
@@ -154,6 +183,21 @@ fn main() -> anyhow::Result<()> {
         };
         std::process::exit(code);
     }
+    if let Command::Simulate {
+        files,
+        templates,
+        count,
+        kubeconfig,
+        context,
+        output,
+    } = &cli.command
+    {
+        let connection = dractl::live::Connection {
+            kubeconfig: kubeconfig.clone(),
+            context: context.clone(),
+        };
+        std::process::exit(simulate(files, templates, *count, &connection, *output));
+    }
     if let Command::Cel {
         command: CelCommand::Bench { batch, iterations },
     } = &cli.command
@@ -171,7 +215,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     match cli.command {
-        Command::Allocate { .. } | Command::Explain { .. } => {}
+        Command::Allocate { .. } | Command::Explain { .. } | Command::Simulate { .. } => {}
         Command::Cel {
             command: CelCommand::Bench { .. },
         } => {}
@@ -272,6 +316,70 @@ fn explain_live(
         Ok(text) => write_stdout(&text),
         Err(e) => {
             eprintln!("dractl explain: {e}");
+            1
+        }
+    }
+}
+
+/// `dractl simulate`: 0 when simulated, 2 for bad input, 1 when the cluster cannot be read.
+fn simulate(
+    files: &[String],
+    templates: &[String],
+    count: Option<usize>,
+    connection: &dractl::live::Connection,
+    output: dractl::explain::Format,
+) -> i32 {
+    let templates = match dractl::simulate::templates(templates) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("dractl simulate: {e}");
+            return 2;
+        }
+    };
+    let options = dractl::allocate::Options::default();
+    let cluster = if files.is_empty() {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("dractl simulate: {e}");
+                return 1;
+            }
+        };
+        match runtime.block_on(dractl::live::load_cluster(connection)) {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("dractl simulate: {e}");
+                return 1;
+            }
+        }
+    } else {
+        match dractl::objects::load_files(files)
+            .and_then(|inputs| dractl::allocate::objects(inputs, &options))
+        {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("dractl simulate: {e}");
+                return 2;
+            }
+        }
+    };
+    let simulation = dractl::simulate::simulate(cluster, &templates, count, &options);
+    let rendered = match output {
+        dractl::explain::Format::Text => Ok(dractl::simulate::text(&simulation)),
+        dractl::explain::Format::Json => serde_json::to_string(&simulation)
+            .map(|s| s + "\n")
+            .map_err(|e| e.to_string()),
+        dractl::explain::Format::Yaml => {
+            serde_yaml_ng::to_string(&simulation).map_err(|e| e.to_string())
+        }
+    };
+    match rendered {
+        Ok(text) => write_stdout(&text),
+        Err(e) => {
+            eprintln!("dractl simulate: {e}");
             1
         }
     }

@@ -96,3 +96,52 @@ fn a_pod_that_fits_says_where_and_bad_input_exits_2() {
         text(&out.stderr)
     );
 }
+
+fn simulate(files: &[PathBuf], extra: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dractl"));
+    cmd.arg("simulate");
+    for f in files {
+        cmd.arg("-f").arg(f);
+    }
+    cmd.args(extra).output().expect("dractl runs")
+}
+
+#[test]
+fn simulate_packs_nvlink_pairs_until_one_is_short_and_says_why() {
+    let template = repo().join("examples/simulate/nvlink-pair-template.yaml");
+    let template = template.to_str().unwrap();
+    let out = simulate(&cluster(), &["--claim-template", template]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    // Seven H100s free (one in use by team-a), all on one NVLink domain: three pairs.
+    assert_eq!(
+        text(&out.stdout),
+        "3 more pods fit.\nPer node: gpu-node-0: 3.\n\nThe next pod does not fit:\n  1 node, does not fit: claim default/simulated-4-nvlink-pair, request gpus: 1 of 8 devices are not allocated to other claims, the request needs 2\n"
+    );
+
+    let out = simulate(
+        &cluster(),
+        &["--claim-template", template, "--count", "2", "-o", "json"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let json: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(json["stopped"], "count");
+    let devices: Vec<&str> = json["placed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["devices"].as_array().unwrap())
+        .map(|d| d.as_str().unwrap())
+        .collect();
+    assert_eq!(devices.len(), 4);
+    let mut distinct = devices.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 4, "no device twice: {devices:?}");
+    assert!(
+        !devices.contains(&"gpu.drust.dev/gpu-node-0/gpu-0000-18-00-0"),
+        "the GPU in use is not handed out: {devices:?}"
+    );
+
+    let out = simulate(&cluster(), &["--claim-template", "/nonexistent.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -1,7 +1,8 @@
 //! `dractl explain pod|claim NAMESPACE/NAME` against the real control plane (v1.36.3), run as a
 //! ServiceAccount that holds only `deploy/rbac/dractl-explain.yaml`: the README's unsatisfiable
 //! example, left pending by the real scheduler, is explained at the request's selectors; a claim
-//! it says fits on `gpu-node-0` is then put there by the scheduler.
+//! it says fits on `gpu-node-0` is then put there by the scheduler; `dractl simulate` then counts
+//! the NVLink pairs left.
 //!
 //! The node's devices are the fake DGX H100's slices as the plugin publishes them
 //! (`crates/gpu-kubelet-plugin/tests/snapshots/dgx-h100.yaml`), created directly.
@@ -153,6 +154,26 @@ spec:
         .and_then(|s| s.node_name)
         .context("bound pod has a node")?;
     ensure!(node == "gpu-node-0", "bound to {node}");
+
+    // Capacity left, read from the live cluster with the same role: one H100 is now held by
+    // one-gpu, so three NVLink pairs fit on the other seven.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dractl"))
+        .arg("simulate")
+        .arg("--claim-template")
+        .arg(repo_path("examples/simulate/nvlink-pair-template.yaml"))
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "dractl simulate: {}",
+        text(&out.stderr)
+    );
+    ensure!(
+        text(&out.stdout).starts_with("3 more pods fit.\nPer node: gpu-node-0: 3.\n"),
+        "{}",
+        text(&out.stdout)
+    );
 
     // A pod that does not exist: exit 1, naming the call that failed.
     let out = dractl(&kubeconfig, &["pod", "default/missing"])?;
