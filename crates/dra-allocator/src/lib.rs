@@ -40,6 +40,7 @@ mod defaults;
 pub mod explain;
 mod model;
 mod node_selector;
+pub mod pod;
 mod pools;
 pub mod quantity;
 mod result;

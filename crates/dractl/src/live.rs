@@ -45,15 +45,9 @@ pub enum LiveError {
         /// Why it failed.
         error: String,
     },
-    /// The pod's claim for a template has not been created yet (the resourceclaim
-    /// controller makes it; the scheduler waits for it too).
-    #[error("pod {pod}: the ResourceClaim for its entry {entry:?} does not exist yet")]
-    ClaimNotCreated {
-        /// `namespace/name` of the pod.
-        pod: String,
-        /// The entry of `spec.resourceClaims`.
-        entry: String,
-    },
+    /// The pod's claims cannot be gathered (not created yet, not found).
+    #[error(transparent)]
+    Claims(dra_allocator::pod::PodClaimsError),
 }
 
 /// Where to find the cluster: a kubeconfig file and context (as kubectl's flags), else the
@@ -79,60 +73,28 @@ pub async fn load(
     let client = client(connection).await?;
     let claim_names: Vec<String> = match target {
         Target::Claim => vec![name.to_owned()],
-        Target::Pod => pod_claims(&client, namespace, name).await?,
+        Target::Pod => {
+            let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+            let pod = call(&format!("get pod {namespace}/{name}"), pods.get(name)).await?;
+            dra_allocator::pod::claim_names(&pod).map_err(LiveError::Claims)?
+        }
     };
     let claims: Api<ResourceClaim> = Api::all(client.clone());
-    let all_claims = call("list resourceclaims", claims.list(&ListParams::default())).await?;
-    let mine: Vec<ResourceClaim> = claim_names
-        .iter()
-        .map(|n| {
-            all_claims
-                .items
-                .iter()
-                .find(|c| {
-                    c.metadata.namespace.as_deref() == Some(namespace)
-                        && c.metadata.name.as_deref() == Some(n.as_str())
-                })
-                .cloned()
-                .ok_or_else(|| LiveError::Api {
-                    what: format!("get resourceclaim {namespace}/{n}"),
-                    error: "not found".into(),
-                })
-        })
-        .collect::<Result<_, _>>()?;
-    let is_mine = |c: &ResourceClaim| {
-        mine.iter().any(|m| {
-            m.metadata.namespace == c.metadata.namespace && m.metadata.name == c.metadata.name
-        })
-    };
-    let allocated = |c: &ResourceClaim| {
-        c.status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .is_some()
-    };
-    // In use: every allocated claim (the pod's own allocated claims too). To allocate: the
-    // pod's claims without an allocation; other pods' pending claims are not this pod's.
-    let mut claims: Vec<ResourceClaim> = all_claims
-        .items
-        .iter()
-        .filter(|c| allocated(c) && !is_mine(c))
-        .cloned()
-        .collect();
-    claims.extend(mine);
-
     let nodes: Api<Node> = Api::all(client.clone());
     let classes: Api<DeviceClass> = Api::all(client.clone());
     let slices: Api<ResourceSlice> = Api::all(client);
     let lp = ListParams::default();
-    let mut objects = dra_allocator::Objects {
-        nodes: call("list nodes", nodes.list(&lp)).await?.items,
-        classes: call("list deviceclasses", classes.list(&lp)).await?.items,
-        slices: call("list resourceslices", slices.list(&lp)).await?.items,
-        claims,
-    };
-    dra_allocator::apply_defaults(&mut objects);
-    Ok(objects)
+    let all_claims = call("list resourceclaims", claims.list(&lp)).await?;
+    dra_allocator::pod::objects_for_claims(
+        &format!("{namespace}/{name}"),
+        namespace,
+        &claim_names,
+        &all_claims.items,
+        call("list nodes", nodes.list(&lp)).await?.items,
+        call("list deviceclasses", classes.list(&lp)).await?.items,
+        call("list resourceslices", slices.list(&lp)).await?.items,
+    )
+    .map_err(LiveError::Claims)
 }
 
 /// The cluster as the scheduler sees it, without a pod: Nodes, DeviceClasses,
@@ -162,47 +124,6 @@ pub async fn load_cluster(connection: &Connection) -> Result<dra_allocator::Obje
     };
     dra_allocator::apply_defaults(&mut objects);
     Ok(objects)
-}
-
-/// The names of a pod's ResourceClaims, in `spec.resourceClaims` order.
-async fn pod_claims(
-    client: &kube::Client,
-    namespace: &str,
-    name: &str,
-) -> Result<Vec<String>, LiveError> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let pod = call(&format!("get pod {namespace}/{name}"), pods.get(name)).await?;
-    let statuses = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_deref())
-        .unwrap_or_default();
-    let mut names = Vec::new();
-    for entry in pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.resource_claims.as_deref())
-        .unwrap_or_default()
-    {
-        if let Some(claim) = &entry.resource_claim_name {
-            names.push(claim.clone());
-            continue;
-        }
-        match statuses
-            .iter()
-            .find(|s| s.name == entry.name)
-            .and_then(|s| s.resource_claim_name.clone())
-        {
-            Some(claim) => names.push(claim),
-            None => {
-                return Err(LiveError::ClaimNotCreated {
-                    pod: format!("{namespace}/{name}"),
-                    entry: entry.name.clone(),
-                });
-            }
-        }
-    }
-    Ok(names)
 }
 
 async fn client(connection: &Connection) -> Result<kube::Client, LiveError> {

@@ -1,0 +1,83 @@
+//! drust-explain-controller: puts why a pending pod's DRA claims fit on no node on the pod, as a
+//! Warning event (see the library docs for what it reads and writes).
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use kube::runtime::events::Reporter;
+
+#[derive(Parser, Debug)]
+#[command(name = "drust-explain-controller", version, about)]
+struct Args {
+    /// Kubeconfig file; default: in-cluster, else `KUBECONFIG` / `~/.kube/config`.
+    #[arg(long, env = "KUBECONFIG_PATH")]
+    kubeconfig: Option<std::path::PathBuf>,
+    /// Explain a pending pod again after this long.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    resync: Duration,
+    /// Publish an unchanged explanation again after this long.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    republish_after: Duration,
+    /// Events per second, over all pods.
+    #[arg(long, default_value_t = 5.0)]
+    events_per_second: f64,
+    /// Events allowed at once before the rate applies.
+    #[arg(long, default_value_t = 20)]
+    event_burst: u32,
+    /// The event's reporting instance (the chart sets the pod name).
+    #[arg(long, env = "POD_NAME")]
+    instance: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let mut config = match &args.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?
+        }
+        None => kube::Config::infer().await?,
+    };
+    // Every call has a deadline; watches are long-lived and use their own timeouts.
+    config.connect_timeout = Some(Duration::from_secs(30));
+    let client = kube::Client::try_from(config)?;
+    let settings = explain_controller::Settings {
+        resync: args.resync,
+        republish_after: args.republish_after,
+        events_per_second: args.events_per_second,
+        burst: args.event_burst,
+        reporter: Reporter {
+            controller: "drust-explain-controller".into(),
+            instance: args.instance,
+        },
+    };
+    let shutdown = async {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    let context = explain_controller::run(client, settings, shutdown).await?;
+    let c = &context.counters;
+    tracing::info!(
+        reconciles = c.reconciles.load(std::sync::atomic::Ordering::Relaxed),
+        published = c.published.load(std::sync::atomic::Ordering::Relaxed),
+        deduplicated = c.deduplicated.load(std::sync::atomic::Ordering::Relaxed),
+        "stopped"
+    );
+    Ok(())
+}

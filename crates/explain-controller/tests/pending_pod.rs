@@ -1,0 +1,171 @@
+//! The explain controller on the real control plane (v1.36.3), running as the ServiceAccount
+//! and with exactly the RBAC the chart renders for it (`explainController.enabled=true`): a pod
+//! the real scheduler leaves Unschedulable gets a Warning event with the explanation within
+//! seconds, once (re-explaining every second publishes nothing new); a pod that fits gets none.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+use drust_e2e::pods::unschedulable;
+use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{Api, ListParams, PostParams};
+use serde::Deserialize as _;
+use serde_json::Value;
+
+const NAMESPACE: &str = "drust-system";
+const SERVICE_ACCOUNT: &str = "drust-explain-controller";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_pod_gets_one_event_naming_the_stage() -> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let result = run(&cp).await;
+    cp.stop().await?;
+    result
+}
+
+async fn events_on(client: &kube::Client, pod: &str) -> anyhow::Result<Vec<Event>> {
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    Ok(events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pod)
+                && e.reporting_controller.as_deref() == Some("drust-explain-controller")
+        })
+        .collect())
+}
+
+async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
+    cp.register_node("gpu-node-0", &[]).await?;
+    let client = cp.client().await?;
+    apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let snapshot = std::fs::read_to_string(repo_path(
+        "crates/gpu-kubelet-plugin/tests/snapshots/dgx-h100.yaml",
+    ))?;
+    for doc in serde_yaml_ng::Deserializer::from_str(&snapshot) {
+        let slice = ResourceSlice::deserialize(doc)?;
+        slices.create(&PostParams::default(), &slice).await?;
+    }
+
+    // The chart's own objects for the controller (its Deployment needs a node to run on: the
+    // binary runs here instead, with the Deployment's arguments and the ServiceAccount's token).
+    let rendered = drust_e2e::helm::template(
+        "drust",
+        NAMESPACE,
+        &[
+            "explainController.enabled=true",
+            "explainController.resync=1s",
+        ],
+    )
+    .await?;
+    let mut rbac = String::new();
+    let mut args: Vec<String> = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(&rendered) {
+        let value: Value = serde_json::to_value(serde_yaml_ng::Value::deserialize(doc)?)?;
+        let name = value["metadata"]["name"].as_str().unwrap_or("");
+        if name != SERVICE_ACCOUNT {
+            continue;
+        }
+        match value["kind"].as_str() {
+            Some("ServiceAccount" | "ClusterRole" | "ClusterRoleBinding") => {
+                rbac.push_str(&serde_yaml_ng::to_string(&value)?);
+                rbac.push_str("---\n");
+            }
+            Some("Deployment") => {
+                args = value["spec"]["template"]["spec"]["containers"][0]["args"]
+                    .as_array()
+                    .context("the Deployment's args")?
+                    .iter()
+                    .filter_map(|a| a.as_str().map(str::to_owned))
+                    .collect();
+            }
+            _ => {}
+        }
+    }
+    ensure!(
+        !args.is_empty(),
+        "the chart renders the controller's Deployment"
+    );
+    apply_yaml(
+        &client,
+        &format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n"),
+        Path::new("namespace"),
+    )
+    .await?;
+    apply_yaml(&client, &rbac, Path::new("chart RBAC")).await?;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    let token = cp.service_account_token(NAMESPACE, SERVICE_ACCOUNT).await?;
+    cp.write_kubeconfig(&kubeconfig, &token)?;
+    let log = std::fs::File::create(dir.path().join("controller.log"))?;
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_drust-explain-controller"));
+    command
+        .args(&args)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .env("POD_NAME", "explain-controller-test")
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    drust_e2e::die_with_parent(&mut command);
+    let mut controller = command.spawn()?;
+    let outcome = check(&client).await;
+    let _ = controller.kill();
+    let _ = controller.wait();
+    if outcome.is_err() {
+        eprintln!(
+            "controller log:\n{}",
+            std::fs::read_to_string(dir.path().join("controller.log")).unwrap_or_default()
+        );
+    }
+    outcome
+}
+
+async fn check(client: &kube::Client) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    apply_file(
+        client,
+        &repo_path("examples/unsatisfiable/unsatisfiable.yaml"),
+    )
+    .await?;
+    unschedulable(&pods, "cuda-200gi", Duration::from_secs(60)).await?;
+    let started = Instant::now();
+    let event =
+        drust_e2e::wait::until("the explanation event", Duration::from_secs(30), || async {
+            Ok(events_on(client, "cuda-200gi")
+                .await
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .next())
+        })
+        .await?;
+    eprintln!("event after {:?}", started.elapsed());
+    ensure!(event.type_.as_deref() == Some("Warning"), "{event:?}");
+    ensure!(
+        event.reason.as_deref() == Some("CannotAllocateDevices"),
+        "{event:?}"
+    );
+    let note = event.note.clone().unwrap_or_default();
+    ensure!(
+        note.starts_with("DRA claims fit on none of 1 node (dractl explain pod for details). 1 node (gpu-node-0): claim default/cuda-200gi-gpu-")
+            && note.contains(", request gpu: 0 of 8 devices match the request's selectors, the request needs 1 (`device.capacity[\"gpu.drust.dev\"].memory.compareTo(quantity(\"200Gi\")) >= 0` removed 8)."),
+        "{note}"
+    );
+    ensure!(
+        event.reporting_instance.as_deref() == Some("explain-controller-test"),
+        "{event:?}"
+    );
+
+    // Explained again every second (resync=1s): the same explanation is not published again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let events = events_on(client, "cuda-200gi").await?;
+    ensure!(events.len() == 1, "one event, got {}", events.len());
+    Ok(())
+}
