@@ -58,7 +58,7 @@ pub use allocator::{
 pub use defaults::apply_defaults;
 pub use model::{AllocatedState, ConsumedCapacity, DeviceId};
 pub use result::Allocation;
-pub use scheduler::{allocate, explain};
+pub use scheduler::{allocate, explain, explain_with};
 
 /// Everything one run reads (objects as the API server stores them, or given without defaults
 /// and then passed through [`apply_defaults`]).

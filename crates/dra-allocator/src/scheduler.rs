@@ -44,8 +44,12 @@ pub fn allocate(objects: &Objects, options: &Options) -> Report {
 /// because no combination of devices does (not where the plugin rejects the pod before the
 /// search, e.g. for a DeviceClass that does not exist: that reason is given alone).
 pub fn explain(objects: &Objects, options: &Options) -> ExplainReport {
+    explain_report(filter(objects, options, true))
+}
+
+fn explain_report(outcomes: Vec<(String, Outcome)>) -> ExplainReport {
     ExplainReport {
-        nodes: filter(objects, options, true)
+        nodes: outcomes
             .into_iter()
             .map(|(name, outcome)| match outcome {
                 Outcome::Fits(claims) => NodeExplanation {
@@ -130,10 +134,74 @@ fn filter(objects: &Objects, options: &Options, explain: bool) -> Vec<(String, O
         Ok(a) => a,
         Err(e) => return every(&|| Outcome::Error(e.to_string())),
     };
+    filter_with(&allocator, &nodes, &to_allocate, options, explain)
+}
+
+/// [`explain`] with an allocator built already for the cluster's slices, classes and
+/// allocated claims (one allocator for many pods, as long as the cluster does not change):
+/// `claims` are the pod's claims to allocate, `nodes` and `classes` the cluster's.
+///
+/// The allocator must have been built with the features [`explain`] uses
+/// ([`crate::Features::V1_36`], the distinctAttribute fix as in `options`).
+pub fn explain_with(
+    allocator: &Allocator<'_>,
+    nodes: &[Node],
+    classes: &[DeviceClass],
+    claims: &[&ResourceClaim],
+    options: &Options,
+) -> ExplainReport {
+    let nodes: Vec<&Node> = nodes
+        .iter()
+        .filter(|n| {
+            options
+                .node
+                .as_deref()
+                .is_none_or(|want| n.metadata.name.as_deref() == Some(want))
+        })
+        .collect();
+    let name = |n: &Node| n.metadata.name.clone().unwrap_or_default();
+    let outcomes: Vec<(String, Outcome)> = if claims.is_empty() {
+        nodes
+            .iter()
+            .map(|n| (name(n), Outcome::Fits(Vec::new())))
+            .collect()
+    } else {
+        match pre_filter(classes, claims) {
+            Verdict::Ok => filter_with(allocator, &nodes, claims, options, true),
+            Verdict::Unschedulable(reason) => nodes
+                .iter()
+                .map(|n| {
+                    (
+                        name(n),
+                        Outcome::DoesNotFit {
+                            reason: reason.clone(),
+                            explanation: None,
+                        },
+                    )
+                })
+                .collect(),
+            Verdict::Error(error) => nodes
+                .iter()
+                .map(|n| (name(n), Outcome::Error(error.clone())))
+                .collect(),
+        }
+    };
+    explain_report(outcomes)
+}
+
+/// Filter for each node with a built allocator.
+fn filter_with(
+    allocator: &Allocator<'_>,
+    nodes: &[&Node],
+    to_allocate: &[&ResourceClaim],
+    options: &Options,
+    explain: bool,
+) -> Vec<(String, Outcome)> {
+    let name = |n: &Node| n.metadata.name.clone().unwrap_or_default();
     // The pod's claims are validated once, not once per node.
-    let pod = allocator.pod(&to_allocate);
+    let pod = allocator.pod(to_allocate);
     let mut outcomes = Vec::with_capacity(nodes.len());
-    for node in nodes {
+    for &node in nodes {
         let node_name = name(node);
         let deadline = (!options.timeout.is_zero())
             .then(|| Instant::now().checked_add(options.timeout))

@@ -133,10 +133,65 @@ pub struct Context {
     nodes: Store<Node>,
     settings: Settings,
     bucket: Bucket,
-    /// Per pod UID: the note last published and when.
-    published: Mutex<HashMap<String, (String, Instant)>>,
+    /// Bumped by every change of the caches that can change an explanation.
+    generation: Arc<AtomicU64>,
+    /// The snapshot of the caches at a generation.
+    snapshot: tokio::sync::Mutex<Option<(u64, Arc<Snapshot>)>>,
+    /// Per pod UID: what its last explanation was computed from, the note, and when it was
+    /// published.
+    published: Mutex<HashMap<String, Published>>,
     /// What the controller did so far.
     pub counters: Counters,
+}
+
+/// The cluster as the caches hold it (Nodes, DeviceClasses, ResourceSlices, allocated
+/// ResourceClaims), with the allocator built from it: shared by every pod explained until the
+/// caches change.
+struct Cluster {
+    nodes: Vec<Node>,
+    classes: Vec<DeviceClass>,
+    slices: Vec<ResourceSlice>,
+    claims: Vec<ResourceClaim>,
+}
+
+self_cell::self_cell!(
+    struct Snapshot {
+        owner: Cluster,
+        // The allocator's caches (mutexes) make it invariant in the lifetime.
+        #[not_covariant]
+        dependent: Built,
+    }
+);
+
+/// The allocator for a [`Cluster`], or why it cannot be built (every pod then gets that
+/// error).
+type Built<'a> = Result<dra_allocator::Allocator<'a>, String>;
+
+fn snapshot(cluster: Cluster) -> Snapshot {
+    Snapshot::new(cluster, |c| {
+        dra_allocator::AllocatedState::from_claims(&c.claims, true)
+            .and_then(|state| {
+                dra_allocator::Allocator::new(
+                    dra_allocator::Features::V1_36,
+                    &state,
+                    &c.classes,
+                    &c.slices,
+                )
+            })
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Reconciles running at once.
+const CONCURRENCY: u16 = 4;
+
+/// What was published for a pod.
+#[derive(Debug, Clone)]
+struct Published {
+    /// The cache generation and the pod's claims' resource versions it was computed from.
+    inputs: (u64, Vec<String>),
+    note: String,
+    at: Instant,
 }
 
 /// Runs the controller until `shutdown` resolves (or a termination signal).
@@ -148,10 +203,11 @@ pub async fn run(
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> anyhow::Result<Arc<Context>> {
-    let claims = cache::<ResourceClaim>(&client);
-    let slices = cache::<ResourceSlice>(&client);
-    let classes = cache::<DeviceClass>(&client);
-    let nodes = cache::<Node>(&client);
+    let generation = Arc::new(AtomicU64::new(0));
+    let claims = claim_cache(&client, &generation);
+    let slices = cache::<ResourceSlice>(&client, &generation);
+    let classes = cache::<DeviceClass>(&client, &generation);
+    let nodes = node_cache(&client, &generation);
     for (what, ready) in [
         ("resourceclaims", claims.wait_until_ready().await),
         ("resourceslices", slices.wait_until_ready().await),
@@ -170,12 +226,16 @@ pub async fn run(
         nodes,
         settings,
         bucket,
+        generation,
+        snapshot: tokio::sync::Mutex::new(None),
         published: Mutex::new(HashMap::new()),
         counters: Counters::default(),
     });
     let pods: Api<Pod> = Api::all(client);
     // Only pods not bound to a node: those are the ones a scheduler may have given up on.
     Controller::new(pods, watcher::Config::default().fields("spec.nodeName="))
+        // Each explanation holds a copy of the cluster: a few at a time bound the memory.
+        .with_config(kube::runtime::controller::Config::default().concurrency(CONCURRENCY))
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, Arc::clone(&context))
         .for_each(|outcome| async move {
@@ -187,8 +247,8 @@ pub async fn run(
     Ok(context)
 }
 
-/// A reflector cache of every `K`, fed by its own task.
-fn cache<K>(client: &Client) -> Store<K>
+/// A reflector cache of every `K`, fed by its own task; every change bumps `generation`.
+fn cache<K>(client: &Client, generation: &Arc<AtomicU64>) -> Store<K>
 where
     K: Resource<DynamicType = ()>
         + Clone
@@ -204,7 +264,81 @@ where
         watcher(Api::<K>::all(client.clone()), watcher::Config::default()),
     )
     .default_backoff()
-    .for_each(|_| futures::future::ready(()));
+    .for_each({
+        let generation = Arc::clone(generation);
+        move |_| {
+            generation.fetch_add(1, Ordering::Relaxed);
+            futures::future::ready(())
+        }
+    });
+    tokio::spawn(stream);
+    reader
+}
+
+/// The ResourceClaim cache. Only claims that are or were allocated bump `generation`: the
+/// snapshot holds allocated claims only, and pending claims come and go with every pending
+/// pod (a pod's own claims are read from the cache at each explanation).
+fn claim_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<ResourceClaim> {
+    let (reader, writer) = reflector::store();
+    let allocated = |c: &ResourceClaim| {
+        c.status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .is_some()
+    };
+    // Per claim UID: whether it was allocated when last seen.
+    let mut seen: HashMap<String, bool> = HashMap::new();
+    let generation = Arc::clone(generation);
+    let stream = reflector::reflector(
+        writer,
+        watcher(
+            Api::<ResourceClaim>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .for_each(move |event| {
+        let relevant = match &event {
+            Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
+                let now = allocated(c);
+                let before = seen.insert(c.uid().unwrap_or_default(), now);
+                now || before == Some(true)
+            }
+            Ok(watcher::Event::Delete(c)) => {
+                seen.remove(&c.uid().unwrap_or_default()) == Some(true) || allocated(c)
+            }
+            // A relist: anything may have changed.
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => true,
+            Err(_) => false,
+        };
+        if relevant {
+            generation.fetch_add(1, Ordering::Relaxed);
+        }
+        futures::future::ready(())
+    });
+    tokio::spawn(stream);
+    reader
+}
+
+/// The Node cache. Only a change of labels (what node selectors read) bumps `generation`:
+/// Nodes change status all the time, which would make every pending pod's explanation look
+/// stale. A deleted Node's slices go too, and those bump it.
+fn node_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<Node> {
+    let (reader, writer) = reflector::store();
+    let stream = reflector::reflector(
+        writer,
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()),
+    )
+    .default_backoff()
+    .touched_objects()
+    .predicate_filter(kube::runtime::predicates::labels, Default::default())
+    .for_each({
+        let generation = Arc::clone(generation);
+        move |_| {
+            generation.fetch_add(1, Ordering::Relaxed);
+            futures::future::ready(())
+        }
+    });
     tokio::spawn(stream);
     reader
 }
@@ -253,27 +387,79 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
     };
     let namespace = pod.namespace().unwrap_or_default();
     let claims = ctx.claims.state();
-    let objects = dra_allocator::pod::objects_for_claims(
-        &pod_ref,
-        &namespace,
-        &names,
-        claims.iter().map(Arc::as_ref),
-        owned(&ctx.nodes),
-        owned(&ctx.classes),
-        owned(&ctx.slices),
-    );
-    let objects = match objects {
-        Ok(o) => o,
-        // A claim the pod names is not in the cache yet.
-        Err(_) => return Ok(Action::requeue(ctx.settings.resync)),
+    // Read before the caches, so a change racing with this explanation makes the next one run.
+    let generation = ctx.generation.load(Ordering::Relaxed);
+    let versions: Vec<String> = names
+        .iter()
+        .map(|n| {
+            claims
+                .iter()
+                .find(|c| {
+                    c.metadata.namespace.as_deref() == Some(namespace.as_str())
+                        && c.metadata.name.as_deref() == Some(n.as_str())
+                })
+                .and_then(|c| c.metadata.resource_version.clone())
+                .unwrap_or_default()
+        })
+        .collect();
+    let inputs = (generation, versions);
+    if ctx.unchanged(&uid, &inputs) {
+        ctx.counters.deduplicated.fetch_add(1, Ordering::Relaxed);
+        return Ok(Action::requeue(ctx.settings.resync));
+    }
+    // The pod's claims, defaulted as the allocator expects.
+    let mut mine = dra_allocator::Objects {
+        nodes: Vec::new(),
+        classes: Vec::new(),
+        slices: Vec::new(),
+        claims: Vec::new(),
     };
+    for name in &names {
+        match claims.iter().find(|c| {
+            c.metadata.namespace.as_deref() == Some(namespace.as_str())
+                && c.metadata.name.as_deref() == Some(name.as_str())
+        }) {
+            Some(c) => mine.claims.push(ResourceClaim::clone(c)),
+            // A claim the pod names is not in the cache yet.
+            None => return Ok(Action::requeue(ctx.settings.resync)),
+        }
+    }
+    dra_allocator::apply_defaults(&mut mine);
+    let snapshot = ctx
+        .snapshot(generation)
+        .await
+        .map_err(|reason| Error::Explain {
+            pod: pod_ref.clone(),
+            reason,
+        })?;
     let report = tokio::task::spawn_blocking(move || {
-        dra_allocator::explain(&objects, &dra_allocator::Options::default())
+        let to_allocate: Vec<&ResourceClaim> = mine
+            .claims
+            .iter()
+            .filter(|c| {
+                c.status
+                    .as_ref()
+                    .and_then(|s| s.allocation.as_ref())
+                    .is_none()
+            })
+            .collect();
+        snapshot.with_dependent(|cluster, built| match built {
+            Ok(allocator) => Ok(dra_allocator::explain_with(
+                allocator,
+                &cluster.nodes,
+                &cluster.classes,
+                &to_allocate,
+                &dra_allocator::Options::default(),
+            )),
+            Err(e) => Err(e.clone()),
+        })
     })
     .await
-    .map_err(|e| Error::Explain {
+    .map_err(|e| e.to_string())
+    .and_then(|r| r)
+    .map_err(|reason| Error::Explain {
         pod: pod_ref.clone(),
-        reason: e.to_string(),
+        reason,
     })?;
     ctx.counters.explained.fetch_add(1, Ordering::Relaxed);
     if report.fitting().next().is_some() || report.nodes.is_empty() {
@@ -283,6 +469,7 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
     let note = note(&report);
     if !ctx.should_publish(&uid, &note) {
         ctx.counters.deduplicated.fetch_add(1, Ordering::Relaxed);
+        ctx.refresh(&uid, inputs);
         return Ok(Action::requeue(ctx.settings.resync));
     }
     ctx.bucket.take().await;
@@ -303,7 +490,7 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
             source,
         })?;
     ctx.counters.published.fetch_add(1, Ordering::Relaxed);
-    ctx.remember(uid, note);
+    ctx.remember(uid, inputs, note);
     tracing::info!(pod = %pod_ref, "explained");
     Ok(Action::requeue(ctx.settings.resync))
 }
@@ -319,32 +506,99 @@ fn owned<K: Clone + Resource<DynamicType = ()> + 'static>(store: &Store<K>) -> V
 }
 
 impl Context {
-    fn should_publish(&self, uid: &str, note: &str) -> bool {
-        let published = self
-            .published
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        !published
-            .get(uid)
-            .is_some_and(|(last, at)| last == note && at.elapsed() < self.settings.republish_after)
+    /// The snapshot at `generation` (or later), built off the async workers when the caches
+    /// changed since the last one.
+    async fn snapshot(&self, generation: u64) -> Result<Arc<Snapshot>, String> {
+        let mut current = self.snapshot.lock().await;
+        if let Some((at, snapshot)) = current.as_ref()
+            && *at >= generation
+        {
+            return Ok(Arc::clone(snapshot));
+        }
+        let cluster = Cluster {
+            nodes: owned(&self.nodes),
+            classes: owned(&self.classes),
+            slices: owned(&self.slices),
+            claims: self
+                .claims
+                .state()
+                .iter()
+                .filter(|c| {
+                    c.status
+                        .as_ref()
+                        .and_then(|s| s.allocation.as_ref())
+                        .is_some()
+                })
+                .map(|c| ResourceClaim::clone(c))
+                .collect(),
+        };
+        let snapshot = tokio::task::spawn_blocking(move || {
+            let mut cluster = cluster;
+            let mut objects = dra_allocator::Objects {
+                nodes: std::mem::take(&mut cluster.nodes),
+                classes: std::mem::take(&mut cluster.classes),
+                slices: std::mem::take(&mut cluster.slices),
+                claims: std::mem::take(&mut cluster.claims),
+            };
+            dra_allocator::apply_defaults(&mut objects);
+            Arc::new(snapshot(Cluster {
+                nodes: objects.nodes,
+                classes: objects.classes,
+                slices: objects.slices,
+                claims: objects.claims,
+            }))
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        *current = Some((generation, Arc::clone(&snapshot)));
+        Ok(snapshot)
     }
 
-    fn remember(&self, uid: String, note: String) {
-        let mut published = self
-            .published
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        // Pods deleted while pending leave entries: drop those not refreshed for a while.
-        let horizon = self.settings.republish_after.saturating_mul(2);
-        published.retain(|_, (_, at)| at.elapsed() < horizon);
-        published.insert(uid, (note, Instant::now()));
-    }
-
-    fn forget(&self, uid: &str) {
+    fn published(&self) -> std::sync::MutexGuard<'_, HashMap<String, Published>> {
         self.published
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(uid);
+    }
+
+    /// Whether the pod's last explanation was computed from these inputs and is not due for
+    /// publishing again.
+    fn unchanged(&self, uid: &str, inputs: &(u64, Vec<String>)) -> bool {
+        self.published()
+            .get(uid)
+            .is_some_and(|p| &p.inputs == inputs && p.at.elapsed() < self.settings.republish_after)
+    }
+
+    fn should_publish(&self, uid: &str, note: &str) -> bool {
+        !self
+            .published()
+            .get(uid)
+            .is_some_and(|p| p.note == note && p.at.elapsed() < self.settings.republish_after)
+    }
+
+    /// The same note from new inputs: remember the inputs, keep the publication time.
+    fn refresh(&self, uid: &str, inputs: (u64, Vec<String>)) {
+        if let Some(p) = self.published().get_mut(uid) {
+            p.inputs = inputs;
+        }
+    }
+
+    fn remember(&self, uid: String, inputs: (u64, Vec<String>), note: String) {
+        let mut published = self.published();
+        // Pods deleted while pending leave entries: drop those not refreshed for a while.
+        let horizon = self.settings.republish_after.saturating_mul(2);
+        published.retain(|_, p| p.at.elapsed() < horizon);
+        published.insert(
+            uid,
+            Published {
+                inputs,
+                note,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    fn forget(&self, uid: &str) {
+        self.published().remove(uid);
     }
 }
 

@@ -3,22 +3,17 @@
 //! the real scheduler leaves Unschedulable gets a Warning event with the explanation within
 //! seconds, once (re-explaining every second publishes nothing new); a pod that fits gets none.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, ensure};
-use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+mod support;
+
+use anyhow::ensure;
+use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::pods::unschedulable;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::api::{Api, ListParams, PostParams};
-use serde::Deserialize as _;
-use serde_json::Value;
-
-const NAMESPACE: &str = "drust-system";
-const SERVICE_ACCOUNT: &str = "drust-explain-controller";
+use kube::api::{Api, ListParams};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pending_pod_gets_one_event_naming_the_stage() -> anyhow::Result<()> {
@@ -46,83 +41,23 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     cp.register_node("gpu-node-0", &[]).await?;
     let client = cp.client().await?;
     apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let snapshot = std::fs::read_to_string(repo_path(
-        "crates/gpu-kubelet-plugin/tests/snapshots/dgx-h100.yaml",
-    ))?;
-    for doc in serde_yaml_ng::Deserializer::from_str(&snapshot) {
-        let slice = ResourceSlice::deserialize(doc)?;
-        slices.create(&PostParams::default(), &slice).await?;
-    }
+    support::create_slices(&client, "gpu-node-0").await?;
+
+    // Off by default: the chart renders no controller.
+    let default = drust_e2e::helm::template("drust", support::NAMESPACE, &[]).await?;
+    ensure!(
+        !default.contains("explain-controller"),
+        "the controller is off by default"
+    );
 
     // The chart's own objects for the controller (its Deployment needs a node to run on: the
     // binary runs here instead, with the Deployment's arguments and the ServiceAccount's token).
-    let rendered = drust_e2e::helm::template(
-        "drust",
-        NAMESPACE,
-        &[
-            "explainController.enabled=true",
-            "explainController.resync=1s",
-        ],
-    )
-    .await?;
-    let mut rbac = String::new();
-    let mut args: Vec<String> = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(&rendered) {
-        let value: Value = serde_json::to_value(serde_yaml_ng::Value::deserialize(doc)?)?;
-        let name = value["metadata"]["name"].as_str().unwrap_or("");
-        if name != SERVICE_ACCOUNT {
-            continue;
-        }
-        match value["kind"].as_str() {
-            Some("ServiceAccount" | "ClusterRole" | "ClusterRoleBinding") => {
-                rbac.push_str(&serde_yaml_ng::to_string(&value)?);
-                rbac.push_str("---\n");
-            }
-            Some("Deployment") => {
-                args = value["spec"]["template"]["spec"]["containers"][0]["args"]
-                    .as_array()
-                    .context("the Deployment's args")?
-                    .iter()
-                    .filter_map(|a| a.as_str().map(str::to_owned))
-                    .collect();
-            }
-            _ => {}
-        }
-    }
-    ensure!(
-        !args.is_empty(),
-        "the chart renders the controller's Deployment"
-    );
-    apply_yaml(
-        &client,
-        &format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: {NAMESPACE}}}\n"),
-        Path::new("namespace"),
-    )
-    .await?;
-    apply_yaml(&client, &rbac, Path::new("chart RBAC")).await?;
-    let dir = tempfile::tempdir()?;
-    let kubeconfig = dir.path().join("kubeconfig");
-    let token = cp.service_account_token(NAMESPACE, SERVICE_ACCOUNT).await?;
-    cp.write_kubeconfig(&kubeconfig, &token)?;
-    let log = std::fs::File::create(dir.path().join("controller.log"))?;
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_drust-explain-controller"));
-    command
-        .args(&args)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .env("POD_NAME", "explain-controller-test")
-        .stdout(log.try_clone()?)
-        .stderr(log);
-    drust_e2e::die_with_parent(&mut command);
-    let mut controller = command.spawn()?;
+    let controller = support::start(cp, &["explainController.resync=1s"]).await?;
     let outcome = check(&client).await;
-    let _ = controller.kill();
-    let _ = controller.wait();
     if outcome.is_err() {
         eprintln!(
             "controller log:\n{}",
-            std::fs::read_to_string(dir.path().join("controller.log")).unwrap_or_default()
+            std::fs::read_to_string(controller.log()).unwrap_or_default()
         );
     }
     outcome
