@@ -640,6 +640,47 @@ pub fn note(report: &ExplainReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dra_allocator::explain::NodeExplanation;
+
+    fn pending(name: &str, reason: &str) -> NodeExplanation {
+        NodeExplanation {
+            name: name.into(),
+            fits: false,
+            claims: Vec::new(),
+            reason: Some(reason.into()),
+            explanation: None,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn the_note_groups_nodes_by_reason_and_fits_the_api_limit() {
+        let report = ExplainReport {
+            nodes: vec![
+                pending("a", "claim ns/c, request gpu: too few"),
+                pending("b", "claim ns/c, request gpu: too few"),
+                pending("c", "claim ns/c, request gpu: in use"),
+            ],
+        };
+        assert_eq!(
+            note(&report),
+            "DRA claims fit on none of 3 nodes (dractl explain pod for details). 2 nodes (a, b): claim ns/c, request gpu: too few. 1 node (c): claim ns/c, request gpu: in use."
+        );
+        // Long reasons with multi-byte characters are cut at a character boundary.
+        let long = ExplainReport {
+            nodes: (0..40)
+                .map(|i| {
+                    pending(
+                        &format!("node-{i}"),
+                        &format!("reason {i} – {}", "é".repeat(40)),
+                    )
+                })
+                .collect(),
+        };
+        let cut = note(&long);
+        assert!(cut.len() <= NOTE_LIMIT, "{}", cut.len());
+        assert!(cut.ends_with("..."));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn the_bucket_lets_a_burst_through_then_paces() {
