@@ -95,10 +95,9 @@ enum Outcome {
     Error(String),
 }
 
-/// PreFilter once, then Filter for each node.
-fn filter(objects: &Objects, options: &Options, explain: bool) -> Vec<(String, Outcome)> {
-    let nodes: Vec<&Node> = objects
-        .nodes
+/// The nodes to answer for: every node, or only `options.node`.
+fn selected_nodes<'n>(nodes: &'n [Node], options: &Options) -> Vec<&'n Node> {
+    nodes
         .iter()
         .filter(|n| {
             options
@@ -106,7 +105,12 @@ fn filter(objects: &Objects, options: &Options, explain: bool) -> Vec<(String, O
                 .as_deref()
                 .is_none_or(|want| n.metadata.name.as_deref() == Some(want))
         })
-        .collect();
+        .collect()
+}
+
+/// PreFilter once, then Filter for each node.
+fn filter(objects: &Objects, options: &Options, explain: bool) -> Vec<(String, Outcome)> {
+    let nodes = selected_nodes(&objects.nodes, options);
     let name = |n: &Node| n.metadata.name.clone().unwrap_or_default();
     let every = |f: &dyn Fn() -> Outcome| nodes.iter().map(|n| (name(n), f())).collect();
     let to_allocate = objects.to_allocate();
@@ -150,15 +154,7 @@ pub fn explain_with(
     claims: &[&ResourceClaim],
     options: &Options,
 ) -> ExplainReport {
-    let nodes: Vec<&Node> = nodes
-        .iter()
-        .filter(|n| {
-            options
-                .node
-                .as_deref()
-                .is_none_or(|want| n.metadata.name.as_deref() == Some(want))
-        })
-        .collect();
+    let nodes = selected_nodes(nodes, options);
     let name = |n: &Node| n.metadata.name.clone().unwrap_or_default();
     let outcomes: Vec<(String, Outcome)> = if claims.is_empty() {
         nodes

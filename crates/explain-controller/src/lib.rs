@@ -247,8 +247,13 @@ pub async fn run(
     Ok(context)
 }
 
-/// A reflector cache of every `K`, fed by its own task; every change bumps `generation`.
-fn cache<K>(client: &Client, generation: &Arc<AtomicU64>) -> Store<K>
+/// A reflector cache of every `K`, fed by its own task; the watch events `relevant` accepts
+/// bump `generation`.
+fn cache_with<K>(
+    client: &Client,
+    generation: &Arc<AtomicU64>,
+    mut relevant: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
+) -> Store<K>
 where
     K: Resource<DynamicType = ()>
         + Clone
@@ -259,59 +264,14 @@ where
         + 'static,
 {
     let (reader, writer) = reflector::store();
+    let generation = Arc::clone(generation);
     let stream = reflector::reflector(
         writer,
         watcher(Api::<K>::all(client.clone()), watcher::Config::default()),
     )
     .default_backoff()
-    .for_each({
-        let generation = Arc::clone(generation);
-        move |_| {
-            generation.fetch_add(1, Ordering::Relaxed);
-            futures::future::ready(())
-        }
-    });
-    tokio::spawn(stream);
-    reader
-}
-
-/// The ResourceClaim cache. Only claims that are or were allocated bump `generation`: the
-/// snapshot holds allocated claims only, and pending claims come and go with every pending
-/// pod (a pod's own claims are read from the cache at each explanation).
-fn claim_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<ResourceClaim> {
-    let (reader, writer) = reflector::store();
-    let allocated = |c: &ResourceClaim| {
-        c.status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .is_some()
-    };
-    // Per claim UID: whether it was allocated when last seen.
-    let mut seen: HashMap<String, bool> = HashMap::new();
-    let generation = Arc::clone(generation);
-    let stream = reflector::reflector(
-        writer,
-        watcher(
-            Api::<ResourceClaim>::all(client.clone()),
-            watcher::Config::default(),
-        ),
-    )
-    .default_backoff()
     .for_each(move |event| {
-        let relevant = match &event {
-            Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => {
-                let now = allocated(c);
-                let before = seen.insert(c.uid().unwrap_or_default(), now);
-                now || before == Some(true)
-            }
-            Ok(watcher::Event::Delete(c)) => {
-                seen.remove(&c.uid().unwrap_or_default()) == Some(true) || allocated(c)
-            }
-            // A relist: anything may have changed.
-            Ok(watcher::Event::Init | watcher::Event::InitDone) => true,
-            Err(_) => false,
-        };
-        if relevant {
+        if event.as_ref().is_ok_and(&mut relevant) {
             generation.fetch_add(1, Ordering::Relaxed);
         }
         futures::future::ready(())
@@ -320,27 +280,68 @@ fn claim_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<ResourceCl
     reader
 }
 
-/// The Node cache. Only a change of labels (what node selectors read) bumps `generation`:
-/// Nodes change status all the time, which would make every pending pod's explanation look
-/// stale. A deleted Node's slices go too, and those bump it.
-fn node_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<Node> {
-    let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(
-        writer,
-        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()),
+/// A cache where every change counts.
+fn cache<K>(client: &Client, generation: &Arc<AtomicU64>) -> Store<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    cache_with(client, generation, |_| true)
+}
+
+/// The ResourceClaim cache. Only claims that are or were allocated bump `generation`: the
+/// snapshot holds allocated claims only, and pending claims come and go with every pending
+/// pod (a pod's own claims are read from the cache at each explanation).
+fn claim_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<ResourceClaim> {
+    let allocated = |c: &ResourceClaim| {
+        c.status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .is_some()
+    };
+    // Per claim UID: whether it was allocated when last seen.
+    let mut seen: HashMap<String, bool> = HashMap::new();
+    cache_with(
+        client,
+        generation,
+        move |event: &watcher::Event<ResourceClaim>| match event {
+            watcher::Event::Apply(c) | watcher::Event::InitApply(c) => {
+                let now = allocated(c);
+                let before = seen.insert(c.uid().unwrap_or_default(), now);
+                now || before == Some(true)
+            }
+            watcher::Event::Delete(c) => {
+                seen.remove(&c.uid().unwrap_or_default()) == Some(true) || allocated(c)
+            }
+            // A relist: anything may have changed.
+            watcher::Event::Init | watcher::Event::InitDone => true,
+        },
     )
-    .default_backoff()
-    .touched_objects()
-    .predicate_filter(kube::runtime::predicates::labels, Default::default())
-    .for_each({
-        let generation = Arc::clone(generation);
-        move |_| {
-            generation.fetch_add(1, Ordering::Relaxed);
-            futures::future::ready(())
-        }
-    });
-    tokio::spawn(stream);
-    reader
+}
+
+/// The Node cache. Only a change of name or labels (what node selectors read) bumps
+/// `generation`: Nodes change status all the time, which would make every pending pod's
+/// explanation look stale.
+fn node_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<Node> {
+    // Per node name: its labels when last seen.
+    let mut seen: HashMap<String, std::collections::BTreeMap<String, String>> = HashMap::new();
+    cache_with(
+        client,
+        generation,
+        move |event: &watcher::Event<Node>| match event {
+            watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
+                let labels = n.metadata.labels.clone().unwrap_or_default();
+                seen.insert(n.name_any(), labels.clone()) != Some(labels)
+            }
+            watcher::Event::Delete(n) => seen.remove(&n.name_any()).is_some(),
+            watcher::Event::Init | watcher::Event::InitDone => true,
+        },
+    )
 }
 
 /// Whether the scheduler reported the pod unschedulable (`PodScheduled=False`,

@@ -28,18 +28,8 @@ pub struct Tally {
 
 /// The scenario's objects as `dractl allocate` reads and defaults them.
 fn objects(id: &str, scenario: &[Value]) -> Result<Objects, String> {
-    let mut reader = dractl::objects::Reader::new();
-    for (i, o) in scenario.iter().enumerate() {
-        let location = dractl::objects::Location {
-            file: id.to_owned(),
-            document: i,
-            item: None,
-        };
-        reader
-            .read_value(location, o.clone())
-            .map_err(|e| e.to_string())?;
-    }
-    dractl::allocate::objects(reader.finish(), &Options::default()).map_err(|e| e.to_string())
+    dractl::allocate::objects(super::read(id, scenario)?, &Options::default())
+        .map_err(|e| e.to_string())
 }
 
 /// Problems found (empty when consistent); counts go to `tally`.

@@ -89,6 +89,13 @@ pub fn ours_with(
     objects: &[Value],
     options: &dractl::allocate::Options,
 ) -> Result<Value, String> {
+    let report =
+        dractl::allocate::allocate(read(id, objects)?, options).map_err(|e| e.to_string())?;
+    serde_json::to_value(&report).map_err(|e| e.to_string())
+}
+
+/// A scenario's objects read and validated as `dractl allocate` reads files.
+pub fn read(id: &str, objects: &[Value]) -> Result<dractl::objects::Inputs, String> {
     let mut reader = dractl::objects::Reader::new();
     for (i, o) in objects.iter().enumerate() {
         let location = dractl::objects::Location {
@@ -100,6 +107,5 @@ pub fn ours_with(
             .read_value(location, o.clone())
             .map_err(|e| e.to_string())?;
     }
-    let report = dractl::allocate::allocate(reader.finish(), options).map_err(|e| e.to_string())?;
-    serde_json::to_value(&report).map_err(|e| e.to_string())
+    Ok(reader.finish())
 }
