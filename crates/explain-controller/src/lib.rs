@@ -247,22 +247,36 @@ pub async fn run(
     Ok(context)
 }
 
-/// A reflector cache of every `K`, fed by its own task; the watch events `relevant` accepts
-/// bump `generation`.
-fn cache_with<K>(
-    client: &Client,
-    generation: &Arc<AtomicU64>,
-    mut relevant: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
-) -> Store<K>
-where
+/// What a reflector cache can hold.
+trait Cached:
+    Resource<DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Cached for K where
     K: Resource<DynamicType = ()>
         + Clone
         + std::fmt::Debug
         + serde::de::DeserializeOwned
         + Send
         + Sync
-        + 'static,
+        + 'static
 {
+}
+
+/// A reflector cache of every `K`, fed by its own task; the watch events `relevant` accepts
+/// bump `generation`.
+fn cache_with<K: Cached>(
+    client: &Client,
+    generation: &Arc<AtomicU64>,
+    mut relevant: impl FnMut(&watcher::Event<K>) -> bool + Send + 'static,
+) -> Store<K> {
     let (reader, writer) = reflector::store();
     let generation = Arc::clone(generation);
     let stream = reflector::reflector(
@@ -281,16 +295,7 @@ where
 }
 
 /// A cache where every change counts.
-fn cache<K>(client: &Client, generation: &Arc<AtomicU64>) -> Store<K>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
+fn cache<K: Cached>(client: &Client, generation: &Arc<AtomicU64>) -> Store<K> {
     cache_with(client, generation, |_| true)
 }
 
@@ -434,16 +439,7 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
             reason,
         })?;
     let report = tokio::task::spawn_blocking(move || {
-        let to_allocate: Vec<&ResourceClaim> = mine
-            .claims
-            .iter()
-            .filter(|c| {
-                c.status
-                    .as_ref()
-                    .and_then(|s| s.allocation.as_ref())
-                    .is_none()
-            })
-            .collect();
+        let to_allocate = mine.to_allocate();
         snapshot.with_dependent(|cluster, built| match built {
             Ok(allocator) => Ok(dra_allocator::explain_with(
                 allocator,
