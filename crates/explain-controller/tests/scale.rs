@@ -109,6 +109,54 @@ spec:
     // Two more resyncs: nothing new is written.
     tokio::time::sleep(Duration::from_secs(11)).await;
     let after = count().await?;
+    // When the scheduler gave up on each pod, and how long after that its event came: which
+    // of the two sets the time to the last event.
+    let mut verdicts = Vec::new();
+    for p in pods.list(&ListParams::default()).await?.items {
+        let verdict = p
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .and_then(|c| c.last_transition_time);
+        if let Some(t) = verdict {
+            verdicts.push((p.metadata.name.unwrap_or_default(), t.0));
+        }
+    }
+    let mut delays = Vec::new();
+    for e in events.list(&ListParams::default()).await?.items {
+        let pod = e
+            .regarding
+            .as_ref()
+            .and_then(|r| r.name.clone())
+            .unwrap_or_default();
+        let (Some(at), Some((_, verdict))) = (
+            e.event_time.as_ref().map(|t| t.0),
+            verdicts.iter().find(|(name, _)| *name == pod),
+        ) else {
+            continue;
+        };
+        delays.push(at.duration_since(*verdict).as_secs_f64());
+    }
+    delays.sort_by(f64::total_cmp);
+    verdicts.sort_by_key(|(_, t)| *t);
+    let spread = match (verdicts.first(), verdicts.last()) {
+        (Some((_, a)), Some((_, b))) => b.duration_since(*a).as_secs_f64(),
+        _ => 0.0,
+    };
+    let at = |q: f64| {
+        delays
+            .get(((delays.len() as f64 * q) as usize).min(delays.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    eprintln!(
+        "scale: the scheduler's verdicts spread over {spread:.1} s; from a pod's verdict to its event: median {:.1} s, p99 {:.1} s, max {:.1} s (second resolution)",
+        at(0.5),
+        at(0.99),
+        delays.last().copied().unwrap_or(0.0)
+    );
     let (cpu, rss) = controller.usage()?;
     eprintln!(
         "scale: {pods_wanted} pending pods over {nodes} nodes: pods created in {created:.1?}, an event on every pod {all_events:.1?} after the first was created; events written {after} (after two more resyncs); controller CPU {cpu:.1} s, peak RSS {} MiB",
