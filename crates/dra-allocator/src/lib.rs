@@ -75,18 +75,19 @@ pub struct Objects {
     pub claims: Vec<ResourceClaim>,
 }
 
+/// Whether a claim has `status.allocation` (its devices are in use).
+pub fn is_allocated(claim: &ResourceClaim) -> bool {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .is_some()
+}
+
 impl Objects {
     /// The pod's claims: those without `status.allocation`, in input order.
     pub fn to_allocate(&self) -> Vec<&ResourceClaim> {
-        self.claims
-            .iter()
-            .filter(|c| {
-                c.status
-                    .as_ref()
-                    .and_then(|s| s.allocation.as_ref())
-                    .is_none()
-            })
-            .collect()
+        self.claims.iter().filter(|c| !is_allocated(c)).collect()
     }
 }
 

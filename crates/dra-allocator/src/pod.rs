@@ -91,16 +91,10 @@ pub fn objects_for_claims<'c>(
                 .as_deref()
                 .is_some_and(|n| names.iter().any(|m| m == n))
     };
-    let allocated = |c: &ResourceClaim| {
-        c.status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .is_some()
-    };
     let mut selected: Vec<ResourceClaim> = claims
         .clone()
         .into_iter()
-        .filter(|c| allocated(c) && !mine(c))
+        .filter(|c| crate::is_allocated(c) && !mine(c))
         .cloned()
         .collect();
     for name in names {

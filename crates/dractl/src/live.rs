@@ -114,12 +114,7 @@ pub async fn load_cluster(connection: &Connection) -> Result<dra_allocator::Obje
             .await?
             .items
             .into_iter()
-            .filter(|c| {
-                c.status
-                    .as_ref()
-                    .and_then(|s| s.allocation.as_ref())
-                    .is_some()
-            })
+            .filter(dra_allocator::is_allocated)
             .collect(),
     };
     dra_allocator::apply_defaults(&mut objects);

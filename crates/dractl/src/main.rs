@@ -263,13 +263,7 @@ fn explain(
             return 2;
         }
     };
-    match dractl::explain::render(&report, output) {
-        Ok(text) => write_stdout(&text),
-        Err(e) => {
-            eprintln!("dractl explain: {e}");
-            1
-        }
-    }
+    print("explain", dractl::explain::render(&report, output))
 }
 
 /// `dractl explain pod|claim NAMESPACE/NAME`: 0 when explained, 2 for a bad name, 1 when
@@ -281,17 +275,11 @@ fn explain_live(
     options: &dractl::explain::Options,
     output: dractl::explain::Format,
 ) -> i32 {
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("dractl explain: {e}");
-            return 1;
-        }
+    let loaded = match block_on("explain", dractl::live::load(connection, target, name)) {
+        Ok(loaded) => loaded,
+        Err(code) => return code,
     };
-    let objects = match runtime.block_on(dractl::live::load(connection, target, name)) {
+    let objects = match loaded {
         Ok(o) => o,
         Err(e @ dractl::live::LiveError::Name(_)) => {
             eprintln!("dractl explain: {e}");
@@ -312,13 +300,7 @@ fn explain_live(
         return 2;
     }
     let report = dra_allocator::explain(&objects, options);
-    match dractl::explain::render(&report, output) {
-        Ok(text) => write_stdout(&text),
-        Err(e) => {
-            eprintln!("dractl explain: {e}");
-            1
-        }
-    }
+    print("explain", dractl::explain::render(&report, output))
 }
 
 /// `dractl simulate`: 0 when simulated, 2 for bad input, 1 when the cluster cannot be read.
@@ -338,17 +320,11 @@ fn simulate(
     };
     let options = dractl::allocate::Options::default();
     let cluster = if files.is_empty() {
-        let runtime = match tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("dractl simulate: {e}");
-                return 1;
-            }
+        let loaded = match block_on("simulate", dractl::live::load_cluster(connection)) {
+            Ok(loaded) => loaded,
+            Err(code) => return code,
         };
-        match runtime.block_on(dractl::live::load_cluster(connection)) {
+        match loaded {
             Ok(o) => o,
             Err(e) => {
                 eprintln!("dractl simulate: {e}");
@@ -376,10 +352,30 @@ fn simulate(
             serde_yaml_ng::to_string(&simulation).map_err(|e| e.to_string())
         }
     };
+    print("simulate", rendered)
+}
+
+/// Runs `future` on a runtime of its own (the live-cluster paths); `Err(1)` when no runtime
+/// can be made, said on stderr as `dractl COMMAND: ...`.
+fn block_on<T>(command: &str, future: impl Future<Output = T>) -> Result<T, i32> {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => Ok(runtime.block_on(future)),
+        Err(e) => {
+            eprintln!("dractl {command}: {e}");
+            Err(1)
+        }
+    }
+}
+
+/// Prints rendered output: 0; 1 when rendering failed (said on stderr) or stdout is gone.
+fn print(command: &str, rendered: Result<String, String>) -> i32 {
     match rendered {
         Ok(text) => write_stdout(&text),
         Err(e) => {
-            eprintln!("dractl simulate: {e}");
+            eprintln!("dractl {command}: {e}");
             1
         }
     }
@@ -413,11 +409,5 @@ fn allocate(
             return 2;
         }
     };
-    match dractl::allocate::render(&report, output) {
-        Ok(text) => write_stdout(&text),
-        Err(e) => {
-            eprintln!("dractl allocate: {e}");
-            1
-        }
-    }
+    print("allocate", dractl::allocate::render(&report, output))
 }

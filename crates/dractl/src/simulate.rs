@@ -126,12 +126,7 @@ pub fn simulate(
     options: &Options,
 ) -> Simulation {
     let before = cluster.claims.len();
-    cluster.claims.retain(|c| {
-        c.status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .is_some()
-    });
+    cluster.claims.retain(dra_allocator::is_allocated);
     let ignored_pending_claims = before - cluster.claims.len();
     let mut simulation = Simulation {
         placed: Vec::new(),

@@ -303,12 +303,6 @@ fn cache<K: Cached>(client: &Client, generation: &Arc<AtomicU64>) -> Store<K> {
 /// snapshot holds allocated claims only, and pending claims come and go with every pending
 /// pod (a pod's own claims are read from the cache at each explanation).
 fn claim_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<ResourceClaim> {
-    let allocated = |c: &ResourceClaim| {
-        c.status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .is_some()
-    };
     // Per claim UID: whether it was allocated when last seen.
     let mut seen: HashMap<String, bool> = HashMap::new();
     cache_with(
@@ -316,12 +310,13 @@ fn claim_cache(client: &Client, generation: &Arc<AtomicU64>) -> Store<ResourceCl
         generation,
         move |event: &watcher::Event<ResourceClaim>| match event {
             watcher::Event::Apply(c) | watcher::Event::InitApply(c) => {
-                let now = allocated(c);
+                let now = dra_allocator::is_allocated(c);
                 let before = seen.insert(c.uid().unwrap_or_default(), now);
                 now || before == Some(true)
             }
             watcher::Event::Delete(c) => {
-                seen.remove(&c.uid().unwrap_or_default()) == Some(true) || allocated(c)
+                seen.remove(&c.uid().unwrap_or_default()) == Some(true)
+                    || dra_allocator::is_allocated(c)
             }
             // A relist: anything may have changed.
             watcher::Event::Init | watcher::Event::InitDone => true,
@@ -520,12 +515,7 @@ impl Context {
                 .claims
                 .state()
                 .iter()
-                .filter(|c| {
-                    c.status
-                        .as_ref()
-                        .and_then(|s| s.allocation.as_ref())
-                        .is_some()
-                })
+                .filter(|c| dra_allocator::is_allocated(c))
                 .map(|c| ResourceClaim::clone(c))
                 .collect(),
         };
