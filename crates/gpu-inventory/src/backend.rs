@@ -38,7 +38,9 @@ pub struct RawGpu {
     pub cuda_compute_capability_minor: u32,
     /// Total framebuffer memory in bytes (`nvmlDeviceGetMemoryInfo`.total).
     pub memory_total_bytes: u64,
-    /// Streaming multiprocessors (`nvmlDeviceGetAttributes_v2`.multiprocessorCount).
+    /// Streaming multiprocessors: `nvmlDeviceGetAttributes_v2`.multiprocessorCount where NVML
+    /// answers it, else `nvmlDeviceGetNumGpuCores` / cores per multiprocessor of the compute
+    /// capability; `0` when unknown (no `multiprocessors` capacity is published then).
     pub multiprocessor_count: u32,
     /// PCI bus ID in NVML's form `dddddddd:bb:dd.f` (`nvmlDeviceGetPciInfo_v3`.busId).
     pub pci_bus_id: String,

@@ -371,13 +371,14 @@ impl Gpu {
         if let Some(clique) = &self.nvlink_clique {
             attributes.insert("nvlinkClique".to_owned(), string(clique));
         }
-        let capacities = BTreeMap::from([
-            (
-                "memory".to_owned(),
-                capacity(bytes_quantity(r.memory_total_bytes)),
-            ),
-            ("multiprocessors".to_owned(), count(r.multiprocessor_count)),
-        ]);
+        let mut capacities = BTreeMap::from([(
+            "memory".to_owned(),
+            capacity(bytes_quantity(r.memory_total_bytes)),
+        )]);
+        // 0: the backend could not tell (see `NvmlBackend`'s multiprocessor count).
+        if r.multiprocessor_count > 0 {
+            capacities.insert("multiprocessors".to_owned(), count(r.multiprocessor_count));
+        }
         Device {
             name: self.name.clone(),
             attributes: Some(attributes),

@@ -386,10 +386,7 @@ impl GpuBackend for NvmlBackend {
                 .memory_info()
                 .map_err(query("nvmlDeviceGetMemoryInfo", index))?
                 .total,
-            multiprocessor_count: d
-                .attributes()
-                .map_err(query("nvmlDeviceGetAttributes_v2", index))?
-                .multiprocessor_count,
+            multiprocessor_count: multiprocessors(&d, index, cc.major, cc.minor)?,
             pcie_root: self.sysfs_pcie_root(&pci.bus_id),
             pci_bus_id: pci.bus_id,
             numa_node,
@@ -591,9 +588,71 @@ fn set_time_slice_with(
     Err(fail(format!("{status}: {}", stderr.trim())))
 }
 
+/// Streaming multiprocessors of a full GPU.
+///
+/// `nvmlDeviceGetAttributes_v2` answers only for MIG device handles: on a full GPU it returns
+/// NOT_SUPPORTED (seen on an H200 with driver 580.159.04, `tests/gpu/fixtures/`). There the count
+/// is the GPU's CUDA cores (`nvmlDeviceGetNumGpuCores`) divided by the cores per multiprocessor
+/// of its compute capability ([`cores_per_multiprocessor`]). `0` when neither answers: the
+/// `multiprocessors` capacity is then left out of the GPU's published capacities.
+///
+/// # Errors
+/// [`BackendError::Query`] when either call fails with anything but NOT_SUPPORTED.
+fn multiprocessors(
+    d: &Device<'_>,
+    index: u32,
+    cc_major: i32,
+    cc_minor: i32,
+) -> Result<u32, BackendError> {
+    match d.attributes() {
+        Ok(a) => return Ok(a.multiprocessor_count),
+        Err(NvmlError::NotSupported) => {}
+        Err(e) => return Err(query("nvmlDeviceGetAttributes_v2", index)(e)),
+    }
+    let cores = match d.num_cores() {
+        Ok(cores) => cores,
+        Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => return Ok(0),
+        Err(e) => return Err(query("nvmlDeviceGetNumGpuCores", index)(e)),
+    };
+    Ok(cores_per_multiprocessor(cc_major, cc_minor).map_or(0, |per| cores / per))
+}
+
+/// CUDA cores per streaming multiprocessor by compute capability, as NVIDIA documents them
+/// (CUDA C++ Programming Guide, "Compute Capabilities": arithmetic instruction throughput, FP32
+/// lanes per SM). `None` for a capability not listed.
+pub fn cores_per_multiprocessor(major: i32, minor: i32) -> Option<u32> {
+    match (major, minor) {
+        (6, 0) | (7, _) | (8, 0) => Some(64),
+        (6, 1 | 2) | (8, 6..=9) | (9, 0) | (10..=12, _) => Some(128),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn multiprocessors_from_cuda_cores_match_the_published_sm_counts() {
+        // (compute capability, CUDA cores, SMs) of GPUs NVIDIA lists both for.
+        for (cc, cores, sms) in [
+            ((7, 0), 5120, 80),    // V100
+            ((7, 5), 2560, 40),    // T4
+            ((8, 0), 6912, 108),   // A100
+            ((8, 6), 10752, 84),   // RTX A6000
+            ((8, 9), 7424, 58),    // L4
+            ((8, 9), 18176, 142),  // L40S
+            ((9, 0), 16896, 132),  // H100 SXM, H200
+            ((10, 0), 18944, 148), // B200
+        ] {
+            assert_eq!(
+                cores_per_multiprocessor(cc.0, cc.1).map(|p| cores / p),
+                Some(sms),
+                "{cc:?}"
+            );
+        }
+        assert_eq!(cores_per_multiprocessor(5, 2), None);
+    }
 
     #[test]
     fn a_missing_library_is_a_clear_error_not_a_panic() {

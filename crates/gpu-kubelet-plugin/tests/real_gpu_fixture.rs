@@ -1,0 +1,81 @@
+//! What a real GPU published, replayed through the fake backend.
+//!
+//! `tests/gpu/validate.sh` ran the plugin's NVML backend on a machine with a real GPU and kept
+//! its output under `tests/gpu/fixtures/<gpu>-<driver>/`: the backend's raw answers
+//! (`probe.json`) and the slices `--dry-run` printed from them (`slices*.json`). A topology made
+//! of those raw answers must publish exactly those slices through the fake backend, so the fake
+//! used by every other test is shown to agree with the NVML path on real hardware.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{Value, json};
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/gpu/fixtures");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.expect("fixture entry").path())
+        .filter(|p| p.join("probe.json").is_file())
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn the_fake_backend_publishes_what_nvml_published_on_a_real_gpu() {
+    let dirs = fixtures();
+    assert!(
+        !dirs.is_empty(),
+        "no fixture with a probe.json under tests/gpu/fixtures"
+    );
+    for dir in dirs {
+        let probe = read_json(&dir.join("probe.json"));
+        let gpus: Vec<Value> = probe["gpus"]
+            .as_array()
+            .expect("probe.json: gpus")
+            .iter()
+            .map(|g| g["gpu"].clone())
+            .collect();
+        let topology = json!({"system": probe["system"], "gpus": gpus});
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let file = tmp.path().join("topology.yaml");
+        std::fs::write(&file, topology.to_string()).expect("write topology");
+        for (strategy, slices) in [
+            ("existing", "slices.json"),
+            ("partitionable", "slices-partitionable.json"),
+        ] {
+            let out = Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+                .args(["--dry-run", "-o", "json", "--node-name", "gpu-validation"])
+                .args(["--mig-strategy", strategy, "--fake-topology"])
+                .arg(&file)
+                .output()
+                .expect("run gpu-kubelet-plugin");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let published: Value = serde_json::from_slice(&out.stdout).expect("JSON slices");
+            let expected = read_json(&dir.join(slices));
+            assert!(
+                expected[0]["spec"]["devices"]
+                    .as_array()
+                    .is_some_and(|d| !d.is_empty()),
+                "{}: the real GPU published no device",
+                dir.display()
+            );
+            assert_eq!(
+                published,
+                expected,
+                "{} ({strategy}): the fake backend disagrees with NVML",
+                dir.display()
+            );
+        }
+    }
+}
