@@ -98,8 +98,13 @@ impl Gen {
 /// The non-blank, non-comment lines of corpus file `tests/cel/<file>`. A missing, unreadable
 /// or empty file fails the test: a corpus that silently shrinks proves nothing.
 fn corpus_lines(file: &str) -> Vec<String> {
-    let path = repo_root().join("tests/cel").join(file);
-    let text = std::fs::read_to_string(&path)
+    corpus_lines_at(&repo_root().join("tests/cel").join(file))
+}
+
+/// The cases of a corpus file: its lines but blank ones and `#` comments; panics when the file
+/// is missing or holds no case.
+fn corpus_lines_at(path: &std::path::Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("corpus file {}: {e}", path.display()));
     let lines: Vec<String> = text
         .lines()
@@ -118,6 +123,15 @@ fn corpus_lines(file: &str) -> Vec<String> {
 #[should_panic(expected = "no-such-corpus.jsonl")]
 fn a_missing_corpus_file_fails_the_conformance_test_instead_of_shrinking_it() {
     corpus_lines("no-such-corpus.jsonl");
+}
+
+#[test]
+#[should_panic(expected = "has no cases")]
+fn an_empty_corpus_file_fails_the_conformance_test_instead_of_shrinking_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("rules.jsonl");
+    std::fs::write(&path, "# only a comment\n\n").expect("write");
+    corpus_lines_at(&path);
 }
 
 /// The corpus, and how many of its first cases form the benchmark corpus.

@@ -132,10 +132,14 @@ pub fn open_backend(config: &Config) -> Result<Arc<dyn GpuBackend>, Error> {
                 None => fake,
             })
         }
-        Backend::Nvml { library } => Arc::new(NvmlBackend::load(
-            library.as_deref().map(|p| p.as_os_str()),
-            config.sysfs_root.clone(),
-        )?),
+        Backend::Nvml { library } => Arc::new(
+            NvmlBackend::load(
+                library.as_deref().map(|p| p.as_os_str()),
+                config.sysfs_root.clone(),
+            )?
+            // A hung nvidia-smi holds its GPU's lock: never longer than one claim's deadline.
+            .with_tool_timeout(config.claim_timeout),
+        ),
     })
 }
 

@@ -1,6 +1,7 @@
-//! The plugin against an API server with a DRA feature gate off. Such a server drops the
-//! gate's fields from the slices it stores (here `DRAPartitionableDevices`: shared counters and
-//! counter consumption), so what it holds never equals what the plugin wants. The plugin used
+//! The plugin against an API server with DRA feature gates off. Such a server drops the
+//! gates' fields from the slices it stores (here `DRAPartitionableDevices`: shared counters and
+//! counter consumption; `DRADeviceTaints`: the taints of an unhealthy GPU), so what it holds
+//! never equals what the plugin wants. The plugin used
 //! to see a difference at every rediscovery and write a new pool generation each time (with
 //! `--rediscovery-interval-seconds 1`, one a second), churning every scheduler's view of the
 //! node. It now compares with what the server kept of the same wanted slices, and logs once
@@ -12,6 +13,7 @@ use anyhow::ensure;
 use drust_e2e::host::{BinaryHost, PluginProcess, stop};
 use drust_e2e::manifests::repo_path;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use gpu_inventory::{HealthEvent, HealthEventKind};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::Api;
 use kube::api::ListParams;
@@ -36,10 +38,14 @@ async fn generation(slices: &Api<ResourceSlice>) -> anyhow::Result<(i64, usize)>
 }
 
 #[tokio::test]
-async fn with_a_dra_gate_off_the_pool_is_not_republished_at_every_rediscovery() -> anyhow::Result<()>
+async fn with_dra_gates_off_the_pool_is_not_republished_at_every_rediscovery() -> anyhow::Result<()>
 {
     let cp = ControlPlane::start(ControlPlaneOptions {
-        feature_gates: [("DRAPartitionableDevices".to_owned(), false)].into(),
+        feature_gates: [
+            ("DRAPartitionableDevices".to_owned(), false),
+            ("DRADeviceTaints".to_owned(), false),
+        ]
+        .into(),
         ..Default::default()
     })
     .await?;
@@ -61,6 +67,7 @@ async fn with_a_dra_gate_off_the_pool_is_not_republished_at_every_rediscovery() 
         "--rediscovery-interval-seconds",
         "1",
     ]);
+    cmd.arg("--fake-state-dir").arg(host.state_dir());
     let plugin = PluginProcess(cmd.spawn()?);
     let tail = || std::fs::read_to_string(&log).unwrap_or_default();
 
@@ -93,6 +100,45 @@ async fn with_a_dra_gate_off_the_pool_is_not_republished_at_every_rediscovery() 
         tail()
     );
     ensure!(tail().contains("consumesCounters"), "{}", tail());
+
+    // A GPU turns unhealthy: the plugin publishes its taint once, the server drops it, and the
+    // pool again stays at its generation.
+    let events = gpu_inventory::health::events_dir(&host.state_dir());
+    std::fs::create_dir_all(&events)?;
+    let event = HealthEvent {
+        gpu_uuid: "GPU-5e0c4a1b-7d2f-4c83-9b6e-2f1a8d3c7e40".to_owned(),
+        kind: HealthEventKind::Xid { code: 79 },
+    };
+    std::fs::write(events.join("000001.json"), serde_json::to_vec(&event)?)?;
+    let start = Instant::now();
+    while !tail().contains("spec.devices[].taints") {
+        ensure!(
+            start.elapsed() < Duration::from_secs(30),
+            "the dropped taints were never noticed\n{}",
+            tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (tainted, _) = generation(&slices).await?;
+    ensure!(
+        tainted == first + 1,
+        "the taint took the pool from generation {first} to {tainted}, not one write\n{}",
+        tail()
+    );
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (later, _) = generation(&slices).await?;
+    ensure!(
+        later == tainted,
+        "with the taint dropped, the pool went from generation {tainted} to {later} in 6 s\n{}",
+        tail()
+    );
+    // Once per set of dropped fields: counters alone, then counters and taints.
+    let told = tail().matches("the API server dropped fields").count();
+    ensure!(
+        told == 2,
+        "the dropped fields logged {told} times\n{}",
+        tail()
+    );
     stop(plugin).await?;
     cp.stop().await?;
     Ok(())

@@ -67,6 +67,7 @@ pub struct NvmlBackend {
     events: Mutex<Events>,
     nvml: Nvml,
     sysfs_root: PathBuf,
+    tool_timeout: Duration,
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -97,7 +98,16 @@ impl NvmlBackend {
             events: Mutex::new(Events::default()),
             nvml,
             sysfs_root,
+            tool_timeout: TOOL_TIMEOUT,
         })
+    }
+
+    /// Kills `nvidia-smi` after `timeout` instead of [`TOOL_TIMEOUT`]. The plugin passes its
+    /// claim deadline, so a hung tool never holds a GPU's lock longer than one claim may take.
+    #[must_use]
+    pub fn with_tool_timeout(mut self, timeout: Duration) -> Self {
+        self.tool_timeout = timeout;
+        self
     }
 
     /// Registers every GPU for the health events we watch.
@@ -399,9 +409,10 @@ impl GpuBackend for NvmlBackend {
     }
 
     /// NVML has no call for the compute time slice; `nvidia-smi compute-policy` (from the driver
-    /// root, on `PATH`) sets it, as NVIDIA's own DRA driver does, within [`TOOL_TIMEOUT`].
+    /// root, on `PATH`) sets it, as NVIDIA's own DRA driver does, killed after the tool timeout
+    /// ([`TOOL_TIMEOUT`] unless [`NvmlBackend::with_tool_timeout`] set another).
     fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
-        set_time_slice_with(OsStr::new("nvidia-smi"), index, value, TOOL_TIMEOUT)
+        set_time_slice_with(OsStr::new("nvidia-smi"), index, value, self.tool_timeout)
     }
 
     fn create_mig_device(
