@@ -5,31 +5,43 @@
 //!   request's selectors), `examples/hopper-or-newer` compute capability 9.0 (the class's
 //!   selectors: an L40S is 8.9);
 //! - `nvl-node` (the fake paired-NVLink H100 NVL topology) with every GPU tainted NoSchedule, as
-//!   the health monitor taints a GPU with an XID error: both stop at the taints.
+//!   the health monitor taints a GPU with an XID error: both stop at the taints;
+//! - `examples/gpu-memory` (40 GiB) before a fitting GPU exists: `l4-node` (the L4 of the fake
+//!   mixed A100/L4 topology) stops at the request's selectors, `nvl-node` at the taints and
+//!   `l40s-node`, its slices deleted, at what is offered; once `l40s-node` publishes again the
+//!   scheduler binds the pod there;
+//! - `examples/numa-aligned` (four H100 on one NUMA node) on `numa-node`, a DGX H100 with one
+//!   GPU of each NUMA node gone: stops at the constraint, 3 devices for each value;
+//! - `examples/mig-partitionable`'s `one-more` after the example's two pods took both A100s'
+//!   memory slices: `mig-node` stops at counters and capacity. That node's slices come from the
+//!   node plugin itself (`--fake-topology`, `--mig-strategy partitionable`).
 //!
-//! The slices are the plugin's own `--dry-run` snapshots, created directly.
+//! The other slices are the plugin's own `--dry-run` snapshots, created directly.
 
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
 use anyhow::ensure;
+use drust_e2e::host::{BinaryHost, PluginProcess, stop};
 use drust_e2e::manifests::{apply_file, repo_path};
-use drust_e2e::pods::unschedulable;
+use drust_e2e::pods::{bound_with_claim, unschedulable};
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceTaint, ResourceSlice};
-use kube::api::{Api, PostParams};
+use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde::Deserialize as _;
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Creates the snapshot's slices for `node`, with the devices `keep` accepts.
 async fn create_slices(
     client: &kube::Client,
     snapshot: &str,
     node: &str,
     taint: bool,
+    keep: impl Fn(&Device) -> bool,
 ) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let text = std::fs::read_to_string(repo_path(&format!(
@@ -40,6 +52,9 @@ async fn create_slices(
         slice.metadata.generate_name = Some(format!("{node}-gpus-"));
         slice.spec.node_name = Some(node.to_owned());
         slice.spec.pool.name = node.to_owned();
+        if let Some(devices) = slice.spec.devices.as_mut() {
+            devices.retain(&keep);
+        }
         if taint {
             for device in slice.spec.devices.iter_mut().flatten() {
                 device.taints = Some(vec![DeviceTaint {
@@ -97,8 +112,8 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
     cp.register_node("l40s-node", &[]).await?;
     cp.register_node("nvl-node", &[]).await?;
-    create_slices(&client, "pcie-l40s", "l40s-node", false).await?;
-    create_slices(&client, "paired-nvlink-bridges", "nvl-node", true).await?;
+    create_slices(&client, "pcie-l40s", "l40s-node", false, |_| true).await?;
+    create_slices(&client, "paired-nvlink-bridges", "nvl-node", true, |_| true).await?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::copy(cp.kubeconfig_path(), &kubeconfig)?;
@@ -142,6 +157,173 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
                 && human.contains("(gpu.drust.dev/unhealthy=xid-79:NoSchedule)"),
             "{example}: {human}"
         );
+        pods.delete(pod, &DeleteParams::default()).await?;
     }
+
+    forty_gib(cp, &client, &kubeconfig, &pods).await?;
+    numa(cp, &client, &kubeconfig, &pods).await?;
+    partitionable_full(cp, &client, &kubeconfig, &pods).await
+}
+
+/// The stage `node`'s requests are blocked at, from `dractl explain pod -o json`.
+fn stage_on(json: &Value, node: &str) -> Option<Vec<String>> {
+    stages(json)
+        .into_iter()
+        .find(|(n, _)| n == node)
+        .map(|(_, s)| s)
+}
+
+fn explain_json(kubeconfig: &Path, pod: &str) -> anyhow::Result<Value> {
+    let out = explain(kubeconfig, &format!("default/{pod}"), true)?;
+    ensure!(
+        out.status.success(),
+        "{pod}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+fn product(device: &Device) -> Option<String> {
+    let attrs = device.attributes.as_ref()?;
+    attrs.get("productName")?.string.clone()
+}
+
+/// `examples/gpu-memory` while no untainted GPU has 40 GiB, then once one does.
+async fn forty_gib(
+    cp: &ControlPlane,
+    client: &kube::Client,
+    kubeconfig: &Path,
+    pods: &Api<Pod>,
+) -> anyhow::Result<()> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    slices
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().fields("spec.nodeName=l40s-node"),
+        )
+        .await?;
+    cp.register_node("l4-node", &[]).await?;
+    create_slices(client, "mixed-a100-l4", "l4-node", false, |d| {
+        product(d).is_some_and(|p| p.contains("L4"))
+    })
+    .await?;
+    apply_file(client, &repo_path("examples/gpu-memory/gpu-memory.yaml")).await?;
+    unschedulable(pods, "cuda-40gi", WAIT).await?;
+    let json = explain_json(kubeconfig, "cuda-40gi")?;
+    ensure!(
+        stage_on(&json, "l4-node") == Some(vec!["requestSelectors".to_owned()])
+            && stage_on(&json, "nvl-node") == Some(vec!["taintsTolerated".to_owned()])
+            // Its slices are gone: nothing offered.
+            && stage_on(&json, "l40s-node") == Some(vec!["offered".to_owned()]),
+        "40 GiB: {:?}",
+        stages(&json)
+    );
+    // A fitting GPU appears: the scheduler places the pod there.
+    create_slices(client, "pcie-l40s", "l40s-node", false, |_| true).await?;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let (pod, _) = bound_with_claim(pods, &claims, "cuda-40gi", WAIT).await?;
+    let node = pod.spec.and_then(|s| s.node_name);
+    ensure!(node.as_deref() == Some("l40s-node"), "bound to {node:?}");
     Ok(())
+}
+
+/// `examples/numa-aligned` on a DGX H100 missing one GPU of each NUMA node.
+async fn numa(
+    cp: &ControlPlane,
+    client: &kube::Client,
+    kubeconfig: &Path,
+    pods: &Api<Pod>,
+) -> anyhow::Result<()> {
+    cp.register_node("numa-node", &[]).await?;
+    let gone = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    create_slices(client, "dgx-h100", "numa-node", false, |d| {
+        let numa = d
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get("resource.kubernetes.io/numaNode"))
+            .and_then(|v| v.int);
+        // The first GPU seen of each NUMA node is gone.
+        !gone.lock().expect("lock").insert(numa)
+    })
+    .await?;
+    apply_file(
+        client,
+        &repo_path("examples/numa-aligned/numa-aligned.yaml"),
+    )
+    .await?;
+    unschedulable(pods, "numa-aligned-training", WAIT).await?;
+    let json = explain_json(kubeconfig, "numa-aligned-training")?;
+    ensure!(
+        stage_on(&json, "numa-node") == Some(vec!["constraint".to_owned()]),
+        "numa: {:?}",
+        stages(&json)
+    );
+    let node = json["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|n| n["name"] == "numa-node")
+        .cloned()
+        .unwrap_or_default();
+    let values = &node["explanation"]["requests"][0]["constraints"][0];
+    ensure!(
+        values["attribute"] == "resource.kubernetes.io/numaNode"
+            && values["values"]
+                == serde_json::json!([{"value": "0", "devices": 3}, {"value": "1", "devices": 3}]),
+        "numa constraint values: {values}"
+    );
+    pods.delete("numa-aligned-training", &DeleteParams::default())
+        .await?;
+    Ok(())
+}
+
+/// `examples/mig-partitionable`: its two pods take every A100's memory slices, then
+/// `one-more` does not fit; the node's slices are published by the plugin itself.
+async fn partitionable_full(
+    cp: &ControlPlane,
+    client: &kube::Client,
+    kubeconfig: &Path,
+    pods: &Api<Pod>,
+) -> anyhow::Result<()> {
+    cp.register_node("mig-node", &[]).await?;
+    let host = BinaryHost::new(
+        "drust-explain-mig-",
+        cp.kubeconfig_path(),
+        &repo_path("examples/topologies/pcie-a100-mig.yaml"),
+        "gpu.drust.dev",
+        "mig-node",
+    )?;
+    let log = host.root().join("plugin.log");
+    let mut cmd = host.command(&log, None)?;
+    cmd.args(["--mig-strategy", "partitionable"]);
+    let plugin = PluginProcess(cmd.spawn()?);
+    let result = async {
+        apply_file(client, &repo_path("deploy/deviceclasses/mig.yaml")).await?;
+        apply_file(
+            client,
+            &repo_path("examples/mig-partitionable/mig-partitionable.yaml"),
+        )
+        .await?;
+        let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+        for pod in ["mig-4g-pair", "mig-3g-pair"] {
+            bound_with_claim(pods, &claims, pod, WAIT).await?;
+        }
+        apply_file(
+            client,
+            &repo_path("examples/mig-partitionable/one-more.yaml"),
+        )
+        .await?;
+        unschedulable(pods, "mig-1g-one-more", WAIT).await?;
+        let json = explain_json(kubeconfig, "mig-1g-one-more")?;
+        ensure!(
+            stage_on(&json, "mig-node") == Some(vec!["countersAndCapacity".to_owned()]),
+            "partitionable: {:?}\n{}",
+            stages(&json),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    stop(plugin).await?;
+    result
 }
