@@ -30,6 +30,9 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 
+pub mod status;
+pub use status::Status;
+
 /// The event's reason (`kubectl describe pod` column Reason).
 pub const REASON: &str = "CannotAllocateDevices";
 /// The event's action.
@@ -50,21 +53,6 @@ pub struct Settings {
     pub burst: u32,
     /// Who reports the events.
     pub reporter: Reporter,
-}
-
-/// Counters of what the controller did.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Reconcile calls.
-    pub reconciles: AtomicU64,
-    /// Explanations computed.
-    pub explained: AtomicU64,
-    /// Events created.
-    pub published: AtomicU64,
-    /// Explanations not published because they were published already.
-    pub deduplicated: AtomicU64,
-    /// Reconcile errors.
-    pub errors: AtomicU64,
 }
 
 /// Why a reconcile failed (the error policy retries it).
@@ -140,8 +128,8 @@ pub struct Context {
     /// Per pod UID: what its last explanation was computed from, the note, and when it was
     /// published.
     published: Mutex<HashMap<String, Published>>,
-    /// What the controller did so far.
-    pub counters: Counters,
+    /// What the controller did so far, and whether it is ready.
+    pub status: Arc<Status>,
 }
 
 /// The cluster as the caches hold it (Nodes, DeviceClasses, ResourceSlices, allocated
@@ -201,6 +189,7 @@ struct Published {
 pub async fn run(
     client: Client,
     settings: Settings,
+    status: Arc<Status>,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> anyhow::Result<Arc<Context>> {
     let generation = Arc::new(AtomicU64::new(0));
@@ -216,6 +205,7 @@ pub async fn run(
     ] {
         ready.map_err(|e| anyhow::anyhow!("the {what} cache: {e}"))?;
     }
+    status.caches_ready.set(1);
     tracing::info!("caches ready");
     let bucket = Bucket::new(settings.events_per_second, settings.burst);
     let context = Arc::new(Context {
@@ -229,7 +219,7 @@ pub async fn run(
         generation,
         snapshot: tokio::sync::Mutex::new(None),
         published: Mutex::new(HashMap::new()),
-        counters: Counters::default(),
+        status,
     });
     let pods: Api<Pod> = Api::all(client);
     // Only pods not bound to a node: those are the ones a scheduler may have given up on.
@@ -360,7 +350,7 @@ pub fn unschedulable(pod: &Pod) -> bool {
 }
 
 async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
-    ctx.counters.reconciles.fetch_add(1, Ordering::Relaxed);
+    ctx.status.reconciles.inc();
     let uid = pod.uid().unwrap_or_default();
     let has_claims = pod
         .spec
@@ -405,7 +395,7 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
         .collect();
     let inputs = (generation, versions);
     if ctx.unchanged(&uid, &inputs) {
-        ctx.counters.deduplicated.fetch_add(1, Ordering::Relaxed);
+        ctx.status.deduplicated.inc();
         return Ok(Action::requeue(ctx.settings.resync));
     }
     // The pod's claims, defaulted as the allocator expects.
@@ -453,14 +443,14 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
         pod: pod_ref.clone(),
         reason,
     })?;
-    ctx.counters.explained.fetch_add(1, Ordering::Relaxed);
+    ctx.status.explained.inc();
     if report.fitting().next().is_some() || report.nodes.is_empty() {
         // It fits now (or there are no nodes): nothing to tell; the scheduler retries.
         return Ok(Action::requeue(ctx.settings.resync));
     }
     let note = note(&report);
     if !ctx.should_publish(&uid, &note) {
-        ctx.counters.deduplicated.fetch_add(1, Ordering::Relaxed);
+        ctx.status.deduplicated.inc();
         ctx.refresh(&uid, inputs);
         return Ok(Action::requeue(ctx.settings.resync));
     }
@@ -481,14 +471,14 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
             pod: pod_ref.clone(),
             source,
         })?;
-    ctx.counters.published.fetch_add(1, Ordering::Relaxed);
+    ctx.status.published.inc();
     ctx.remember(uid, inputs, note);
     tracing::info!(pod = %pod_ref, "explained");
     Ok(Action::requeue(ctx.settings.resync))
 }
 
 fn error_policy(pod: Arc<Pod>, error: &Error, ctx: Arc<Context>) -> Action {
-    ctx.counters.errors.fetch_add(1, Ordering::Relaxed);
+    ctx.status.errors.inc();
     tracing::warn!(pod = %dra_allocator::pod::pod_ref(&pod), %error, "reconcile failed; retrying");
     Action::requeue(Duration::from_secs(15))
 }

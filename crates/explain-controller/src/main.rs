@@ -28,6 +28,9 @@ struct Args {
     /// The event's reporting instance (the chart sets the pod name).
     #[arg(long, env = "POD_NAME")]
     instance: Option<String>,
+    /// Serve /metrics, /healthz and /readyz on this address (e.g. 0.0.0.0:9478); off if unset.
+    #[arg(long)]
+    http_address: Option<std::net::SocketAddr>,
 }
 
 #[tokio::main]
@@ -71,12 +74,24 @@ async fn main() -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => {}
         }
     };
-    let context = explain_controller::run(client, settings, shutdown).await?;
-    let c = &context.counters;
+    let status = std::sync::Arc::new(explain_controller::Status::default());
+    // Served before the caches fill, so the readiness probe can say why it is not ready.
+    let http = match args.http_address {
+        Some(address) => Some(
+            explain_controller::status::serve(address, std::sync::Arc::clone(&status))
+                .await
+                .with_context(|| format!("binding the HTTP endpoint {address}"))?,
+        ),
+        None => None,
+    };
+    explain_controller::run(client, settings, std::sync::Arc::clone(&status), shutdown).await?;
+    if let Some(http) = http {
+        http.abort();
+    }
     tracing::info!(
-        reconciles = c.reconciles.load(std::sync::atomic::Ordering::Relaxed),
-        published = c.published.load(std::sync::atomic::Ordering::Relaxed),
-        deduplicated = c.deduplicated.load(std::sync::atomic::Ordering::Relaxed),
+        reconciles = status.reconciles.get(),
+        published = status.published.get(),
+        deduplicated = status.deduplicated.get(),
         "stopped"
     );
     Ok(())

@@ -2,6 +2,8 @@
 //! and with exactly the RBAC the chart renders for it (`explainController.enabled=true`): a pod
 //! the real scheduler leaves Unschedulable gets a Warning event with the explanation within
 //! seconds, once (re-explaining every second publishes nothing new); a pod that fits gets none.
+//! Its HTTP endpoint, on the port and with the probes the chart renders: ready once its caches
+//! are filled, and its counters say what it did.
 
 use std::time::{Duration, Instant};
 
@@ -53,7 +55,12 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     // The chart's own objects for the controller (its Deployment needs a node to run on: the
     // binary runs here instead, with the Deployment's arguments and the ServiceAccount's token).
     let controller = support::start(cp, &["explainController.resync=1s"]).await?;
-    let outcome = check(&client).await;
+    let outcome = async {
+        ready(&controller).await?;
+        check(&client).await?;
+        counted(&controller).await
+    }
+    .await;
     if outcome.is_err() {
         eprintln!(
             "controller log:\n{}",
@@ -61,6 +68,37 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         );
     }
     outcome
+}
+
+/// `/readyz` answers 200 within seconds (the caches filled); `/healthz` too.
+async fn ready(controller: &support::Controller) -> anyhow::Result<()> {
+    drust_e2e::wait::until("the controller ready", Duration::from_secs(30), || async {
+        match drust_e2e::http::get(controller.http, "/readyz").await {
+            Ok((200, _)) => Ok(Some(())),
+            Ok((status, body)) => Err(format!("/readyz answered {status}: {body}")),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await?;
+    let (status, body) = drust_e2e::http::get(controller.http, "/healthz").await?;
+    ensure!(status == 200 && body == "ok", "/healthz: {status} {body}");
+    Ok(())
+}
+
+/// `/metrics` counts the one event and the explanations not published again.
+async fn counted(controller: &support::Controller) -> anyhow::Result<()> {
+    let (status, metrics) = drust_e2e::http::get(controller.http, "/metrics").await?;
+    ensure!(status == 200, "/metrics answered {status}");
+    let value = |name: &str| drust_e2e::http::sample(&metrics, name).unwrap_or(-1.0);
+    ensure!(
+        value("drust_explain_events_total") == 1.0
+            && value("drust_explain_caches_ready") == 1.0
+            && value("drust_explain_errors_total") == 0.0
+            && value("drust_explain_deduplicated_total") >= 1.0
+            && value("drust_explain_reconciles_total") >= 2.0,
+        "{metrics}"
+    );
+    Ok(())
 }
 
 async fn check(client: &kube::Client) -> anyhow::Result<()> {

@@ -31,6 +31,7 @@ mod controlplane;
 pub mod driver_root;
 pub mod helm;
 pub mod host;
+pub mod http;
 pub mod images;
 pub mod kubelet;
 pub mod manifests;

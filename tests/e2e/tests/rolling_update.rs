@@ -8,7 +8,6 @@
 //! the same way with nothing in flight, which measures the bare handover gap.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -18,6 +17,7 @@ use anyhow::{Context, bail, ensure};
 use dra_kubelet::proto::dra_v1;
 use drust_e2e::claims::allocated_claim;
 use drust_e2e::host::BinaryHost;
+use drust_e2e::http::get;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::repo_path;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
@@ -118,38 +118,11 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(drust_e2e::ports::free_port()?)
 }
 
-/// `GET path` on the plugin's HTTP endpoint: status code and body.
-async fn get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
-    let path = path.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        let status = text
-            .split(' ')
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .context("no status line")?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
-    })
-    .await?
-}
-
 /// The value of the sample `name` (with its labels, exactly as exposed) in `/metrics`.
 async fn metric(p: &PluginProcess, sample: &str) -> anyhow::Result<f64> {
     let (status, body) = get(p.http, "/metrics").await?;
     ensure!(status == 200, "{}: /metrics answered {status}", p.id);
-    body.lines()
-        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+    drust_e2e::http::sample(&body, sample)
         .with_context(|| format!("{}: no sample {sample} in:\n{body}", p.id))
 }
 

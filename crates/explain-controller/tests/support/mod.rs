@@ -36,6 +36,8 @@ pub async fn create_slices(client: &kube::Client, node: &str) -> anyhow::Result<
 /// The running controller; killed when dropped.
 pub struct Controller {
     pub child: Child,
+    /// Port of its /metrics, /healthz and /readyz.
+    pub http: u16,
     dir: tempfile::TempDir,
 }
 
@@ -80,7 +82,9 @@ impl Drop for Controller {
 /// rendered arguments and the ServiceAccount's token.
 pub async fn start(cp: &ControlPlane, set: &[&str]) -> anyhow::Result<Controller> {
     let client = cp.client().await?;
-    let mut values = vec!["explainController.enabled=true"];
+    let http = drust_e2e::ports::free_port()?;
+    let port = format!("explainController.port={http}");
+    let mut values = vec!["explainController.enabled=true", port.as_str()];
     values.extend(set);
     let rendered = drust_e2e::helm::template("drust", NAMESPACE, &values).await?;
     let mut rbac = String::new();
@@ -132,5 +136,5 @@ pub async fn start(cp: &ControlPlane, set: &[&str]) -> anyhow::Result<Controller
         .stderr(log);
     drust_e2e::die_with_parent(&mut command);
     let child = command.spawn()?;
-    Ok(Controller { child, dir })
+    Ok(Controller { child, http, dir })
 }
