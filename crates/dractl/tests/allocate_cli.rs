@@ -2,38 +2,24 @@
 //! format, bad input files refused with exit code 2 naming file, document and field, and random
 //! damage to valid input never panicking nor running unbounded.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+mod cli;
+use cli::text;
 
 /// The README's example inputs.
 fn example_files() -> Vec<PathBuf> {
-    let r = repo();
-    vec![
-        r.join("examples/allocate/cluster.yaml"),
-        r.join("deploy/deviceclasses/gpu.yaml"),
-        r.join("crates/gpu-kubelet-plugin/tests/snapshots/dgx-h100.yaml"),
-        r.join("examples/allocate/pod-claims.yaml"),
-    ]
+    let mut files = cli::cluster();
+    files.push(cli::repo().join("examples/allocate/pod-claims.yaml"));
+    files
 }
 
 fn dractl(files: &[PathBuf], extra: &[&str]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dractl"));
-    cmd.arg("allocate");
-    for f in files {
-        cmd.arg("-f").arg(f);
-    }
-    cmd.args(extra).output().expect("dractl runs")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+    cli::dractl("allocate", files, extra)
 }
 
 #[test]

@@ -1,35 +1,16 @@
 //! `dractl explain` from the outside: the README's pending example through the binary, as
 //! text and JSON; a pod that fits says where; bad input exits 2.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
+use std::process::Output;
 
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn cluster() -> Vec<PathBuf> {
-    let r = repo();
-    vec![
-        r.join("examples/allocate/cluster.yaml"),
-        r.join("deploy/deviceclasses/gpu.yaml"),
-        r.join("crates/gpu-kubelet-plugin/tests/snapshots/dgx-h100.yaml"),
-    ]
-}
+mod cli;
+use cli::{cluster, repo, text};
 
 fn dractl(files: &[PathBuf], extra: &[&str]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dractl"));
-    cmd.arg("explain");
-    for f in files {
-        cmd.arg("-f").arg(f);
-    }
-    cmd.args(extra).output().expect("dractl runs")
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
+    cli::dractl("explain", files, extra)
 }
 
 #[test]
@@ -98,12 +79,7 @@ fn a_pod_that_fits_says_where_and_bad_input_exits_2() {
 }
 
 fn simulate(files: &[PathBuf], extra: &[&str]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dractl"));
-    cmd.arg("simulate");
-    for f in files {
-        cmd.arg("-f").arg(f);
-    }
-    cmd.args(extra).output().expect("dractl runs")
+    cli::dractl("simulate", files, extra)
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //! 1,000) over `DRUST_SCALE_NODES` fake DGX H100 nodes (default 100), all Unschedulable. Every
 //! pod gets exactly one event (the writes are bounded by the pods, not by the resyncs), and the
 //! controller's CPU time, peak memory and the time to the last event are printed for
-//! BENCHMARKS.md (measured there with `--release`; not asserted here).
+//! BENCHMARKS.md (measured there with `--release`). Its peak memory must stay under the memory
+//! limit the chart gives its container, or the Deployment would be OOM-killed at this scale.
 
 mod support;
 
@@ -163,5 +164,14 @@ spec:
         rss / 1024
     );
     ensure!(after == pods_wanted, "{after} events after more resyncs");
+    let limit = controller
+        .memory_limit_kib
+        .ok_or_else(|| anyhow::anyhow!("the chart sets no memory limit"))?;
+    ensure!(
+        rss < limit,
+        "peak RSS {} MiB is over the chart's memory limit {} MiB",
+        rss / 1024,
+        limit / 1024
+    );
     Ok(())
 }

@@ -38,6 +38,8 @@ pub struct Controller {
     pub child: Child,
     /// Port of its /metrics, /healthz and /readyz.
     pub http: u16,
+    /// The Deployment's memory limit in KiB (`resources.limits.memory`, Mi or Gi), if any.
+    pub memory_limit_kib: Option<u64>,
     dir: tempfile::TempDir,
 }
 
@@ -89,6 +91,7 @@ pub async fn start(cp: &ControlPlane, set: &[&str]) -> anyhow::Result<Controller
     let rendered = drust_e2e::helm::template("drust", NAMESPACE, &values).await?;
     let mut rbac = String::new();
     let mut args: Vec<String> = Vec::new();
+    let mut memory_limit_kib = None;
     for doc in serde_yaml_ng::Deserializer::from_str(&rendered) {
         let value: Value = serde_json::to_value(serde_yaml_ng::Value::deserialize(doc)?)?;
         if value["metadata"]["name"].as_str() != Some(SERVICE_ACCOUNT) {
@@ -106,6 +109,15 @@ pub async fn start(cp: &ControlPlane, set: &[&str]) -> anyhow::Result<Controller
                     .iter()
                     .filter_map(|a| a.as_str().map(str::to_owned))
                     .collect();
+                let limit = value["spec"]["template"]["spec"]["containers"][0]["resources"]
+                    ["limits"]["memory"]
+                    .as_str()
+                    .unwrap_or_default();
+                memory_limit_kib = match limit.split_at(limit.len().saturating_sub(2)) {
+                    (n, "Mi") => n.parse::<u64>().ok().map(|n| n * 1024),
+                    (n, "Gi") => n.parse::<u64>().ok().map(|n| n * 1024 * 1024),
+                    _ => None,
+                };
             }
             _ => {}
         }
@@ -136,5 +148,10 @@ pub async fn start(cp: &ControlPlane, set: &[&str]) -> anyhow::Result<Controller
         .stderr(log);
     drust_e2e::die_with_parent(&mut command);
     let child = command.spawn()?;
-    Ok(Controller { child, http, dir })
+    Ok(Controller {
+        child,
+        http,
+        memory_limit_kib,
+        dir,
+    })
 }
