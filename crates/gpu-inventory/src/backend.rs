@@ -94,9 +94,14 @@ pub enum MigMode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MigProfile {
-    /// NVML profile id (`NVML_GPU_INSTANCE_PROFILE_*`, e.g. 0 = 1 slice, 9 = 1 slice rev. 2);
-    /// not the id `nvidia-smi mig -lgip` prints.
+    /// The GPU instance profile ID (`nvmlGpuInstanceProfileInfo_t.id`, what `nvidia-smi mig
+    /// -lgip` prints, e.g. 19 for `1g.10gb` on an A100 80GB): what placement queries, GPU
+    /// instance creation and existing instances (`nvmlGpuInstanceGetInfo`.profileId) use.
     pub id: u32,
+    /// The `NVML_GPU_INSTANCE_PROFILE_*` value the profile was queried as (0 = 1 slice,
+    /// 7 = 1 slice rev. 1 (`+me`), 9 = 1 slice rev. 2, ...): which variant it is. Not the ID:
+    /// on an H200 profile 0 has ID 19 (`tests/gpu/fixtures/h200-580.159.04`).
+    pub profile: u32,
     /// Compute (GPC) slices, the `N` of `Ng.` (`sliceCount`).
     pub slice_count: u32,
     /// How many instances of this profile fit on an empty GPU (`instanceCount`).

@@ -11,7 +11,7 @@
 //!      pciBusId: "00000000:18:00.0", numaNode: 0, pcieRoot: "pci0000:17",
 //!      nvlinks: [{links: 5, remotePciBusId: "00000000:05:00.0", remoteDeviceType: switch}],
 //!      migMode: enabled,
-//!      migDevices: [{uuid: MIG-..., gpuInstanceId: 1, profileId: 0,
+//!      migDevices: [{uuid: MIG-..., gpuInstanceId: 1, profileId: 19,
 //!                    placement: {start: 0, size: 1}}],
 //!      fabric: {clusterUuid: ..., cliqueId: 1, state: completed}}
 //! ```
@@ -34,7 +34,7 @@
 //!
 //! ```json
 //! {"created": 3, "gpus": {"GPU-<uuid>": [{"uuid": "MIG-...", "gpuInstanceId": 7,
-//!   "computeInstanceId": 0, "profileId": 0, "placement": {"start": 0, "size": 1},
+//!   "computeInstanceId": 0, "profileId": 19, "placement": {"start": 0, "size": 1},
 //!   "attributes": {...}}]}}
 //! ```
 //!
@@ -809,7 +809,7 @@ gpus:
      architecture: Ampere, cudaComputeCapabilityMajor: 8, cudaComputeCapabilityMinor: 0,
      memoryTotalBytes: 85899345920, multiprocessorCount: 108, pciBusId: "00000000:07:00.0",
      numaNode: 0, migMode: enabled,
-     migDevices: [{uuid: MIG-pre, gpuInstanceId: 2, profileId: 2, placement: {start: 4, size: 4}}]}
+     migDevices: [{uuid: MIG-pre, gpuInstanceId: 2, profileId: 9, placement: {start: 4, size: 4}}]}
   - {index: 1, minor: 1, uuid: GPU-d, name: NVIDIA A100-SXM4-80GB, brand: Nvidia,
      architecture: Ampere, cudaComputeCapabilityMajor: 8, cudaComputeCapabilityMinor: 0,
      memoryTotalBytes: 85899345920, multiprocessorCount: 108, pciBusId: "00000000:0F:00.0",
@@ -828,11 +828,11 @@ gpus:
     fn created_mig_devices_get_the_drivers_instance_ids_and_are_listed_until_destroyed() {
         let fake = a100();
         let one = fake
-            .create_mig_device(0, 0, at(1, 1))
+            .create_mig_device(0, 19, at(1, 1))
             .expect("1g.10gb at 1");
         assert_eq!((one.gpu_instance_id, one.compute_instance_id), (8, 0));
         let two = fake
-            .create_mig_device(0, 1, at(2, 2))
+            .create_mig_device(0, 14, at(2, 2))
             .expect("2g.20gb at 2");
         assert_eq!(two.gpu_instance_id, 4);
         assert!(
@@ -856,7 +856,7 @@ gpus:
         assert!(fake.destroy_mig_device(0, 4, 0).expect("destroy"));
         assert!(fake.gpu(0).expect("gpu").mig_devices.is_empty());
         // Created again at the same place: the same id, a new UUID.
-        let again = fake.create_mig_device(0, 0, at(1, 1)).expect("again");
+        let again = fake.create_mig_device(0, 19, at(1, 1)).expect("again");
         assert_eq!(again.gpu_instance_id, 8);
         assert_ne!(again.uuid, one.uuid);
     }
@@ -864,16 +864,16 @@ gpus:
     #[test]
     fn mig_creation_follows_nvmls_placement_rules() {
         let fake = a100();
-        fake.create_mig_device(0, 7, at(0, 1))
+        fake.create_mig_device(0, 20, at(0, 1))
             .expect("1g.10gb+me at 0");
         let cases = [
-            (1, 0, at(0, 1), "MIG mode is Disabled"),
+            (1, 19, at(0, 1), "MIG mode is Disabled"),
             (0, 99, at(0, 1), "profile 99 is not a profile"),
-            (0, 1, at(1, 2), "not a placement of profile 1"),
-            (0, 3, at(0, 4), "overlaps GPU instance 7"),
-            (0, 0, at(5, 1), "overlaps GPU instance 2"),
-            (0, 7, at(1, 1), "profile 7 allows 1 instance"),
-            (0, 4, at(0, 8), "overlaps"),
+            (0, 14, at(1, 2), "not a placement of profile 14"),
+            (0, 5, at(0, 4), "overlaps GPU instance 7"),
+            (0, 19, at(5, 1), "overlaps GPU instance 2"),
+            (0, 20, at(1, 1), "profile 20 allows 1 instance"),
+            (0, 0, at(0, 8), "overlaps"),
         ];
         for (index, profile, placement, needle) in cases {
             let err = fake
@@ -890,8 +890,8 @@ gpus:
     fn the_same_operations_give_the_same_uuids() {
         let (a, b) = (a100(), a100());
         for fake in [&a, &b] {
-            fake.create_mig_device(0, 0, at(0, 1)).expect("create");
-            fake.create_mig_device(0, 0, at(3, 1)).expect("create");
+            fake.create_mig_device(0, 19, at(0, 1)).expect("create");
+            fake.create_mig_device(0, 19, at(3, 1)).expect("create");
         }
         assert_eq!(a.gpu(0).expect("gpu"), b.gpu(0).expect("gpu"));
     }
@@ -901,7 +901,7 @@ gpus:
         let dir = tempfile::tempdir().expect("tempdir");
         let topology = Topology::parse(A100_MIG, "a100").expect("valid");
         let first = FakeBackend::new(topology.clone()).with_state_dir(dir.path());
-        let made = first.create_mig_device(0, 0, at(0, 1)).expect("create");
+        let made = first.create_mig_device(0, 19, at(0, 1)).expect("create");
         // A restarted plugin (a new backend on the same dir) sees it and can destroy it.
         let second = FakeBackend::new(topology.clone()).with_state_dir(dir.path());
         assert!(second.gpu(0).expect("gpu").mig_devices.contains(&made));
@@ -929,16 +929,16 @@ gpus:
             .with_state_dir(dir.path());
         std::fs::write(dir.path().join("fail-mig-create"), b"").expect("arm");
         assert!(matches!(
-            fake.create_mig_device(0, 0, at(0, 1)),
+            fake.create_mig_device(0, 19, at(0, 1)),
             Err(BackendError::Injected { index: 0, .. })
         ));
         std::fs::remove_file(dir.path().join("fail-mig-create")).expect("disarm");
-        let made = fake.create_mig_device(0, 0, at(0, 1)).expect("create");
+        let made = fake.create_mig_device(0, 19, at(0, 1)).expect("create");
         fake.fail_mig_destroy(0);
         assert!(fake.destroy_mig_device(0, made.gpu_instance_id, 0).is_err());
         assert!(fake.gpu(0).expect("gpu").mig_devices.contains(&made));
         fake.fail_mig_create(0);
-        assert!(fake.create_mig_device(0, 0, at(1, 1)).is_err());
+        assert!(fake.create_mig_device(0, 19, at(1, 1)).is_err());
         assert_eq!(fake.gpu(0).expect("gpu").mig_devices.len(), 2);
     }
 
@@ -947,8 +947,8 @@ gpus:
         use crate::model::{MigStrategy, discover};
         let fake = a100();
         let before = discover(&fake).expect("discover");
-        fake.create_mig_device(0, 0, at(0, 1)).expect("create");
-        fake.create_mig_device(0, 1, at(2, 2)).expect("create");
+        fake.create_mig_device(0, 19, at(0, 1)).expect("create");
+        fake.create_mig_device(0, 14, at(2, 2)).expect("create");
         fake.destroy_mig_device(0, 2, 0).expect("destroy");
         let after = discover(&fake).expect("discover");
         assert_ne!(

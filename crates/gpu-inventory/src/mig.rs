@@ -40,7 +40,7 @@ pub fn profile_name(profile: &MigProfile, gpu_memory_bytes: u64) -> String {
     let eighths = (profile.memory_size_mib * 8).div_ceil(total_mib);
     let total_gib = total_mib.div_ceil(1024);
     let gb = (eighths * total_gib + 4) / 8;
-    let suffix = match profile.id {
+    let suffix = match profile.profile {
         PROFILE_1_SLICE_REV1 | PROFILE_2_SLICE_REV1 => "+me",
         10..=12 => "+gfx",
         13 | 14 => "-me",
@@ -254,15 +254,15 @@ fn quantity(name: &str, v: u64) -> Quantity {
     }
 }
 
-/// Every possible placement of every profile of `gpu`, by profile id then start.
+/// Every possible placement of every profile of `gpu`, by `NVML_GPU_INSTANCE_PROFILE_*` then start.
 pub fn placements(gpu: &Gpu) -> Vec<MigDevice> {
     let mut profiles: Vec<&MigProfile> = gpu
         .raw
         .mig_profiles
         .iter()
-        .filter(|p| p.id < PROFILE_COUNT)
+        .filter(|p| p.profile < PROFILE_COUNT)
         .collect();
-    profiles.sort_by_key(|p| p.id);
+    profiles.sort_by_key(|p| p.profile);
     profiles
         .into_iter()
         .flat_map(|p| p.placements.iter().map(move |&pl| (p, pl)))

@@ -34,7 +34,25 @@ pub const PROFILE_COUNT: u32 = 17;
 /// Memory slices of every MIG-capable GPU in these tables.
 pub const MEMORY_SLICES: u32 = 8;
 
-/// One row of a table: (id, compute slices, instances, SMs, CE, DEC, ENC, JPEG, OFA, MiB,
+/// The GPU instance profile ID (`nvidia-smi mig -lgip`) of each `NVML_GPU_INSTANCE_PROFILE_*`
+/// in these tables: the same on the A100 40GB and 80GB and the H100 (NVIDIA MIG User Guide,
+/// "Supported MIG Profiles"), and on the H200 as its NVML reported them
+/// (`tests/gpu/fixtures/h200-580.159.04/probe.json`).
+pub fn profile_id(profile: u32) -> u32 {
+    match profile {
+        PROFILE_1_SLICE => 19,
+        PROFILE_2_SLICE => 14,
+        PROFILE_3_SLICE => 9,
+        PROFILE_4_SLICE => 5,
+        PROFILE_7_SLICE => 0,
+        PROFILE_1_SLICE_REV1 => 20,
+        PROFILE_1_SLICE_REV2 => 15,
+        // Not in these tables.
+        other => 100 + other,
+    }
+}
+
+/// One row of a table: (`NVML_GPU_INSTANCE_PROFILE_*`, compute slices, instances, SMs, CE, DEC, ENC, JPEG, OFA, MiB,
 /// placement starts, placement size).
 type Row = (
     u32,
@@ -252,9 +270,10 @@ pub fn builtin_profiles(product: &str) -> Option<Vec<MigProfile>> {
     Some(
         rows.iter()
             .map(
-                |&(id, slices, instances, sms, ce, dec, enc, jpeg, ofa, mib, starts, size)| {
+                |&(profile, slices, instances, sms, ce, dec, enc, jpeg, ofa, mib, starts, size)| {
                     MigProfile {
-                        id,
+                        id: profile_id(profile),
+                        profile,
                         slice_count: slices,
                         instance_count: instances,
                         multiprocessor_count: sms,

@@ -142,7 +142,8 @@ async fn a_placement_is_created_at_prepare_recorded_with_its_cdi_spec_and_destro
             mig[0].placement.start,
             mig[0].placement.size
         ),
-        (0, 0, 1)
+        // Profile ID 19: 1g.10gb on an A100 80GB.
+        (19, 0, 1)
     );
     assert_eq!(mig[0].gpu_instance_id, 7);
 
@@ -248,7 +249,7 @@ async fn start_up_destroys_mig_devices_no_claim_owns_and_keeps_the_recorded_ones
     let orphan = backend
         .create_mig_device(
             GPU3,
-            1,
+            14, // 2g.20gb
             gpu_inventory::backend::MigPlacement { start: 2, size: 2 },
         )
         .unwrap();
@@ -298,7 +299,7 @@ fn partitionable_gpus_list_every_mig_name_as_a_placement() {
     // GPU 0's existing 1g.10gb at slice 0 shares its name with the placement: it is a placement.
     let name = "gpu-0000-07-00-0-mig-1g-10gb-0";
     assert!(
-        matches!(&devices[name], NodeDevice::MigPlacement { profile, profile_id: 0, placement, .. }
+        matches!(&devices[name], NodeDevice::MigPlacement { profile, profile_id: 19, placement, .. }
             if profile == "1g.10gb" && placement.start == 0 && placement.size == 1),
         "{:?}",
         devices[name]

@@ -28,6 +28,35 @@ fn read_json(path: &Path) -> Value {
 }
 
 #[test]
+fn the_builtin_mig_tables_use_the_profile_ids_a_real_gpu_reports() {
+    let mut checked = 0;
+    for dir in fixtures() {
+        let probe = read_json(&dir.join("probe.json"));
+        for gpu in probe["gpus"].as_array().expect("probe.json: gpus") {
+            for p in gpu["gpu"]["migProfiles"].as_array().into_iter().flatten() {
+                let profile = p["profile"].as_u64().expect("profile") as u32;
+                let id = p["id"].as_u64().expect("id") as u32;
+                if profile_ids_known(profile) {
+                    assert_eq!(
+                        gpu_inventory::mig_tables::profile_id(profile),
+                        id,
+                        "{}: NVML_GPU_INSTANCE_PROFILE {profile}",
+                        dir.display()
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked >= 7, "only {checked} profiles checked");
+}
+
+/// The `NVML_GPU_INSTANCE_PROFILE_*` values the built-in tables hold.
+fn profile_ids_known(profile: u32) -> bool {
+    [0, 1, 2, 3, 4, 7, 9].contains(&profile)
+}
+
+#[test]
 fn the_fake_backend_publishes_what_nvml_published_on_a_real_gpu() {
     let dirs = fixtures();
     assert!(

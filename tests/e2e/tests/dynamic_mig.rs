@@ -163,7 +163,7 @@ async fn a_scheduled_1g_claim_creates_its_mig_device_at_prepare_and_destroys_it_
     ensure!(mig.len() == 1, "MIG devices on GPU 3: {mig:?}");
     let m = &mig[0];
     ensure!(
-        m.profile_id == 0 && m.placement.start == start && m.placement.size == 1,
+        m.profile_id == 19 && m.placement.start == start && m.placement.size == 1,
         "created {m:?} for {device}"
     );
     let spec = read_json(&cdi_root.join(format!("{DRIVER}-claim_{uid}.json")))?;

@@ -205,9 +205,9 @@ impl NvmlBackend {
     /// Every GPU instance profile the GPU supports, with its possible placements.
     fn mig_profiles(&self, d: &Device<'_>, index: u32) -> Result<Vec<MigProfile>, BackendError> {
         let mut profiles = Vec::new();
-        for id in 0..PROFILE_COUNT {
+        for profile in 0..PROFILE_COUNT {
             // NOT_SUPPORTED / INVALID_ARGUMENT: this GPU has no such profile.
-            let Ok(info) = d.profile_info(id) else {
+            let Ok(info) = d.profile_info(profile) else {
                 continue;
             };
             let placements = ffi::possible_placements(&self.nvml, d, info.id).map_err(query(
@@ -216,6 +216,7 @@ impl NvmlBackend {
             ))?;
             profiles.push(MigProfile {
                 id: info.id,
+                profile,
                 slice_count: info.slice_count,
                 instance_count: info.instance_count,
                 multiprocessor_count: info.multiprocessor_count,
