@@ -22,6 +22,34 @@
 //! `requests` is empty or names the device's request (a main request also covers its
 //! subrequests, `<request>/<subrequest>`, KEP-4816). A config whose kind does not fit the device
 //! (a `GpuConfig` on a MIG device, time-slicing on a MIG device) is an error for that claim.
+//!
+//! # NVIDIA's configuration API
+//!
+//! Claims written for NVIDIA's DRA driver carry `apiVersion: resource.nvidia.com/v1beta1`
+//! ([`NVIDIA_API_VERSION`]; NVIDIA's `api/nvidia.com/resource/v1beta1`), which is read too and
+//! mapped onto the same sharing:
+//!
+//! ```yaml
+//! apiVersion: resource.nvidia.com/v1beta1
+//! kind: GpuConfig                # or MigDeviceConfig (no timeSlicingConfig)
+//! sharing:
+//!   strategy: MPS                # or TimeSlicing
+//!   timeSlicingConfig: {interval: Long}
+//!   mpsConfig:
+//!     defaultActiveThreadPercentage: 50
+//!     defaultPinnedDeviceMemoryLimit: 10Gi
+//!     defaultPerDevicePinnedMemoryLimit: {"GPU-...": 5Gi, "1": 8Gi}
+//! ```
+//!
+//! Decoding is strict as NVIDIA's is (unknown fields are errors). Where NVIDIA's semantics
+//! differ, NVIDIA's win for its API: a config whose `requests` is empty applies only to devices
+//! of its kind (a `GpuConfig` skips MIG devices instead of failing on them), and the keys of
+//! `defaultPerDevicePinnedMemoryLimit` are device UUIDs or indices into the sorted UUIDs of the
+//! devices the config applies to. What drust does not do is an error naming the field, never
+//! ignored: `TimeSlicing` on a MIG device (a no-op in NVIDIA's driver), an active thread
+//! percentage of 0, a pinned limit under 1 MiB (NVIDIA's own minimum), a per-device limit for a
+//! MIG device created at prepare (no UUID yet), and the kinds `VfioDeviceConfig`,
+//! `ComputeDomainChannelConfig` and `ComputeDomainDaemonConfig`.
 
 use dra_cel::libs::quantity::Quantity;
 use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
@@ -33,6 +61,74 @@ pub const API_VERSION: &str = "gpu.drust.dev/v1alpha1";
 pub const KIND_GPU: &str = "GpuConfig";
 /// Kind configuring MIG devices.
 pub const KIND_MIG: &str = "MigDeviceConfig";
+/// NVIDIA's configuration API version, read beside ours (same kind names).
+pub const NVIDIA_API_VERSION: &str = "resource.nvidia.com/v1beta1";
+/// Kinds of NVIDIA's API that drust does not implement.
+const NVIDIA_UNSUPPORTED_KINDS: [&str; 3] = [
+    "VfioDeviceConfig",
+    "ComputeDomainChannelConfig",
+    "ComputeDomainDaemonConfig",
+];
+
+/// NVIDIA's `GpuConfig` (`resource.nvidia.com/v1beta1`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaGpuConfig {
+    api_version: String,
+    kind: String,
+    #[serde(default)]
+    sharing: Option<NvidiaSharing>,
+}
+
+/// NVIDIA's `GpuSharing`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaSharing {
+    strategy: Strategy,
+    #[serde(default)]
+    time_slicing_config: Option<NvidiaTimeSlicing>,
+    #[serde(default)]
+    mps_config: Option<NvidiaMps>,
+}
+
+/// NVIDIA's `MigDeviceConfig`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaMigDeviceConfig {
+    api_version: String,
+    kind: String,
+    #[serde(default)]
+    sharing: Option<NvidiaMigSharing>,
+}
+
+/// NVIDIA's `MigDeviceSharing`: no time-slicing settings.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaMigSharing {
+    strategy: Strategy,
+    #[serde(default)]
+    mps_config: Option<NvidiaMps>,
+}
+
+/// NVIDIA's `TimeSlicingConfig`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaTimeSlicing {
+    #[serde(default)]
+    interval: TimeSlice,
+}
+
+/// NVIDIA's `MpsConfig`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaMps {
+    #[serde(default)]
+    default_active_thread_percentage: Option<i64>,
+    #[serde(default)]
+    default_pinned_device_memory_limit: Option<String>,
+    #[serde(default)]
+    default_per_device_pinned_memory_limit: Option<std::collections::BTreeMap<String, String>>,
+}
 
 /// `kind: GpuConfig`: settings for a whole GPU.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -181,6 +277,8 @@ pub struct ConfigTarget<'a> {
     pub kind: DeviceKind,
     /// Its memory in bytes, to check memory limits against.
     pub memory_bytes: u64,
+    /// Its GPU or MIG UUID; `None` for a MIG device created at prepare.
+    pub uuid: Option<&'a str>,
 }
 
 /// A configuration that cannot be used. Every variant names the config entry
@@ -259,6 +357,10 @@ struct Entry {
     requests: Vec<String>,
     kind: DeviceKind,
     sharing: Option<SharingSpec>,
+    /// Written in NVIDIA's API: an entry without `requests` skips devices of another kind.
+    nvidia: bool,
+    /// NVIDIA's `defaultPerDevicePinnedMemoryLimit`: UUID or index -> quantity.
+    per_device: std::collections::BTreeMap<String, String>,
 }
 
 /// Resolves the sharing of every target from the allocation's `configs` for `driver`.
@@ -285,13 +387,19 @@ pub fn resolve(
     // Class configs first, then claim configs, each in list order: later wins.
     entries.sort_by_key(|e| e.source_name != "FromClass");
 
+    // Which entry configures each target: the last that applies to its request.
+    let chosen: Vec<Option<&Entry>> = targets
+        .iter()
+        .map(|t| {
+            entries.iter().rev().find(|e| {
+                applies(&e.requests, t.request)
+                    && !(e.nvidia && e.requests.is_empty() && e.kind != t.kind)
+            })
+        })
+        .collect();
     let mut out = Vec::with_capacity(targets.len());
-    for t in targets {
-        let Some(e) = entries
-            .iter()
-            .rev()
-            .find(|e| applies(&e.requests, t.request))
-        else {
+    for (t, e) in targets.iter().zip(&chosen) {
+        let Some(e) = *e else {
             out.push(None);
             continue;
         };
@@ -337,12 +445,25 @@ pub fn resolve(
                 }
             }
             Strategy::Mps => {
-                let limits =
-                    mps_limits(spec.mps.as_ref()).map_err(|problem| ConfigError::Decode {
-                        index: e.index,
-                        source_name: e.source_name.clone(),
-                        problem,
-                    })?;
+                let decode_error = |problem| ConfigError::Decode {
+                    index: e.index,
+                    source_name: e.source_name.clone(),
+                    problem,
+                };
+                let mut limits = mps_limits(spec.mps.as_ref()).map_err(decode_error)?;
+                if !e.per_device.is_empty() {
+                    let applies_to: Vec<Option<&str>> = targets
+                        .iter()
+                        .zip(&chosen)
+                        .filter(|(_, c)| c.is_some_and(|c| std::ptr::eq(c, e)))
+                        .map(|(t, _)| t.uuid)
+                        .collect();
+                    if let Some(limit) = per_device_limit(&e.per_device, t.uuid, &applies_to)
+                        .map_err(&mismatch)?
+                    {
+                        limits.pinned_memory_limit_bytes = Some(limit);
+                    }
+                }
                 if let Some(limit) = limits.pinned_memory_limit_bytes
                     && limit > t.memory_bytes
                 {
@@ -406,10 +527,10 @@ fn decode(
     let field = |name: &str| object.get(name).and_then(serde_json::Value::as_str);
     let api_version = field("apiVersion")
         .ok_or_else(|| fail("opaque.parameters.apiVersion is missing".into()))?;
-    if api_version != API_VERSION {
+    if api_version != API_VERSION && api_version != NVIDIA_API_VERSION {
         return Err(fail(format!(
             "opaque.parameters.apiVersion {api_version:?} is not supported; this driver reads \
-             {API_VERSION}"
+             {API_VERSION} and NVIDIA's {NVIDIA_API_VERSION}"
         )));
     }
     let kind = field("kind").ok_or_else(|| fail("opaque.parameters.kind is missing".into()))?;
@@ -422,6 +543,9 @@ fn decode(
             fail(format!("opaque.parameters.{path}: {inner}"))
         }
     };
+    if api_version == NVIDIA_API_VERSION {
+        return decode_nvidia(index, source, kind, parameters, &strict);
+    }
     let (kind, sharing) = match kind {
         KIND_GPU => {
             let c: GpuConfig = serde_path_to_error::deserialize(parameters).map_err(strict)?;
@@ -457,7 +581,180 @@ fn decode(
         requests: Vec::new(),
         kind,
         sharing,
+        nvidia: false,
+        per_device: Default::default(),
     })
+}
+
+/// An entry written in NVIDIA's API, as our sharing (see the module docs for what differs).
+fn decode_nvidia(
+    index: usize,
+    source: &str,
+    kind: &str,
+    parameters: &serde_json::Value,
+    strict: &dyn Fn(serde_path_to_error::Error<serde_json::Error>) -> ConfigError,
+) -> Result<Entry, ConfigError> {
+    let fail = |problem: String| ConfigError::Decode {
+        index,
+        source_name: source.to_owned(),
+        problem,
+    };
+    let (kind, strategy, time_slicing, mps) = match kind {
+        KIND_GPU => {
+            let c: NvidiaGpuConfig =
+                serde_path_to_error::deserialize(parameters).map_err(strict)?;
+            let s = c.sharing;
+            (
+                DeviceKind::Gpu,
+                s.as_ref().map(|s| s.strategy),
+                s.as_ref().and_then(|s| s.time_slicing_config.clone()),
+                s.and_then(|s| s.mps_config),
+            )
+        }
+        KIND_MIG => {
+            let c: NvidiaMigDeviceConfig =
+                serde_path_to_error::deserialize(parameters).map_err(strict)?;
+            let s = c.sharing;
+            (
+                DeviceKind::Mig,
+                s.as_ref().map(|s| s.strategy),
+                None,
+                s.and_then(|s| s.mps_config),
+            )
+        }
+        other if NVIDIA_UNSUPPORTED_KINDS.contains(&other) => {
+            return Err(fail(format!(
+                "opaque.parameters.kind {other:?} of {NVIDIA_API_VERSION} is not implemented by \
+                 this driver (it configures whole GPUs and MIG devices: {KIND_GPU}, {KIND_MIG})"
+            )));
+        }
+        other => {
+            return Err(fail(format!(
+                "opaque.parameters.kind {other:?} is not a kind of {NVIDIA_API_VERSION} (expected \
+                 {KIND_GPU} or {KIND_MIG})"
+            )));
+        }
+    };
+    let Some(strategy) = strategy else {
+        return Ok(Entry {
+            index,
+            source_name: source.to_owned(),
+            requests: Vec::new(),
+            kind,
+            sharing: None,
+            nvidia: true,
+            per_device: Default::default(),
+        });
+    };
+    let stray = match strategy {
+        Strategy::TimeSlicing => mps.is_some().then_some("mpsConfig"),
+        Strategy::Mps => time_slicing.is_some().then_some("timeSlicingConfig"),
+    };
+    if let Some(stray) = stray {
+        return Err(fail(format!(
+            "opaque.parameters.sharing.{stray} is set but sharing.strategy is {strategy:?}"
+        )));
+    }
+    let mut per_device = std::collections::BTreeMap::new();
+    let mps = match mps {
+        None => None,
+        Some(m) => {
+            let percentage = match m.default_active_thread_percentage {
+                None => None,
+                Some(p @ 1..=100) => Some(p as u32),
+                Some(p) => {
+                    return Err(fail(format!(
+                        "opaque.parameters.sharing.mpsConfig.defaultActiveThreadPercentage is \
+                         {p}; this driver takes 1..=100 (0 would leave MPS clients no threads)"
+                    )));
+                }
+            };
+            let at_least_mib = |field: &str, text: &str| -> Result<(), ConfigError> {
+                match Quantity::parse(text).ok().and_then(|q| q.as_i64()) {
+                    Some(bytes) if bytes >= 1 << 20 => Ok(()),
+                    _ => Err(fail(format!(
+                        "opaque.parameters.sharing.mpsConfig.{field} {text:?}: a pinned memory \
+                         limit must be a quantity of at least 1Mi"
+                    ))),
+                }
+            };
+            if let Some(text) = &m.default_pinned_device_memory_limit {
+                at_least_mib("defaultPinnedDeviceMemoryLimit", text)?;
+            }
+            for (key, text) in m.default_per_device_pinned_memory_limit.iter().flatten() {
+                at_least_mib(&format!("defaultPerDevicePinnedMemoryLimit[{key:?}]"), text)?;
+                per_device.insert(key.clone(), text.clone());
+            }
+            Some(MpsSpec {
+                default_active_thread_percentage: percentage,
+                default_pinned_device_memory_limit: m.default_pinned_device_memory_limit,
+            })
+        }
+    };
+    Ok(Entry {
+        index,
+        source_name: source.to_owned(),
+        requests: Vec::new(),
+        kind,
+        sharing: Some(SharingSpec {
+            strategy,
+            time_slicing: time_slicing.map(|t| TimeSlicingSpec {
+                interval: t.interval,
+            }),
+            mps,
+        }),
+        nvidia: true,
+        per_device,
+    })
+}
+
+/// NVIDIA's `defaultPerDevicePinnedMemoryLimit` for the device `uuid`: its key is the device's
+/// UUID or its index among the sorted UUIDs of `applies_to` (the devices the config applies
+/// to). `Ok(None)` when no key names it.
+///
+/// # Errors
+/// A key that is neither a UUID of those devices nor an index among them, or a device the map
+/// cannot name (a MIG device created at prepare has no UUID yet).
+fn per_device_limit(
+    limits: &std::collections::BTreeMap<String, String>,
+    uuid: Option<&str>,
+    applies_to: &[Option<&str>],
+) -> Result<Option<u64>, String> {
+    let field = "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit";
+    let mut sorted: Vec<&str> = applies_to.iter().flatten().copied().collect();
+    sorted.sort_unstable();
+    if applies_to.iter().any(Option::is_none) {
+        return Err(format!(
+            "{field} cannot name a MIG device created at prepare (it has no UUID until then)"
+        ));
+    }
+    let mut found = None;
+    for (key, text) in limits {
+        let named = match key.parse::<usize>() {
+            Ok(i) => *sorted.get(i).ok_or_else(|| {
+                format!(
+                    "{field} key {key:?} is not an index of the {} devices the config applies to",
+                    sorted.len()
+                )
+            })?,
+            Err(_) if sorted.contains(&key.as_str()) => key.as_str(),
+            Err(_) => {
+                return Err(format!(
+                    "{field} key {key:?} is neither a UUID of the devices the config applies to \
+                     nor an index among them"
+                ));
+            }
+        };
+        if Some(named) == uuid {
+            let bytes = Quantity::parse(text)
+                .ok()
+                .and_then(|q| q.as_i64())
+                .and_then(|b| u64::try_from(b).ok())
+                .ok_or_else(|| format!("{field}[{key:?}] {text:?} is not a quantity of bytes"))?;
+            found = Some(bytes);
+        }
+    }
+    Ok(found)
 }
 
 fn mps_limits(spec: Option<&MpsSpec>) -> Result<MpsLimits, String> {
@@ -524,6 +821,7 @@ mod tests {
             device: "gpu-0",
             kind: DeviceKind::Gpu,
             memory_bytes: 80 * GIB,
+            uuid: Some("GPU-bbbb"),
         }
     }
 
@@ -533,6 +831,213 @@ mod tests {
             device: "gpu-0-mig-1g.10gb-0",
             kind: DeviceKind::Mig,
             memory_bytes: 10 * GIB,
+            uuid: Some("MIG-aaaa"),
+        }
+    }
+
+    fn nvidia(kind: &str, sharing: serde_json::Value) -> serde_json::Value {
+        json!({"apiVersion": NVIDIA_API_VERSION, "kind": kind, "sharing": sharing})
+    }
+
+    #[test]
+    fn nvidias_api_maps_onto_the_same_sharing() {
+        let configs = [entry(
+            "FromClaim",
+            &[],
+            nvidia(
+                KIND_GPU,
+                json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}),
+            ),
+        )];
+        assert_eq!(
+            resolve(&configs, DRIVER, true, &[gpu("r")]).expect("valid"),
+            [Some(Sharing::TimeSlicing {
+                interval: TimeSlice::Long
+            })]
+        );
+        let configs = [entry(
+            "FromClaim",
+            &[],
+            nvidia(
+                KIND_MIG,
+                json!({"strategy": "MPS", "mpsConfig": {
+                    "defaultActiveThreadPercentage": 50,
+                    "defaultPinnedDeviceMemoryLimit": "4Gi"}}),
+            ),
+        )];
+        assert_eq!(
+            resolve(&configs, DRIVER, true, &[mig("r")]).expect("valid"),
+            [Some(Sharing::Mps(MpsLimits {
+                active_thread_percentage: Some(50),
+                pinned_memory_limit_bytes: Some(4 * GIB),
+            }))]
+        );
+    }
+
+    #[test]
+    fn an_nvidia_config_without_requests_skips_devices_of_another_kind() {
+        // NVIDIA's rule: a GpuConfig for every request leaves the MIG device to the MIG config.
+        let configs = [
+            entry(
+                "FromClaim",
+                &[],
+                nvidia(KIND_MIG, json!({"strategy": "MPS"})),
+            ),
+            entry(
+                "FromClaim",
+                &[],
+                nvidia(
+                    KIND_GPU,
+                    json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}),
+                ),
+            ),
+        ];
+        let got = resolve(&configs, DRIVER, true, &[gpu("a"), mig("b")]).expect("valid");
+        assert_eq!(
+            got,
+            [
+                Some(Sharing::TimeSlicing {
+                    interval: TimeSlice::Short
+                }),
+                Some(Sharing::Mps(MpsLimits::default())),
+            ]
+        );
+        // Naming the request still makes a wrong kind an error, as NVIDIA's does.
+        let configs = [entry(
+            "FromClaim",
+            &["b"],
+            nvidia(KIND_GPU, json!({"strategy": "MPS"})),
+        )];
+        let err = resolve(&configs, DRIVER, true, &[mig("b")]).expect_err("wrong kind");
+        assert!(
+            err.to_string().contains("use kind MigDeviceConfig"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn nvidias_per_device_limits_name_devices_by_uuid_or_sorted_index() {
+        let two = |request: &'static str, uuid: &'static str| ConfigTarget {
+            uuid: Some(uuid),
+            ..gpu(request)
+        };
+        let targets = [two("r", "GPU-bbbb"), two("r", "GPU-aaaa")];
+        let configs = [entry(
+            "FromClaim",
+            &[],
+            nvidia(
+                KIND_GPU,
+                json!({"strategy": "MPS", "mpsConfig": {
+                    "defaultPinnedDeviceMemoryLimit": "10Gi",
+                    // Index 0 of the sorted UUIDs is GPU-aaaa.
+                    "defaultPerDevicePinnedMemoryLimit": {"0": "2Gi", "GPU-bbbb": "6Gi"}}}),
+            ),
+        )];
+        let got = resolve(&configs, DRIVER, true, &targets).expect("valid");
+        let pinned = |s: &Option<Sharing>| match s {
+            Some(Sharing::Mps(l)) => l.pinned_memory_limit_bytes,
+            _ => None,
+        };
+        assert_eq!(
+            got.iter().map(pinned).collect::<Vec<_>>(),
+            [Some(6 * GIB), Some(2 * GIB)]
+        );
+        let bad = |per_device: serde_json::Value, targets: &[ConfigTarget<'_>]| {
+            let configs = [entry(
+                "FromClaim",
+                &[],
+                nvidia(
+                    KIND_GPU,
+                    json!({"strategy": "MPS", "mpsConfig": {
+                        "defaultPerDevicePinnedMemoryLimit": per_device}}),
+                ),
+            )];
+            resolve(&configs, DRIVER, true, targets)
+                .expect_err("refused")
+                .to_string()
+        };
+        let err = bad(json!({"2": "1Gi"}), &targets);
+        assert!(
+            err.contains("key \"2\" is not an index of the 2 devices"),
+            "{err}"
+        );
+        let err = bad(json!({"GPU-cccc": "1Gi"}), &targets);
+        assert!(err.contains("neither a UUID"), "{err}");
+        let placement = ConfigTarget {
+            uuid: None,
+            ..gpu("r")
+        };
+        let err = bad(json!({"0": "1Gi"}), &[placement]);
+        assert!(err.contains("created at prepare"), "{err}");
+    }
+
+    #[test]
+    fn what_drust_does_not_do_of_nvidias_api_is_an_error_naming_the_field() {
+        let refused = |parameters: serde_json::Value, target: ConfigTarget<'_>| {
+            let configs = [entry("FromClaim", &[], parameters)];
+            resolve(&configs, DRIVER, true, &[target])
+                .expect_err("refused")
+                .to_string()
+        };
+        for (parameters, target, needle) in [
+            (
+                nvidia(
+                    KIND_MIG,
+                    json!({"strategy": "TimeSlicing", "timeSlicingConfig": {}}),
+                ),
+                mig("r"),
+                "sharing.timeSlicingConfig",
+            ),
+            (
+                nvidia(KIND_MIG, json!({"strategy": "TimeSlicing"})),
+                mig("r"),
+                "TimeSlicing is not supported on MIG devices",
+            ),
+            (
+                nvidia(
+                    KIND_GPU,
+                    json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 0}}),
+                ),
+                gpu("r"),
+                "defaultActiveThreadPercentage is 0",
+            ),
+            (
+                nvidia(
+                    KIND_GPU,
+                    json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "512Ki"}}),
+                ),
+                gpu("r"),
+                "defaultPinnedDeviceMemoryLimit \"512Ki\"",
+            ),
+            (
+                nvidia(
+                    KIND_GPU,
+                    json!({"strategy": "MPS", "timeSlicingConfig": {"interval": "Long"}}),
+                ),
+                gpu("r"),
+                "sharing.timeSlicingConfig is set but sharing.strategy is Mps",
+            ),
+            (
+                nvidia(KIND_GPU, json!({"strategy": "Exclusive"})),
+                gpu("r"),
+                "sharing.strategy: unknown variant `Exclusive`",
+            ),
+            (
+                nvidia(
+                    KIND_GPU,
+                    json!({"strategy": "MPS", "mpsConfig": {"maxConnections": 4}}),
+                ),
+                gpu("r"),
+                "sharing.mpsConfig.maxConnections: unknown field `maxConnections`",
+            ),
+            (
+                json!({"apiVersion": NVIDIA_API_VERSION, "kind": "VfioDeviceConfig"}),
+                gpu("r"),
+                "\"VfioDeviceConfig\" of resource.nvidia.com/v1beta1 is not implemented",
+            ),
+        ] {
+            let err = refused(parameters, target);
+            assert!(err.contains(needle), "{needle}: {err}");
         }
     }
 

@@ -127,6 +127,10 @@ pub(crate) fn plan(
                 DeviceKind::Gpu
             },
             memory_bytes: n.memory_bytes(),
+            // A placement's MIG device gets its UUID only when prepare creates it.
+            uuid: (!matches!(n, NodeDevice::MigPlacement { .. }))
+                .then_some(d.uuid.as_str())
+                .filter(|u| !u.is_empty()),
         })
         .collect();
     let sharing =
