@@ -57,6 +57,7 @@ pub use backend::{BackendError, GpuBackend, GpuState, RawGpu, SystemInfo};
 pub use fake::{FakeBackend, Topology, TopologyError};
 pub use health::{HealthEvent, HealthEventKind, RecoveryProbe};
 pub use mig::MigDevice;
-pub use model::{DiscoveryError, Gpu, Inventory, MigStrategy, discover};
+pub use model::{DiscoveryError, Gpu, Inventory, MigStrategy, discover, discover_with};
+pub use naming::Naming;
 pub use nvml::NvmlBackend;
 pub use slices::Pool;

@@ -28,7 +28,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use crate::backend::{MigPlacement, MigProfile, RawMigDevice};
 use crate::mig_tables::{MEMORY_SLICES, PROFILE_1_SLICE_REV1, PROFILE_2_SLICE_REV1, PROFILE_COUNT};
 use crate::model::{Gpu, bytes_quantity, capacity, count, int, string};
-use crate::naming::mig_device_name;
+use crate::naming::{Naming, mig_device_name, nvidia_mig_device_name};
 
 /// The MIG profile name NVML would print without its `MIG ` prefix, e.g. `1g.10gb`,
 /// `1g.5gb+me`: `<compute slices>g.<GB>gb`, where GB is the profile's memory rounded up to
@@ -108,7 +108,7 @@ fn existing_device(gpu: &Gpu, profile: &MigProfile, m: &RawMigDevice) -> MigDevi
         .filter(|a| a.compute_instance_slice_count < a.gpu_instance_slice_count)
         .map(|_| m.compute_instance_id);
     let mut device = placement_device(gpu, profile, m.placement);
-    device.name = mig_device_name(&gpu.name, &name, m.placement.start, partial_ci);
+    device.name = mig_name(gpu, profile, &name, m.placement.start, partial_ci);
     device.uuid = Some(m.uuid.clone());
     device.instance_ids = Some((m.gpu_instance_id, m.compute_instance_id));
     if let Some(a) = &m.attributes {
@@ -123,11 +123,28 @@ fn existing_device(gpu: &Gpu, profile: &MigProfile, m: &RawMigDevice) -> MigDevi
     device
 }
 
+/// The device name of a MIG device of `profile` (named `name`) at memory slice `start` of `gpu`,
+/// in the GPU's naming scheme.
+fn mig_name(
+    gpu: &Gpu,
+    profile: &MigProfile,
+    name: &str,
+    start: u32,
+    compute_instance: Option<u32>,
+) -> String {
+    match gpu.naming {
+        Naming::Drust => mig_device_name(&gpu.name, name, start, compute_instance),
+        Naming::Nvidia => {
+            nvidia_mig_device_name(gpu.raw.minor, name, profile.id, start, compute_instance)
+        }
+    }
+}
+
 /// A possible placement of `profile` at `placement` on `gpu`, with the profile's resources.
 fn placement_device(gpu: &Gpu, profile: &MigProfile, placement: MigPlacement) -> MigDevice {
     let name = profile_name(profile, gpu.raw.memory_total_bytes);
     MigDevice {
-        name: mig_device_name(&gpu.name, &name, placement.start, None),
+        name: mig_name(gpu, profile, &name, placement.start, None),
         parent: gpu.name.clone(),
         uuid: None,
         profile: name,
@@ -270,6 +287,14 @@ pub fn placements(gpu: &Gpu) -> Vec<MigDevice> {
         .collect()
 }
 
+/// The name of `gpu`'s counter set: the GPU's name (NVIDIA's driver: `gpu-<minor>-counter-set`).
+fn counter_set_name(gpu: &Gpu) -> String {
+    match gpu.naming {
+        Naming::Drust => gpu.name.clone(),
+        Naming::Nvidia => format!("{}-counter-set", gpu.name),
+    }
+}
+
 /// The partitionable model of `gpu` (see the module docs): its counter set, then every
 /// placement, each consuming from that set. Only meaningful for a GPU with MIG mode enabled.
 pub fn partitionable(gpu: &Gpu) -> (CounterSet, Vec<Device>) {
@@ -289,7 +314,7 @@ pub fn partitionable(gpu: &Gpu) -> (CounterSet, Vec<Device>) {
         .collect();
     let consumes = |c: BTreeMap<String, u64>| {
         Some(vec![DeviceCounterConsumption {
-            counter_set: gpu.name.clone(),
+            counter_set: counter_set_name(gpu),
             counters: c
                 .into_iter()
                 .filter(|(n, v)| *v > 0 && keep(n))
@@ -308,7 +333,7 @@ pub fn partitionable(gpu: &Gpu) -> (CounterSet, Vec<Device>) {
     }
     (
         CounterSet {
-            name: gpu.name.clone(),
+            name: counter_set_name(gpu),
             counters,
         },
         devices,

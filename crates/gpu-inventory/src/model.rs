@@ -96,6 +96,8 @@ pub struct Gpu {
     pub cuda_driver_version: String,
     /// PCI bus ID in extended BDF form `dddd:bb:dd.f` (lowercase), when the domain fits 4 hex digits.
     pub pci_bus_id: Option<String>,
+    /// The naming scheme the inventory was discovered with.
+    pub naming: naming::Naming,
     /// The NVLink domain ([`crate::nvlink`]); `None` without NVLink peers.
     pub nvlink_domain: Option<String>,
     /// `<clusterUuid>.<cliqueId>` of a multi-node NVLink fabric whose registration completed.
@@ -109,6 +111,18 @@ pub struct Gpu {
 /// # Errors
 /// [`DiscoveryError`] when a node-wide query fails or a value cannot be published.
 pub fn discover(backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
+    discover_with(backend, naming::Naming::Drust)
+}
+
+/// [`discover`], naming devices with `naming` ([`naming::Naming::Nvidia`]: NVIDIA compatibility
+/// mode).
+///
+/// # Errors
+/// As [`discover`].
+pub fn discover_with(
+    backend: &dyn GpuBackend,
+    naming: naming::Naming,
+) -> Result<Inventory, DiscoveryError> {
     let system = backend.system()?;
     let driver_version =
         semver_from_dotted(&system.driver_version).ok_or_else(|| DiscoveryError::BadValue {
@@ -142,7 +156,10 @@ pub fn discover(backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
     let mut names: BTreeMap<String, String> = BTreeMap::new();
     let mut gpus = Vec::with_capacity(raws.len());
     for (raw, nvlink_domain) in raws.into_iter().zip(domains) {
-        let name = naming::gpu_device_name(&raw);
+        let name = match naming {
+            naming::Naming::Drust => naming::gpu_device_name(&raw),
+            naming::Naming::Nvidia => naming::nvidia_gpu_device_name(&raw),
+        };
         if let Some(first) = names.insert(name.clone(), raw.uuid.clone()) {
             return Err(DiscoveryError::DuplicateName {
                 name,
@@ -157,6 +174,7 @@ pub fn discover(backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
         });
         gpus.push(Gpu {
             name,
+            naming,
             pci_bus_id: standard_pci_bus_id(&raw.pci_bus_id),
             driver_version: driver_version.clone(),
             cuda_driver_version: cuda_driver_version.clone(),
@@ -317,7 +335,7 @@ impl Gpu {
         let mut attributes = BTreeMap::from([
             ("productName".to_owned(), string(&r.name)),
             ("brand".to_owned(), string(&r.brand)),
-            ("architecture".to_owned(), string(&r.architecture)),
+            ("architecture".to_owned(), string(self.architecture())),
             (
                 "cudaComputeCapability".to_owned(),
                 version(self.compute_capability()),
@@ -333,6 +351,15 @@ impl Gpu {
         ]);
         attributes.extend(self.location_attributes());
         attributes
+    }
+
+    /// NVML's architecture name; in NVIDIA compatibility mode as NVIDIA's driver spells it
+    /// (go-nvlib's `GetArchitectureAsString`: `Ada Lovelace` where NVML's enum says Ada).
+    fn architecture(&self) -> &str {
+        match (self.naming, self.raw.architecture.as_str()) {
+            (naming::Naming::Nvidia, "Ada") => "Ada Lovelace",
+            (_, a) => a,
+        }
     }
 
     fn compute_capability(&self) -> String {
@@ -351,7 +378,7 @@ impl Gpu {
             ("uuid".to_owned(), string(&r.uuid)),
             ("productName".to_owned(), string(&r.name)),
             ("brand".to_owned(), string(&r.brand)),
-            ("architecture".to_owned(), string(&r.architecture)),
+            ("architecture".to_owned(), string(self.architecture())),
             (
                 "cudaComputeCapability".to_owned(),
                 version(self.compute_capability()),

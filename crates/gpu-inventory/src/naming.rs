@@ -15,9 +15,52 @@
 //!
 //! Every name is at most 63 characters of `[a-z0-9-]`, starting and ending alphanumeric (a DNS
 //! label, as `Device.name` and `CounterSet.name` require).
+//!
+//! In NVIDIA compatibility mode ([`Naming::Nvidia`]) devices are named as NVIDIA's DRA driver
+//! names them (`cmd/gpu-kubelet-plugin/deviceinfo.go` and `mig.go` of
+//! github.com/NVIDIA/k8s-dra-driver-gpu): `gpu-<minor>`, and
+//! `gpu-<parent minor>-mig-<profile>-<profile ID>-<first memory slice>` with the profile's dots
+//! removed and other characters outside `[a-z0-9-]` spelled `-` (`1g.10gb+me` -> `1g10gb-me`),
+//! so dashboards and tools keyed on NVIDIA's names (DCGM's `dra_device_name`) keep working.
+//! Minor numbers are as stable as NVIDIA's names are, not as stable as PCI addresses.
 
 use crate::backend::RawGpu;
 use crate::model::standard_pci_bus_id;
+
+/// Which scheme names devices (and spells the few values NVIDIA's driver spells differently).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Naming {
+    /// drust's own: PCI-derived names (see the module docs).
+    #[default]
+    Drust,
+    /// NVIDIA's DRA driver's, for drop-in compatibility.
+    Nvidia,
+}
+
+/// A full GPU's name in NVIDIA's scheme: `gpu-<minor>`.
+pub fn nvidia_gpu_device_name(gpu: &RawGpu) -> String {
+    format!("gpu-{}", gpu.minor)
+}
+
+/// A MIG device's or placement's name in NVIDIA's scheme (see the module docs); a compute
+/// instance smaller than its GPU instance gets `-c<id>` appended, as in drust's scheme (NVIDIA's
+/// driver publishes no such devices).
+pub fn nvidia_mig_device_name(
+    parent_minor: u32,
+    profile: &str,
+    profile_id: u32,
+    start: u32,
+    compute_instance: Option<u32>,
+) -> String {
+    let mut name = format!(
+        "gpu-{parent_minor}-mig-{}-{profile_id}-{start}",
+        profile.replace('.', "")
+    );
+    if let Some(ci) = compute_instance {
+        name.push_str(&format!("-c{ci}"));
+    }
+    label(&name)
+}
 
 /// Longest DNS label.
 pub const MAX_NAME: usize = 63;

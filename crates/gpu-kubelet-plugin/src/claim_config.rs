@@ -458,8 +458,8 @@ pub fn resolve(
                         .filter(|(_, c)| c.is_some_and(|c| std::ptr::eq(c, e)))
                         .map(|(t, _)| t.uuid)
                         .collect();
-                    if let Some(limit) = per_device_limit(&e.per_device, t.uuid, &applies_to)
-                        .map_err(&mismatch)?
+                    if let Some(limit) =
+                        per_device_limit(&e.per_device, t.uuid, &applies_to).map_err(&mismatch)?
                     {
                         limits.pinned_memory_limit_bytes = Some(limit);
                     }

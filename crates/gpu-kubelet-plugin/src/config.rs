@@ -70,6 +70,8 @@ pub struct Config {
     pub stale_claim_interval: Duration,
     /// How MIG-capable GPUs are published (existing MIG devices, or partitionable placements).
     pub mig_strategy: gpu_inventory::MigStrategy,
+    /// How devices are named: drust's scheme, or NVIDIA's DRA driver's (compatibility mode).
+    pub naming: gpu_inventory::Naming,
     /// How often GPUs are discovered again and the pool republished when it changed.
     pub rediscovery_interval: Duration,
     /// Print the slices and exit, contacting no API server.
@@ -118,6 +120,7 @@ impl Config {
             claim_timeout: crate::claims::DEFAULT_TIMEOUT,
             stale_claim_interval: Duration::from_secs(60),
             mig_strategy: gpu_inventory::MigStrategy::Existing,
+            naming: gpu_inventory::Naming::Drust,
             rediscovery_interval: Duration::from_secs(60),
             dry_run: None,
             instance_id: None,

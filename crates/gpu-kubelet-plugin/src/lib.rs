@@ -148,7 +148,7 @@ pub fn open_backend(config: &Config) -> Result<Arc<dyn GpuBackend>, Error> {
 /// # Errors
 /// [`Error::Topology`], [`Error::Backend`] or [`Error::Discovery`].
 pub fn discover(config: &Config) -> Result<Inventory, Error> {
-    Ok(gpu_inventory::discover(open_backend(config)?.as_ref())?)
+    rediscover(open_backend(config)?.as_ref(), config.naming)
 }
 
 /// Discovers again for re-publication, through the open backend: NVML is asked again, a fake
@@ -157,8 +157,11 @@ pub fn discover(config: &Config) -> Result<Inventory, Error> {
 ///
 /// # Errors
 /// [`Error::Discovery`].
-pub fn rediscover(backend: &dyn GpuBackend) -> Result<Inventory, Error> {
-    Ok(gpu_inventory::discover(backend)?)
+pub fn rediscover(
+    backend: &dyn GpuBackend,
+    naming: gpu_inventory::Naming,
+) -> Result<Inventory, Error> {
+    Ok(gpu_inventory::discover_with(backend, naming)?)
 }
 
 /// What follows each new inventory before it is published: the claim controller (which
@@ -276,7 +279,7 @@ pub async fn run(
     }
     config.sockets.instance_id = config.instance_id.clone();
     let backend = open_backend(&config)?;
-    let inventory = gpu_inventory::discover(backend.as_ref())?;
+    let inventory = rediscover(backend.as_ref(), config.naming)?;
     let pool = inventory.pool(config.mig_strategy);
     info!(gpus = inventory.gpus.len(), devices = pool.devices.len(), node = %config.node_name,
         "discovered GPUs");
@@ -699,7 +702,11 @@ impl Active {
         let rediscovery =
             publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
                 let backend = Arc::clone(backend);
-                move || rediscover(backend.as_ref()).map(|inventory| followers.follow(&inventory))
+                let naming = config.naming;
+                move || {
+                    rediscover(backend.as_ref(), naming)
+                        .map(|inventory| followers.follow(&inventory))
+                }
             });
         self.tasks.push(AbortOnDrop(rediscovery));
         let stale = {

@@ -12,6 +12,12 @@ enum MigStrategyArg {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum NamingArg {
+    Drust,
+    Nvidia,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum Format {
     Yaml,
     Json,
@@ -82,6 +88,11 @@ struct Args {
     /// consuming shared counters (GPUs with MIG disabled as whole GPUs).
     #[arg(long, value_enum, default_value = "existing")]
     mig_strategy: MigStrategyArg,
+    /// How devices are named: `drust` (from PCI addresses: `gpu-0000-18-00-0`), or `nvidia`, as
+    /// NVIDIA's DRA driver names them (`gpu-0`, `gpu-0-mig-1g10gb-19-0`, `Ada Lovelace`): NVIDIA
+    /// compatibility mode, with `--driver-name gpu.nvidia.com`.
+    #[arg(long, value_enum, default_value = "drust")]
+    naming: NamingArg,
     /// How often to discover GPUs again and republish the pool when it changed, in seconds (1
     /// to 86400).
     #[arg(long, default_value_t = 60, value_parser = interval)]
@@ -192,6 +203,10 @@ impl Args {
         config.mig_strategy = match self.mig_strategy {
             MigStrategyArg::Existing => gpu_inventory::MigStrategy::Existing,
             MigStrategyArg::Partitionable => gpu_inventory::MigStrategy::Partitionable,
+        };
+        config.naming = match self.naming {
+            NamingArg::Drust => gpu_inventory::Naming::Drust,
+            NamingArg::Nvidia => gpu_inventory::Naming::Nvidia,
         };
         config.rediscovery_interval =
             std::time::Duration::from_secs(self.rediscovery_interval_seconds);

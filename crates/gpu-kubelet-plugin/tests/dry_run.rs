@@ -90,6 +90,82 @@ fn every_topology_matches_its_snapshot_and_passes_api_validation() {
     }
 }
 
+/// NVIDIA compatibility mode (`--driver-name gpu.nvidia.com --naming nvidia`): NVIDIA's device
+/// names and spellings, on a MIG machine in both strategies and an Ada (L40S) machine.
+#[test]
+fn nvidia_naming_matches_its_snapshots_and_passes_api_validation() {
+    for (topology, strategy) in [
+        ("dgx-a100-mig", "existing"),
+        ("dgx-a100-mig", "partitionable"),
+        ("pcie-l40s", "existing"),
+    ] {
+        let yaml = dry_run(
+            &format!("examples/topologies/{topology}.yaml"),
+            &[
+                "--driver-name",
+                "gpu.nvidia.com",
+                "--naming",
+                "nvidia",
+                "--mig-strategy",
+                strategy,
+            ],
+        );
+        let snapshot = format!("nvidia-{topology}-{strategy}.yaml");
+        assert_snapshot(&snapshot, &yaml);
+        let slices = parse_yaml(&yaml);
+        gpu_inventory::validate::validate_pool(&slices)
+            .unwrap_or_else(|e| panic!("{snapshot}: {e}"));
+        dcgm_contract(&slices, &snapshot);
+    }
+}
+
+/// What NVIDIA's dcgm-exporter reads to label GPU metrics with pods
+/// (`internal/pkg/transformation/dra.go` of github.com/NVIDIA/dcgm-exporter): slices of driver
+/// `gpu.nvidia.com`, each device's string attributes `type` (`gpu` or `mig`), `uuid` of a GPU,
+/// `parentUUID` (required) and `profile` of a MIG device, keyed by pool and device name. Every
+/// device must carry them, as strings, with a parent that is a GPU of the node.
+fn dcgm_contract(slices: &[ResourceSlice], what: &str) {
+    let string = |d: &k8s_openapi::api::resource::v1::Device, name: &str| {
+        d.attributes
+            .as_ref()
+            .and_then(|a| a.get(name))
+            .and_then(|v| v.string.clone())
+    };
+    let devices: Vec<_> = slices
+        .iter()
+        .inspect(|s| assert_eq!(s.spec.driver, "gpu.nvidia.com", "{what}"))
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .collect();
+    assert!(!devices.is_empty(), "{what}: no device");
+    let mut parents = std::collections::BTreeSet::new();
+    for d in &devices {
+        match string(d, "type").as_deref() {
+            Some("gpu") => {
+                assert!(
+                    string(d, "uuid").is_some_and(|u| u.starts_with("GPU-")),
+                    "{what}: {}",
+                    d.name
+                );
+            }
+            Some("mig") => {
+                let parent = string(d, "parentUUID");
+                assert!(
+                    parent.as_ref().is_some_and(|u| u.starts_with("GPU-")),
+                    "{what}: {}",
+                    d.name
+                );
+                assert!(string(d, "profile").is_some(), "{what}: {}", d.name);
+                parents.insert(parent);
+            }
+            other => panic!("{what}: {} has type {other:?}", d.name),
+        }
+    }
+    assert!(
+        what.starts_with("nvidia-pcie") || !parents.is_empty(),
+        "{what}: no MIG device"
+    );
+}
+
 #[test]
 fn json_output_is_an_array_of_resource_slices_equal_to_the_yaml() {
     let json = dry_run("examples/topologies/dgx-h100.yaml", &["-o", "json"]);

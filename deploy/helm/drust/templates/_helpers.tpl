@@ -36,9 +36,14 @@ app.kubernetes.io/component: kubelet-plugin
 {{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "drust.serviceAccountName" .) -}}
 {{- end -}}
 
+{{/* The DRA driver name: NVIDIA's in compatibility mode, else driverName. */}}
+{{- define "drust.driverName" -}}
+{{- if .Values.nvidiaCompatibility -}}gpu.nvidia.com{{- else -}}{{ .Values.driverName }}{{- end -}}
+{{- end -}}
+
 {{/* DeviceClass names: <kind>.<domain>, domain = the driver name without a leading "gpu.". */}}
 {{- define "drust.classDomain" -}}
-{{- trimPrefix "gpu." .Values.driverName -}}
+{{- trimPrefix "gpu." (include "drust.driverName" .) -}}
 {{- end -}}
 
 {{- define "drust.gpuClassName" -}}
