@@ -108,6 +108,31 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
         output: dractl::explain::Format,
     },
+    /// Check ResourceClaims, ResourceClaimTemplates and DeviceClasses before applying them.
+    ///
+    /// Selectors compiled with the API server's rules (syntax, types, length, cost), attribute
+    /// and capacity names checked against what the driver publishes (a typo gets the nearest
+    /// name), opaque configs for the driver decoded strictly (ours and NVIDIA's
+    /// resource.nvidia.com/v1beta1), and claims no known topology could satisfy. Other kinds in
+    /// the files are skipped. Exit status 0 when clean, 1 with findings, 2 for unreadable input.
+    Lint {
+        /// Input file (`-` for stdin); repeatable.
+        #[arg(short = 'f', long = "filename", required = true)]
+        files: Vec<String>,
+        /// The DRA driver: ours, or `gpu.nvidia.com` for NVIDIA compatibility mode (NVIDIA's
+        /// device names and spellings).
+        #[arg(long, default_value = "gpu.drust.dev")]
+        driver_name: String,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+        output: LintFormat,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LintFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -198,6 +223,28 @@ fn main() -> anyhow::Result<()> {
         };
         std::process::exit(simulate(files, templates, *count, &connection, *output));
     }
+    if let Command::Lint {
+        files,
+        driver_name,
+        output,
+    } = &cli.command
+    {
+        let code = match dractl::lint::lint_files(files, driver_name) {
+            Ok(report) => {
+                let out = match output {
+                    LintFormat::Text => report.text(),
+                    LintFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
+                };
+                print!("{out}");
+                i32::from(!report.findings.is_empty())
+            }
+            Err(e) => {
+                eprintln!("dractl lint: {e}");
+                2
+            }
+        };
+        std::process::exit(code);
+    }
     if let Command::Cel {
         command: CelCommand::Bench { batch, iterations },
     } = &cli.command
@@ -215,7 +262,10 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     match cli.command {
-        Command::Allocate { .. } | Command::Explain { .. } | Command::Simulate { .. } => {}
+        Command::Allocate { .. }
+        | Command::Explain { .. }
+        | Command::Simulate { .. }
+        | Command::Lint { .. } => {}
         Command::Cel {
             command: CelCommand::Bench { .. },
         } => {}

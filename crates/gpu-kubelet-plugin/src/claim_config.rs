@@ -501,6 +501,27 @@ pub fn resolve(
     Ok(out)
 }
 
+/// Checks one opaque configuration object (`opaque.parameters` for this driver) on its own, as
+/// prepare would decode it: either API, strictly, with the value ranges prepare enforces. What
+/// depends on the allocated devices (kinds against devices, limits against their memory,
+/// per-device keys) is left to prepare. `dractl lint` uses it.
+///
+/// # Errors
+/// What is wrong, naming the field (`opaque.parameters.sharing.mps...`).
+pub fn check_parameters(parameters: &serde_json::Value) -> Result<(), String> {
+    let problem = |e: ConfigError| match e {
+        ConfigError::Decode { problem, .. } => problem,
+        other => other.to_string(),
+    };
+    let entry = decode(0, "lint", parameters).map_err(problem)?;
+    if let Some(spec) = &entry.sharing
+        && spec.strategy == Strategy::Mps
+    {
+        mps_limits(spec.mps.as_ref())?;
+    }
+    Ok(())
+}
+
 fn applies(requests: &[String], request: &str) -> bool {
     requests.is_empty()
         || requests.iter().any(|r| {

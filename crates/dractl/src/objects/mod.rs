@@ -403,6 +403,48 @@ fn split_documents(text: &str) -> Result<Vec<Value>, (usize, String)> {
     Ok(docs)
 }
 
+/// The documents of one input, each with its location, `List` documents expanded into their
+/// items; empty documents are left out. Not decoded or checked (for `dractl lint`, which reads
+/// more kinds than [`Reader`]).
+///
+/// # Errors
+/// A document that is not YAML or JSON.
+pub fn documents(file: &str, text: &str) -> Result<Vec<(Location, Value)>, InputError> {
+    let docs = split_documents(text).map_err(|(document, message)| InputError {
+        location: Some(Location {
+            file: file.into(),
+            document,
+            item: None,
+        }),
+        object: None,
+        message,
+    })?;
+    let mut out = Vec::new();
+    for (document, value) in docs.into_iter().enumerate() {
+        let location = Location {
+            file: file.into(),
+            document,
+            item: None,
+        };
+        match value {
+            Value::Null => {}
+            Value::Object(ref map)
+                if map.get("kind").and_then(Value::as_str) == Some("List")
+                    && map.get("apiVersion").and_then(Value::as_str) == Some("v1") =>
+            {
+                let items = map.get("items").and_then(Value::as_array).cloned();
+                for (i, item) in items.into_iter().flatten().enumerate() {
+                    let mut l = location.clone();
+                    l.item = Some(i);
+                    out.push((l, item));
+                }
+            }
+            other => out.push((location, other)),
+        }
+    }
+    Ok(out)
+}
+
 /// Reads the named files in order (`-` is stdin), each at most once per name as given.
 ///
 /// # Errors

@@ -1,0 +1,614 @@
+//! `dractl lint`: checks ResourceClaims, ResourceClaimTemplates and DeviceClasses before they
+//! are applied, for one DRA driver (ours, `gpu.drust.dev`, or `gpu.nvidia.com` in NVIDIA
+//! compatibility mode).
+//!
+//! Checks, each finding naming the file, document, object and field:
+//! - `cel`: every selector compiles as the API server compiles new selectors (dra-cel's
+//!   `NewExpressions` environment: syntax, types, a bool result, at most 10 KiB, an estimated
+//!   cost within `CELSelectorExpressionMaxCost`; `pkg/apis/resource/validation`).
+//! - `attribute`: every `device.attributes["<domain>"].<name>` and `device.capacity[...]` of this
+//!   driver's domain (or `resource.kubernetes.io`) names something the driver publishes on some
+//!   known topology, else the nearest published name is suggested.
+//! - `config`: opaque parameters for this driver decode strictly, in our API or NVIDIA's
+//!   (`gpu_kubelet_plugin::claim_config::check_parameters`).
+//! - `unsatisfiable`: a claim (or a template's claim) that fits on no node of any known
+//!   topology, with the allocator's reason for the closest one. Known topologies: the fake
+//!   machines of `examples/topologies` (built into the binary), published in both MIG
+//!   strategies. Skipped where a request names a DeviceClass that is neither in the files nor one
+//!   the chart installs for this driver, and for a claim with another finding (it fails for that
+//!   first).
+//!
+//! Other kinds in the files (Pods, Namespaces, ...) are skipped and counted.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{
+    DeviceClaimConfiguration, DeviceClass, DeviceClassConfiguration, DeviceRequest, ResourceClaim,
+    ResourceClaimSpec, ResourceClaimTemplate, ResourceSlice,
+};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::objects::{InputError, Location};
+
+/// NVIDIA's DRA driver name: compatibility mode (NVIDIA's device names and spellings).
+pub const NVIDIA_DRIVER: &str = "gpu.nvidia.com";
+
+/// The topologies every claim is checked against: the repository's fake machines.
+const TOPOLOGIES: [(&str, &str); 7] = [
+    (
+        "dgx-a100-mig",
+        include_str!("../../../examples/topologies/dgx-a100-mig.yaml"),
+    ),
+    (
+        "dgx-h100",
+        include_str!("../../../examples/topologies/dgx-h100.yaml"),
+    ),
+    (
+        "gb200-nvl-tray",
+        include_str!("../../../examples/topologies/gb200-nvl-tray.yaml"),
+    ),
+    (
+        "mixed-a100-l4",
+        include_str!("../../../examples/topologies/mixed-a100-l4.yaml"),
+    ),
+    (
+        "paired-nvlink-bridges",
+        include_str!("../../../examples/topologies/paired-nvlink-bridges.yaml"),
+    ),
+    (
+        "pcie-a100-mig",
+        include_str!("../../../examples/topologies/pcie-a100-mig.yaml"),
+    ),
+    (
+        "pcie-l40s",
+        include_str!("../../../examples/topologies/pcie-l40s.yaml"),
+    ),
+];
+
+/// One problem.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    /// Where: file, document (and `List` item).
+    pub location: String,
+    /// `Kind namespace/name`.
+    pub object: String,
+    /// The field path.
+    pub field: String,
+    /// `cel`, `attribute`, `config`, `unsatisfiable` or `decode`.
+    pub check: &'static str,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// What a run found.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    /// The driver checked for.
+    pub driver: String,
+    /// Objects checked.
+    pub checked: usize,
+    /// Documents of other kinds, skipped.
+    pub skipped: usize,
+    /// The problems, in input order.
+    pub findings: Vec<Finding>,
+}
+
+impl Report {
+    /// The human form: one line per finding, then a summary line.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        for f in &self.findings {
+            out.push_str(&format!(
+                "{} ({}): {}: [{}] {}\n",
+                f.location, f.object, f.field, f.check, f.message
+            ));
+        }
+        out.push_str(&format!(
+            "{} object{} checked for driver {} ({} other document{} skipped): {}\n",
+            self.checked,
+            if self.checked == 1 { "" } else { "s" },
+            self.driver,
+            self.skipped,
+            if self.skipped == 1 { "" } else { "s" },
+            match self.findings.len() {
+                0 => "clean".to_owned(),
+                1 => "1 finding".to_owned(),
+                n => format!("{n} findings"),
+            }
+        ));
+        out
+    }
+}
+
+/// What this driver publishes on the known topologies.
+struct Known {
+    driver: String,
+    nodes: Vec<Node>,
+    slices: Vec<ResourceSlice>,
+    /// (attributes or capacity, domain) -> names.
+    names: BTreeMap<(&'static str, String), BTreeSet<String>>,
+    /// The DeviceClasses the chart installs for this driver.
+    classes: Vec<DeviceClass>,
+}
+
+impl Known {
+    fn new(driver: &str) -> Result<Known, InputError> {
+        let naming = if driver == NVIDIA_DRIVER {
+            gpu_inventory::Naming::Nvidia
+        } else {
+            gpu_inventory::Naming::Drust
+        };
+        let mut known = Known {
+            driver: driver.to_owned(),
+            nodes: Vec::new(),
+            slices: Vec::new(),
+            names: BTreeMap::new(),
+            classes: Vec::new(),
+        };
+        for (name, yaml) in TOPOLOGIES {
+            let topology = gpu_inventory::Topology::parse(yaml, name)
+                .map_err(|e| InputError::general(format!("built-in topology {name}: {e}")))?;
+            let backend = gpu_inventory::FakeBackend::new(topology);
+            let inventory = gpu_inventory::discover_with(&backend, naming)
+                .map_err(|e| InputError::general(format!("built-in topology {name}: {e}")))?;
+            for (strategy, node) in [
+                (gpu_inventory::MigStrategy::Existing, name.to_owned()),
+                (
+                    gpu_inventory::MigStrategy::Partitionable,
+                    format!("{name}-partitionable"),
+                ),
+            ] {
+                let pool = inventory.pool(strategy);
+                known.nodes.push(Node {
+                    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                        name: Some(node.clone()),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                });
+                for mut slice in gpu_inventory::slices::pool_slices(driver, &node, 1, &pool) {
+                    slice.metadata.name = slice.metadata.generate_name.take();
+                    known.slices.push(slice);
+                }
+            }
+        }
+        for slice in &known.slices {
+            for d in slice.spec.devices.iter().flatten() {
+                let mut add = |what: &'static str, key: &str| {
+                    let (domain, name) = match key.rsplit_once('/') {
+                        Some((domain, name)) => (domain.to_owned(), name.to_owned()),
+                        None => (driver.to_owned(), key.to_owned()),
+                    };
+                    known.names.entry((what, domain)).or_default().insert(name);
+                };
+                for key in d.attributes.iter().flat_map(BTreeMap::keys) {
+                    add("attributes", key);
+                }
+                for key in d.capacity.iter().flat_map(BTreeMap::keys) {
+                    add("capacity", key);
+                }
+            }
+        }
+        let domain = driver.strip_prefix("gpu.").unwrap_or(driver);
+        for (kind, class) in [
+            ("gpu", format!("gpu.{domain}")),
+            ("mig", format!("mig.{domain}")),
+        ] {
+            let class: DeviceClass = serde_json::from_value(json!({
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": class},
+                "spec": {"selectors": [{"cel": {"expression": format!(
+                    "device.driver == \"{driver}\" && device.attributes[\"{driver}\"].type == \"{kind}\""
+                )}}]}
+            }))
+            .map_err(|e| InputError::general(format!("built-in DeviceClass: {e}")))?;
+            known.classes.push(class);
+        }
+        Ok(known)
+    }
+}
+
+/// One object to check, decoded.
+enum Object {
+    Class(Box<DeviceClass>),
+    Claim(Box<ResourceClaim>),
+    Template(Box<ResourceClaimTemplate>),
+}
+
+/// Lints `paths` (`-` for stdin) for `driver`.
+///
+/// # Errors
+/// An unreadable file or a document that is not YAML or JSON ([`InputError`], exit status 2).
+pub fn lint_files(paths: &[String], driver: &str) -> Result<Report, InputError> {
+    let mut docs = Vec::new();
+    for path in paths {
+        let text = if path == "-" {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+                .map_err(|e| InputError::general(format!("-: reading stdin: {e}")))?;
+            s
+        } else {
+            std::fs::read_to_string(path)
+                .map_err(|e| InputError::general(format!("{path}: {e}")))?
+        };
+        for (location, value) in crate::objects::documents(path, &text)? {
+            docs.push((location, value));
+        }
+    }
+    lint_values(docs, driver)
+}
+
+/// [`lint_files`] on decoded documents.
+///
+/// # Errors
+/// When the built-in topologies cannot be published (a defect of this build).
+pub fn lint_values(docs: Vec<(Location, Value)>, driver: &str) -> Result<Report, InputError> {
+    let known = Known::new(driver)?;
+    let mut report = Report {
+        driver: driver.to_owned(),
+        ..Report::default()
+    };
+    let mut objects = Vec::new();
+    for (location, value) in docs {
+        let api_version = value
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let kind = value.get("kind").and_then(Value::as_str).unwrap_or("");
+        let name = |v: &Value| {
+            let meta = &v["metadata"];
+            match meta["namespace"].as_str() {
+                Some(ns) => format!("{kind} {ns}/{}", meta["name"].as_str().unwrap_or("")),
+                None => format!("{kind} {}", meta["name"].as_str().unwrap_or("")),
+            }
+        };
+        let object = name(&value);
+        let decoded = match (api_version, kind) {
+            ("resource.k8s.io/v1", "DeviceClass") => {
+                serde_json::from_value(value).map(|c| Object::Class(Box::new(c)))
+            }
+            ("resource.k8s.io/v1", "ResourceClaim") => {
+                serde_json::from_value(value).map(|c| Object::Claim(Box::new(c)))
+            }
+            ("resource.k8s.io/v1", "ResourceClaimTemplate") => {
+                serde_json::from_value(value).map(|c| Object::Template(Box::new(c)))
+            }
+            _ => {
+                report.skipped += 1;
+                continue;
+            }
+        };
+        report.checked += 1;
+        match decoded {
+            Ok(o) => objects.push((location, object, o)),
+            Err(e) => report.findings.push(Finding {
+                location: location.to_string(),
+                object,
+                field: "(object)".into(),
+                check: "decode",
+                message: e.to_string(),
+            }),
+        }
+    }
+    let classes: Vec<DeviceClass> = objects
+        .iter()
+        .filter_map(|(_, _, o)| match o {
+            Object::Class(c) => Some((**c).clone()),
+            _ => None,
+        })
+        .collect();
+    for (location, object, o) in &objects {
+        let mut lint = Lint {
+            known: &known,
+            location: location.to_string(),
+            object,
+            findings: &mut report.findings,
+        };
+        match o {
+            Object::Class(c) => {
+                for (i, s) in c.spec.selectors.iter().flatten().enumerate() {
+                    if let Some(cel) = &s.cel {
+                        lint.selector(
+                            &format!("spec.selectors[{i}].cel.expression"),
+                            &cel.expression,
+                        );
+                    }
+                }
+                lint.class_configs(c.spec.config.as_deref().unwrap_or_default());
+            }
+            Object::Claim(c) => {
+                let before = lint.findings.len();
+                lint.claim_spec("spec", &c.spec);
+                // A claim with a broken selector or config fails for that reason first.
+                if lint.findings.len() == before {
+                    lint.satisfiable("spec", c.as_ref().clone(), &classes);
+                }
+            }
+            Object::Template(t) => {
+                let before = lint.findings.len();
+                lint.claim_spec("spec.spec", &t.spec.spec);
+                if lint.findings.len() > before {
+                    continue;
+                }
+                let claim = ResourceClaim {
+                    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                        name: t.metadata.name.clone(),
+                        namespace: Some(
+                            t.metadata
+                                .namespace
+                                .clone()
+                                .unwrap_or_else(|| "default".into()),
+                        ),
+                        ..Default::default()
+                    },
+                    spec: t.spec.spec.clone(),
+                    status: None,
+                };
+                lint.satisfiable("spec.spec", claim, &classes);
+            }
+        }
+    }
+    Ok(report)
+}
+
+struct Lint<'a> {
+    known: &'a Known,
+    location: String,
+    object: &'a str,
+    findings: &'a mut Vec<Finding>,
+}
+
+impl Lint<'_> {
+    fn find(&mut self, field: String, check: &'static str, message: String) {
+        self.findings.push(Finding {
+            location: self.location.clone(),
+            object: self.object.to_owned(),
+            field,
+            check,
+            message,
+        });
+    }
+
+    fn claim_spec(&mut self, prefix: &str, spec: &ResourceClaimSpec) {
+        let Some(devices) = &spec.devices else { return };
+        for (i, r) in devices.requests.iter().flatten().enumerate() {
+            self.request(&format!("{prefix}.devices.requests[{i}]"), r);
+        }
+        for (i, c) in devices.config.iter().flatten().enumerate() {
+            self.claim_config(&format!("{prefix}.devices.config[{i}]"), c);
+        }
+    }
+
+    fn request(&mut self, field: &str, r: &DeviceRequest) {
+        if let Some(e) = &r.exactly {
+            for (j, s) in e.selectors.iter().flatten().enumerate() {
+                if let Some(cel) = &s.cel {
+                    self.selector(
+                        &format!("{field}.exactly.selectors[{j}].cel.expression"),
+                        &cel.expression,
+                    );
+                }
+            }
+        }
+        for (k, sub) in r.first_available.iter().flatten().enumerate() {
+            for (j, s) in sub.selectors.iter().flatten().enumerate() {
+                if let Some(cel) = &s.cel {
+                    self.selector(
+                        &format!("{field}.firstAvailable[{k}].selectors[{j}].cel.expression"),
+                        &cel.expression,
+                    );
+                }
+            }
+        }
+    }
+
+    fn claim_config(&mut self, field: &str, c: &DeviceClaimConfiguration) {
+        if let Some(o) = c.opaque.as_ref().filter(|o| o.driver == self.known.driver) {
+            self.parameters(&format!("{field}.opaque.parameters"), &o.parameters.0);
+        }
+    }
+
+    fn class_configs(&mut self, configs: &[DeviceClassConfiguration]) {
+        for (i, c) in configs.iter().enumerate() {
+            if let Some(o) = c.opaque.as_ref().filter(|o| o.driver == self.known.driver) {
+                self.parameters(
+                    &format!("spec.config[{i}].opaque.parameters"),
+                    &o.parameters.0,
+                );
+            }
+        }
+    }
+
+    fn parameters(&mut self, field: &str, parameters: &Value) {
+        if let Err(problem) = gpu_kubelet_plugin::claim_config::check_parameters(parameters) {
+            let problem = problem
+                .strip_prefix("opaque.parameters")
+                .map_or(problem.clone(), |rest| {
+                    rest.trim_start_matches(['.', ':', ' ']).to_owned()
+                });
+            self.find(field.to_owned(), "config", problem);
+        }
+    }
+
+    fn selector(&mut self, field: &str, expression: &str) {
+        let compiler =
+            dra_cel::Compiler::new(dra_cel::Features::default(), dra_cel::Environment::New);
+        if let Err(e) = compiler.compile(expression) {
+            self.find(field.to_owned(), "cel", e.to_string());
+        }
+        for (what, domain, name) in referenced(expression) {
+            let ours = domain == self.known.driver || domain == "resource.kubernetes.io";
+            if !ours {
+                continue;
+            }
+            let names = self.known.names.get(&(what, domain.clone()));
+            if names.is_some_and(|n| n.contains(&name)) {
+                continue;
+            }
+            let nearest = names.and_then(|n| {
+                n.iter()
+                    .map(|c| (strsim::levenshtein(c, &name), c))
+                    .filter(|(d, _)| *d <= 3)
+                    .min()
+                    .map(|(_, c)| c.clone())
+            });
+            let what_name = if what == "attributes" {
+                "attribute"
+            } else {
+                "capacity"
+            };
+            self.find(
+                field.to_owned(),
+                "attribute",
+                match nearest {
+                    Some(n) => {
+                        format!("{domain} publishes no {what_name} {name:?}; did you mean {n:?}?")
+                    }
+                    None => format!("{domain} publishes no {what_name} {name:?}"),
+                },
+            );
+        }
+    }
+
+    /// Whether `claim` fits on some node of the known topologies.
+    fn satisfiable(&mut self, prefix: &str, mut claim: ResourceClaim, files: &[DeviceClass]) {
+        let class_names: BTreeSet<String> = files
+            .iter()
+            .chain(&self.known.classes)
+            .filter_map(|c| c.metadata.name.clone())
+            .collect();
+        let requests = claim
+            .spec
+            .devices
+            .as_ref()
+            .and_then(|d| d.requests.clone())
+            .unwrap_or_default();
+        let all_known = requests.iter().all(|r| {
+            r.exactly
+                .iter()
+                .map(|e| &e.device_class_name)
+                .chain(
+                    r.first_available
+                        .iter()
+                        .flatten()
+                        .map(|s| &s.device_class_name),
+                )
+                .all(|c| class_names.contains(c))
+        });
+        if requests.is_empty() || !all_known {
+            return;
+        }
+        if claim.metadata.name.is_none() {
+            claim.metadata.name = Some("claim".into());
+        }
+        let mut classes: Vec<DeviceClass> = files.to_vec();
+        for c in &self.known.classes {
+            if !files.iter().any(|f| f.metadata.name == c.metadata.name) {
+                classes.push(c.clone());
+            }
+        }
+        let mut objects = dra_allocator::Objects {
+            nodes: self.known.nodes.clone(),
+            classes,
+            slices: self.known.slices.clone(),
+            claims: vec![claim],
+        };
+        // As the API server stores them (allocationMode ExactCount, count 1, ...).
+        dra_allocator::apply_defaults(&mut objects);
+        let report = dra_allocator::explain(&objects, &dra_allocator::Options::default());
+        if report.nodes.iter().any(|n| n.fits) {
+            return;
+        }
+        // The closest node: the one whose requests kept the most devices where they stopped,
+        // then got furthest down their funnels.
+        let progress = |n: &dra_allocator::explain::NodeExplanation| {
+            n.explanation.as_ref().map_or((0, 0), |e| {
+                e.requests.iter().fold((0, 0), |(passed, left), r| {
+                    let at = r
+                        .stages
+                        .iter()
+                        .position(|s| Some(s.stage) == r.blocked_at)
+                        .unwrap_or(r.stages.len());
+                    let kept = r.stages.get(at).map_or(0, |s| s.left);
+                    (left + kept, passed + at)
+                })
+            })
+        };
+        let reason = report
+            .nodes
+            .iter()
+            .filter(|n| n.reason.is_some() || n.error.is_some())
+            .max_by_key(|n| progress(n))
+            .and_then(|n| {
+                n.reason
+                    .as_deref()
+                    .or(n.error.as_deref())
+                    .map(|r| format!(" (closest, {}: {r})", n.name))
+            })
+            .unwrap_or_default();
+        self.find(
+            format!("{prefix}.devices"),
+            "unsatisfiable",
+            format!(
+                "no known topology can satisfy this claim: it fits on none of the {} fake \
+                 machines of examples/topologies in either MIG strategy{reason}",
+                TOPOLOGIES.len()
+            ),
+        );
+    }
+}
+
+/// The `(attributes|capacity, domain, name)` an expression reads by literal key:
+/// `device.attributes["d"].name`, `device.attributes["d"]["name"]`, `device.capacity[...]`.
+fn referenced(expression: &str) -> Vec<(&'static str, String, String)> {
+    static PATTERN: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let pattern = PATTERN.get_or_init(|| {
+        regex::Regex::new(
+            r#"device\s*\.\s*(attributes|capacity)\s*\[\s*(?:"([^"]*)"|'([^']*)')\s*\]\s*(?:\.\s*([A-Za-z_][A-Za-z0-9_]*)|\[\s*(?:"([^"]*)"|'([^']*)')\s*\])"#,
+        )
+        .expect("a valid pattern")
+    });
+    pattern
+        .captures_iter(expression)
+        .filter_map(|c| {
+            let what = if &c[1] == "attributes" {
+                "attributes"
+            } else {
+                "capacity"
+            };
+            let domain = c.get(2).or_else(|| c.get(3))?.as_str().to_owned();
+            let name = c
+                .get(4)
+                .or_else(|| c.get(5))
+                .or_else(|| c.get(6))?
+                .as_str()
+                .to_owned();
+            Some((what, domain, name))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn referenced_names_are_read_in_both_spellings() {
+        assert_eq!(
+            referenced(
+                r#"device.attributes["gpu.drust.dev"].prodctName == "x" && device.capacity['gpu.drust.dev']["memory"].compareTo(quantity("1Gi")) >= 0"#
+            ),
+            [
+                (
+                    "attributes",
+                    "gpu.drust.dev".to_owned(),
+                    "prodctName".to_owned()
+                ),
+                ("capacity", "gpu.drust.dev".to_owned(), "memory".to_owned()),
+            ]
+        );
+    }
+}
