@@ -225,18 +225,10 @@ enum Object {
 pub fn lint_files(paths: &[String], driver: &str) -> Result<Report, InputError> {
     let mut docs = Vec::new();
     for path in paths {
-        let text = if path == "-" {
-            let mut s = String::new();
-            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
-                .map_err(|e| InputError::general(format!("-: reading stdin: {e}")))?;
-            s
-        } else {
-            std::fs::read_to_string(path)
-                .map_err(|e| InputError::general(format!("{path}: {e}")))?
-        };
-        for (location, value) in crate::objects::documents(path, &text)? {
-            docs.push((location, value));
-        }
+        docs.extend(crate::objects::documents(
+            path,
+            &crate::objects::read_input(path)?,
+        )?);
     }
     lint_values(docs, driver)
 }

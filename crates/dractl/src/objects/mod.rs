@@ -139,24 +139,7 @@ impl Reader {
     /// # Errors
     /// The first problem found, as an [`InputError`]; objects before it stay read.
     pub fn read_str(&mut self, file: &str, text: &str) -> Result<(), InputError> {
-        let docs = split_documents(text).map_err(|(document, message)| InputError {
-            location: Some(Location {
-                file: file.into(),
-                document,
-                item: None,
-            }),
-            object: None,
-            message,
-        })?;
-        for (document, value) in docs.into_iter().enumerate() {
-            if value.is_null() {
-                continue; // an empty document
-            }
-            let location = Location {
-                file: file.into(),
-                document,
-                item: None,
-            };
+        for (location, value) in split(file, text)? {
             self.read_value(location, value)?;
         }
         Ok(())
@@ -410,24 +393,9 @@ fn split_documents(text: &str) -> Result<Vec<Value>, (usize, String)> {
 /// # Errors
 /// A document that is not YAML or JSON.
 pub fn documents(file: &str, text: &str) -> Result<Vec<(Location, Value)>, InputError> {
-    let docs = split_documents(text).map_err(|(document, message)| InputError {
-        location: Some(Location {
-            file: file.into(),
-            document,
-            item: None,
-        }),
-        object: None,
-        message,
-    })?;
     let mut out = Vec::new();
-    for (document, value) in docs.into_iter().enumerate() {
-        let location = Location {
-            file: file.into(),
-            document,
-            item: None,
-        };
+    for (location, value) in split(file, text)? {
         match value {
-            Value::Null => {}
             Value::Object(ref map)
                 if map.get("kind").and_then(Value::as_str) == Some("List")
                     && map.get("apiVersion").and_then(Value::as_str) == Some("v1") =>
@@ -445,6 +413,41 @@ pub fn documents(file: &str, text: &str) -> Result<Vec<(Location, Value)>, Input
     Ok(out)
 }
 
+/// The non-empty documents of one input with their locations.
+fn split(file: &str, text: &str) -> Result<Vec<(Location, Value)>, InputError> {
+    let location = |document| Location {
+        file: file.into(),
+        document,
+        item: None,
+    };
+    let docs = split_documents(text).map_err(|(document, message)| InputError {
+        location: Some(location(document)),
+        object: None,
+        message,
+    })?;
+    Ok(docs
+        .into_iter()
+        .enumerate()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(document, value)| (location(document), value))
+        .collect())
+}
+
+/// The text of one input: a file, or stdin for `-`.
+///
+/// # Errors
+/// An unreadable file, named.
+pub fn read_input(path: &str) -> Result<String, InputError> {
+    if path == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+            .map_err(|e| InputError::general(format!("-: reading stdin: {e}")))?;
+        Ok(s)
+    } else {
+        std::fs::read_to_string(path).map_err(|e| InputError::general(format!("{path}: {e}")))
+    }
+}
+
 /// Reads the named files in order (`-` is stdin), each at most once per name as given.
 ///
 /// # Errors
@@ -452,16 +455,7 @@ pub fn documents(file: &str, text: &str) -> Result<Vec<(Location, Value)>, Input
 pub fn load_files(paths: &[String]) -> Result<Inputs, InputError> {
     let mut reader = Reader::new();
     for path in paths {
-        let text = if path == "-" {
-            let mut s = String::new();
-            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
-                .map_err(|e| InputError::general(format!("-: reading stdin: {e}")))?;
-            s
-        } else {
-            std::fs::read_to_string(path)
-                .map_err(|e| InputError::general(format!("{path}: {e}")))?
-        };
-        reader.read_str(path, &text)?;
+        reader.read_str(path, &read_input(path)?)?;
     }
     Ok(reader.finish())
 }
