@@ -76,6 +76,9 @@ pub struct Config {
     pub rediscovery_interval: Duration,
     /// Print the slices and exit, contacting no API server.
     pub dry_run: Option<OutputFormat>,
+    /// With `dry_run`: also write the backend's answers, as a topology file (`--fake-topology`
+    /// reads it), to this path.
+    pub dump_topology: Option<PathBuf>,
     /// This instance's ID (the pod UID under a DaemonSet); when set, socket names carry it so
     /// two instances can run side by side during a rolling update.
     pub instance_id: Option<String>,
@@ -123,6 +126,7 @@ impl Config {
             naming: gpu_inventory::Naming::Drust,
             rediscovery_interval: Duration::from_secs(60),
             dry_run: None,
+            dump_topology: None,
             instance_id: None,
             http_address: None,
             sharing: true,

@@ -284,6 +284,18 @@ pub async fn run(
     info!(gpus = inventory.gpus.len(), devices = pool.devices.len(), node = %config.node_name,
         "discovered GPUs");
     if let Some(format) = config.dry_run {
+        if let Some(path) = &config.dump_topology {
+            // The answers the pool was made from, in the same process (NVML's UUIDs and state
+            // are those of this discovery).
+            let topology = gpu_inventory::Topology {
+                system: backend.system()?,
+                gpus: inventory.gpus.iter().map(|g| g.raw.clone()).collect(),
+            };
+            let text =
+                serde_yaml_ng::to_string(&topology).map_err(|e| Error::Output(e.to_string()))?;
+            std::fs::write(path, text)
+                .map_err(|e| Error::Output(format!("{}: {e}", path.display())))?;
+        }
         return write_dry_run(&config, &pool, format, &mut std::io::stdout().lock());
     }
     let client = kube_client(&config).await?;

@@ -148,6 +148,10 @@ struct Args {
     /// Print the ResourceSlices this node would publish and exit; contacts no API server.
     #[arg(long)]
     dry_run: bool,
+    /// With --dry-run: also write what the GPU backend answered (NVML's raw values) to this
+    /// file, as a topology that --fake-topology reads: a node captured for tests and dractl.
+    #[arg(long, requires = "dry_run", value_name = "FILE")]
+    dump_topology: Option<PathBuf>,
     /// Output format of --dry-run.
     #[arg(short = 'o', long, value_enum, default_value = "yaml")]
     output: Format,
@@ -210,6 +214,7 @@ impl Args {
         };
         config.rediscovery_interval =
             std::time::Duration::from_secs(self.rediscovery_interval_seconds);
+        config.dump_topology = self.dump_topology;
         config.dry_run = self.dry_run.then_some(match self.output {
             Format::Yaml => OutputFormat::Yaml,
             Format::Json => OutputFormat::Json,

@@ -38,21 +38,55 @@ pub fn cache_dir() -> PathBuf {
 /// # Errors
 /// A description of the failed read or build.
 pub fn go_tool(name: &str) -> Result<PathBuf, String> {
-    use sha2::{Digest, Sha256};
     let gotools = gotools_dir();
-    let cmd = gotools.join("cmd").join(name);
+    let module = [gotools.join("go.mod"), gotools.join("go.sum")];
+    build(
+        &gotools,
+        &format!("cmd/{name}"),
+        &module,
+        name,
+        name,
+        &[],
+        false,
+    )
+}
+
+/// Builds the Go module `tests/gotools/<name>` (a module of its own, so its dependencies do not
+/// change the control plane's) as a C shared library (`-buildmode=c-shared`, cgo on) named
+/// `file`, cached like [`go_tool`]: `tests/gotools/mocknvml` becomes a `libnvidia-ml.so.1`.
+///
+/// # Errors
+/// A description of the failed read or build.
+pub fn go_library(name: &str, file: &str) -> Result<PathBuf, String> {
+    let dir = gotools_dir().join(name);
+    build(&dir, ".", &[], name, file, &["-buildmode=c-shared"], true)
+}
+
+/// `go build` of package `package` (relative to `module`) into the cache, keyed by the hash of
+/// the package's files and `extra` files.
+fn build(
+    module: &Path,
+    package: &str,
+    extra: &[PathBuf],
+    name: &str,
+    file: &str,
+    flags: &[&str],
+    cgo: bool,
+) -> Result<PathBuf, String> {
+    use sha2::{Digest, Sha256};
+    let gotools = module;
+    let cmd = module.join(package);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&cmd)
         .map_err(|e| format!("{}: {e}", cmd.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file())
         .collect();
     files.sort();
-    files.push(gotools.join("go.mod"));
-    files.push(gotools.join("go.sum"));
+    files.extend_from_slice(extra);
     let mut h = Sha256::new();
     for f in &files {
         h.update(
-            f.strip_prefix(&gotools)
+            f.strip_prefix(gotools)
                 .unwrap_or(f)
                 .to_string_lossy()
                 .as_bytes(),
@@ -63,7 +97,7 @@ pub fn go_tool(name: &str) -> Result<PathBuf, String> {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let bin = cache_dir().join(name).join(hash).join(name);
+    let bin = cache_dir().join(name).join(hash).join(file);
     // Tests of one binary run on threads: build once, the others wait and reuse it.
     static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one_at_a_time = BUILDING
@@ -77,15 +111,20 @@ pub fn go_tool(name: &str) -> Result<PathBuf, String> {
     }
     let tmp = bin.with_extension(format!("tmp{}", std::process::id()));
     let status = Command::new("go")
-        .args(["build", "-trimpath", "-o"])
+        .args(["build", "-trimpath"])
+        .args(flags)
+        .arg("-o")
         .arg(&tmp)
-        .arg(format!("./cmd/{name}"))
-        .env("CGO_ENABLED", "0")
-        .current_dir(&gotools)
+        .arg(format!("./{package}"))
+        .env("CGO_ENABLED", if cgo { "1" } else { "0" })
+        .current_dir(gotools)
         .status()
         .map_err(|e| format!("running go build: {e}"))?;
     if !status.success() {
-        return Err(format!("go build ./cmd/{name}: {status}"));
+        return Err(format!(
+            "go build ./{package} in {}: {status}",
+            gotools.display()
+        ));
     }
     std::fs::rename(&tmp, &bin).map_err(|e| format!("{}: {e}", bin.display()))?;
     Ok(bin)

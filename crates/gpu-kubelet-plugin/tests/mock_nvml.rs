@@ -1,0 +1,172 @@
+//! The plugin's real NVML backend against NVIDIA's own mock of NVML (github.com/NVIDIA/go-nvml,
+//! `pkg/nvml/mock`: its DGX A100, H100, H200 and B200 servers), exposed through NVML's C ABI as
+//! a `libnvidia-ml.so.1` (`tests/gotools/mocknvml`, built by the harness). For each machine,
+//! in both MIG strategies (MIG mode on for partitionable): `gpu-kubelet-plugin --dry-run
+//! --nvml-library <mock>` publishes the mock's GPUs with the mock's values, and the fake
+//! backend, given the very answers NVML gave (`--dump-topology`, same process), publishes the
+//! same slices: the fake used by every other test agrees with the NVML path.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+/// (machine, product, memory MiB, compute capability, architecture, driver, CUDA): NVIDIA's mock
+/// profiles (`pkg/nvml/mock/gpus/*.go`, `mock/dgx*/dgx*.go` of go-nvml v0.13.4-1).
+const MACHINES: [(&str, &str, u64, &str, &str, &str, &str); 4] = [
+    (
+        "dgxa100",
+        "Mock NVIDIA A100-SXM4-40GB",
+        40_960,
+        "8.0.0",
+        "Ampere",
+        "550.54.15",
+        "12.4.0",
+    ),
+    (
+        "dgxh100",
+        "NVIDIA H100 80GB HBM3",
+        81_920,
+        "9.0.0",
+        "Hopper",
+        "550.54.15",
+        "12.4.0",
+    ),
+    (
+        "dgxh200",
+        "NVIDIA H200 141GB HBM3e",
+        144_384,
+        "9.0.0",
+        "Hopper",
+        "550.54.15",
+        "12.4.0",
+    ),
+    (
+        "dgxb200",
+        "NVIDIA B200 180GB HBM3e",
+        184_320,
+        "10.0.0",
+        "Blackwell",
+        "560.28.3",
+        "12.6.0",
+    ),
+];
+
+fn plugin(args: &[&str], env: &[(&str, &str)]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+        .args(["--dry-run", "-o", "json", "--node-name", "mock-node"])
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run gpu-kubelet-plugin");
+    assert!(
+        out.status.success(),
+        "{args:?} {env:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON slices")
+}
+
+fn attr<'a>(device: &'a Value, name: &str) -> &'a Value {
+    let a = &device["attributes"][name];
+    ["string", "int", "version", "bool"]
+        .iter()
+        .map(|k| &a[*k])
+        .find(|v| !v.is_null())
+        .unwrap_or(&Value::Null)
+}
+
+#[test]
+fn the_nvml_backend_publishes_nvidias_mock_gpus_as_the_fake_backend_does() {
+    let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("build the mock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (machine, product, mib, cc, arch, driver, cuda) in MACHINES {
+        for (strategy, mig) in [("existing", "0"), ("partitionable", "1")] {
+            let what = format!("{machine} {strategy}");
+            let topology = dir.path().join(format!("{machine}-{strategy}.yaml"));
+            let env = [
+                ("DRUST_MOCK_NVML_MACHINE", machine),
+                ("DRUST_MOCK_NVML_MIG", mig),
+            ];
+            let lib_arg = lib.to_str().expect("utf-8 path");
+            let topo_arg = topology.to_str().expect("utf-8 path");
+            let nvml = plugin(
+                &[
+                    "--nvml-library",
+                    lib_arg,
+                    "--mig-strategy",
+                    strategy,
+                    "--dump-topology",
+                    topo_arg,
+                ],
+                &env,
+            );
+            let fake = plugin(
+                &["--fake-topology", topo_arg, "--mig-strategy", strategy],
+                &[],
+            );
+            assert_eq!(nvml, fake, "{what}: the fake backend disagrees with NVML");
+
+            let devices: Vec<&Value> = nvml
+                .as_array()
+                .expect("slices")
+                .iter()
+                .flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten())
+                .collect();
+            let gpus: Vec<&&Value> = devices
+                .iter()
+                .filter(|d| attr(d, "type") == "gpu")
+                .collect();
+            let migs: Vec<&&Value> = devices
+                .iter()
+                .filter(|d| attr(d, "type") == "mig")
+                .collect();
+            if strategy == "existing" {
+                assert_eq!(gpus.len(), 8, "{what}: {devices:#?}");
+            } else {
+                // MIG mode on: the placements of every profile NVIDIA's mock lists, no whole GPU.
+                assert!(
+                    gpus.is_empty() && migs.len() >= 8 * 7,
+                    "{what}: {} MIG",
+                    migs.len()
+                );
+            }
+            for (i, g) in gpus.iter().enumerate() {
+                assert_eq!(attr(g, "productName"), product, "{what}");
+                assert_eq!(attr(g, "cudaComputeCapability"), cc, "{what}");
+                assert_eq!(attr(g, "architecture"), arch, "{what}");
+                assert_eq!(attr(g, "driverVersion"), driver, "{what}");
+                assert_eq!(attr(g, "cudaDriverVersion"), cuda, "{what}");
+                assert_eq!(attr(g, "index"), i, "{what}");
+                assert_eq!(attr(g, "minor"), i, "{what}");
+                assert!(
+                    attr(g, "uuid")
+                        .as_str()
+                        .is_some_and(|u| u.starts_with("GPU-")),
+                    "{what}"
+                );
+                assert_eq!(
+                    g["capacity"]["memory"]["value"],
+                    format!("{}Gi", mib / 1024),
+                    "{what}"
+                );
+                // The bridge's bus IDs (the mock has none): 0x18 + 0x10 * index.
+                assert_eq!(
+                    attr(g, "resource.kubernetes.io/pciBusID").as_str(),
+                    Some(format!("0000:{:02x}:00.0", 0x18 + 0x10 * i).as_str()),
+                    "{what}"
+                );
+            }
+            for m in &migs {
+                assert_eq!(attr(m, "productName"), product, "{what}");
+                assert!(
+                    attr(m, "profile")
+                        .as_str()
+                        .is_some_and(|p| p.contains("g.")),
+                    "{what}"
+                );
+            }
+            assert!(Path::new(&topology).is_file());
+        }
+    }
+}
