@@ -15,10 +15,16 @@
 //     (tests/gpu/fixtures/h200-580.159.04); nvmlDeviceGetNumGpuCores, NUMA node, NVLink and
 //     fabric queries answer NOT_SUPPORTED (the mock models none of them).
 //   - nvmlDeviceGetMemoryInfo_v2 is the mock's v1 memory info with no reserved memory.
-//   - nvmlDeviceGetMaxMigDeviceCount answers 7 and nvmlDeviceGetMigDeviceHandleByIndex
-//     NOT_FOUND: the mock has no MIG device handles.
-//   - The mock's GPU instance profile IDs are the NVML_GPU_INSTANCE_PROFILE_* values; real
-//     GPUs report other IDs (19 for 1 slice, ...). Both are served faithfully.
+//   - MIG devices: the mock keeps GPU and compute instances but has no MIG device handles. The
+//     bridge lists one MIG device per compute instance (nvmlDeviceGetMigDeviceHandleByIndex, up
+//     to 7 per GPU) with a UUID made from the parent's and the instance ids, the attributes and
+//     memory of its GPU instance profile, and its instance ids. The mock does not refuse
+//     overlapping placements (a GPU would); the plugin's own accounting prevents them.
+//   - GPU instance profile IDs: the mock's are the NVML_GPU_INSTANCE_PROFILE_* values, but real
+//     GPUs report other IDs (on an H200: 19, 14, 9, 5, 0, 20, 15 for profiles 0, 1, 2, 3, 4, 7,
+//     9; tests/gpu/fixtures/h200-580.159.04). The bridge answers with those IDs, and 100 + the
+//     profile for the profiles that fixture does not show, and takes them back in placement
+//     queries, so code that mixes up ID and profile fails here as it would on a GPU.
 //
 // Test tooling only; nothing here ships.
 package main
@@ -32,6 +38,7 @@ import "C"
 import (
 	"fmt"
 	"os"
+	"sort"
 	"sync"
 	"unsafe"
 
@@ -40,6 +47,7 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxb200"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh200"
+	mock "github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
 )
 
 func main() {}
@@ -78,6 +86,53 @@ func device(h unsafe.Pointer) (nvml.Device, bool) {
 	defer mu.Unlock()
 	d, ok := handles[h]
 	return d, ok
+}
+
+// A MIG device: compute instance ci of GPU instance gi of GPU gpu.
+type migDevice struct {
+	gpu int
+	gi  *mock.GpuInstance
+	ci  *mock.ComputeInstance
+}
+
+var (
+	migs    = map[unsafe.Pointer]migDevice{}
+	giOf    = map[unsafe.Pointer]*mock.GpuInstance{}
+	ciOf    = map[unsafe.Pointer]*mock.ComputeInstance{}
+	handleG = map[*mock.GpuInstance]unsafe.Pointer{}
+	handleC = map[*mock.ComputeInstance]unsafe.Pointer{}
+	handleM = map[[2]unsafe.Pointer]unsafe.Pointer{}
+)
+
+// handle returns the C handle of a Go object, making one the first time (under mu).
+func giHandle(gi *mock.GpuInstance) unsafe.Pointer {
+	if h, ok := handleG[gi]; ok {
+		return h
+	}
+	h := C.malloc(1)
+	handleG[gi], giOf[h] = h, gi
+	return h
+}
+
+func ciHandle(ci *mock.ComputeInstance) unsafe.Pointer {
+	if h, ok := handleC[ci]; ok {
+		return h
+	}
+	h := C.malloc(1)
+	handleC[ci], ciOf[h] = h, ci
+	return h
+}
+
+func mig(h unsafe.Pointer) (migDevice, bool) {
+	mu.Lock()
+	defer mu.Unlock()
+	m, ok := migs[h]
+	return m, ok
+}
+
+// giProfile is the mock's profile info of a GPU instance (the mock's profile IDs are profiles).
+func giProfile(gi *mock.GpuInstance) nvml.GpuInstanceProfileInfo {
+	return gi.MIGProfiles.GpuInstanceProfiles[int(gi.Info.ProfileId)]
 }
 
 // index of a handle (its GPU index).
@@ -222,6 +277,12 @@ func str(h unsafe.Pointer, buf *C.char, n C.uint, get func(nvml.Device) (string,
 
 //export nvmlDeviceGetUUID
 func nvmlDeviceGetUUID(h unsafe.Pointer, buf *C.char, n C.uint) C.int {
+	if m, ok := mig(h); ok {
+		mu.Lock()
+		u := migUUID(m)
+		mu.Unlock()
+		return putString(buf, n, u)
+	}
 	return str(h, buf, n, nvml.Device.GetUUID)
 }
 
@@ -280,6 +341,11 @@ func nvmlDeviceGetCudaComputeCapability(h unsafe.Pointer, major, minor *C.int) C
 
 //export nvmlDeviceGetMemoryInfo_v2
 func nvmlDeviceGetMemoryInfo_v2(h unsafe.Pointer, out unsafe.Pointer) C.int {
+	if m, ok := mig(h); ok {
+		v2 := (*nvml.Memory_v2)(out)
+		v2.Total, v2.Reserved, v2.Free, v2.Used = giProfile(m.gi).MemorySizeMB<<20, 0, 0, 0
+		return success
+	}
 	d, ok := device(h)
 	if !ok {
 		return invalidArgument
@@ -345,6 +411,7 @@ func nvmlDeviceGetGpuInstanceProfileInfo(h unsafe.Pointer, profile C.uint, out u
 	if r != nvml.SUCCESS {
 		return C.int(r)
 	}
+	info.Id = idOf(int(profile))
 	*(*nvml.GpuInstanceProfileInfo)(out) = info
 	return success
 }
@@ -355,7 +422,12 @@ func nvmlDeviceGetGpuInstancePossiblePlacements_v2(h unsafe.Pointer, profileID C
 	if !ok {
 		return invalidArgument
 	}
-	info := nvml.GpuInstanceProfileInfo{Id: uint32(profileID)}
+	profile := profileOf(uint32(profileID))
+	if profile < 0 {
+		return invalidArgument
+	}
+	// The mock keys its placements by profile (its IDs are the profiles).
+	info := nvml.GpuInstanceProfileInfo{Id: uint32(profile)}
 	placements, r := d.GetGpuInstancePossiblePlacements(&info)
 	if r != nvml.SUCCESS {
 		return C.int(r)
@@ -374,10 +446,50 @@ func nvmlDeviceGetGpuInstancePossiblePlacements_v2(h unsafe.Pointer, profileID C
 	return success
 }
 
+// realID maps an NVML_GPU_INSTANCE_PROFILE_* value to the ID a real GPU reports for it.
+var realID = map[int]uint32{0: 19, 1: 14, 2: 9, 3: 5, 4: 0, 7: 20, 9: 15}
+
+func idOf(profile int) uint32 {
+	if id, ok := realID[profile]; ok {
+		return id
+	}
+	return uint32(100 + profile)
+}
+
+// profileOf is idOf's inverse; -1 for an ID no profile has.
+func profileOf(id uint32) int {
+	for p := 0; p < nvml.GPU_INSTANCE_PROFILE_COUNT; p++ {
+		if idOf(p) == id {
+			return p
+		}
+	}
+	return -1
+}
+
 // What the mock does not model: answered NOT_SUPPORTED, as a GPU without the feature does.
 
 //export nvmlDeviceGetAttributes_v2
-func nvmlDeviceGetAttributes_v2(h unsafe.Pointer, out unsafe.Pointer) C.int { return notSupported }
+func nvmlDeviceGetAttributes_v2(h unsafe.Pointer, out unsafe.Pointer) C.int {
+	m, ok := mig(h)
+	if !ok {
+		// Full GPUs: NOT_SUPPORTED, as the real library answers.
+		return notSupported
+	}
+	p := giProfile(m.gi)
+	ci := m.gi.MIGProfiles.ComputeInstanceProfiles[int(m.gi.Info.ProfileId)][int(m.ci.Info.ProfileId)]
+	*(*nvml.DeviceAttributes)(out) = nvml.DeviceAttributes{
+		MultiprocessorCount:       ci.MultiprocessorCount,
+		SharedCopyEngineCount:     ci.SharedCopyEngineCount,
+		SharedDecoderCount:        ci.SharedDecoderCount,
+		SharedEncoderCount:        ci.SharedEncoderCount,
+		SharedJpegCount:           ci.SharedJpegCount,
+		SharedOfaCount:            ci.SharedOfaCount,
+		GpuInstanceSliceCount:     p.SliceCount,
+		ComputeInstanceSliceCount: ci.SliceCount,
+		MemorySizeMB:              p.MemorySizeMB,
+	}
+	return success
+}
 
 //export nvmlDeviceGetNumGpuCores
 func nvmlDeviceGetNumGpuCores(h unsafe.Pointer, out *C.uint) C.int { return notSupported }
@@ -391,17 +503,293 @@ func nvmlDeviceGetNvLinkState(h unsafe.Pointer, link C.uint, out *C.int) C.int {
 //export nvmlDeviceGetGpuFabricInfoV
 func nvmlDeviceGetGpuFabricInfoV(h unsafe.Pointer, out unsafe.Pointer) C.int { return notSupported }
 
+// MIG: GPU and compute instances of NVIDIA's mock, and MIG devices the bridge derives from them.
+
+// cGpuInstanceInfo is nvmlGpuInstanceInfo_t.
+type cGpuInstanceInfo struct {
+	Device      unsafe.Pointer
+	Id          uint32
+	ProfileId   uint32
+	Start, Size uint32
+}
+
+// cComputeInstanceInfo is nvmlComputeInstanceInfo_t.
+type cComputeInstanceInfo struct {
+	Device      unsafe.Pointer
+	GpuInstance unsafe.Pointer
+	Id          uint32
+	ProfileId   uint32
+	Start, Size uint32
+}
+
+//export nvmlDeviceCreateGpuInstanceWithPlacement
+func nvmlDeviceCreateGpuInstanceWithPlacement(h unsafe.Pointer, profileID C.uint, placement unsafe.Pointer, out *unsafe.Pointer) C.int {
+	d, ok := device(h)
+	if !ok || placement == nil {
+		return invalidArgument
+	}
+	profile := profileOf(uint32(profileID))
+	if profile < 0 {
+		return invalidArgument
+	}
+	info, r := d.GetGpuInstanceProfileInfo(profile)
+	if r != nvml.SUCCESS {
+		return C.int(r)
+	}
+	gi, r := d.CreateGpuInstanceWithPlacement(&info, (*nvml.GpuInstancePlacement)(placement))
+	if r != nvml.SUCCESS {
+		return C.int(r)
+	}
+	mu.Lock()
+	*out = giHandle(gi.(*mock.GpuInstance))
+	mu.Unlock()
+	return success
+}
+
+//export nvmlGpuInstanceGetInfo
+func nvmlGpuInstanceGetInfo(h unsafe.Pointer, out unsafe.Pointer) C.int {
+	mu.Lock()
+	gi, ok := giOf[h]
+	var dev unsafe.Pointer
+	for i, p := range byIndex {
+		if handles[p] == gi.Info.Device {
+			dev = byIndex[i]
+		}
+	}
+	mu.Unlock()
+	if !ok {
+		return invalidArgument
+	}
+	*(*cGpuInstanceInfo)(out) = cGpuInstanceInfo{
+		Device:    dev,
+		Id:        gi.Info.Id,
+		ProfileId: idOf(int(gi.Info.ProfileId)),
+		Start:     gi.Info.Placement.Start,
+		Size:      gi.Info.Placement.Size,
+	}
+	return success
+}
+
+//export nvmlGpuInstanceGetComputeInstanceProfileInfo
+func nvmlGpuInstanceGetComputeInstanceProfileInfo(h unsafe.Pointer, profile, engine C.uint, out unsafe.Pointer) C.int {
+	mu.Lock()
+	gi, ok := giOf[h]
+	mu.Unlock()
+	if !ok {
+		return invalidArgument
+	}
+	info, r := gi.GetComputeInstanceProfileInfo(int(profile), int(engine))
+	if r != nvml.SUCCESS {
+		return C.int(r)
+	}
+	*(*nvml.ComputeInstanceProfileInfo)(out) = info
+	return success
+}
+
+//export nvmlGpuInstanceCreateComputeInstance
+func nvmlGpuInstanceCreateComputeInstance(h unsafe.Pointer, profileID C.uint, out *unsafe.Pointer) C.int {
+	mu.Lock()
+	gi, ok := giOf[h]
+	mu.Unlock()
+	if !ok {
+		return invalidArgument
+	}
+	for p := 0; p < nvml.COMPUTE_INSTANCE_PROFILE_COUNT; p++ {
+		info, r := gi.GetComputeInstanceProfileInfo(p, nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+		if r != nvml.SUCCESS || info.Id != uint32(profileID) {
+			continue
+		}
+		ci, r := gi.CreateComputeInstance(&info)
+		if r != nvml.SUCCESS {
+			return C.int(r)
+		}
+		mu.Lock()
+		*out = ciHandle(ci.(*mock.ComputeInstance))
+		mu.Unlock()
+		return success
+	}
+	return invalidArgument
+}
+
+//export nvmlComputeInstanceGetInfo_v2
+func nvmlComputeInstanceGetInfo_v2(h unsafe.Pointer, out unsafe.Pointer) C.int {
+	mu.Lock()
+	defer mu.Unlock()
+	ci, ok := ciOf[h]
+	if !ok {
+		return invalidArgument
+	}
+	gi := ci.Info.GpuInstance.(*mock.GpuInstance)
+	*(*cComputeInstanceInfo)(out) = cComputeInstanceInfo{
+		GpuInstance: giHandle(gi),
+		Id:          ci.Info.Id,
+		ProfileId:   ci.Info.ProfileId,
+		Start:       ci.Info.Placement.Start,
+		Size:        ci.Info.Placement.Size,
+	}
+	return success
+}
+
+//export nvmlComputeInstanceDestroy
+func nvmlComputeInstanceDestroy(h unsafe.Pointer) C.int {
+	mu.Lock()
+	ci, ok := ciOf[h]
+	mu.Unlock()
+	if !ok {
+		return invalidArgument
+	}
+	return C.int(ci.Destroy())
+}
+
+//export nvmlGpuInstanceDestroy
+func nvmlGpuInstanceDestroy(h unsafe.Pointer) C.int {
+	mu.Lock()
+	gi, ok := giOf[h]
+	mu.Unlock()
+	if !ok {
+		return invalidArgument
+	}
+	gi.RLock()
+	busy := len(gi.ComputeInstances) > 0
+	gi.RUnlock()
+	if busy {
+		// As NVML: a GPU instance with compute instances is in use.
+		return C.int(nvml.ERROR_IN_USE)
+	}
+	return C.int(gi.Destroy())
+}
+
+//export nvmlDeviceGetGpuInstanceById
+func nvmlDeviceGetGpuInstanceById(h unsafe.Pointer, id C.uint, out *unsafe.Pointer) C.int {
+	d, ok := device(h)
+	if !ok {
+		return invalidArgument
+	}
+	sd := d.(*mock.Device)
+	sd.RLock()
+	defer sd.RUnlock()
+	for gi := range sd.GpuInstances {
+		if gi.Info.Id == uint32(id) {
+			mu.Lock()
+			*out = giHandle(gi)
+			mu.Unlock()
+			return success
+		}
+	}
+	return C.int(nvml.ERROR_NOT_FOUND)
+}
+
+//export nvmlGpuInstanceGetComputeInstanceById
+func nvmlGpuInstanceGetComputeInstanceById(h unsafe.Pointer, id C.uint, out *unsafe.Pointer) C.int {
+	mu.Lock()
+	gi, ok := giOf[h]
+	mu.Unlock()
+	if !ok {
+		return invalidArgument
+	}
+	gi.RLock()
+	defer gi.RUnlock()
+	for ci := range gi.ComputeInstances {
+		if ci.Info.Id == uint32(id) {
+			mu.Lock()
+			*out = ciHandle(ci)
+			mu.Unlock()
+			return success
+		}
+	}
+	return C.int(nvml.ERROR_NOT_FOUND)
+}
+
+// migList is the GPU's MIG devices, by GPU instance id then compute instance id.
+func migList(sd *mock.Device) [][2]any {
+	sd.RLock()
+	defer sd.RUnlock()
+	var out [][2]any
+	for gi := range sd.GpuInstances {
+		gi.RLock()
+		for ci := range gi.ComputeInstances {
+			out = append(out, [2]any{gi, ci})
+		}
+		gi.RUnlock()
+	}
+	sort.Slice(out, func(a, b int) bool {
+		ga, gb := out[a][0].(*mock.GpuInstance), out[b][0].(*mock.GpuInstance)
+		if ga.Info.Id != gb.Info.Id {
+			return ga.Info.Id < gb.Info.Id
+		}
+		return out[a][1].(*mock.ComputeInstance).Info.Id < out[b][1].(*mock.ComputeInstance).Info.Id
+	})
+	return out
+}
+
 //export nvmlDeviceGetMaxMigDeviceCount
 func nvmlDeviceGetMaxMigDeviceCount(h unsafe.Pointer, out *C.uint) C.int {
 	if _, ok := device(h); !ok {
 		return invalidArgument
 	}
-	// The mock tracks GPU instances but has no MIG device handles: none exist to list.
 	*out = 7
 	return success
 }
 
 //export nvmlDeviceGetMigDeviceHandleByIndex
 func nvmlDeviceGetMigDeviceHandleByIndex(h unsafe.Pointer, i C.uint, out *unsafe.Pointer) C.int {
-	return C.int(nvml.ERROR_NOT_FOUND)
+	d, ok := device(h)
+	if !ok {
+		return invalidArgument
+	}
+	list := migList(d.(*mock.Device))
+	if int(i) >= len(list) {
+		return C.int(nvml.ERROR_NOT_FOUND)
+	}
+	gi, ci := list[i][0].(*mock.GpuInstance), list[i][1].(*mock.ComputeInstance)
+	mu.Lock()
+	defer mu.Unlock()
+	key := [2]unsafe.Pointer{giHandle(gi), ciHandle(ci)}
+	m, ok := handleM[key]
+	if !ok {
+		m = C.malloc(1)
+		handleM[key] = m
+		migs[m] = migDevice{gpu: index0(h), gi: gi, ci: ci}
+	}
+	*out = m
+	return success
+}
+
+// index0 is index() for callers holding mu.
+func index0(h unsafe.Pointer) int {
+	for i, p := range byIndex {
+		if p == h {
+			return i
+		}
+	}
+	return -1
+}
+
+//export nvmlDeviceGetGpuInstanceId
+func nvmlDeviceGetGpuInstanceId(h unsafe.Pointer, out *C.uint) C.int {
+	m, ok := mig(h)
+	if !ok {
+		return invalidArgument
+	}
+	*out = C.uint(m.gi.Info.Id)
+	return success
+}
+
+//export nvmlDeviceGetComputeInstanceId
+func nvmlDeviceGetComputeInstanceId(h unsafe.Pointer, out *C.uint) C.int {
+	m, ok := mig(h)
+	if !ok {
+		return invalidArgument
+	}
+	*out = C.uint(m.ci.Info.Id)
+	return success
+}
+
+// migUUID is a MIG device's UUID: from its parent's and its instance ids, stable for them.
+func migUUID(m migDevice) string {
+	parent := "GPU-unknown"
+	if d, ok := handles[byIndex[m.gpu]]; ok {
+		parent, _ = d.GetUUID()
+	}
+	return fmt.Sprintf("MIG-%s-%02x%02x", parent[4:], m.gi.Info.Id, m.ci.Info.Id)
 }

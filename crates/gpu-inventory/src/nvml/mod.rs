@@ -426,9 +426,17 @@ impl GpuBackend for NvmlBackend {
             .nvml
             .device_by_index(index)
             .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
-        let slices = d
-            .profile_info(profile_id)
-            .map_err(query("nvmlDeviceGetGpuInstanceProfileInfo", index))?
+        // `profile_id` is the profile's ID (what creation takes); nvmlDeviceGetGpuInstance
+        // ProfileInfo takes the NVML_GPU_INSTANCE_PROFILE_* value, so look the ID up (on an
+        // H200, ID 19 is profile 0: tests/gpu/fixtures/h200-580.159.04).
+        let slices = (0..PROFILE_COUNT)
+            .filter_map(|p| d.profile_info(p).ok())
+            .find(|info| info.id == profile_id)
+            .ok_or_else(|| BackendError::Query {
+                call: "nvmlDeviceGetGpuInstanceProfileInfo",
+                index,
+                message: format!("no GPU instance profile has ID {profile_id}"),
+            })?
             .slice_count;
         let (gi, ci) = ffi::create_mig(&self.nvml, &d, profile_id, placement, slices)
             .map_err(query("nvmlDeviceCreateGpuInstanceWithPlacement", index))?;

@@ -1,0 +1,125 @@
+//! MIG through the real NVML backend, against NVIDIA's mock of NVML (go-nvml's DGX A100 server
+//! with MIG mode on, through `tests/gotools/mocknvml`'s C ABI): profiles with their real-GPU IDs,
+//! placements, a MIG device created at a placement and listed with its UUID, instance ids,
+//! profile and resources, published as the existing strategy publishes it, destroyed (twice:
+//! the second time it is already gone), and two devices side by side. Nothing else on this
+//! machine has ever run these NVML calls.
+//!
+//! NVML is loaded once per process and the mock reads its machine at load, so the test runs
+//! itself again in a child process with the mock's environment set.
+
+use std::process::Command;
+
+use gpu_inventory::backend::{MigMode, MigPlacement};
+use gpu_inventory::{GpuBackend, MigStrategy, NvmlBackend, discover};
+
+const CHILD: &str = "DRUST_MOCK_NVML_LIB";
+
+#[test]
+fn mig_devices_are_created_listed_and_destroyed_through_nvml() {
+    let Some(lib) = std::env::var_os(CHILD) else {
+        let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
+        let out = Command::new(std::env::current_exe().expect("this test"))
+            .args([
+                "--exact",
+                "mig_devices_are_created_listed_and_destroyed_through_nvml",
+                "--nocapture",
+            ])
+            .env(CHILD, &lib)
+            .env("DRUST_MOCK_NVML_MACHINE", "dgxa100")
+            .env("DRUST_MOCK_NVML_MIG", "1")
+            .output()
+            .expect("run the child");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        // The child ran the test (not zero tests).
+        assert!(text.contains("1 passed"), "{text}");
+        return;
+    };
+    let nvml = NvmlBackend::load(Some(&lib), "/sys".into()).expect("load the mock");
+
+    // The A100 40GB profiles, with the IDs a real GPU reports (1 slice: 19).
+    let gpu = nvml.gpu(0).expect("GPU 0");
+    assert_eq!(gpu.mig_mode, MigMode::Enabled);
+    let one = gpu
+        .mig_profiles
+        .iter()
+        .find(|p| p.profile == 0)
+        .expect("the 1-slice profile")
+        .clone();
+    let two = gpu
+        .mig_profiles
+        .iter()
+        .find(|p| p.profile == 1)
+        .expect("the 2-slice profile")
+        .clone();
+    assert_eq!((one.id, two.id), (19, 14));
+    assert_eq!(one.placements.len(), 7, "{one:?}");
+
+    // Create a 1g at slice 0: listed, with the profile's resources.
+    let at = |start, size| MigPlacement { start, size };
+    let made = nvml
+        .create_mig_device(0, one.id, at(0, 1))
+        .expect("create 1g");
+    assert!(made.uuid.starts_with("MIG-"), "{made:?}");
+    assert_eq!((made.profile_id, made.placement), (19, at(0, 1)));
+    let attrs = made.attributes.clone().expect("attributes");
+    assert_eq!(attrs.memory_total_bytes, one.memory_size_mib << 20);
+    assert_eq!(attrs.multiprocessor_count, one.multiprocessor_count);
+    assert_eq!(
+        nvml.gpu_state(0).expect("state").mig_devices,
+        vec![made.clone()]
+    );
+
+    // Discovery publishes it (existing strategy), named by its profile and slice.
+    let inventory = discover(&nvml).expect("discover");
+    let pool = inventory.pool(MigStrategy::Existing);
+    let uuid = |d: &k8s_openapi::api::resource::v1::Device| {
+        d.attributes
+            .as_ref()
+            .and_then(|a| a.get("uuid"))
+            .and_then(|v| v.string.clone())
+    };
+    let published: Vec<_> = pool
+        .devices
+        .iter()
+        .filter(|d| uuid(d).as_deref() == Some(made.uuid.as_str()))
+        .collect();
+    assert_eq!(published.len(), 1, "{:#?}", pool.devices);
+    assert!(
+        published[0].name.ends_with("-mig-1g-5gb-0"),
+        "{}",
+        published[0].name
+    );
+
+    // A 2g beside it.
+    let second = nvml
+        .create_mig_device(0, two.id, at(2, 2))
+        .expect("create 2g");
+    assert_eq!(nvml.gpu_state(0).expect("state").mig_devices.len(), 2);
+
+    // Destroy both; destroying again finds nothing.
+    for m in [&made, &second] {
+        assert!(
+            nvml.destroy_mig_device(0, m.gpu_instance_id, m.compute_instance_id)
+                .expect("destroy")
+        );
+        assert!(
+            !nvml
+                .destroy_mig_device(0, m.gpu_instance_id, m.compute_instance_id)
+                .expect("destroy again")
+        );
+    }
+    assert!(nvml.gpu_state(0).expect("state").mig_devices.is_empty());
+
+    // A profile ID no profile has is refused, naming it.
+    let err = nvml
+        .create_mig_device(0, 99, at(0, 1))
+        .expect_err("unknown profile ID");
+    assert!(
+        err.to_string()
+            .contains("no GPU instance profile has ID 99"),
+        "{err}"
+    );
+}
