@@ -4,6 +4,10 @@
 // (--nvml-library) and runs against it exactly as against the driver's library.
 //
 // DRUST_MOCK_NVML_MACHINE picks the machine: dgxa100, dgxh100 (default), dgxh200, dgxb200.
+// DRUST_MOCK_NVML_EVENTS names a directory of health events to deliver (the mock has none):
+// each file `<name>.json`, `{"gpu": <index>, "xid": <code>}` for an XID critical error or
+// `{"gpu": <index>, "dbe": true}` for a double-bit ECC error, is taken (deleted) by the next
+// nvmlEventSetWait_v2 of a set the GPU is registered with, in name order.
 // DRUST_MOCK_NVML_MIG=1 enables MIG mode on every GPU at init (the mock's SetMigMode), as an
 // administrator would before partitionable mode; no MIG device exists then.
 //
@@ -36,10 +40,13 @@ package main
 import "C"
 
 import (
+	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sort"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -792,4 +799,128 @@ func migUUID(m migDevice) string {
 		parent, _ = d.GetUUID()
 	}
 	return fmt.Sprintf("MIG-%s-%02x%02x", parent[4:], m.gi.Info.Id, m.ci.Info.Id)
+}
+
+// Health events: event sets over the files of DRUST_MOCK_NVML_EVENTS.
+
+const (
+	eventXid = uint64(nvml.EventTypeXidCriticalError)
+	eventDbe = uint64(nvml.EventTypeDoubleBitEccError)
+)
+
+// cEventData is nvmlEventData_t.
+type cEventData struct {
+	Device            unsafe.Pointer
+	EventType         uint64
+	EventData         uint64
+	GpuInstanceId     uint32
+	ComputeInstanceId uint32
+}
+
+// eventSets: set handle -> registered GPU handle -> event types.
+var eventSets = map[unsafe.Pointer]map[unsafe.Pointer]uint64{}
+
+//export nvmlDeviceGetSupportedEventTypes
+func nvmlDeviceGetSupportedEventTypes(h unsafe.Pointer, out *C.ulonglong) C.int {
+	if _, ok := device(h); !ok {
+		return invalidArgument
+	}
+	*out = C.ulonglong(eventXid | eventDbe)
+	return success
+}
+
+//export nvmlEventSetCreate
+func nvmlEventSetCreate(out *unsafe.Pointer) C.int {
+	mu.Lock()
+	defer mu.Unlock()
+	set := C.malloc(1)
+	eventSets[set] = map[unsafe.Pointer]uint64{}
+	*out = set
+	return success
+}
+
+//export nvmlDeviceRegisterEvents
+func nvmlDeviceRegisterEvents(h unsafe.Pointer, types C.ulonglong, set unsafe.Pointer) C.int {
+	if _, ok := device(h); !ok {
+		return invalidArgument
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	gpus, ok := eventSets[set]
+	if !ok {
+		return invalidArgument
+	}
+	gpus[h] |= uint64(types)
+	return success
+}
+
+//export nvmlEventSetFree
+func nvmlEventSetFree(set unsafe.Pointer) C.int {
+	mu.Lock()
+	defer mu.Unlock()
+	if _, ok := eventSets[set]; !ok {
+		return invalidArgument
+	}
+	delete(eventSets, set)
+	C.free(set)
+	return success
+}
+
+// takeEvent removes and returns the first event file for a GPU registered with set.
+func takeEvent(set unsafe.Pointer) (cEventData, bool) {
+	dir := os.Getenv("DRUST_MOCK_NVML_EVENTS")
+	if dir == "" {
+		return cEventData{}, false
+	}
+	files, _ := filepath.Glob(filepath.Join(dir, "*.json"))
+	sort.Strings(files)
+	for _, f := range files {
+		text, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		var e struct {
+			Gpu int    `json:"gpu"`
+			Xid uint64 `json:"xid"`
+			Dbe bool   `json:"dbe"`
+		}
+		if json.Unmarshal(text, &e) != nil {
+			continue
+		}
+		mu.Lock()
+		h := byIndex[e.Gpu]
+		types := eventSets[set][h]
+		mu.Unlock()
+		kind := eventXid
+		if e.Dbe {
+			kind = eventDbe
+		}
+		if h == nil || types&kind == 0 {
+			continue
+		}
+		os.Remove(f)
+		return cEventData{Device: h, EventType: kind, EventData: e.Xid}, true
+	}
+	return cEventData{}, false
+}
+
+//export nvmlEventSetWait_v2
+func nvmlEventSetWait_v2(set unsafe.Pointer, out unsafe.Pointer, timeoutMs C.uint) C.int {
+	mu.Lock()
+	_, ok := eventSets[set]
+	mu.Unlock()
+	if !ok {
+		return invalidArgument
+	}
+	deadline := time.Now().Add(time.Duration(timeoutMs) * time.Millisecond)
+	for {
+		if e, ok := takeEvent(set); ok {
+			*(*cEventData)(out) = e
+			return success
+		}
+		if time.Now().After(deadline) {
+			return C.int(nvml.ERROR_TIMEOUT)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

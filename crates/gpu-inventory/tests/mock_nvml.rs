@@ -1,33 +1,37 @@
-//! MIG through the real NVML backend, against NVIDIA's mock of NVML (go-nvml's DGX A100 server
-//! with MIG mode on, through `tests/gotools/mocknvml`'s C ABI): profiles with their real-GPU IDs,
-//! placements, a MIG device created at a placement and listed with its UUID, instance ids,
-//! profile and resources, published as the existing strategy publishes it, destroyed (twice:
-//! the second time it is already gone), and two devices side by side. Nothing else on this
-//! machine has ever run these NVML calls.
+//! MIG and health events through the real NVML backend, against NVIDIA's mock of NVML (go-nvml's
+//! DGX A100 server with MIG mode on, through `tests/gotools/mocknvml`'s C ABI): profiles with
+//! their real-GPU IDs, placements, a MIG device created at a placement and listed with its UUID,
+//! instance ids, profile and resources, published as the existing strategy publishes it,
+//! destroyed (twice: the second time it is already gone), two devices side by side; then an XID
+//! and a double-bit ECC error delivered through NVML's event set to the backend's health wait.
+//! Nothing else on this machine has ever run these NVML calls.
 //!
 //! NVML is loaded once per process and the mock reads its machine at load, so the test runs
 //! itself again in a child process with the mock's environment set.
 
 use std::process::Command;
+use std::time::Duration;
 
 use gpu_inventory::backend::{MigMode, MigPlacement};
-use gpu_inventory::{GpuBackend, MigStrategy, NvmlBackend, discover};
+use gpu_inventory::{GpuBackend, HealthEventKind, MigStrategy, NvmlBackend, discover};
 
 const CHILD: &str = "DRUST_MOCK_NVML_LIB";
 
 #[test]
-fn mig_devices_are_created_listed_and_destroyed_through_nvml() {
+fn mig_devices_and_health_events_run_through_nvml() {
     let Some(lib) = std::env::var_os(CHILD) else {
         let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
+        let events = tempfile::tempdir().expect("events dir");
         let out = Command::new(std::env::current_exe().expect("this test"))
             .args([
                 "--exact",
-                "mig_devices_are_created_listed_and_destroyed_through_nvml",
+                "mig_devices_and_health_events_run_through_nvml",
                 "--nocapture",
             ])
             .env(CHILD, &lib)
             .env("DRUST_MOCK_NVML_MACHINE", "dgxa100")
             .env("DRUST_MOCK_NVML_MIG", "1")
+            .env("DRUST_MOCK_NVML_EVENTS", events.path())
             .output()
             .expect("run the child");
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
@@ -121,5 +125,40 @@ fn mig_devices_are_created_listed_and_destroyed_through_nvml() {
         err.to_string()
             .contains("no GPU instance profile has ID 99"),
         "{err}"
+    );
+
+    // Health: nothing pending, then an XID 79 on GPU 3 and a double-bit ECC error on GPU 5,
+    // delivered in order through the event set the backend registers.
+    let events = std::path::PathBuf::from(std::env::var_os("DRUST_MOCK_NVML_EVENTS").expect("dir"));
+    let quiet = std::time::Instant::now();
+    assert_eq!(
+        nvml.wait_health_event(Duration::from_millis(300))
+            .expect("wait"),
+        None
+    );
+    assert!(quiet.elapsed() >= Duration::from_millis(250));
+    std::fs::write(events.join("1.json"), r#"{"gpu": 3, "xid": 79}"#).expect("event");
+    std::fs::write(events.join("2.json"), r#"{"gpu": 5, "dbe": true}"#).expect("event");
+    let uuid = |i| nvml.gpu(i).expect("gpu").uuid;
+    let first = nvml
+        .wait_health_event(Duration::from_secs(5))
+        .expect("wait")
+        .expect("an event");
+    assert_eq!(
+        (first.gpu_uuid.as_str(), first.kind),
+        (uuid(3).as_str(), HealthEventKind::Xid { code: 79 })
+    );
+    let second = nvml
+        .wait_health_event(Duration::from_secs(5))
+        .expect("wait")
+        .expect("an event");
+    assert_eq!(
+        (second.gpu_uuid.as_str(), second.kind),
+        (uuid(5).as_str(), HealthEventKind::DoubleBitEcc)
+    );
+    assert_eq!(
+        nvml.wait_health_event(Duration::from_millis(100))
+            .expect("wait"),
+        None
     );
 }
