@@ -26,7 +26,7 @@ use std::sync::Arc;
 use gpu_inventory::backend::{MigPlacement, RawMigDevice};
 use gpu_inventory::{Gpu, GpuBackend, Inventory, MigDevice, MigStrategy};
 use serde::{Deserialize, Serialize};
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::failpoint;
 
@@ -734,6 +734,13 @@ impl Hardware for BackendHardware {
                 device: device.name().to_owned(),
                 action: "setting the compute time slice",
                 source,
-            })
+            })?;
+        // A GPU-wide setting other workloads feel: say when it changes.
+        info!(
+            device = device.name(),
+            ?slice,
+            "set the GPU's compute time slice"
+        );
+        Ok(())
     }
 }

@@ -162,3 +162,31 @@ pub async fn template(release: &str, namespace: &str, set: &[&str]) -> Result<St
     }
     helm(&args).await
 }
+
+/// Applies the DeviceClasses the chart renders with `set` (as `helm install` would create them)
+/// and returns them, as rendered.
+///
+/// # Errors
+/// When the chart does not render, or the API server refuses a class.
+pub async fn apply_device_classes(
+    client: &kube::Client,
+    set: &[&str],
+) -> Result<Vec<serde_json::Value>, String> {
+    use serde::Deserialize as _;
+    let rendered = template("drust", "drust-system", set)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut classes = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(&rendered) {
+        let value = serde_yaml_ng::Value::deserialize(doc).map_err(|e| e.to_string())?;
+        if value["kind"].as_str() != Some("DeviceClass") {
+            continue;
+        }
+        let text = serde_yaml_ng::to_string(&value).map_err(|e| e.to_string())?;
+        crate::manifests::apply_yaml(client, &text, Path::new("chart DeviceClass"))
+            .await
+            .map_err(|e| e.to_string())?;
+        classes.push(serde_json::to_value(&value).map_err(|e| e.to_string())?);
+    }
+    Ok(classes)
+}

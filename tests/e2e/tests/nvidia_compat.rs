@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::Kubelet;
-use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::fake::mig::MigState;
@@ -20,7 +20,6 @@ use gpu_kubelet_plugin::Backend;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
-use serde::Deserialize as _;
 
 const DRIVER: &str = "gpu.nvidia.com";
 const NODE: &str = "node-nvidia";
@@ -44,31 +43,24 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     cp.register_node(NODE, &[]).await?;
 
     // NVIDIA's DeviceClasses, from the chart.
-    let rendered =
-        drust_e2e::helm::template("drust", "drust-system", &["nvidiaCompatibility=true"]).await?;
-    let mut classes = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(&rendered) {
-        let value = serde_yaml_ng::Value::deserialize(doc)?;
-        if value["kind"].as_str() == Some("DeviceClass") {
-            classes.push(value["metadata"]["name"].as_str().unwrap_or("").to_owned());
-            if value["metadata"]["name"].as_str() == Some("gpu.nvidia.com") {
-                ensure!(
-                    value["spec"]["extendedResourceName"].as_str() == Some("nvidia.com/gpu"),
-                    "gpu.nvidia.com maps nvidia.com/gpu as NVIDIA's chart does"
-                );
-            }
-            apply_yaml(
-                &client,
-                &serde_yaml_ng::to_string(&value)?,
-                std::path::Path::new("chart DeviceClass"),
-            )
-            .await?;
-        }
-    }
-    classes.sort();
+    let rendered = drust_e2e::helm::apply_device_classes(&client, &["nvidiaCompatibility=true"])
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let mut classes: Vec<&str> = rendered
+        .iter()
+        .filter_map(|c| c["metadata"]["name"].as_str())
+        .collect();
+    classes.sort_unstable();
     ensure!(
         classes == ["gpu.nvidia.com", "mig.nvidia.com"],
         "DeviceClasses: {classes:?}"
+    );
+    ensure!(
+        rendered
+            .iter()
+            .any(|c| c["metadata"]["name"] == "gpu.nvidia.com"
+                && c["spec"]["extendedResourceName"] == "nvidia.com/gpu"),
+        "gpu.nvidia.com maps nvidia.com/gpu as NVIDIA's chart does"
     );
 
     let topology = repo_path("examples/topologies/dgx-a100-mig.yaml");

@@ -65,18 +65,33 @@ impl RealNode {
 
     /// As [`RealNode::start`] on the fake `topology` (a path in the repository).
     async fn start_on(topology: &str, prefix: &str, driver: Option<&str>) -> anyhow::Result<Self> {
+        let real = Self::start_as(topology, prefix, driver, DRIVER, &[]).await?;
+        apply_file(&real.client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+        Ok(real)
+    }
+
+    /// As [`RealNode::start_on`] with the plugin publishing as `driver_name` with `args` added,
+    /// and no DeviceClass applied.
+    async fn start_as(
+        topology: &str,
+        prefix: &str,
+        driver: Option<&str>,
+        driver_name: &str,
+        args: &[&str],
+    ) -> anyhow::Result<Self> {
         let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
         let client = cp.client().await?;
         let node = Node::start(&cp, NODE, NodeOptions::default()).await?;
         let topology = repo_path(topology);
-        let host =
-            BinaryHost::new(prefix, cp.kubeconfig_path(), &topology, DRIVER, NODE)?.on_node(&node);
+        let host = BinaryHost::new(prefix, cp.kubeconfig_path(), &topology, driver_name, NODE)?
+            .on_node(&node);
         host.make_device_nodes()?;
         if let Some(version) = driver {
             host.make_driver_root(version)?;
         }
         let mut cmd = host.command(&host.root().join("plugin.log"), None)?;
         cmd.arg("--fake-state-dir").arg(host.state_dir());
+        cmd.args(args);
         let plugin = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
 
         // The plugin publishes; the kubelet registers it.
@@ -91,7 +106,6 @@ impl RealNode {
             ensure!(start.elapsed() < TIMEOUT, "no ResourceSlice published");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
         Ok(Self {
             cp,
             client,
@@ -773,6 +787,105 @@ spec:
                     && e.contains("=MIG-")
             ),
         "dynamic MIG pod saw {nodes:?} {env:?}"
+    );
+    real.stop().await
+}
+
+/// NVIDIA compatibility mode on the real node: the plugin publishes the fake DGX A100 as
+/// `gpu.nvidia.com` with NVIDIA's names, the chart's NVIDIA DeviceClasses are applied, and the
+/// claims of `examples/nvidia-compat` written as NVIDIA documents them run: both time-sliced
+/// pods see the same GPU, whose time slice is Long while they run and Default after, and each
+/// container of the MIG pair
+/// sees its own MIG device, both of one parent GPU.
+#[tokio::test]
+async fn claims_written_for_nvidias_driver_run_on_the_real_node() -> anyhow::Result<()> {
+    let real = RealNode::start_as(
+        "examples/topologies/dgx-a100-mig.yaml",
+        "drust-real-node-nvidia-",
+        None,
+        "gpu.nvidia.com",
+        &["--naming", "nvidia"],
+    )
+    .await?;
+    drust_e2e::helm::apply_device_classes(&real.client, &["nvidiaCompatibility=true"])
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+
+    apply_example(&real.client, "examples/nvidia-compat/timeslicing.yaml").await?;
+    let mut views = Vec::new();
+    for name in ["ts-ctr-a", "ts-ctr-b"] {
+        let pod = wait_pod_done(&pods, name, &real.node).await?;
+        ensure!(succeeded(&pod), "{name} failed: {:?}", pod.status);
+        views.push(seen(&terminated_message(&pod, "ctr").unwrap_or_default()));
+    }
+    let (nodes, env) = &views[0];
+    ensure!(
+        views[0] == views[1] && nodes.len() == 4 && env.len() == 2,
+        "both time-sliced pods see the same one GPU: {views:?}"
+    );
+    // DRUST_DEVICE_GPU_<minor>=<uuid>: NVIDIA's device name gpu-<minor>.
+    let minor: u32 = env
+        .iter()
+        .find_map(|e| {
+            e.strip_prefix("DRUST_DEVICE_GPU_")?
+                .split_once('=')?
+                .0
+                .parse()
+                .ok()
+        })
+        .with_context(|| format!("the GPU's variable in {env:?}"))?;
+    // Set to Long at prepare, and back to Default once both pods finished and the claim was
+    // unprepared.
+    // The log is colored: drop the escape sequences before reading fields.
+    let log = std::fs::read_to_string(real.host.root().join("plugin.log"))?;
+    let mut plain = String::with_capacity(log.len());
+    let mut escape = false;
+    for c in log.chars() {
+        match (escape, c) {
+            (false, '\u{1b}') => escape = true,
+            (true, 'm') => escape = false,
+            (true, _) => {}
+            (false, c) => plain.push(c),
+        }
+    }
+    let set: Vec<&str> = plain
+        .lines()
+        .filter(|l| {
+            l.contains("set the GPU's compute time slice")
+                && l.contains(&format!("device=\"gpu-{minor}\""))
+        })
+        .collect();
+    ensure!(
+        set.len() == 2 && set[0].contains("slice=Long") && set[1].contains("slice=Default"),
+        "time slice changes of gpu-{minor}: {set:?}"
+    );
+    let slices: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        real.host.state_dir().join("time-slices.json"),
+    )?)?;
+    ensure!(
+        slices[minor.to_string()] == 0,
+        "time slice of GPU {minor}: {slices}"
+    );
+
+    apply_example(&real.client, "examples/nvidia-compat/mig-pair.yaml").await?;
+    let pod = wait_pod_done(&pods, "mig-pair-pod", &real.node).await?;
+    ensure!(succeeded(&pod), "mig-pair-pod failed: {:?}", pod.status);
+    let migs: Vec<String> = ["ctr0", "ctr1"]
+        .iter()
+        .map(|c| {
+            let (_, env) = seen(&terminated_message(&pod, c).unwrap_or_default());
+            env.into_iter()
+                .find(|e| e.starts_with("DRUST_DEVICE_GPU_") && e.contains("=MIG-"))
+                .unwrap_or_default()
+        })
+        .collect();
+    let parent = |e: &str| e.split("_MIG_").next().map(str::to_owned);
+    ensure!(
+        migs.iter().all(|m| !m.is_empty())
+            && migs[0] != migs[1]
+            && parent(&migs[0]) == parent(&migs[1]),
+        "MIG pair containers saw {migs:?}"
     );
     real.stop().await
 }
