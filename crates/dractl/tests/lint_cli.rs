@@ -243,24 +243,31 @@ spec:
 }
 
 #[test]
-fn a_selector_the_api_server_would_refuse_for_its_length_is_a_finding() {
+fn selectors_the_api_server_would_refuse_for_length_or_cost_are_findings() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let file = dir.path().join("long.yaml");
-    let expression = vec!["device.driver == \"gpu.drust.dev\""; 400].join(" && ");
-    assert!(expression.len() > dra_cel::MAX_EXPRESSION_LENGTH);
-    std::fs::write(
-        &file,
-        format!(
-            "apiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata: {{name: long}}\nspec:\n  selectors:\n    - cel: {{expression: '{expression}'}}\n"
-        ),
-    )
-    .expect("write");
-    let out = lint(&[file], &[]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stdout).contains("spec.selectors[0].cel.expression: [cel]")
-            && text(&out.stdout).contains("too long"),
-        "{}",
-        text(&out.stdout)
-    );
+    let long = vec!["device.driver == \"gpu.drust.dev\""; 400].join(" && ");
+    assert!(long.len() > dra_cel::MAX_EXPRESSION_LENGTH);
+    let costly = "device.attributes.all(d, device.attributes.all(e, device.capacity.all(f, \
+                  device.attributes[d].all(g, true))))";
+    for (expression, needle) in [
+        (long.as_str(), "too long"),
+        (costly, "too complex, exceeds cost limit"),
+    ] {
+        let file = dir.path().join("class.yaml");
+        std::fs::write(
+            &file,
+            format!(
+                "apiVersion: resource.k8s.io/v1\nkind: DeviceClass\nmetadata: {{name: c}}\nspec:\n  selectors:\n    - cel: {{expression: {}}}\n",
+                serde_json::to_string(expression).expect("quote")
+            ),
+        )
+        .expect("write");
+        let out = lint(&[file], &[]);
+        assert_eq!(out.status.code(), Some(1));
+        let stdout = text(&out.stdout);
+        assert!(
+            stdout.contains("spec.selectors[0].cel.expression: [cel]") && stdout.contains(needle),
+            "{needle}: {stdout}"
+        );
+    }
 }
