@@ -130,6 +130,20 @@ func ciHandle(ci *mock.ComputeInstance) unsafe.Pointer {
 	return h
 }
 
+func lookupGI(h unsafe.Pointer) (*mock.GpuInstance, bool) {
+	mu.Lock()
+	defer mu.Unlock()
+	gi, ok := giOf[h]
+	return gi, ok
+}
+
+func lookupCI(h unsafe.Pointer) (*mock.ComputeInstance, bool) {
+	mu.Lock()
+	defer mu.Unlock()
+	ci, ok := ciOf[h]
+	return ci, ok
+}
+
 func mig(h unsafe.Pointer) (migDevice, bool) {
 	mu.Lock()
 	defer mu.Unlock()
@@ -579,9 +593,7 @@ func nvmlGpuInstanceGetInfo(h unsafe.Pointer, out unsafe.Pointer) C.int {
 
 //export nvmlGpuInstanceGetComputeInstanceProfileInfo
 func nvmlGpuInstanceGetComputeInstanceProfileInfo(h unsafe.Pointer, profile, engine C.uint, out unsafe.Pointer) C.int {
-	mu.Lock()
-	gi, ok := giOf[h]
-	mu.Unlock()
+	gi, ok := lookupGI(h)
 	if !ok {
 		return invalidArgument
 	}
@@ -595,9 +607,7 @@ func nvmlGpuInstanceGetComputeInstanceProfileInfo(h unsafe.Pointer, profile, eng
 
 //export nvmlGpuInstanceCreateComputeInstance
 func nvmlGpuInstanceCreateComputeInstance(h unsafe.Pointer, profileID C.uint, out *unsafe.Pointer) C.int {
-	mu.Lock()
-	gi, ok := giOf[h]
-	mu.Unlock()
+	gi, ok := lookupGI(h)
 	if !ok {
 		return invalidArgument
 	}
@@ -639,9 +649,7 @@ func nvmlComputeInstanceGetInfo_v2(h unsafe.Pointer, out unsafe.Pointer) C.int {
 
 //export nvmlComputeInstanceDestroy
 func nvmlComputeInstanceDestroy(h unsafe.Pointer) C.int {
-	mu.Lock()
-	ci, ok := ciOf[h]
-	mu.Unlock()
+	ci, ok := lookupCI(h)
 	if !ok {
 		return invalidArgument
 	}
@@ -650,9 +658,7 @@ func nvmlComputeInstanceDestroy(h unsafe.Pointer) C.int {
 
 //export nvmlGpuInstanceDestroy
 func nvmlGpuInstanceDestroy(h unsafe.Pointer) C.int {
-	mu.Lock()
-	gi, ok := giOf[h]
-	mu.Unlock()
+	gi, ok := lookupGI(h)
 	if !ok {
 		return invalidArgument
 	}
@@ -688,9 +694,7 @@ func nvmlDeviceGetGpuInstanceById(h unsafe.Pointer, id C.uint, out *unsafe.Point
 
 //export nvmlGpuInstanceGetComputeInstanceById
 func nvmlGpuInstanceGetComputeInstanceById(h unsafe.Pointer, id C.uint, out *unsafe.Pointer) C.int {
-	mu.Lock()
-	gi, ok := giOf[h]
-	mu.Unlock()
+	gi, ok := lookupGI(h)
 	if !ok {
 		return invalidArgument
 	}
