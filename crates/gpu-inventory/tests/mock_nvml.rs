@@ -3,7 +3,9 @@
 //! their real-GPU IDs, placements, a MIG device created at a placement and listed with its UUID,
 //! instance ids, profile and resources, published as the existing strategy publishes it,
 //! destroyed (twice: the second time it is already gone), two devices side by side; then an XID
-//! and a double-bit ECC error delivered through NVML's event set to the backend's health wait.
+//! and a double-bit ECC error delivered through NVML's event set to the backend's health wait,
+//! and the recovery probe that decides when a tainted GPU is healthy again (rows waiting for a
+//! reset keep it unhealthy).
 //! Nothing else on this machine has ever run these NVML calls.
 //!
 //! NVML is loaded once per process and the mock reads its machine at load, so the test runs
@@ -13,7 +15,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpu_inventory::backend::{MigMode, MigPlacement};
-use gpu_inventory::{GpuBackend, HealthEventKind, MigStrategy, NvmlBackend, discover};
+use gpu_inventory::{
+    GpuBackend, HealthEventKind, MigStrategy, NvmlBackend, RecoveryProbe, discover,
+};
 
 const CHILD: &str = "DRUST_MOCK_NVML_LIB";
 
@@ -161,4 +165,27 @@ fn mig_devices_and_health_events_run_through_nvml() {
             .expect("wait"),
         None
     );
+
+    // Recovery: healthy, unhealthy while rows wait for a reset, healthy again after.
+    let gpu3 = uuid(3);
+    assert_eq!(
+        nvml.probe_recovery(&gpu3).expect("probe"),
+        RecoveryProbe::Healthy
+    );
+    let pending = events.join("remap-pending-3");
+    std::fs::write(&pending, "").expect("pending");
+    assert_eq!(
+        nvml.probe_recovery(&gpu3).expect("probe"),
+        RecoveryProbe::Unhealthy("row remapping pending until reset".into())
+    );
+    std::fs::remove_file(&pending).expect("reset");
+    assert_eq!(
+        nvml.probe_recovery(&gpu3).expect("probe"),
+        RecoveryProbe::Healthy
+    );
+    assert!(matches!(
+        nvml.probe_recovery("GPU-00000000-0000-0000-0000-000000000000")
+            .expect("probe"),
+        RecoveryProbe::Unhealthy(reason) if reason.starts_with("not reachable")
+    ));
 }

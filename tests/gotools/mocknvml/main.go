@@ -7,7 +7,9 @@
 // DRUST_MOCK_NVML_EVENTS names a directory of health events to deliver (the mock has none):
 // each file `<name>.json`, `{"gpu": <index>, "xid": <code>}` for an XID critical error or
 // `{"gpu": <index>, "dbe": true}` for a double-bit ECC error, is taken (deleted) by the next
-// nvmlEventSetWait_v2 of a set the GPU is registered with, in name order.
+// nvmlEventSetWait_v2 of a set the GPU is registered with, in name order. A file
+// `remap-pending-<index>` there makes nvmlDeviceGetRemappedRows of that GPU report rows waiting
+// for a reset (what a GPU reports after an uncorrectable memory error until it is reset).
 // DRUST_MOCK_NVML_MIG=1 enables MIG mode on every GPU at init (the mock's SetMigMode), as an
 // administrator would before partitionable mode; no MIG device exists then.
 //
@@ -927,4 +929,49 @@ func nvmlEventSetWait_v2(set unsafe.Pointer, out unsafe.Pointer, timeoutMs C.uin
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// Recovery: what the node plugin asks before it clears a GPU's health taint.
+
+//export nvmlDeviceGetHandleByUUID
+func nvmlDeviceGetHandleByUUID(uuid *C.char, out *unsafe.Pointer) C.int {
+	want := C.GoString(uuid)
+	if server == nil {
+		return uninitialized
+	}
+	count, _ := server.DeviceGetCount()
+	for i := 0; i < count; i++ {
+		var h unsafe.Pointer
+		if r := nvmlDeviceGetHandleByIndex_v2(C.uint(i), &h); r != success {
+			return r
+		}
+		if d, ok := device(h); ok {
+			if u, _ := d.GetUUID(); u == want {
+				*out = h
+				return success
+			}
+		}
+	}
+	return C.int(nvml.ERROR_NOT_FOUND)
+}
+
+//export nvmlDeviceGetRetiredPagesPendingStatus
+func nvmlDeviceGetRetiredPagesPendingStatus(h unsafe.Pointer, out *C.int) C.int {
+	// Page retirement is a pre-Ampere mechanism; these GPUs remap rows instead.
+	return notSupported
+}
+
+//export nvmlDeviceGetRemappedRows
+func nvmlDeviceGetRemappedRows(h unsafe.Pointer, corr, unc, pending, failure *C.uint) C.int {
+	i := index(h)
+	if i < 0 {
+		return invalidArgument
+	}
+	*corr, *unc, *pending, *failure = 0, 0, 0, 0
+	if dir := os.Getenv("DRUST_MOCK_NVML_EVENTS"); dir != "" {
+		if _, err := os.Stat(filepath.Join(dir, fmt.Sprintf("remap-pending-%d", i))); err == nil {
+			*unc, *pending = 1, 1
+		}
+	}
+	return success
 }
