@@ -794,8 +794,9 @@ spec:
 /// NVIDIA compatibility mode on the real node: the plugin publishes the fake DGX A100 as
 /// `gpu.nvidia.com` with NVIDIA's names, the chart's NVIDIA DeviceClasses are applied, and the
 /// claims of `examples/nvidia-compat` written as NVIDIA documents them run: both time-sliced
-/// pods see the same GPU, whose time slice is Long while they run and Default after, and each
-/// container of the MIG pair
+/// pods see the same GPU, whose time slice is Long while they run and Default after; the MPS
+/// pair runs under one control daemon with NVIDIA's limits (50 % threads, 10 GiB pinned); and
+/// each container of the MIG pair
 /// sees its own MIG device, both of one parent GPU.
 #[tokio::test]
 async fn claims_written_for_nvidias_driver_run_on_the_real_node() -> anyhow::Result<()> {
@@ -804,7 +805,12 @@ async fn claims_written_for_nvidias_driver_run_on_the_real_node() -> anyhow::Res
         "drust-real-node-nvidia-",
         None,
         "gpu.nvidia.com",
-        &["--naming", "nvidia"],
+        &[
+            "--naming",
+            "nvidia",
+            "--mps-control-binary",
+            drust_fakes::mps_control().to_str().context("utf-8 path")?,
+        ],
     )
     .await?;
     drust_e2e::helm::apply_device_classes(&real.client, &["nvidiaCompatibility=true"])
@@ -867,6 +873,38 @@ async fn claims_written_for_nvidias_driver_run_on_the_real_node() -> anyhow::Res
         slices[minor.to_string()] == 0,
         "time slice of GPU {minor}: {slices}"
     );
+
+    // MPS: both pods run (sleeping) under the claim's daemon, which has NVIDIA's limits.
+    let mps = drust_e2e::manifests::on_workload_image(
+        &std::fs::read_to_string(repo_path("examples/nvidia-compat/mps.yaml"))?,
+        "sleep 600",
+    )?;
+    apply_yaml(&real.client, &mps, &real.host.root().join("mps.yaml")).await?;
+    for name in ["mps-ctr-a", "mps-ctr-b"] {
+        wait_running(&pods, name, &real.node).await?;
+    }
+    let claim: ResourceClaim = Api::namespaced(real.client.clone(), "default")
+        .get("mps-gpu")
+        .await?;
+    let uid = claim.metadata.uid.context("claim uid")?;
+    let control = std::fs::read_to_string(
+        real.host
+            .root()
+            .join("mps")
+            .join(&uid)
+            .join("log/control.log"),
+    )
+    .context("the MPS daemon's log")?;
+    for want in [
+        "set_default_active_thread_percentage 50",
+        "set_default_device_pinned_mem_limit 0 10240M",
+    ] {
+        ensure!(control.contains(want), "MPS log lacks {want:?}:\n{control}");
+    }
+    for name in ["mps-ctr-a", "mps-ctr-b"] {
+        pods.delete(name, &DeleteParams::default().grace_period(0))
+            .await?;
+    }
 
     apply_example(&real.client, "examples/nvidia-compat/mig-pair.yaml").await?;
     let pod = wait_pod_done(&pods, "mig-pair-pod", &real.node).await?;
