@@ -572,16 +572,16 @@ func nvmlDeviceCreateGpuInstanceWithPlacement(h unsafe.Pointer, profileID C.uint
 //export nvmlGpuInstanceGetInfo
 func nvmlGpuInstanceGetInfo(h unsafe.Pointer, out unsafe.Pointer) C.int {
 	mu.Lock()
+	defer mu.Unlock()
 	gi, ok := giOf[h]
-	var dev unsafe.Pointer
-	for i, p := range byIndex {
-		if handles[p] == gi.Info.Device {
-			dev = byIndex[i]
-		}
-	}
-	mu.Unlock()
 	if !ok {
 		return invalidArgument
+	}
+	var dev unsafe.Pointer
+	for _, p := range byIndex {
+		if handles[p] == gi.Info.Device {
+			dev = p
+		}
 	}
 	*(*cGpuInstanceInfo)(out) = cGpuInstanceInfo{
 		Device:    dev,
