@@ -51,6 +51,28 @@ fn the_builtin_mig_tables_use_the_profile_ids_a_real_gpu_reports() {
     assert!(checked >= 7, "only {checked} profiles checked");
 }
 
+#[test]
+fn a_builtin_mig_table_is_what_the_real_gpu_reports() {
+    let mut compared = 0;
+    for dir in fixtures() {
+        let probe = read_json(&dir.join("probe.json"));
+        for gpu in probe["gpus"].as_array().expect("probe.json: gpus") {
+            let raw: gpu_inventory::RawGpu =
+                serde_json::from_value(gpu["gpu"].clone()).expect("a RawGpu");
+            let Some(mut builtin) = gpu_inventory::mig_tables::builtin_profiles(&raw.name) else {
+                continue;
+            };
+            let mut real = raw.mig_profiles.clone();
+            builtin.sort_by_key(|p| p.profile);
+            real.sort_by_key(|p| p.profile);
+            assert_eq!(builtin, real, "{}: {}", dir.display(), raw.name);
+            compared += 1;
+        }
+    }
+    // The H100 fixture has a built-in table (the H200 has none).
+    assert!(compared >= 1, "no fixture GPU has a built-in MIG table");
+}
+
 /// The `NVML_GPU_INSTANCE_PROFILE_*` values the built-in tables hold.
 fn profile_ids_known(profile: u32) -> bool {
     [0, 1, 2, 3, 4, 7, 9].contains(&profile)
