@@ -153,14 +153,25 @@ impl Known {
             let backend = gpu_inventory::FakeBackend::new(topology);
             let inventory = gpu_inventory::discover_with(&backend, naming)
                 .map_err(|e| InputError::general(format!("built-in topology {name}: {e}")))?;
-            for (strategy, node) in [
-                (gpu_inventory::MigStrategy::Existing, name.to_owned()),
+            // Each machine as the plugin publishes it: existing MIG devices, partitionable
+            // placements, and fractional GPUs (consumable capacity, `--consumable-capacity`).
+            for (strategy, shares, node) in [
+                (gpu_inventory::MigStrategy::Existing, false, name.to_owned()),
                 (
                     gpu_inventory::MigStrategy::Partitionable,
+                    false,
                     format!("{name}-partitionable"),
                 ),
+                (
+                    gpu_inventory::MigStrategy::Existing,
+                    true,
+                    format!("{name}-shares"),
+                ),
             ] {
-                let pool = inventory.pool(strategy);
+                let mut pool = inventory.pool(strategy);
+                if shares {
+                    gpu_inventory::shares::publish_shares(&mut pool);
+                }
                 known.nodes.push(Node {
                     metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
                         name: Some(node.clone()),
@@ -192,16 +203,21 @@ impl Known {
             }
         }
         let domain = driver.strip_prefix("gpu.").unwrap_or(driver);
-        for (kind, class) in [
-            ("gpu", format!("gpu.{domain}")),
-            ("mig", format!("mig.{domain}")),
+        for (kind, class, extra) in [
+            ("gpu", format!("gpu.{domain}"), ""),
+            ("mig", format!("mig.{domain}"), ""),
+            (
+                "gpu",
+                format!("gpu-share.{domain}"),
+                " && device.allowMultipleAllocations",
+            ),
         ] {
             let class: DeviceClass = serde_json::from_value(json!({
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "DeviceClass",
                 "metadata": {"name": class},
                 "spec": {"selectors": [{"cel": {"expression": format!(
-                    "device.driver == \"{driver}\" && device.attributes[\"{driver}\"].type == \"{kind}\""
+                    "device.driver == \"{driver}\" && device.attributes[\"{driver}\"].type == \"{kind}\"{extra}"
                 )}}]}
             }))
             .map_err(|e| InputError::general(format!("built-in DeviceClass: {e}")))?;

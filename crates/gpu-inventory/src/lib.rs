@@ -49,6 +49,7 @@ pub mod model;
 pub mod naming;
 pub mod nvlink;
 pub mod nvml;
+pub mod shares;
 pub mod slices;
 pub mod sysfs;
 pub mod validate;

@@ -88,6 +88,11 @@ pub struct Config {
     pub sharing: bool,
     /// Whether GPU health events are watched and published as device taints.
     pub health_monitoring: bool,
+    /// Fractional GPUs: publish whole GPUs and existing MIG devices for consumable capacity
+    /// (KEP-5075, [`gpu_inventory::shares`]) and prepare each share under the GPU's MPS daemon.
+    /// Honoured only where the MPS control tool is found (limits nobody can enforce are never
+    /// handed out).
+    pub consumable_capacity: bool,
     /// The MPS control tool (default `nvidia-cuda-mps-control`, found on `PATH`).
     pub mps_control_binary: PathBuf,
     /// Host directory of the per-claim MPS pipe and log directories (default `/run/drust/mps`);
@@ -131,6 +136,7 @@ impl Config {
             http_address: None,
             sharing: true,
             health_monitoring: true,
+            consumable_capacity: false,
             mps_control_binary: PathBuf::from("nvidia-cuda-mps-control"),
             mps_root: PathBuf::from("/run/drust/mps"),
             mps_start_timeout: Duration::from_secs(5),

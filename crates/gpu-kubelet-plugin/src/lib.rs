@@ -171,7 +171,59 @@ pub fn rediscover(
 struct Followers {
     controller: ClaimController<KubeCluster, BackendHardware>,
     health: Option<health::WatchedGpus>,
-    strategy: gpu_inventory::MigStrategy,
+    publishing: Publishing,
+}
+
+/// How this node's inventory becomes its published pool.
+#[derive(Debug, Clone, Copy)]
+pub struct Publishing {
+    /// How MIG-capable GPUs are published.
+    pub strategy: gpu_inventory::MigStrategy,
+    /// Whether devices are published for consumable capacity (fractional GPUs): the flag, and
+    /// the MPS control tool found to enforce the shares.
+    pub shares: bool,
+}
+
+impl Publishing {
+    /// The pool of `inventory`: its devices under the MIG strategy, shareable with `shares`
+    /// ([`gpu_inventory::shares`]).
+    pub fn pool(&self, inventory: &Inventory) -> Pool {
+        let mut pool = inventory.pool(self.strategy);
+        if self.shares {
+            gpu_inventory::shares::publish_shares(&mut pool);
+        }
+        pool
+    }
+
+    /// `config`'s publishing: fractional GPUs only when asked for and the MPS control tool is
+    /// found (limits nobody can enforce are never handed out; a warning says so).
+    pub async fn of(config: &Config) -> Self {
+        let shares = config.consumable_capacity && {
+            let binary = config.mps_control_binary.clone();
+            let found = tokio::task::spawn_blocking(move || mps::find_binary(&binary))
+                .await
+                .ok()
+                .flatten();
+            match found {
+                Some(path) => {
+                    info!(mps_control = %path.display(),
+                        "fractional GPUs: devices are published for consumable capacity");
+                    true
+                }
+                None => {
+                    warn!(mps_control = %config.mps_control_binary.display(),
+                        "fractional GPUs asked for (--consumable-capacity), but the MPS control \
+                         tool is not found: shares could not be enforced, so devices are \
+                         published for exclusive use only");
+                    false
+                }
+            }
+        };
+        Self {
+            strategy: config.mig_strategy,
+            shares,
+        }
+    }
 }
 
 impl Followers {
@@ -179,7 +231,7 @@ impl Followers {
     fn follow(&self, inventory: &Inventory) -> Pool {
         let (added, removed) = self
             .controller
-            .set_devices(hardware::node_devices(inventory, self.strategy).into_values());
+            .set_devices(hardware::node_devices(inventory, self.publishing.strategy).into_values());
         if !added.is_empty() || !removed.is_empty() {
             info!(
                 ?added,
@@ -191,7 +243,7 @@ impl Followers {
         if let Some(health) = &self.health {
             health.set(inventory.gpus.iter().map(|g| g.raw.uuid.clone()).collect());
         }
-        inventory.pool(self.strategy)
+        self.publishing.pool(inventory)
     }
 }
 
@@ -280,7 +332,8 @@ pub async fn run(
     config.sockets.instance_id = config.instance_id.clone();
     let backend = open_backend(&config)?;
     let inventory = rediscover(backend.as_ref(), config.naming)?;
-    let pool = inventory.pool(config.mig_strategy);
+    let publishing = Publishing::of(&config).await;
+    let pool = publishing.pool(&inventory);
     info!(gpus = inventory.gpus.len(), devices = pool.devices.len(), node = %config.node_name,
         "discovered GPUs");
     if let Some(format) = config.dry_run {
@@ -389,7 +442,7 @@ pub async fn run(
                 client,
                 &backend,
                 &inventory,
-                pool,
+                (publishing, pool),
                 Health {
                     kubelet: &device_health,
                     metrics: &metrics,
@@ -640,7 +693,7 @@ impl Active {
         client: kube::Client,
         backend: &Arc<dyn GpuBackend>,
         inventory: &Inventory,
-        pool: Pool,
+        (publishing, pool): (Publishing, Pool),
         health: Health<'_>,
     ) {
         let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
@@ -709,7 +762,7 @@ impl Active {
         let followers = Followers {
             controller: self.controller.clone(),
             health: self.monitor.as_ref().map(health::HealthMonitor::watched),
-            strategy: config.mig_strategy,
+            publishing,
         };
         let rediscovery =
             publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {

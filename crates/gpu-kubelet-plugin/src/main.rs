@@ -107,6 +107,12 @@ struct Args {
     /// Allow claims to configure GPU sharing (time-slicing, MPS).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     sharing: bool,
+    /// Fractional GPUs: publish whole GPUs and existing MIG devices with consumable capacity
+    /// (`memory` in GiB steps, `computePercent`), so independent claims each take a share,
+    /// enforced by one MPS daemon per GPU. Needs the MPS control tool; without it the plugin
+    /// publishes exclusive devices and says why.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    consumable_capacity: bool,
     /// The MPS control tool (from the driver root).
     #[arg(long, default_value = "nvidia-cuda-mps-control")]
     mps_control_binary: PathBuf,
@@ -224,6 +230,7 @@ impl Args {
         config.http_address = self.http_address;
         config.sharing = self.sharing;
         config.health_monitoring = self.health_monitoring;
+        config.consumable_capacity = self.consumable_capacity;
         config.mps_control_binary = self.mps_control_binary;
         config.mps_root = self.mps_root;
         config.mps_start_timeout = std::time::Duration::from_secs(self.mps_start_timeout_seconds);

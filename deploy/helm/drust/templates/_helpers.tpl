@@ -54,6 +54,10 @@ app.kubernetes.io/component: kubelet-plugin
 {{- default (printf "mig.%s" (include "drust.classDomain" .)) .Values.deviceClasses.mig.name -}}
 {{- end -}}
 
+{{- define "drust.shareClassName" -}}
+{{- printf "gpu-share.%s" (include "drust.classDomain" .) -}}
+{{- end -}}
+
 {{- define "drust.extendedClassName" -}}
 {{- default (printf "gpu-extended.%s" (include "drust.classDomain" .)) .Values.deviceClasses.extendedResource.name -}}
 {{- end -}}
@@ -71,6 +75,9 @@ app.kubernetes.io/component: kubelet-plugin
 {{- if .Values.features.sharing -}}
 {{- fail "security.deviceAccess=runtime cannot be combined with features.sharing=true: time-slicing and MPS change the GPU's compute policy and start the MPS control daemon, so the plugin must be privileged (or set features.sharing=false)" -}}
 {{- end -}}
+{{- end -}}
+{{- if and .Values.features.consumableCapacity (not .Values.features.sharing) -}}
+{{- fail "features.consumableCapacity=true needs features.sharing=true: every share runs under its GPU's MPS control daemon, which the plugin starts only with sharing on" -}}
 {{- end -}}
 {{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) -}}
 {{- fail "serviceAccount.create=false needs serviceAccount.name: the existing ServiceAccount the plugin runs as" -}}

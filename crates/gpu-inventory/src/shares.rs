@@ -1,0 +1,351 @@
+//! Fractional GPUs: devices published for consumable capacity (KEP-5075), so that independent
+//! claims each take a share of one GPU by memory and compute.
+//!
+//! A shareable device has `allowMultipleAllocations: true` and two consumable capacities:
+//!
+//! | capacity | value | request policy |
+//! |---|---|---|
+//! | `memory` | the device's bytes | `validRange` min 1 GiB, step 1 GiB; default: the whole memory in steps ([`whole_memory_bytes`]) |
+//! | `computePercent` | `100` | `validRange` min 0, step 1; default 0 |
+//!
+//! Why these: a memory share is what a model needs to load, in the unit `nvidia-smi` and users
+//! think in; a step of 1 GiB keeps the scheduler's arithmetic and the MPS pinned limit (whole MiB)
+//! exact. The compute share is a percentage, not a count of multiprocessors, because a percentage
+//! is what MPS enforces (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), it means the same on every model
+//! ("a quarter" is 25 on an A100 and an H100), and MPS turns it into multiprocessors by its own
+//! rounding, so a count would promise more precision than anything holds. Its default is 0: a
+//! request that names only memory reserves no compute and runs uncapped, next to the shares that
+//! reserved theirs (the scheduler never reserves more than 100 on one device).
+//!
+//! Exclusive use stays possible: a request without capacity consumes each policy's default
+//! (upstream `calculateConsumedCapacity`), which for `memory` is the whole device in steps; what
+//! is left is below the 1 GiB minimum, so no other share fits next to it. The plugin prepares
+//! such an allocation as a plain GPU ([`is_whole`]).
+//!
+//! Every other capacity the device publishes (`multiprocessors`, a MIG device's engines) stays
+//! for selectors but gets a policy that consumes none of it (`validValues: [0]`, default 0):
+//! without one, each allocation would consume the whole value and no second share would fit
+//! (the API's rule for a capacity without a policy). A request for one of them cannot be
+//! satisfied (upstream `violatesPolicy`).
+//!
+//! Devices that consume shared counters (partitionable MIG placements) stay exclusive: a share of
+//! a MIG device that prepare creates would need the device to exist while any share does, and
+//! the counters of a placement are consumed once per allocation, not once per device.
+//!
+//! upstream: `staging/src/k8s.io/api/resource/v1/types.go` (`Device.AllowMultipleAllocations`,
+//! `DeviceCapacity.RequestPolicy`), `pkg/apis/resource/validation/validation.go`
+//! (`validateRequestPolicyRange`: default within the range and a multiple of the step from min).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceCapacity,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use crate::model::bytes_quantity;
+use crate::slices::Pool;
+
+/// The memory capacity (bytes).
+pub const MEMORY: &str = "memory";
+/// The compute capacity: a percentage of the device's multiprocessors.
+pub const COMPUTE_PERCENT: &str = "computePercent";
+/// Granularity of memory shares: 1 GiB.
+pub const MEMORY_STEP_BYTES: u64 = 1 << 30;
+
+/// The memory a request without a memory request consumes: the device's bytes rounded down to
+/// whole [`MEMORY_STEP_BYTES`] (the policy's default must be a step from the minimum).
+pub fn whole_memory_bytes(total_bytes: u64) -> u64 {
+    total_bytes - total_bytes % MEMORY_STEP_BYTES
+}
+
+/// Whether an allocation that consumed `memory_bytes` of a device of `total_bytes` holds the
+/// whole device: nothing another share could use is left ([`whole_memory_bytes`] or more).
+pub fn is_whole(memory_bytes: u64, total_bytes: u64) -> bool {
+    memory_bytes >= whole_memory_bytes(total_bytes)
+}
+
+/// Whether `device` can be published as shareable: it has memory (at least one step), and
+/// consumes no shared counters.
+pub fn can_share(device: &Device) -> bool {
+    device
+        .consumes_counters
+        .as_ref()
+        .is_none_or(|c| c.is_empty())
+        && memory_bytes(device).is_some_and(|b| whole_memory_bytes(b) >= MEMORY_STEP_BYTES)
+}
+
+/// The `memory` capacity of `device` in bytes, when it publishes one in a form this crate writes
+/// ([`bytes_quantity`]).
+fn memory_bytes(device: &Device) -> Option<u64> {
+    let q = &device.capacity.as_ref()?.get(MEMORY)?.value.0;
+    parse_bytes(q)
+}
+
+fn parse_bytes(q: &str) -> Option<u64> {
+    const SUFFIXES: [(&str, u32); 6] = [
+        ("Ki", 10),
+        ("Mi", 20),
+        ("Gi", 30),
+        ("Ti", 40),
+        ("Pi", 50),
+        ("Ei", 60),
+    ];
+    // The decimal suffixes a canonical quantity may carry (a multiple of 125 GiB is `...k`).
+    const DECIMAL: [(&str, u32); 6] = [
+        ("k", 3),
+        ("M", 6),
+        ("G", 9),
+        ("T", 12),
+        ("P", 15),
+        ("E", 18),
+    ];
+    for (suffix, shift) in SUFFIXES {
+        if let Some(n) = q.strip_suffix(suffix) {
+            return n.parse::<u64>().ok()?.checked_mul(1u64 << shift);
+        }
+    }
+    for (suffix, exp) in DECIMAL {
+        if let Some(n) = q.strip_suffix(suffix) {
+            return n.parse::<u64>().ok()?.checked_mul(10u64.checked_pow(exp)?);
+        }
+    }
+    q.parse().ok()
+}
+
+/// Makes every device of `pool` that [`can_share`] shareable, as the module docs describe.
+/// Returns how many devices became shareable.
+pub fn publish_shares(pool: &mut Pool) -> usize {
+    let mut shared = 0;
+    for device in &mut pool.devices {
+        if make_shareable(device) {
+            shared += 1;
+        }
+    }
+    shared
+}
+
+/// Makes `device` shareable; `false` (unchanged) when it [`can_share`] not.
+pub fn make_shareable(device: &mut Device) -> bool {
+    let Some(total) = memory_bytes(device).filter(|_| can_share(device)) else {
+        return false;
+    };
+    let capacities = device.capacity.get_or_insert_with(BTreeMap::new);
+    for (name, capacity) in capacities.iter_mut() {
+        if name != MEMORY {
+            capacity.request_policy = Some(CapacityRequestPolicy {
+                default: Some(Quantity("0".into())),
+                valid_values: Some(vec![Quantity("0".into())]),
+                valid_range: None,
+            });
+        }
+    }
+    capacities.insert(
+        MEMORY.to_owned(),
+        DeviceCapacity {
+            value: bytes_quantity(total),
+            request_policy: Some(CapacityRequestPolicy {
+                default: Some(bytes_quantity(whole_memory_bytes(total))),
+                valid_range: Some(CapacityRequestPolicyRange {
+                    min: bytes_quantity(MEMORY_STEP_BYTES),
+                    step: Some(bytes_quantity(MEMORY_STEP_BYTES)),
+                    max: None,
+                }),
+                valid_values: None,
+            }),
+        },
+    );
+    capacities.insert(
+        COMPUTE_PERCENT.to_owned(),
+        DeviceCapacity {
+            value: Quantity("100".into()),
+            request_policy: Some(CapacityRequestPolicy {
+                default: Some(Quantity("0".into())),
+                valid_range: Some(CapacityRequestPolicyRange {
+                    min: Quantity("0".into()),
+                    step: Some(Quantity("1".into())),
+                    max: None,
+                }),
+                valid_values: None,
+            }),
+        },
+    );
+    device.allow_multiple_allocations = Some(true);
+    true
+}
+
+/// What one share consumes, read from an allocation result's `consumedCapacity`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Consumed {
+    /// `memory`, bytes.
+    pub memory_bytes: u64,
+    /// `computePercent`, 0..=100 (0: none reserved).
+    pub compute_percent: u32,
+}
+
+/// A `consumedCapacity` entry this driver cannot honour.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("consumedCapacity {name}: {value:?} {problem}")]
+pub struct ConsumedError {
+    /// The capacity.
+    pub name: String,
+    /// Its value as allocated.
+    pub value: String,
+    /// Why it is unusable.
+    pub problem: &'static str,
+}
+
+/// Reads a share's `consumedCapacity` (capacity name to quantity). A missing `memory` is an
+/// error (the scheduler always records every capacity of a shareable device); a missing
+/// `computePercent` is 0.
+///
+/// # Errors
+/// [`ConsumedError`] naming the capacity when a value is missing, not a whole number of bytes
+/// (or percent), or out of range.
+pub fn consumed(consumed: &BTreeMap<String, Quantity>) -> Result<Consumed, ConsumedError> {
+    let memory = consumed.get(MEMORY).ok_or_else(|| ConsumedError {
+        name: MEMORY.into(),
+        value: String::new(),
+        problem: "is missing",
+    })?;
+    let memory_bytes = parse_bytes(&memory.0).ok_or_else(|| ConsumedError {
+        name: MEMORY.into(),
+        value: memory.0.clone(),
+        problem: "is not a whole number of bytes",
+    })?;
+    let compute_percent = match consumed.get(COMPUTE_PERCENT) {
+        None => 0,
+        Some(q) => {
+            q.0.parse::<u32>()
+                .ok()
+                .filter(|p| *p <= 100)
+                .ok_or_else(|| ConsumedError {
+                    name: COMPUTE_PERCENT.into(),
+                    value: q.0.clone(),
+                    problem: "is not a whole percentage from 0 to 100",
+                })?
+        }
+    };
+    Ok(Consumed {
+        memory_bytes,
+        compute_percent,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(memory: &str) -> Device {
+        Device {
+            name: "gpu-0".into(),
+            capacity: Some(BTreeMap::from([
+                (
+                    MEMORY.to_owned(),
+                    DeviceCapacity {
+                        value: Quantity(memory.into()),
+                        request_policy: None,
+                    },
+                ),
+                (
+                    "multiprocessors".to_owned(),
+                    DeviceCapacity {
+                        value: Quantity("132".into()),
+                        request_policy: None,
+                    },
+                ),
+            ])),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_h100_gets_memory_in_gib_steps_defaulting_to_all_of_it() {
+        let mut d = gpu("81559Mi");
+        assert!(make_shareable(&mut d));
+        assert_eq!(d.allow_multiple_allocations, Some(true));
+        let caps = d.capacity.unwrap();
+        let memory = &caps[MEMORY];
+        assert_eq!(memory.value.0, "81559Mi");
+        let policy = memory.request_policy.as_ref().unwrap();
+        // 81559 MiB = 79.6 GiB: the default is the 79 whole GiB.
+        assert_eq!(policy.default.as_ref().unwrap().0, "79Gi");
+        let range = policy.valid_range.as_ref().unwrap();
+        assert_eq!(
+            (
+                range.min.0.as_str(),
+                range.step.as_ref().unwrap().0.as_str()
+            ),
+            ("1Gi", "1Gi")
+        );
+        let compute = &caps[COMPUTE_PERCENT];
+        assert_eq!(compute.value.0, "100");
+        assert_eq!(
+            compute
+                .request_policy
+                .as_ref()
+                .unwrap()
+                .default
+                .as_ref()
+                .unwrap()
+                .0,
+            "0"
+        );
+        let sms = caps["multiprocessors"].request_policy.as_ref().unwrap();
+        assert_eq!(
+            sms.valid_values.as_deref(),
+            Some(&[Quantity("0".into())][..])
+        );
+    }
+
+    #[test]
+    fn counter_consuming_and_tiny_devices_stay_exclusive() {
+        let mut placement = gpu("10Gi");
+        placement.consumes_counters = Some(vec![Default::default()]);
+        assert!(!make_shareable(&mut placement));
+        assert_eq!(placement.allow_multiple_allocations, None);
+        let mut tiny = gpu("512Mi");
+        assert!(!make_shareable(&mut tiny));
+    }
+
+    #[test]
+    fn whole_means_nothing_a_share_could_use_is_left() {
+        let total = 81559 << 20;
+        assert!(is_whole(79 << 30, total));
+        assert!(!is_whole(78 << 30, total));
+        assert_eq!(whole_memory_bytes(80 << 30), 80 << 30);
+    }
+
+    #[test]
+    fn consumed_capacity_is_read_or_refused_by_name() {
+        let q = |s: &str| Quantity(s.into());
+        let ok = consumed(&BTreeMap::from([
+            (MEMORY.to_owned(), q("20Gi")),
+            (COMPUTE_PERCENT.to_owned(), q("25")),
+            ("multiprocessors".to_owned(), q("0")),
+        ]))
+        .unwrap();
+        assert_eq!(
+            ok,
+            Consumed {
+                memory_bytes: 20 << 30,
+                compute_percent: 25
+            }
+        );
+        let e = consumed(&BTreeMap::from([
+            (MEMORY.to_owned(), q("20Gi")),
+            (COMPUTE_PERCENT.to_owned(), q("250")),
+        ]))
+        .unwrap_err();
+        assert_eq!(e.name, COMPUTE_PERCENT);
+        assert_eq!(consumed(&BTreeMap::new()).unwrap_err().name, MEMORY);
+        let decimal = consumed(&BTreeMap::from([(MEMORY.to_owned(), q("134217728k"))])).unwrap();
+        assert_eq!(decimal.memory_bytes, 125 << 30);
+        assert_eq!(
+            consumed(&BTreeMap::from([(MEMORY.to_owned(), q("1.5Gi"))]))
+                .unwrap_err()
+                .problem,
+            "is not a whole number of bytes"
+        );
+    }
+}
