@@ -44,6 +44,11 @@
 //!   so its claims read as completed in the current boot.
 //! - Version 3 added `devices[].mig` ([`CreatedMig`]): the MIG device prepare created for a
 //!   partitionable placement, which unprepare must destroy.
+//! - Version 5 added `devices[].share` ([`RecordedShare`]): a share of a device allocated through
+//!   consumable capacity. A file recording a share is written with `minReaderVersion` 5: an older
+//!   build would take the device as held by one claim and stop the GPU's MPS daemon as an
+//!   orphan, under the other shares' running containers; it must refuse the file instead. A file
+//!   without shares keeps `minReaderVersion` 4.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -60,10 +65,12 @@ use crate::hardware::CreatedMig;
 use crate::storage::{Fs, write_atomic};
 
 /// The checkpoint format version this build writes.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// The oldest reader version that can read what this build writes: 4, the first that reads
 /// both slots (an older one would read `checkpoint.json` alone, possibly a generation behind).
 pub const MIN_READER_VERSION: u32 = 4;
+/// The oldest reader of a file that records a share ([`RecordedShare`]).
+pub const MIN_READER_VERSION_SHARES: u32 = 5;
 /// Slot files are written in multiples of this many bytes (a page), padded with spaces.
 pub const SLOT_BLOCK: usize = 4096;
 
@@ -123,6 +130,35 @@ pub struct RecordedDevice {
     /// durably before its CDI spec is written; unprepare destroys exactly this. Since version 3.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<CreatedMig>,
+    /// The claim's share of the device, when it was allocated through consumable capacity
+    /// (KEP-5075). Since version 5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<RecordedShare>,
+}
+
+/// One allocation's share of a device (`shareID` and `consumedCapacity` of its allocation
+/// result), and how it was prepared.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordedShare {
+    /// The allocation's `shareID` (returned to the kubelet with the device).
+    pub id: String,
+    /// `consumedCapacity.memory`, bytes: the share's MPS pinned device memory limit.
+    pub memory_bytes: u64,
+    /// `consumedCapacity.computePercent`: the share's MPS active thread percentage; 0: none
+    /// reserved, uncapped.
+    pub compute_percent: u32,
+    /// The share holds the whole device ([`gpu_inventory::shares::is_whole`]): prepared as an
+    /// exclusive device, without MPS.
+    pub whole: bool,
+}
+
+impl RecordedShare {
+    /// Whether the share runs under its GPU's MPS daemon (every share that is not the whole
+    /// device).
+    pub fn uses_mps(&self) -> bool {
+        !self.whole
+    }
 }
 
 impl From<&RecordedDevice> for PreparedDevice {
@@ -132,7 +168,7 @@ impl From<&RecordedDevice> for PreparedDevice {
             pool_name: d.pool_name.clone(),
             device_name: d.device_name.clone(),
             cdi_device_ids: d.cdi_device_ids.clone(),
-            share_id: None,
+            share_id: d.share.as_ref().map(|s| s.id.clone()),
         }
     }
 }
@@ -563,8 +599,17 @@ fn encode(checkpoint: &Checkpoint, generation: u64) -> io::Result<Vec<u8>> {
         generation,
         checkpoint,
     })?;
+    let min_reader = if checkpoint
+        .claims
+        .values()
+        .any(|r| r.devices.iter().any(|d| d.share.is_some()))
+    {
+        MIN_READER_VERSION_SHARES
+    } else {
+        MIN_READER_VERSION
+    };
     let mut bytes = format!(
-        "{{\"version\":{VERSION},\"minReaderVersion\":{MIN_READER_VERSION},\
+        "{{\"version\":{VERSION},\"minReaderVersion\":{min_reader},\
          \"checksum\":\"sha256:{}\",\"data\":",
         sha256_hex(&data)
     )
@@ -638,6 +683,7 @@ fn upgrade_v1(claims: BTreeMap<String, V1Claim>) -> Checkpoint {
                         admin_access: false,
                         sharing: None,
                         mig: None,
+                        share: None,
                     })
                     .collect(),
                 cdi_spec_path: c.cdi_spec,
@@ -682,6 +728,7 @@ mod tests {
                     admin_access: false,
                     sharing: None,
                     mig: None,
+                    share: None,
                 }],
                 cdi_spec_path: "/var/run/cdi/x.json".into(),
                 cdi_spec: Spec::default(),
@@ -744,10 +791,35 @@ mod tests {
         assert!(
             std::fs::read_to_string(f.path())
                 .expect("read")
-                .starts_with("{\"version\":4,\"minReaderVersion\":4,")
+                .starts_with("{\"version\":5,\"minReaderVersion\":4,")
         );
         assert!(!f.slot_paths()[1].exists());
-        assert_eq!(f.load().expect("load"), Some(c));
+        assert_eq!(f.load().expect("load"), Some(c.clone()));
+        // A recorded share needs a reader that knows shares (version 5).
+        let mut shared = c;
+        for r in shared.claims.values_mut() {
+            for d in &mut r.devices {
+                d.share = Some(RecordedShare {
+                    id: "s-1".into(),
+                    memory_bytes: 19 << 30,
+                    compute_percent: 25,
+                    whole: false,
+                });
+            }
+        }
+        f.store(&shared).expect("store");
+        let slots: Vec<String> = f
+            .slot_paths()
+            .iter()
+            .filter_map(|p| std::fs::read_to_string(p).ok())
+            .collect();
+        assert!(
+            slots
+                .iter()
+                .any(|s| s.starts_with("{\"version\":5,\"minReaderVersion\":5,")),
+            "{slots:?}"
+        );
+        assert_eq!(f.load().expect("load"), Some(shared));
     }
 
     #[test]
@@ -766,12 +838,15 @@ mod tests {
             b.push(b'}');
             b
         };
-        std::fs::write(f.path(), with(5, 4)).expect("write");
+        std::fs::write(f.path(), with(VERSION + 1, 4)).expect("write");
         assert_eq!(f.load().expect("readable").expect("present").boot_id, "b");
         // Either slot needing a newer reader refuses the whole checkpoint.
-        std::fs::write(&f.slot_paths()[1], with(5, 5)).expect("write");
+        std::fs::write(&f.slot_paths()[1], with(VERSION + 1, VERSION + 1)).expect("write");
         let err = f.load().expect_err("too new").to_string();
-        assert!(err.contains("needs reader version 5"), "{err}");
+        assert!(
+            err.contains(&format!("needs reader version {}", VERSION + 1)),
+            "{err}"
+        );
     }
 
     #[test]

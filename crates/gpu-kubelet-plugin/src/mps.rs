@@ -180,6 +180,21 @@ pub enum MpsError {
     },
 }
 
+/// Where `binary` is: itself when it names a path (has a `/`), else the first executable of that
+/// name on `PATH`; `None` when there is no such executable file. Blocking (file system).
+pub fn find_binary(binary: &Path) -> Option<PathBuf> {
+    let executable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if binary.components().count() > 1 || binary.is_absolute() {
+        return executable(binary).then(|| binary.to_owned());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(binary))
+        .find(|p| executable(p))
+}
+
 impl MpsControl {
     /// `<root>/<uid>`.
     pub fn claim_dir(&self, uid: &str) -> PathBuf {
@@ -219,6 +234,31 @@ impl MpsControl {
             ],
             ..ContainerEdits::default()
         }
+    }
+
+    /// The CDI edits of one share's containers (fractional GPUs, [`crate::claims`]' shares):
+    /// connected to the daemon of `key` (its device's), with the share's own limits as the
+    /// client environment MPS reads at a client's start (NVIDIA's MPS guide, "Environment
+    /// variables"): `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` (the daemon serves one device,
+    /// ordinal 0; rounded down to whole MiB so the share is never exceeded) and, when
+    /// `compute_percent` is not 0, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`.
+    pub fn share_edits(
+        &self,
+        key: &str,
+        memory_bytes: u64,
+        compute_percent: u32,
+    ) -> ContainerEdits {
+        let mut edits = self.container_edits(key);
+        edits.env.push(format!(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
+            (memory_bytes >> 20).max(1)
+        ));
+        if compute_percent > 0 {
+            edits.env.push(format!(
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={compute_percent}"
+            ));
+        }
+        edits
     }
 
     /// Starts the daemon of claim `uid` for the devices `visible_ids` (GPU or MIG UUIDs, in

@@ -76,6 +76,20 @@ pub enum ClaimError {
         /// The device name.
         device: String,
     },
+    /// A share of a device (consumable capacity) this driver cannot prepare.
+    #[error(
+        "ResourceClaim {claim}: status.allocation.devices.results[{index}] (device {device:?}): {problem}"
+    )]
+    Share {
+        /// The claim.
+        claim: ClaimRef,
+        /// Index in `results`.
+        index: usize,
+        /// The device name.
+        device: String,
+        /// What is wrong, naming the field.
+        problem: String,
+    },
     /// A claim prepared before the restart whose recovery step (CDI spec rewrite, MPS daemon
     /// restart) fails; it stays prepared and the step is retried in the background.
     #[error(
@@ -180,6 +194,7 @@ impl ClaimError {
             ClaimError::NotOurs { .. } => "not-ours",
             ClaimError::UnknownDevice { .. } => "unknown-device",
             ClaimError::DeviceGone { .. } => "device-gone",
+            ClaimError::Share { .. } => "share",
             ClaimError::Recovery { .. } => "recovery",
             ClaimError::DeviceInUse { .. } => "device-in-use",
             ClaimError::Config { .. } => "config",

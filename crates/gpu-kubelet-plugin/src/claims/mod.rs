@@ -47,6 +47,7 @@ mod cluster;
 mod error;
 mod plan;
 mod recovery;
+mod shares;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -678,16 +679,19 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     source,
                 })?;
         }
-        Ok(())
+        // Shares (consumable capacity): their devices' daemons, shared with other claims.
+        self.start_share_daemons(claim, devices).await
     }
 
-    /// Undoes [`Self::share`]: stops the claim's MPS daemon (if any is running) and puts
-    /// time-sliced GPUs back to the default slice. Safe when nothing was applied.
+    /// Undoes [`Self::share`]: stops the claim's MPS daemon (if any is running), the daemons of
+    /// its shares' devices that no other share needs, and puts time-sliced GPUs back to the
+    /// default slice. Safe when nothing was applied.
     async fn unshare(
         &self,
         claim: &ClaimRef,
         devices: &[RecordedDevice],
     ) -> Result<(), ClaimError> {
+        self.stop_share_daemons(claim, devices).await?;
         self.inner
             .config
             .mps
@@ -898,12 +902,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Some(spec) => Ok(spec),
             None => {
                 let used: Vec<&NodeDevice> = plan.used.iter().collect();
-                let mps = plan::uses_mps(&plan.devices).then_some(&inner.config.mps);
+                let mps = plan::MpsEdits::of(&inner.config.mps, &plan.devices);
                 plan::spec(
                     claim,
                     &used,
                     &created,
-                    mps,
+                    &mps,
                     &inner.config.driver_edits,
                     inner.hardware.as_ref(),
                     &inner.cdi,
@@ -1098,10 +1102,23 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// logged and retried at the next call. Returns the UIDs whose daemon was started.
     pub async fn restart_dead_daemons(&self) -> Vec<String> {
         let mut mps_claims = self.completed_records().await;
-        mps_claims.retain(|(_, r)| plan::uses_mps(&r.devices));
+        mps_claims.retain(|(_, r)| {
+            plan::uses_mps(&r.devices) || shares::mps_shares(&r.devices).next().is_some()
+        });
         let mut restarted = Vec::new();
         for (uid, r) in mps_claims {
-            if self.inner.config.mps.is_running(&uid).await {
+            let share_daemons: Vec<String> = shares::mps_shares(&r.devices)
+                .map(|d| shares::daemon_key(&d.uuid))
+                .collect();
+            let mut all_running = true;
+            for key in plan::uses_mps(&r.devices)
+                .then_some(&uid)
+                .into_iter()
+                .chain(&share_daemons)
+            {
+                all_running &= self.inner.config.mps.is_running(key).await;
+            }
+            if all_running {
                 continue;
             }
             let claim = ClaimRef {
@@ -1114,9 +1131,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let Some(record) = self.record(&uid).await else {
                 continue;
             };
-            if record.state != ClaimState::PrepareCompleted
-                || self.inner.config.mps.is_running(&uid).await
-            {
+            if record.state != ClaimState::PrepareCompleted {
                 continue;
             }
             match self.share(&claim, &record.devices).await {
@@ -1166,7 +1181,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 }
 
 /// Refuses a device held by another claim unless one of the two allocations has admin access
-/// (admin access does not count against exclusivity; KEP-5018).
+/// (admin access does not count against exclusivity; KEP-5018) or both are shares of it
+/// (consumable capacity, KEP-5075: the scheduler accounts for what each share consumes).
 fn check_conflicts(
     c: &Checkpoint,
     claim: &ClaimRef,
@@ -1176,10 +1192,14 @@ fn check_conflicts(
         if d.admin_access {
             continue;
         }
+        let shared = d.share.is_some();
         let holder = c.claims.iter().find(|(uid, r)| {
             *uid != &claim.uid
                 && r.devices.iter().any(|o| {
-                    o.device_name == d.device_name && o.pool_name == d.pool_name && !o.admin_access
+                    o.device_name == d.device_name
+                        && o.pool_name == d.pool_name
+                        && !o.admin_access
+                        && !(shared && o.share.is_some())
                 })
         });
         if let Some((uid, r)) = holder {

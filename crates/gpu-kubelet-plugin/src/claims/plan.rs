@@ -10,7 +10,7 @@ use crate::cdi::{
     ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID, CDI_VERSION, CdiDevice, CdiWriter,
     ContainerEdits, DeviceNode, Spec,
 };
-use crate::checkpoint::RecordedDevice;
+use crate::checkpoint::{RecordedDevice, RecordedShare};
 use crate::claim_config::{self, ConfigTarget, DeviceKind, Sharing};
 use crate::hardware::{CONTROL_DEVICE_NODES, CreatedMig, Hardware, NodeDevice};
 use crate::mps::MpsControl;
@@ -91,8 +91,23 @@ pub(crate) fn plan(
                 }
             });
         };
+        let share = match &r.share_id {
+            None => None,
+            Some(_) => Some(share(claim, index, r, device)?),
+        };
         // One device can satisfy several requests (e.g. subrequests); list it once.
         if let Some(d) = devices.iter_mut().find(|d| d.device_name == r.device) {
+            if share.is_some() || d.share.is_some() {
+                return Err(ClaimError::Share {
+                    claim: claim.clone(),
+                    index,
+                    device: r.device.clone(),
+                    problem: "a second allocation of this device in the same claim: one claim \
+                              takes at most one share of a device (ask for more capacity in one \
+                              request instead)"
+                        .into(),
+                });
+            }
             d.request_names.push(r.request.clone());
             continue;
         }
@@ -106,6 +121,7 @@ pub(crate) fn plan(
             admin_access: r.admin_access.unwrap_or(false),
             sharing: None,
             mig: None,
+            share,
         });
     }
     if devices.is_empty() {
@@ -140,7 +156,21 @@ pub(crate) fn plan(
                 source,
             }
         })?;
-    for (d, s) in devices.iter_mut().zip(sharing) {
+    for (index, (d, s)) in devices.iter_mut().zip(sharing).enumerate() {
+        // A share's limits come from its allocation; a sharing config would be a second,
+        // conflicting source (time-slicing and MPS settings are per GPU, not per share).
+        if d.share.is_some() && s.is_some() {
+            return Err(ClaimError::Share {
+                claim: claim.clone(),
+                index,
+                device: d.device_name.clone(),
+                problem: "shareID is set (a share of a device, limited by its consumedCapacity), \
+                          but a sharing config (TimeSlicing or MPS) also applies to it: \
+                          remove the config, a share's memory and compute come from its \
+                          capacity requests"
+                    .into(),
+            });
+        }
         // Admin access (KEP-5018) reaches a device that other claims may be using: it never
         // changes the GPU's sharing (time slice, MPS), so neither does its unprepare. A class
         // or claim config asking for sharing is ignored for such a device, and said so.
@@ -151,6 +181,40 @@ pub(crate) fn plan(
         }
         d.sharing = s;
     }
+    // A container reaches one MPS daemon (one pipe directory): shares of two devices in one
+    // claim could end up in one container.
+    let mut shared = devices
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.share.as_ref().is_some_and(RecordedShare::uses_mps));
+    if let (Some((_, first)), Some((index, second))) = (shared.next(), shared.next()) {
+        return Err(ClaimError::Share {
+            claim: claim.clone(),
+            index,
+            device: second.device_name.clone(),
+            problem: format!(
+                "this claim already holds a share of device {:?}: a claim may hold shares of one \
+                 device only, since a container can reach one MPS daemon",
+                first.device_name
+            ),
+        });
+    }
+    if let Some((index, d)) = devices
+        .iter()
+        .enumerate()
+        .find(|(_, d)| d.share.as_ref().is_some_and(RecordedShare::uses_mps))
+        && uses_mps(&devices)
+    {
+        return Err(ClaimError::Share {
+            claim: claim.clone(),
+            index,
+            device: d.device_name.clone(),
+            problem: "a share runs under its device's MPS daemon, and another device of this \
+                      claim is configured for MPS with the claim's own daemon: a container can \
+                      reach one MPS daemon"
+                .into(),
+        });
+    }
     let created_later = used
         .iter()
         .any(|d| matches!(d, NodeDevice::MigPlacement { .. }));
@@ -158,12 +222,11 @@ pub(crate) fn plan(
         None
     } else {
         let refs: Vec<&NodeDevice> = used.iter().collect();
-        let mps = uses_mps(&devices).then_some(cx.mps);
         Some(spec(
             claim,
             &refs,
             &BTreeMap::new(),
-            mps,
+            &MpsEdits::of(cx.mps, &devices),
             cx.driver_edits,
             cx.hardware,
             cx.cdi,
@@ -182,6 +245,70 @@ pub(crate) fn created_migs(devices: &[RecordedDevice]) -> BTreeMap<String, Creat
         .iter()
         .filter_map(|d| d.mig.clone().map(|m| (d.device_name.clone(), m)))
         .collect()
+}
+
+/// The share of `device` that allocation result `r` (at `index`) holds, from its `shareID` and
+/// `consumedCapacity`.
+fn share(
+    claim: &ClaimRef,
+    index: usize,
+    r: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult,
+    device: &NodeDevice,
+) -> Result<RecordedShare, ClaimError> {
+    let problem = |problem: String| ClaimError::Share {
+        claim: claim.clone(),
+        index,
+        device: r.device.clone(),
+        problem,
+    };
+    let consumed = r.consumed_capacity.clone().unwrap_or_default();
+    let consumed =
+        gpu_inventory::shares::consumed(&consumed).map_err(|e| problem(e.to_string()))?;
+    let total = device.memory_bytes();
+    if consumed.memory_bytes > total {
+        return Err(problem(format!(
+            "consumedCapacity memory is {} bytes, more than the device's {total}",
+            consumed.memory_bytes
+        )));
+    }
+    Ok(RecordedShare {
+        id: r.share_id.clone().unwrap_or_default(),
+        memory_bytes: consumed.memory_bytes,
+        compute_percent: consumed.compute_percent,
+        whole: gpu_inventory::shares::is_whole(consumed.memory_bytes, total),
+    })
+}
+
+/// The MPS edits of a claim's CDI spec: its own daemon (an MPS sharing config) at spec level,
+/// and each share's daemon and limits in its device's edits.
+pub(crate) struct MpsEdits<'a> {
+    control: &'a MpsControl,
+    claim_daemon: bool,
+    /// Daemon key, memory bytes and compute percentage of each share run under MPS, by device.
+    shares: BTreeMap<String, (String, u64, u32)>,
+}
+
+impl<'a> MpsEdits<'a> {
+    /// The edits `devices` need.
+    pub(crate) fn of(control: &'a MpsControl, devices: &[RecordedDevice]) -> Self {
+        Self {
+            control,
+            claim_daemon: uses_mps(devices),
+            shares: super::shares::mps_shares(devices)
+                .filter_map(|d| {
+                    let s = d.share.as_ref()?;
+                    Some((
+                        d.device_name.clone(),
+                        (
+                            super::shares::daemon_key(&d.uuid),
+                            s.memory_bytes,
+                            s.compute_percent,
+                        ),
+                    ))
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Whether any of `devices` is shared through MPS (the claim then has a daemon).
@@ -210,7 +337,7 @@ pub(crate) fn spec(
     claim: &ClaimRef,
     used: &[&NodeDevice],
     created: &BTreeMap<String, CreatedMig>,
-    mps: Option<&MpsControl>,
+    mps: &MpsEdits<'_>,
     driver: &ContainerEdits,
     hardware: &dyn Hardware,
     cdi: &CdiWriter,
@@ -226,19 +353,21 @@ pub(crate) fn spec(
                 claim: claim.clone(),
                 source,
             })?;
+        let mut edits = match mps.shares.get(d.name()) {
+            Some((key, memory, compute)) => mps.control.share_edits(key, *memory, *compute),
+            None => ContainerEdits::default(),
+        };
+        edits.env.insert(0, device_env(d.name(), uuid));
+        edits.device_nodes = nodes
+            .into_iter()
+            .map(|path| DeviceNode {
+                host_path: hardware.host_path(&path),
+                path,
+            })
+            .collect();
         cdi_devices.push(CdiDevice {
             name: CdiWriter::device_name(&claim.uid, d.name()),
-            container_edits: ContainerEdits {
-                env: vec![device_env(d.name(), uuid)],
-                device_nodes: nodes
-                    .into_iter()
-                    .map(|path| DeviceNode {
-                        host_path: hardware.host_path(&path),
-                        path,
-                    })
-                    .collect(),
-                ..ContainerEdits::default()
-            },
+            container_edits: edits,
         });
     }
     Ok(Spec {
@@ -251,9 +380,11 @@ pub(crate) fn spec(
         ]),
         devices: cdi_devices,
         container_edits: {
-            let mut edits = mps
-                .map(|m| m.container_edits(&claim.uid))
-                .unwrap_or_default();
+            let mut edits = if mps.claim_daemon {
+                mps.control.container_edits(&claim.uid)
+            } else {
+                ContainerEdits::default()
+            };
             edits.env.insert(0, NVIDIA_VISIBLE_DEVICES_VOID.to_owned());
             edits.env.extend(driver.env.iter().cloned());
             edits.mounts.extend(driver.mounts.iter().cloned());
@@ -304,6 +435,7 @@ pub(crate) fn changes_hardware<'d>(
     devices
         .iter()
         .any(|d| d.sharing.is_some() || d.mig.is_some())
+        || super::shares::mps_shares(devices).next().is_some()
         || used
             .into_iter()
             .any(|d| matches!(d, NodeDevice::MigPlacement { .. }))

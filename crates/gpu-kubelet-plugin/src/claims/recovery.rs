@@ -142,14 +142,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
         report.mig_orphans_destroyed = self.destroy_mig_orphans().await;
 
-        let kept: Vec<String> = inner
-            .checkpoint
-            .lock()
-            .await
-            .claims
-            .keys()
-            .cloned()
-            .collect();
+        let (kept, share_daemons) = {
+            let checkpoint = inner.checkpoint.lock().await;
+            let kept: Vec<String> = checkpoint.claims.keys().cloned().collect();
+            (kept, super::shares::needed_daemons(&checkpoint, None))
+        };
         let orphans = {
             let kept = kept.clone();
             self.cdi_io(&node, move |cdi| {
@@ -179,7 +176,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .flatten()
                 .filter_map(|e| e.file_name().into_string().ok())
             {
-                if !kept.contains(&uid) {
+                if !kept.contains(&uid) && !share_daemons.contains(&uid) {
                     let orphan = ClaimRef {
                         uid: uid.clone(),
                         ..node.clone()
@@ -241,6 +238,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             // containers of the claim can use it.
             self.share(claim, &record.devices).await?;
             done.mps_restarted = true;
+        } else {
+            // The daemons of its shares' devices (each started once, for all their shares).
+            self.start_share_daemons(claim, &record.devices).await?;
         }
         Ok(done)
     }
@@ -430,12 +430,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .filter_map(|d| catalogue.get(&d.device_name))
                 .collect();
             let created = plan::created_migs(&record.devices);
-            let mps = plan::uses_mps(&record.devices).then_some(&inner.config.mps);
+            let mps = plan::MpsEdits::of(&inner.config.mps, &record.devices);
             plan::spec(
                 claim,
                 &used,
                 &created,
-                mps,
+                &mps,
                 &inner.config.driver_edits,
                 inner.hardware.as_ref(),
                 &inner.cdi,
@@ -475,6 +475,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 admin_access: false,
                 sharing: None,
                 mig: None,
+                share: None,
             })
             .collect()
     }

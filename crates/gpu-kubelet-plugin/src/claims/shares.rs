@@ -1,0 +1,121 @@
+//! Shares of a device allocated through consumable capacity (KEP-5075; fractional GPUs,
+//! [`gpu_inventory::shares`]): each claim's share is prepared on its own, under one MPS control
+//! daemon per GPU (or MIG device) that serves every share on it.
+//!
+//! - The daemon of a device is keyed by its UUID, lower-cased ([`daemon_key`]): its directories
+//!   are `<mps root>/<key>/{pipe,log,shm}` and, with daemon Pods, its Pod is
+//!   `mps-control-daemon-<key>`. It runs without default limits.
+//! - It is started by the first share's prepare and stopped by the last share's unprepare, both
+//!   under the GPU's lock, deciding from the checkpoint (which holds every claim being prepared
+//!   or prepared): a share being prepared while the last other one is unprepared either finds
+//!   the daemon running or starts it after the stop.
+//! - Each share's containers get their own limits through their CDI device's edits
+//!   ([`crate::mps::MpsControl::share_edits`]): the pinned device memory limit from
+//!   `consumedCapacity.memory` and the active thread percentage from `computePercent`.
+//! - A share holding the whole device (a request without capacity) runs without MPS.
+//! - Start-up keeps the daemons of recorded shares (and starts a lost one again); a daemon no
+//!   share needs is stopped as an orphan.
+
+use std::collections::BTreeSet;
+
+use dra_kubelet::ClaimRef;
+use tracing::info;
+
+use super::error::ClaimError;
+use super::{ClaimController, Cluster};
+use crate::checkpoint::{Checkpoint, RecordedDevice};
+use crate::hardware::Hardware;
+
+/// The MPS daemon key of the device with `uuid` (a GPU or MIG UUID): lower-cased, so it is a
+/// valid Pod name and label value.
+pub(crate) fn daemon_key(uuid: &str) -> String {
+    uuid.to_ascii_lowercase()
+}
+
+/// The devices among `devices` whose share runs under their device's MPS daemon.
+pub(crate) fn mps_shares(devices: &[RecordedDevice]) -> impl Iterator<Item = &RecordedDevice> {
+    devices
+        .iter()
+        .filter(|d| d.share.as_ref().is_some_and(|s| s.uses_mps()))
+}
+
+/// The daemon keys the shares recorded in `checkpoint` need, leaving out claim `except`.
+pub(crate) fn needed_daemons(checkpoint: &Checkpoint, except: Option<&str>) -> BTreeSet<String> {
+    checkpoint
+        .claims
+        .iter()
+        .filter(|(uid, _)| Some(uid.as_str()) != except)
+        .flat_map(|(_, r)| mps_shares(&r.devices).map(|d| daemon_key(&d.uuid)))
+        .collect()
+}
+
+impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+    /// Makes sure the MPS daemon of every device `devices` hold a share of is running: started
+    /// (without default limits) unless it answers already. Under each device's GPU lock.
+    pub(super) async fn start_share_daemons(
+        &self,
+        claim: &ClaimRef,
+        devices: &[RecordedDevice],
+    ) -> Result<(), ClaimError> {
+        for d in mps_shares(devices) {
+            let key = daemon_key(&d.uuid);
+            let _guard = self.share_lock(&d.device_name).await;
+            let mps = &self.inner.config.mps;
+            if mps.is_running(&key).await {
+                continue;
+            }
+            let served = [crate::mps::MpsDevice {
+                uuid: d.uuid.clone(),
+                pinned_memory_limit_bytes: None,
+            }];
+            mps.start(&key, &served, None)
+                .await
+                .map_err(|source| ClaimError::Mps {
+                    claim: claim.clone(),
+                    source,
+                })?;
+            info!(claim = %claim, device = %d.device_name, daemon = %key,
+                "started the device's MPS daemon for its first share");
+        }
+        Ok(())
+    }
+
+    /// Stops the MPS daemon of every device `devices` hold a share of that no other claim's
+    /// share needs any more. Under each device's GPU lock.
+    pub(super) async fn stop_share_daemons(
+        &self,
+        claim: &ClaimRef,
+        devices: &[RecordedDevice],
+    ) -> Result<(), ClaimError> {
+        for d in mps_shares(devices) {
+            let key = daemon_key(&d.uuid);
+            let _guard = self.share_lock(&d.device_name).await;
+            let needed = needed_daemons(&*self.inner.checkpoint.lock().await, Some(&claim.uid));
+            if needed.contains(&key) {
+                continue;
+            }
+            self.inner
+                .config
+                .mps
+                .stop(&key)
+                .await
+                .map_err(|source| ClaimError::Mps {
+                    claim: claim.clone(),
+                    source,
+                })?;
+            info!(claim = %claim, device = %d.device_name, daemon = %key,
+                "stopped the device's MPS daemon with its last share");
+        }
+        Ok(())
+    }
+
+    /// The lock of the GPU behind device `name` (the device itself when unknown), taken before
+    /// a share daemon is started or stopped.
+    async fn share_lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let gpu = self
+            .catalogue()
+            .get(name)
+            .map_or_else(|| name.to_owned(), |d| d.gpu().name.clone());
+        self.gpu_lock(&gpu).lock_owned().await
+    }
+}
