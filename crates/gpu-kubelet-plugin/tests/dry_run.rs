@@ -258,3 +258,61 @@ fn nonsense_durations_are_refused_naming_the_flag_and_the_limit() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Fractional GPUs (`--consumable-capacity`): with the MPS control tool found, whole GPUs and
+/// existing MIG devices are published shareable (snapshot, API validation); partitionable
+/// placements stay exclusive; without the tool nothing is shareable and the plugin says why.
+#[test]
+fn fractional_gpus_are_published_only_where_mps_can_enforce_them() {
+    // Any executable stands for the tool here: the plugin only looks for it at start.
+    let tool = [
+        "--consumable-capacity",
+        "true",
+        "--mps-control-binary",
+        "/bin/sh",
+    ];
+    let shareable = |slices: &[ResourceSlice]| -> (usize, usize) {
+        let devices: Vec<_> = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+            .collect();
+        let shared = devices
+            .iter()
+            .filter(|d| d.allow_multiple_allocations == Some(true))
+            .count();
+        (shared, devices.len())
+    };
+    let yaml = dry_run("examples/topologies/dgx-a100-mig.yaml", &tool);
+    assert_snapshot("dgx-a100-mig-shares.yaml", &yaml);
+    let slices = parse_yaml(&yaml);
+    gpu_inventory::validate::validate_pool(&slices).expect("valid");
+    let (shared, all) = shareable(&slices);
+    assert!(all > 8 && shared == all, "{shared} of {all} shareable");
+
+    let mut args = tool.to_vec();
+    args.extend(["--mig-strategy", "partitionable"]);
+    let slices = parse_yaml(&dry_run("examples/topologies/dgx-a100-mig.yaml", &args));
+    let (shared, all) = shareable(&slices);
+    // GPUs 4-7 have MIG off: whole, shareable; the placements of GPUs 0-3 consume counters.
+    assert_eq!(shared, 4, "{shared} of {all} shareable");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+        .args(["--dry-run", "--node-name", "gpu-node-0", "--fake-topology"])
+        .arg(repo("examples/topologies/dgx-h100.yaml"))
+        .args(["--consumable-capacity", "true"])
+        .args([
+            "--mps-control-binary",
+            "/nonexistent/nvidia-cuda-mps-control",
+        ])
+        .output()
+        .expect("run");
+    assert!(out.status.success());
+    let slices = parse_yaml(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(shareable(&slices).0, 0);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("MPS control tool is not found")
+            && stderr.contains("published for exclusive use only"),
+        "{stderr}"
+    );
+}

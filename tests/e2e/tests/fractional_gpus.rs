@@ -11,7 +11,8 @@
 //! exclusive whole-GPU claims take the six others and never land next to a share; with every GPU
 //! full a share stays Pending with the scheduler's reason; unpreparing and deleting one share
 //! keeps the daemon for the other three, and the pending claim takes the freed share; the last
-//! share's unprepare stops the daemon.
+//! share's unprepare stops the daemon. Then the two examples of `examples/fractional-gpus`, as
+//! written, on this node and on a node with A100s.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -20,7 +21,7 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::Kubelet;
-use drust_e2e::manifests::{apply_yaml, repo_path};
+use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
@@ -31,6 +32,7 @@ use kube::api::{DeleteParams, ListParams};
 
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "node-shares";
+const A100_NODE: &str = "node-shares-a100";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 #[tokio::test]
@@ -225,6 +227,8 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
 
     // Four shares of 20 GB on one GPU, each with its own share ID and limit, one daemon.
+    // Prepare latencies (kubelet call to answer) are printed for BENCHMARKS.md.
+    let (mut share_ms, mut whole_ms) = (Vec::new(), Vec::new());
     let mut first = Vec::new();
     for i in 0..4 {
         let s = bound(
@@ -235,7 +239,9 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         )
         .await?;
         ensure!(s.share_id.is_some(), "share-{i} has no shareID");
+        let started = std::time::Instant::now();
         let prepared = prepare(&kubelet, &s.claim).await?;
+        share_ms.push(started.elapsed().as_secs_f64() * 1e3);
         ensure!(
             prepared == s.share_id,
             "prepare answered share {prepared:?} for allocation share {:?}",
@@ -297,7 +303,9 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
             "whole-{i} landed on a GPU holding shares: {}",
             e.device
         );
+        let started = std::time::Instant::now();
         prepare(&kubelet, &e.claim).await?;
+        whole_ms.push(started.elapsed().as_secs_f64() * 1e3);
         let env = cdi_env(&cdi_root, &e.claim)?;
         ensure!(
             !env.iter().any(|v| v.starts_with("CUDA_MPS")),
@@ -305,6 +313,10 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         );
         exclusive.push(e);
     }
+    eprintln!(
+        "prepare latency, ms: shares of one GPU {share_ms:.1?} (the first starts the daemon); \
+         whole GPUs {whole_ms:.1?}"
+    );
     let whole: BTreeSet<_> = exclusive.iter().map(|e| e.device.clone()).collect();
     ensure!(whole.len() == 6, "six distinct whole GPUs: {whole:?}");
     ensure!(daemons(&mps_root).len() == 2, "whole GPUs start no daemon");
@@ -370,6 +382,66 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         Ok((!daemons(&mps_root).contains(&daemon)).then_some(()))
     })
     .await?;
+
+    // The example "20 GiB of any H100" takes the GPU its pods left.
+    for pod in ["share-1", "share-2", "share-3", "waiting"] {
+        pods.delete(pod, &DeleteParams::default().grace_period(0))
+            .await?;
+    }
+    apply_file(
+        &client,
+        &repo_path("examples/fractional-gpus/h100-20gi.yaml"),
+    )
+    .await?;
+    let (_, claim) = drust_e2e::pods::bound_with_claim(&pods, &claims, "llm-7b", TIMEOUT).await?;
+    let r = allocation_results(&claim)
+        .and_then(|r| r.first())
+        .context("llm-7b not allocated")?;
+    ensure!(
+        r.device == gpu0 && r.share_id.is_some(),
+        "llm-7b: {} share {:?}",
+        r.device,
+        r.share_id
+    );
+    prepare(&kubelet, &claim).await?;
+    let env = cdi_env(&cdi_root, &claim)?;
+    ensure!(
+        env.iter()
+            .any(|e| e == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"),
+        "llm-7b: {env:?}"
+    );
+    plugin.stop().await?;
+
+    // The example "a quarter of an A100 80GB" on a node with A100s and L4s.
+    cp.register_node(A100_NODE, &[]).await?;
+    let topology = repo_path("examples/topologies/mixed-a100-l4.yaml");
+    let mut plugin = NodePlugin::start_with(cp, DRIVER, A100_NODE, &topology, |c| {
+        c.consumable_capacity = true;
+    })?;
+    plugin.wait_ready(&client, TIMEOUT).await?;
+    let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    apply_file(
+        &client,
+        &repo_path("examples/fractional-gpus/a100-quarter.yaml"),
+    )
+    .await?;
+    let (pod, claim) =
+        drust_e2e::pods::bound_with_claim(&pods, &claims, "a100-quarter", TIMEOUT).await?;
+    ensure!(
+        pod.spec.and_then(|s| s.node_name).as_deref() == Some(A100_NODE),
+        "a100-quarter bound elsewhere"
+    );
+    prepare(&kubelet, &claim).await?;
+    let env = cdi_env(&plugin.config().cdi_root, &claim)?;
+    for want in [
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+    ] {
+        ensure!(
+            env.iter().any(|e| e == want),
+            "a100-quarter lacks {want}: {env:?}"
+        );
+    }
     plugin.stop().await?;
     Ok(())
 }
