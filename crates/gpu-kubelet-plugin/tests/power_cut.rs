@@ -4,7 +4,10 @@
 //! repeating the kubelet's calls must end where an uninterrupted run ends. The power also fails
 //! again at every operation of that recovery itself, and the claims include time-sliced ones
 //! (a sharing setting on the GPU, which outlives the plugin: the model keeps the hardware across
-//! restarts, as a crash of the plugin does) whose GPU settings must end as in the clean run.
+//! restarts, as a crash of the plugin does) whose GPU settings must end as in the clean run, and
+//! two shares of one GPU (consumable capacity) whose MPS daemon, a real process of the fake tool
+//! that outlives the restarts as it would a plugin crash, must end running for the share that
+//! stays and no other daemon running.
 //! Where the cut falls between an in-place overwrite (a checkpoint slot) and its sync, the cut
 //! is also taken with that file torn: the first half of the new bytes written, the rest old.
 
@@ -270,16 +273,20 @@ async fn controller(
     fs: Arc<CrashFs>,
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
+    mps: &Path,
 ) -> Result<ClaimController<Shared, ScriptedHardware>, String> {
-    controller_reporting(fs, cluster, hardware)
+    controller_reporting(fs, cluster, hardware, mps)
         .await
         .map(|(c, _)| c)
 }
 
+/// A controller on `fs` whose MPS daemons (the fake tool's processes, real: like the GPUs they
+/// outlive a plugin crash) live under `mps`.
 async fn controller_reporting(
     fs: Arc<CrashFs>,
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
+    mps: &Path,
 ) -> Result<(ClaimController<Shared, ScriptedHardware>, RecoveryReport), String> {
     ClaimController::start(
         cluster.clone(),
@@ -290,8 +297,7 @@ async fn controller_reporting(
             timeout: std::time::Duration::from_secs(5),
             boot_id: "boot".into(),
             sharing: true,
-            // No claim here uses MPS; the directory is never created.
-            mps: mps_control(&std::env::temp_dir().join("drust-power-cut-no-mps")),
+            mps: mps_control(mps),
             driver_edits: Default::default(),
         },
         node_devices(),
@@ -303,7 +309,8 @@ async fn controller_reporting(
 }
 
 /// The kubelet's calls: prepare a, prepare b (2 GPUs), prepare s (time-sliced), unprepare a,
-/// prepare c, prepare t (time-sliced), unprepare t.
+/// prepare c, prepare t (time-sliced), unprepare t, then shares of one GPU: prepare p, prepare
+/// q, unprepare p (q keeps the GPU's MPS daemon).
 async fn script(c: &ClaimController<Shared, ScriptedHardware>) {
     let _ = c.prepare(vec![claim_ref("a", "ua")]).await;
     let _ = c.prepare(vec![claim_ref("b", "ub")]).await;
@@ -312,6 +319,9 @@ async fn script(c: &ClaimController<Shared, ScriptedHardware>) {
     let _ = c.prepare(vec![claim_ref("c", "uc")]).await;
     let _ = c.prepare(vec![claim_ref("t", "ut")]).await;
     let _ = c.unprepare(vec![claim_ref("t", "ut")]).await;
+    let _ = c.prepare(vec![claim_ref("p", "up")]).await;
+    let _ = c.prepare(vec![claim_ref("q", "uq")]).await;
+    let _ = c.unprepare(vec![claim_ref("p", "up")]).await;
 }
 
 fn time_slicing(interval: &str) -> serde_json::Value {
@@ -336,7 +346,41 @@ fn claims_cluster() -> Shared {
         claim("t", "ut", &[(DRIVER, NODE, dev(5))]),
         &[("FromClaim", time_slicing("Short"))],
     ));
+    let share = "00000000-0000-4000-8000-00000000000";
+    cluster.put(share_claim("p", "up", dev(6), &format!("{share}1"), "20Gi"));
+    cluster.put(share_claim("q", "uq", dev(6), &format!("{share}2"), "20Gi"));
     cluster
+}
+
+/// The MPS daemons under `mps` that answer (by directory name).
+async fn running_daemons(mps: &Path) -> Vec<String> {
+    let control = mps_control(mps);
+    let mut running = Vec::new();
+    for key in std::fs::read_dir(mps)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+    {
+        if control.is_running(&key).await {
+            running.push(key);
+        }
+    }
+    running.sort();
+    running
+}
+
+/// Stops every daemon under `mps` (the end of one simulated machine).
+async fn stop_daemons(mps: &Path) {
+    let control = mps_control(mps);
+    for key in std::fs::read_dir(mps)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+    {
+        control.stop(&key).await.expect("stopping a daemon");
+    }
 }
 
 /// Each GPU's compute time slice as the hardware was last told (GPUs never set are absent;
@@ -415,6 +459,7 @@ async fn restart(
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
     budget: Option<usize>,
+    mps: &Path,
 ) -> (
     Arc<CrashFs>,
     Option<ClaimController<Shared, ScriptedHardware>>,
@@ -422,7 +467,7 @@ async fn restart(
     let after = fs.after_power_cut(tear);
     after.0.lock().unwrap().budget = budget;
     let after = Arc::new(after);
-    let c = controller_reporting(after.clone(), cluster, hardware)
+    let c = controller_reporting(after.clone(), cluster, hardware, mps)
         .await
         .ok()
         .map(|(c, report)| {
@@ -443,13 +488,17 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
     let clean_fs = Arc::new(CrashFs::with_budget(None));
     let cluster = claims_cluster();
     let clean_hw = Arc::new(ScriptedHardware::default());
-    let clean = controller(clean_fs.clone(), &cluster, &clean_hw)
+    let clean_mps = tempfile::tempdir().expect("tempdir");
+    let clean = controller(clean_fs.clone(), &cluster, &clean_hw, clean_mps.path())
         .await
         .expect("start");
     script(&clean).await;
     let total_ops = clean_fs.ops();
     let final_claims = clean.prepared_claims().await;
-    assert_eq!(final_claims, ["ub", "uc", "us"]);
+    assert_eq!(final_claims, ["ub", "uc", "uq", "us"]);
+    let final_daemons = running_daemons(clean_mps.path()).await;
+    assert_eq!(final_daemons, [gpus()[6].raw.uuid.to_ascii_lowercase()]);
+    stop_daemons(clean_mps.path()).await;
     let mut final_specs = clean_fs.files(Path::new(CDI));
     final_specs.sort();
     let final_slices = time_slices(&clean_hw);
@@ -465,7 +514,9 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
         let fs = Arc::new(CrashFs::with_budget(Some(cut)));
         let cluster = claims_cluster();
         let hardware = Arc::new(ScriptedHardware::default());
-        if let Ok(c) = controller(fs.clone(), &cluster, &hardware).await {
+        let mps = tempfile::tempdir().expect("tempdir");
+        let mps = mps.path();
+        if let Ok(c) = controller(fs.clone(), &cluster, &hardware, mps).await {
             script(&c).await;
         }
         let tears: &[bool] = if fs.could_tear() {
@@ -476,7 +527,7 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
         };
         for &tear in tears {
             // How many operations an undisturbed recovery from here makes.
-            let (probe, _) = restart(&fs, tear, &cluster, &Arc::default(), None).await;
+            let (probe, _) = restart(&fs, tear, &cluster, &Arc::default(), None, mps).await;
             let recovery_ops = probe.ops();
             // Power returns; the recovery is cut at each of its operations (and at none):
             // after every such second cut, a third start must still recover and converge.
@@ -485,14 +536,14 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
                     calls: std::sync::Mutex::new(hardware.calls.lock().unwrap().clone()),
                     ..Default::default()
                 });
-                let (interrupted, c) = restart(&fs, tear, &cluster, &hardware, second).await;
+                let (interrupted, c) = restart(&fs, tear, &cluster, &hardware, second, mps).await;
                 let (after, c) = match (second, c) {
                     (None, Some(c)) => (interrupted, c),
                     (None, None) => panic!("cut {cut} (torn: {tear}): restart failed"),
                     (Some(_), _) => {
                         recovery_cuts += 1;
                         let (after, c) =
-                            restart(&interrupted, tear, &cluster, &hardware, None).await;
+                            restart(&interrupted, tear, &cluster, &hardware, None, mps).await;
                         let c = c.unwrap_or_else(|| {
                             panic!(
                                 "cut {cut} (torn: {tear}), then {second:?} into recovery: \
@@ -527,9 +578,16 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
                     final_slices,
                     "{at}: GPU time slices"
                 );
+                // The GPU's MPS daemon runs for q's share, and no other daemon.
+                assert_eq!(
+                    running_daemons(mps).await,
+                    final_daemons,
+                    "{at}: MPS daemons"
+                );
                 recovered += 1;
             }
         }
+        stop_daemons(mps).await;
     }
     eprintln!(
         "power cut at each of {total_ops} operations ({torn_cuts} of them also with a torn \

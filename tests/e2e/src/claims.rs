@@ -21,6 +21,22 @@ pub async fn allocated_claim(
     pool: &str,
     devices: &[String],
 ) -> Result<ResourceClaim, kube::Error> {
+    let results: Vec<_> = devices
+        .iter()
+        .map(|d| serde_json::json!({"request": "gpu", "driver": driver, "pool": pool, "device": d}))
+        .collect();
+    create_allocated(client, name, driver, devices.len(), results).await
+}
+
+/// Creates `default/<name>` with one request `gpu` for `count` devices of DeviceClass `driver`
+/// and writes `results` as its allocation.
+async fn create_allocated(
+    client: &kube::Client,
+    name: &str,
+    driver: &str,
+    count: usize,
+    results: Vec<serde_json::Value>,
+) -> Result<ResourceClaim, kube::Error> {
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let claim = ResourceClaim {
         metadata: ObjectMeta {
@@ -33,7 +49,7 @@ pub async fn allocated_claim(
                     name: "gpu".into(),
                     exactly: Some(ExactDeviceRequest {
                         device_class_name: driver.into(),
-                        count: Some(i64::try_from(devices.len()).unwrap_or(1)),
+                        count: Some(i64::try_from(count).unwrap_or(1)),
                         allocation_mode: Some("ExactCount".into()),
                         ..Default::default()
                     }),
@@ -45,13 +61,30 @@ pub async fn allocated_claim(
         ..Default::default()
     };
     api.create(&PostParams::default(), &claim).await?;
-    let results: Vec<_> = devices
-        .iter()
-        .map(|d| serde_json::json!({"request": "gpu", "driver": driver, "pool": pool, "device": d}))
-        .collect();
     let status = serde_json::json!({"status": {"allocation": {"devices": {"results": results}}}});
     api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
         .await
+}
+
+/// [`allocated_claim`] for one share of `device` (consumable capacity): its result carries
+/// `share_id` (a UUID) and `consumedCapacity` `memory` (a quantity, e.g. `20Gi`), as the scheduler
+/// writes them for a device with `allowMultipleAllocations`.
+///
+/// # Errors
+/// The API error, when the create or the status write is refused.
+pub async fn allocated_share(
+    client: &kube::Client,
+    name: &str,
+    driver: &str,
+    pool: &str,
+    device: &str,
+    share_id: &str,
+    memory: &str,
+) -> Result<ResourceClaim, kube::Error> {
+    let result = serde_json::json!({"request": "gpu", "driver": driver, "pool": pool,
+        "device": device, "shareID": share_id,
+        "consumedCapacity": {"memory": memory, "computePercent": "0"}});
+    create_allocated(client, name, driver, 1, vec![result]).await
 }
 
 /// The claim's allocation results (`status.allocation.devices.results`); `None` while it is not

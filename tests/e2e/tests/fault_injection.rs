@@ -255,6 +255,222 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
     Ok(())
 }
 
+/// Runs per failpoint for shares.
+const SHARE_REPS: usize = 4;
+
+/// A UUID for share `n` (the API server wants `shareID` to be one).
+fn share_id(n: usize) -> String {
+    format!("00000000-0000-4000-8000-{n:012}")
+}
+
+/// The pids of the MPS daemons the fake tool logged starting in `log` (`start ... pid=<pid>`).
+fn daemon_starts(log: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("start "))
+        .filter_map(|l| l.rsplit_once("pid=").map(|(_, pid)| pid.to_owned()))
+        .collect()
+}
+
+/// Several shares of one GPU (fractional GPUs): two bystander shares stay prepared while a
+/// third share's prepare or unprepare is SIGKILLed at every step and the kubelet's call repeated.
+/// Every run must end with the bystanders' answers unchanged, their GPU's MPS daemon the very
+/// process started for the first of them (never stopped or restarted under them), the third
+/// share prepared once or cleanly gone, and no stray files. The last share's unprepare then stops
+/// the daemon.
+#[tokio::test]
+async fn several_shares_of_one_gpu_survive_a_kill_at_every_step_of_another_share()
+-> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let client = cp.client().await?;
+    cp.register_node(NODE, &[]).await?;
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let host = Host(BinaryHost::new(
+        "drust-fault-shares-",
+        cp.kubeconfig_path(),
+        &topology,
+        DRIVER,
+        NODE,
+    )?);
+    let gpu = drust_e2e::plugin::fake_gpus(&topology).map_err(anyhow::Error::msg)?[0].clone();
+    let start = |fp: Option<&str>| -> anyhow::Result<PluginProcess> {
+        // The Host's start, with fractional GPUs and the fake MPS tool.
+        let _ = std::fs::remove_file(host.registration_socket());
+        let mut cmd = host.command(&host.root().join("plugin.log"), fp)?;
+        cmd.args(["--consumable-capacity", "true", "--mps-control-binary"])
+            .arg(drust_fakes::mps_control());
+        let started = Instant::now();
+        let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
+        while !host.registration_socket().exists() {
+            if let Some(status) = child.0.try_wait()? {
+                bail!("plugin exited at start: {status}; log: {}", host.log_tail());
+            }
+            ensure!(
+                started.elapsed() < Duration::from_secs(30),
+                "plugin not ready"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(child)
+    };
+    let mps = host
+        .root()
+        .join("mps")
+        .join(gpu.raw.uuid.to_ascii_lowercase());
+    let log = mps.join("log/control.log");
+
+    let mut bystanders = Vec::new();
+    for (i, name) in ["bystander-a", "bystander-b"].iter().enumerate() {
+        bystanders.push(
+            drust_e2e::claims::allocated_share(
+                &client,
+                name,
+                DRIVER,
+                NODE,
+                &gpu.name,
+                &share_id(i),
+                "20Gi",
+            )
+            .await?,
+        );
+    }
+    let child = start(None)?;
+    let (kubelet, _) = Kubelet::register(&host.registration_socket()).await?;
+    let refs: Vec<&_> = bystanders.iter().collect();
+    let answers = kubelet.prepare_v1(&refs).await?.claims;
+    for (uid, a) in &answers {
+        ensure!(a.error.is_empty(), "bystander {uid}: {}", a.error);
+        ensure!(
+            a.devices[0].share_id.is_some(),
+            "bystander {uid}: no shareID"
+        );
+    }
+    drop(kubelet);
+    stop(child).await?;
+    let daemon = daemon_starts(&log);
+    ensure!(
+        daemon.len() == 1,
+        "one daemon started for two shares: {daemon:?}"
+    );
+
+    let started = Instant::now();
+    let mut kills = 0;
+    let mut n = 10;
+    for fp in failpoint::ALL {
+        for rep in 0..SHARE_REPS {
+            n += 1;
+            let claim = drust_e2e::claims::allocated_share(
+                &client,
+                &format!("s{n}"),
+                DRIVER,
+                NODE,
+                &gpu.name,
+                &share_id(n),
+                "20Gi",
+            )
+            .await?;
+            let uid = claim.metadata.uid.clone().context("uid")?;
+            let ctx = || format!("share: {fp} run {rep}");
+            if fp.starts_with("prepare/") {
+                let child = start(Some(fp))?;
+                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let _ = k.prepare_v1(&[&claim]).await;
+                expect_killed(child, fp, Duration::from_secs(60)).await?;
+            } else {
+                let child = start(None)?;
+                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let r = k.prepare_v1(&[&claim]).await?;
+                ensure!(
+                    r.claims[&uid].error.is_empty(),
+                    "{}: {}",
+                    ctx(),
+                    r.claims[&uid].error
+                );
+                drop(k);
+                stop(child).await?;
+                let child = start(Some(fp))?;
+                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
+                let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
+                expect_killed(child, fp, Duration::from_secs(60)).await?;
+            }
+            kills += 1;
+
+            let child = start(None)?;
+            let (k, _) = Kubelet::register(&host.registration_socket()).await?;
+            if rep % 2 == 0 {
+                let r = k.prepare_v1(&[&claim]).await?;
+                let a = &r.claims[&uid];
+                ensure!(a.error.is_empty(), "{}: {}", ctx(), a.error);
+                ensure!(
+                    a.devices.len() == 1
+                        && a.devices[0].share_id.as_deref() == Some(share_id(n).as_str()),
+                    "{}: prepared {:?}",
+                    ctx(),
+                    a.devices
+                );
+                let again = k.prepare_v1(&[&claim]).await?;
+                ensure!(
+                    again.claims[&uid].devices == a.devices,
+                    "{}: answer changed",
+                    ctx()
+                );
+            }
+            let r = k.unprepare_v1(vec![v1_claim(&claim)]).await?;
+            ensure!(
+                r.claims[&uid].error.is_empty(),
+                "{}: {}",
+                ctx(),
+                r.claims[&uid].error
+            );
+
+            // The bystanders: recorded, answered as before, their daemon never disturbed.
+            let mut claims: Vec<String> = host.checkpoint_claims()?.into_keys().collect();
+            claims.sort();
+            let mut want: Vec<String> = answers.keys().cloned().collect();
+            want.sort();
+            ensure!(claims == want, "{}: checkpoint holds {claims:?}", ctx());
+            ensure!(
+                host.stray_files().is_empty(),
+                "{}: stray {:?}",
+                ctx(),
+                host.stray_files()
+            );
+            let b = k.prepare_v1(&refs).await?.claims;
+            ensure!(b == answers, "{}: bystanders changed: {b:?}", ctx());
+            ensure!(
+                daemon_starts(&log) == daemon,
+                "{}: the bystanders' daemon was restarted: {:?}",
+                ctx(),
+                daemon_starts(&log)
+            );
+            drop(k);
+            stop(child).await?;
+        }
+    }
+    eprintln!(
+        "fault injection (shares): {kills} SIGKILLs over {} failpoints in {:.1} s, the \
+         bystanders' MPS daemon (pid {daemon:?}) untouched",
+        failpoint::ALL.len(),
+        started.elapsed().as_secs_f64()
+    );
+
+    // The last share's unprepare stops the daemon.
+    let child = start(None)?;
+    let (k, _) = Kubelet::register(&host.registration_socket()).await?;
+    let claims: Vec<_> = bystanders.iter().map(v1_claim).collect();
+    let r = k.unprepare_v1(claims).await?;
+    ensure!(r.claims.values().all(|a| a.error.is_empty()), "{r:?}");
+    ensure!(
+        !mps.exists(),
+        "the daemon's directory outlived the last share"
+    );
+    drop(k);
+    stop(child).await?;
+    cp.stop().await?;
+    Ok(())
+}
+
 /// Forwards every connection accepted on `listener` to `upstream` (a stand-in for a network
 /// path to the API server that comes up late).
 async fn forward(listener: tokio::net::TcpListener, upstream: std::net::SocketAddr) {

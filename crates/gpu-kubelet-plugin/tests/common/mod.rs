@@ -22,6 +22,7 @@ use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
     DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimStatus,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 
@@ -208,6 +209,34 @@ pub fn claim_with_admin(
         }),
         ..Default::default()
     }
+}
+
+/// A claim holding one share of `device` (consumable capacity): `shareID` `share_id` and
+/// `consumedCapacity` memory `memory` (e.g. `20Gi`), compute 0.
+#[allow(dead_code)] // not every test binary uses it
+pub fn share_claim(
+    name: &str,
+    uid: &str,
+    device: &str,
+    share_id: &str,
+    memory: &str,
+) -> ResourceClaim {
+    let mut c = claim(name, uid, &[(DRIVER, NODE, device)]);
+    if let Some(r) = c
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .and_then(|d| d.results.as_mut())
+        .and_then(|r| r.first_mut())
+    {
+        r.share_id = Some(share_id.into());
+        r.consumed_capacity = Some(std::collections::BTreeMap::from([
+            ("memory".to_owned(), Quantity(memory.into())),
+            ("computePercent".to_owned(), Quantity("0".into())),
+        ]));
+    }
+    c
 }
 
 pub fn claim_ref(name: &str, uid: &str) -> ClaimRef {
