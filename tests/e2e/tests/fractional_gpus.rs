@@ -11,7 +11,8 @@
 //! exclusive whole-GPU claims take the six others and never land next to a share; with every GPU
 //! full a share stays Pending with the scheduler's reason; unpreparing and deleting one share
 //! keeps the daemon for the other three, and the pending claim takes the freed share; the last
-//! share's unprepare stops the daemon. Then the two examples of `examples/fractional-gpus`, as
+//! share's unprepare stops the daemon. A health taint on the GPU keeps new shares off it while
+//! its share stays prepared. Then the two examples of `examples/fractional-gpus`, as
 //! written, on this node and on a node with A100s.
 
 use std::collections::BTreeSet;
@@ -156,6 +157,27 @@ fn cdi_env(cdi_root: &Path, claim: &ResourceClaim) -> anyhow::Result<Vec<String>
             .filter_map(|v| v.as_str().map(str::to_owned)),
     );
     Ok(env)
+}
+
+/// Whether `device` of our pool carries our health taint in the newest slices.
+async fn tainted(slices: &Api<ResourceSlice>, device: &str) -> Result<bool, String> {
+    let list = slices
+        .list(&ListParams::default().fields(&format!("spec.nodeName={NODE}")))
+        .await
+        .map_err(|e| e.to_string())?;
+    let newest = list.items.iter().map(|s| s.spec.pool.generation).max();
+    Ok(list
+        .items
+        .iter()
+        .filter(|s| Some(s.spec.pool.generation) == newest)
+        .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+        .any(|d| {
+            d.name == device
+                && d.taints
+                    .iter()
+                    .flatten()
+                    .any(|t| t.key == "gpu.drust.dev/unhealthy")
+        }))
 }
 
 /// The MPS daemon directories under the plugin's MPS root.
@@ -410,6 +432,47 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
             .any(|e| e == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M"),
         "llm-7b: {env:?}"
     );
+
+    // A health taint on the GPU covers its shares: a new share stays off it (every other GPU
+    // is full, so it waits) while llm-7b stays prepared; recovery lets the share in.
+    let uuid = drust_e2e::plugin::fake_gpus(&topology)
+        .map_err(anyhow::Error::msg)?
+        .into_iter()
+        .find(|g| g.name == gpu0)
+        .context("gpu0 in the topology")?
+        .raw
+        .uuid;
+    let event = |kind| gpu_inventory::HealthEvent {
+        gpu_uuid: uuid.clone(),
+        kind,
+    };
+    plugin.inject_health_event(1, &event(gpu_inventory::HealthEventKind::Xid { code: 94 }))?;
+    until("the GPU's taint", TIMEOUT, || async {
+        Ok(tainted(&slices, &gpu0).await?.then_some(()))
+    })
+    .await?;
+    apply_yaml(
+        &client,
+        &pod_with_claim("after-fault", "gpu-share.drust.dev", Some("20G")),
+        Path::new("after-fault"),
+    )
+    .await?;
+    let (_, message) = drust_e2e::pods::unschedulable(&pods, "after-fault", TIMEOUT).await?;
+    ensure!(
+        message.contains("cannot allocate all claims"),
+        "after-fault: {message}"
+    );
+    ensure!(
+        prepare(&kubelet, &claim).await?.is_some(),
+        "llm-7b stays prepared on the tainted GPU"
+    );
+    plugin.inject_health_event(2, &event(gpu_inventory::HealthEventKind::Recovered))?;
+    let (_, after) =
+        drust_e2e::pods::bound_with_claim(&pods, &claims, "after-fault", TIMEOUT).await?;
+    let r = allocation_results(&after)
+        .and_then(|r| r.first())
+        .context("after-fault not allocated")?;
+    ensure!(r.device == gpu0, "after-fault on {}", r.device);
     plugin.stop().await?;
 
     // The example "a quarter of an A100 80GB" on a node with A100s and L4s.
