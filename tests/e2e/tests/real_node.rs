@@ -10,7 +10,8 @@
 //! - CUDA without the NVIDIA runtime: the CDI spec alone gives the container the driver's files
 //!   (fake driver root) and runs the hooks (a recording stand-in);
 //! - time-slicing, existing MIG and dynamic MIG pods run with their devices;
-//! - an XID shows in the running pod's `allocatedResourcesStatus`, and recovery clears it.
+//! - an XID shows in the running pod's `allocatedResourcesStatus`, and recovery clears it;
+//! - fractional GPUs: two shares of one GPU, each container with its own MPS limits, one daemon.
 //!
 //! The Helm chart's DaemonSet on the same kind of node (plugin image, probes, rolling update)
 //! is `real_node_chart.rs`.
@@ -931,6 +932,155 @@ async fn claims_written_for_nvidias_driver_run_on_the_real_node() -> anyhow::Res
             && parent(&migs[0]) == parent(&migs[1]),
         "MIG pair containers saw {migs:?}"
     );
+    real.stop().await
+}
+
+/// Fractional GPUs on the real node (issue 17): the plugin publishes with
+/// `--consumable-capacity`; two pods with their own claims, a quarter share (20 GB, 25% compute)
+/// and a plain 20 GB share, land on one GPU. Each container sees its own limits in its
+/// environment and connects to the GPU's one MPS daemon (the fake tool from the driver root
+/// stands for a CUDA client), whose log shows each client with its own limits.
+#[tokio::test]
+async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> anyhow::Result<()> {
+    const VERSION: &str = "570.124.06";
+    let real = RealNode::start_as(
+        "examples/topologies/dgx-h100.yaml",
+        "drust-real-node-shares-",
+        Some(VERSION),
+        DRIVER,
+        &[
+            "--consumable-capacity",
+            "true",
+            "--mps-control-binary",
+            drust_fakes::mps_control().to_str().context("utf-8 path")?,
+        ],
+    )
+    .await?;
+    // Containers reach the MPS tool through the driver root, as CUDA images do.
+    std::fs::copy(
+        drust_fakes::mps_control(),
+        real.host
+            .driver_root()
+            .join("usr/bin/nvidia-cuda-mps-control"),
+    )?;
+    apply_file(
+        &real.client,
+        &repo_path("deploy/deviceclasses/gpu-share.yaml"),
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    // What the container sees, then a client connected to the daemon; `stay` keeps it running.
+    let pod = |name: &str, compute: Option<&str>, stay: bool| {
+        let mut requests = serde_json::json!({"memory": "20G"});
+        if let Some(c) = compute {
+            requests["computePercent"] = c.into();
+        }
+        let script = format!(
+            "{{ env | grep -E '^(CUDA_MPS|DRUST)_' | sort | sed 's/^/env /'; }} > \
+             /dev/termination-log; (echo fake_client_attach | /usr/bin/nvidia-cuda-mps-control) \
+             & sleep {}; exit 0",
+            if stay { 600 } else { 2 }
+        );
+        let yaml = format!(
+            r"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: {name}, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly:
+            deviceClassName: gpu-share.drust.dev
+            capacity: {{requests: {requests}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: default}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: cuda
+      image: {WORKLOAD_IMAGE}
+      imagePullPolicy: Never
+      command: [/bin/sh, -c, {script}]
+      resources: {{claims: [{{name: gpu}}]}}
+  resourceClaims:
+    - {{name: gpu, resourceClaimTemplateName: {name}}}
+",
+            script = serde_json::to_string(&script).unwrap_or_default()
+        );
+        yaml
+    };
+    apply_yaml(
+        &real.client,
+        &pod("quarter", Some("25"), true),
+        &real.host.root().join("quarter.yaml"),
+    )
+    .await?;
+    wait_running(&pods, "quarter", &real.node).await?;
+    apply_yaml(
+        &real.client,
+        &pod("plain", None, false),
+        &real.host.root().join("plain.yaml"),
+    )
+    .await?;
+    let done = wait_pod_done(&pods, "plain", &real.node).await?;
+    ensure!(succeeded(&done), "plain failed: {:?}", done.status);
+    let (_, env) = seen(&terminated_message(&done, "cuda").unwrap_or_default());
+    ensure!(
+        env.iter()
+            .any(|e| e == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=19456M")
+            && env
+                .iter()
+                .any(|e| e == "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps")
+            && !env
+                .iter()
+                .any(|e| e.starts_with("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")),
+        "the plain share's container saw {env:?}"
+    );
+    // Both on one GPU, under its one daemon, each client with its own limits.
+    let gpu = env
+        .iter()
+        .find_map(|e| e.strip_prefix(gpu_kubelet_plugin::claims::DEVICE_ENV_PREFIX))
+        .and_then(|e| e.split_once('='))
+        .map(|(_, uuid)| uuid.to_ascii_lowercase())
+        .with_context(|| format!("the GPU's variable in {env:?}"))?;
+    let daemons: Vec<String> = std::fs::read_dir(real.host.root().join("mps"))?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    ensure!(
+        daemons == [gpu.clone()],
+        "MPS daemons {daemons:?}, want the GPU's {gpu}"
+    );
+    let log = std::fs::read_to_string(
+        real.host
+            .root()
+            .join("mps")
+            .join(&gpu)
+            .join("log/control.log"),
+    )?;
+    for want in [
+        "client attached pinned=0=19456M threads=25",
+        "client attached pinned=0=19456M threads=-",
+    ] {
+        ensure!(
+            log.contains(want),
+            "the daemon's log lacks {want:?}:\n{log}"
+        );
+    }
+    // The plain share is gone (its pod finished): the quarter keeps the daemon.
+    ensure!(
+        real.host.root().join("mps").join(&gpu).exists(),
+        "the daemon stopped while the quarter share runs"
+    );
+    pods.delete("quarter", &DeleteParams::default()).await?;
+    drust_e2e::wait::until("the last share's daemon stopped", TIMEOUT, || async {
+        Ok((!real.host.root().join("mps").join(&gpu).exists()).then_some(()))
+    })
+    .await?;
     real.stop().await
 }
 

@@ -18,7 +18,10 @@
 //! `get_default_device_pinned_mem_limit DEV`, `quit`. One command only the fake knows,
 //! `fake_client_attach`, stands for a CUDA client connected to the daemon: the daemon keeps the
 //! connection open and writes `attached <daemon pid> <n>` every 200 ms until the client goes;
-//! the client prints those lines and returns when the daemon is gone.
+//! the client prints those lines and returns when the daemon is gone. The client sends the
+//! per-client limits of its environment with it, as a CUDA client brings them to its server
+//! (`pinned=<CUDA_MPS_PINNED_DEVICE_MEM_LIMIT> threads=<CUDA_MPS_ACTIVE_THREAD_PERCENTAGE>`,
+//! `-` when unset), and the daemon logs them: `client attached pinned=0=20480M threads=25`.
 //!
 //! The daemon records `CUDA_VISIBLE_DEVICES`, its pid and every command in
 //! `$CUDA_MPS_LOG_DIRECTORY/control.log`. Test knobs: `FAKE_MPS_START_DELAY_SECONDS` delays
@@ -182,7 +185,7 @@ fn serve(daemon: &Daemon, mut conn: UnixStream) {
                     .cloned()
                     .unwrap_or_else(|| "0".into()),
             ),
-            ("fake_client_attach", []) => return attached(daemon, conn),
+            ("fake_client_attach", limits) => return attached(daemon, conn, &limits.join(" ")),
             ("quit", []) => quit = true,
             _ => out.push(format!("unknown command: {line}")),
         }
@@ -196,8 +199,8 @@ fn serve(daemon: &Daemon, mut conn: UnixStream) {
 }
 
 /// A connected client: a line every 200 ms until it goes away.
-fn attached(daemon: &Daemon, mut conn: UnixStream) {
-    daemon.log("client attached");
+fn attached(daemon: &Daemon, mut conn: UnixStream, limits: &str) {
+    daemon.log(&format!("client attached {limits}").trim_end().to_owned());
     for n in 0u64.. {
         let line = format!("attached {} {n}\n", std::process::id());
         if conn.write_all(line.as_bytes()).is_err() {
@@ -216,6 +219,14 @@ fn client() -> Result<(), String> {
     std::io::stdin()
         .read_to_string(&mut commands)
         .map_err(|e| format!("stdin: {e}"))?;
+    if commands.trim() == "fake_client_attach" {
+        let var = |name: &str| std::env::var(name).unwrap_or_else(|_| "-".into());
+        commands = format!(
+            "fake_client_attach pinned={} threads={}",
+            var("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+            var("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+        );
+    }
     conn.write_all(format!("{}\n", commands.trim()).as_bytes())
         .and_then(|()| conn.shutdown(std::net::Shutdown::Write))
         .map_err(|e| format!("{}: {e}", control.display()))?;
