@@ -7,6 +7,12 @@
 //! latency counts, including the API-server read of the claim and every fsync. The two plugins
 //! take turns iteration by iteration (which goes first alternates).
 //!
+//! Fractional GPUs (drust only: the peer has no shares): drust runs with
+//! `--consumable-capacity` and the fake MPS tool, and each round also prepares and unprepares a
+//! share of one GPU alone (its prepare starts the GPU's MPS daemon, its unprepare stops it) and a
+//! share beside another share of that GPU (the daemon already runs), printed next to the whole
+//! GPU of the same round.
+//!
 //! `cargo run --release -p drust-e2e --bin bench_prepare -- [--iterations N]`
 
 use std::path::{Path, PathBuf};
@@ -189,6 +195,61 @@ impl Bench {
     }
 }
 
+/// Shares of one GPU on drust: a share alone, and one beside a second share.
+struct Shares {
+    alone: ResourceClaim,
+    beside: ResourceClaim,
+    other: ResourceClaim,
+    kubelet: Kubelet,
+    samples: [Samples; 2],
+}
+
+impl Shares {
+    async fn new(client: &kube::Client, plugin: &Plugin, device: &str) -> anyhow::Result<Self> {
+        let d = &plugin.driver;
+        let mut claims = Vec::new();
+        for (n, name) in ["share-alone", "share-beside", "share-other"]
+            .iter()
+            .enumerate()
+        {
+            let id = format!("00000000-0000-4000-8000-{n:012}");
+            claims.push(
+                drust_e2e::claims::allocated_share(client, name, d, NODE, device, &id, "20Gi")
+                    .await?,
+            );
+        }
+        let [alone, beside, other]: [ResourceClaim; 3] = claims
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("three share claims"))?;
+        Ok(Self {
+            alone,
+            beside,
+            other,
+            kubelet: Kubelet::register(&plugin.registration).await?.0,
+            samples: Default::default(),
+        })
+    }
+
+    async fn round(&mut self, keep: bool) -> anyhow::Result<()> {
+        let k = &self.kubelet;
+        let p = call_prepare(k, &[&self.alone]).await?;
+        let u = call_unprepare(k, &[&self.alone]).await?;
+        if keep {
+            self.samples[0].prepare.push(p);
+            self.samples[0].unprepare.push(u);
+        }
+        call_prepare(k, &[&self.other]).await?;
+        let p = call_prepare(k, &[&self.beside]).await?;
+        let u = call_unprepare(k, &[&self.beside]).await?;
+        call_unprepare(k, &[&self.other]).await?;
+        if keep {
+            self.samples[1].prepare.push(p);
+            self.samples[1].unprepare.push(u);
+        }
+        Ok(())
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut iterations = 100;
@@ -231,6 +292,10 @@ async fn main() -> anyhow::Result<()> {
         .arg(dir.path())
         .arg("--boot-id-file")
         .arg(dir.path().join("boot_id"))
+        .args(["--consumable-capacity", "true", "--mps-control-binary"])
+        .arg(drust_fakes::mps_control())
+        .arg("--mps-root")
+        .arg(dir.path().join("ours/mps"))
         .env("RUST_LOG", "warn");
     let ours = spawn(
         cmd,
@@ -267,6 +332,7 @@ async fn main() -> anyhow::Result<()> {
     // machine state (page cache, other load) over the run. Round 0 warms up and is not kept.
     let mut ours_bench = Bench::new(&client, &ours, &names).await?;
     let mut peer_bench = Bench::new(&client, &peer, &names).await?;
+    let mut shares = Shares::new(&client, &ours, &names[0]).await?;
     for round in 0..=iterations {
         let keep = round > 0;
         if round % 2 == 0 {
@@ -276,6 +342,7 @@ async fn main() -> anyhow::Result<()> {
             peer_bench.round(keep).await?;
             ours_bench.round(keep).await?;
         }
+        shares.round(keep).await?;
     }
     let (ours_samples, peer_samples) = (ours_bench.samples, peer_bench.samples);
 
@@ -309,6 +376,32 @@ async fn main() -> anyhow::Result<()> {
                 percentile(&p, 0.99) / percentile(&o, 0.99)
             );
         }
+    }
+    println!(
+        "\n| drust, one GPU | prepare p50 ms | prepare p99 ms | unprepare p50 ms | unprepare p99 ms |"
+    );
+    println!("|---|---|---|---|---|");
+    for (name, s) in [
+        ("whole GPU", &ours_samples[0]),
+        (
+            "a share alone (starts, stops the daemon)",
+            &shares.samples[0],
+        ),
+        (
+            "a share beside another (daemon running)",
+            &shares.samples[1],
+        ),
+    ] {
+        let (mut p, mut u) = (s.prepare.clone(), s.unprepare.clone());
+        p.sort();
+        u.sort();
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            percentile(&p, 0.5),
+            percentile(&p, 0.99),
+            percentile(&u, 0.5),
+            percentile(&u, 0.99)
+        );
     }
     let mut eight = ours_samples[1].prepare.clone();
     eight.sort();
