@@ -562,7 +562,7 @@ impl Lint<'_> {
             "unsatisfiable",
             format!(
                 "no known topology can satisfy this claim: it fits on none of the {} fake \
-                 machines of examples/topologies in either MIG strategy{reason}",
+                 machines of examples/topologies as the plugin publishes them (either MIG strategy, or shares){reason}",
                 TOPOLOGIES.len()
             ),
         );
