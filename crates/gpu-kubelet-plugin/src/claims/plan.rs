@@ -158,16 +158,19 @@ pub(crate) fn plan(
         })?;
     for (index, (d, s)) in devices.iter_mut().zip(sharing).enumerate() {
         // A share's limits come from its allocation; a sharing config would be a second,
-        // conflicting source (time-slicing and MPS settings are per GPU, not per share).
-        if d.share.is_some() && s.is_some() {
+        // conflicting source (time-slicing and MPS settings are per GPU, not per share). An
+        // allocation holding the whole device (a request without capacity on a shareable
+        // device) is exclusive and takes sharing configs as on any other device.
+        if d.share.as_ref().is_some_and(RecordedShare::uses_mps) && s.is_some() {
             return Err(ClaimError::Share {
                 claim: claim.clone(),
                 index,
                 device: d.device_name.clone(),
-                problem: "shareID is set (a share of a device, limited by its consumedCapacity), \
-                          but a sharing config (TimeSlicing or MPS) also applies to it: \
-                          remove the config, a share's memory and compute come from its \
-                          capacity requests"
+                problem: "shareID is set and consumedCapacity is less than the whole device (a \
+                          share, limited by its consumedCapacity), but a sharing config \
+                          (TimeSlicing or MPS) also applies to it: remove the config (a \
+                          share's memory and compute come from its capacity requests), or \
+                          request the whole device"
                     .into(),
             });
         }

@@ -1,0 +1,229 @@
+//! Shares of a device (consumable capacity) in the claim controller, against an in-memory cluster
+//! and the fake MPS tool: what each share's CDI device gets, when the GPU's daemon runs, and the
+//! allocations a share cannot be prepared from, each refused naming the result and field. The
+//! scheduler's side and the real node are in tests/e2e (`fractional_gpus.rs`, `real_node.rs`).
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use dra_kubelet::Driver;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+const SHARE: &str = "00000000-0000-4000-8000-0000000000";
+
+fn time_slicing() -> serde_json::Value {
+    serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}})
+}
+
+/// The environment of the claim's (first) CDI device.
+fn device_env(dir: &Path, uid: &str) -> Vec<String> {
+    let path = dir.join("cdi").join(format!("{DRIVER}-claim_{uid}.json"));
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("CDI spec")).expect("JSON");
+    spec["devices"][0]["containerEdits"]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_owned))
+        .collect()
+}
+
+fn daemons(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir.join("mps"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    v.sort();
+    v
+}
+
+async fn controller(
+    dir: &Path,
+    claims: Vec<ResourceClaim>,
+) -> gpu_kubelet_plugin::claims::ClaimController<Shared, ScriptedHardware> {
+    let cluster = Shared::default();
+    for c in claims {
+        cluster.put(c);
+    }
+    controller_in(dir, cluster, Arc::default()).await
+}
+
+#[tokio::test]
+async fn each_share_gets_its_limits_and_the_whole_gpu_gets_none_and_keeps_its_configs() {
+    let dir = tempfile::tempdir().unwrap();
+    let gpu = gpus()[0].clone();
+    let mut quarter = share_claim("quarter", "uq", dev(0), &format!("{SHARE}01"), "20Gi");
+    if let Some(r) = quarter
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .and_then(|d| d.results.as_mut())
+        .and_then(|r| r.first_mut())
+        && let Some(c) = r.consumed_capacity.as_mut()
+    {
+        c.insert(
+            "computePercent".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("25".into()),
+        );
+    }
+    let plain = share_claim("plain", "up", dev(0), &format!("{SHARE}02"), "10Gi");
+    // A request without capacity on a shareable H100: the whole memory (79 GiB), and a
+    // time-slicing config as on any exclusive GPU.
+    let whole = with_configs(
+        share_claim("whole", "uw", dev(1), &format!("{SHARE}03"), "79Gi"),
+        &[("FromClaim", time_slicing())],
+    );
+    let c = controller(dir.path(), vec![quarter, plain, whole]).await;
+    let r = c
+        .prepare(vec![
+            claim_ref("quarter", "uq"),
+            claim_ref("plain", "up"),
+            claim_ref("whole", "uw"),
+        ])
+        .await;
+    for (uid, id) in [("uq", "01"), ("up", "02"), ("uw", "03")] {
+        let devices = r[uid].as_ref().unwrap_or_else(|e| panic!("{uid}: {e}"));
+        assert_eq!(
+            devices[0].share_id.as_deref(),
+            Some(format!("{SHARE}{id}").as_str())
+        );
+    }
+    let env = device_env(dir.path(), "uq");
+    for want in [
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+        "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps",
+    ] {
+        assert!(env.iter().any(|e| e == want), "{want} in {env:?}");
+    }
+    let env = device_env(dir.path(), "up");
+    assert!(
+        env.iter()
+            .any(|e| e == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M")
+    );
+    assert!(!env.iter().any(|e| e.starts_with("CUDA_MPS_ACTIVE_THREAD")));
+    let env = device_env(dir.path(), "uw");
+    assert!(!env.iter().any(|e| e.starts_with("CUDA_MPS")), "{env:?}");
+    // One daemon, the first GPU's; the whole GPU runs without one.
+    assert_eq!(daemons(dir.path()), [gpu.raw.uuid.to_ascii_lowercase()]);
+
+    // Unprepare one share: the daemon stays for the other; the last one stops it.
+    assert!(c.unprepare(vec![claim_ref("quarter", "uq")]).await["uq"].is_ok());
+    assert_eq!(daemons(dir.path()).len(), 1);
+    assert!(c.unprepare(vec![claim_ref("plain", "up")]).await["up"].is_ok());
+    assert!(daemons(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn allocations_a_share_cannot_be_prepared_from_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let configured = with_configs(
+        share_claim("configured", "u1", dev(0), &format!("{SHARE}01"), "20Gi"),
+        &[("FromClaim", time_slicing())],
+    );
+    let mut two_gpus = share_claim("two-gpus", "u2", dev(0), &format!("{SHARE}02"), "20Gi");
+    let mut two_of_one = share_claim("two-of-one", "u3", dev(0), &format!("{SHARE}03"), "20Gi");
+    for (claim, second) in [(&mut two_gpus, dev(1)), (&mut two_of_one, dev(0))] {
+        let results = claim
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+            .unwrap();
+        let mut more = results[0].clone();
+        more.device = second.into();
+        more.share_id = Some(format!("{SHARE}99"));
+        results.push(more);
+    }
+    let bad = share_claim("bad", "u4", dev(2), &format!("{SHARE}04"), "1.5Gi");
+    let c = controller(dir.path(), vec![configured, two_gpus, two_of_one, bad]).await;
+    let r = c
+        .prepare(vec![
+            claim_ref("configured", "u1"),
+            claim_ref("two-gpus", "u2"),
+            claim_ref("two-of-one", "u3"),
+            claim_ref("bad", "u4"),
+        ])
+        .await;
+    let err = |uid: &str| r[uid].as_ref().expect_err(uid).to_string();
+    let e = err("u1");
+    assert!(
+        e.contains("results[0]") && e.contains("sharing config"),
+        "{e}"
+    );
+    let e = err("u2");
+    assert!(
+        e.contains("results[1]") && e.contains("shares of one device only"),
+        "{e}"
+    );
+    let e = err("u3");
+    assert!(
+        e.contains("results[1]") && e.contains("at most one share of a device"),
+        "{e}"
+    );
+    let e = err("u4");
+    assert!(
+        e.contains("results[0]") && e.contains("consumedCapacity memory"),
+        "{e}"
+    );
+    // Nothing was left behind by the refusals.
+    assert!(c.prepared_claims().await.is_empty());
+    assert!(daemons(dir.path()).is_empty());
+}
+
+#[tokio::test]
+async fn a_restart_keeps_the_daemon_of_recorded_shares_and_stops_one_no_share_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = share_claim("a", "ua", dev(0), &format!("{SHARE}01"), "20Gi");
+    let b = share_claim("b", "ub", dev(3), &format!("{SHARE}02"), "20Gi");
+    let c = controller(dir.path(), vec![a.clone(), b.clone()]).await;
+    let r = c
+        .prepare(vec![claim_ref("a", "ua"), claim_ref("b", "ub")])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    assert_eq!(daemons(dir.path()).len(), 2);
+    drop(c);
+    // Claim b's record is lost (a state the plugin itself never leaves, standing for a daemon
+    // no share needs); a's daemon must survive the restart, b's GPU's daemon is an orphan.
+    let path = dir
+        .path()
+        .join("cdi")
+        .join(format!("{DRIVER}-claim_ub.json"));
+    std::fs::remove_file(path).unwrap();
+    let checkpoint = gpu_kubelet_plugin::checkpoint::CheckpointFile::new(
+        Arc::new(gpu_kubelet_plugin::storage::RealFs),
+        dir.path().join("plugin/checkpoint.json"),
+    );
+    let mut state = checkpoint.load().unwrap().unwrap();
+    state.claims.remove("ub");
+    checkpoint.store(&state).unwrap();
+    drop(checkpoint);
+    let keep = gpus()[0].raw.uuid.to_ascii_lowercase();
+    let control = mps_control(&dir.path().join("mps"));
+    let pid_before =
+        std::fs::read_to_string(dir.path().join("mps").join(&keep).join("log/control.log"))
+            .unwrap();
+    let c = controller(dir.path(), vec![a, b]).await;
+    assert_eq!(daemons(dir.path()), std::slice::from_ref(&keep));
+    assert!(control.is_running(&keep).await);
+    let log = std::fs::read_to_string(dir.path().join("mps").join(&keep).join("log/control.log"))
+        .unwrap();
+    assert_eq!(
+        log.lines().filter(|l| l.starts_with("start ")).count(),
+        pid_before
+            .lines()
+            .filter(|l| l.starts_with("start "))
+            .count(),
+        "the daemon of a's share was not restarted: {log}"
+    );
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    assert!(daemons(dir.path()).is_empty());
+}
