@@ -7,7 +7,9 @@
 //! one workload pod runs and another is being created: no prepare fails, no pod restarts, and
 //! the new instance unprepares what the old one prepared. A claim shared through MPS keeps its
 //! control daemon (its own Pod, created by the plugin) and a connected client across the rolling
-//! update, and the new instance stops the daemon at unprepare.
+//! update, and the new instance stops the daemon at unprepare. The chart runs with fractional GPUs
+//! on: the whole-GPU and MPS claims keep working on shareable GPUs, and a share of one GPU keeps
+//! its GPU's daemon (its own Pod) and its connected client across the rolling update as well.
 //!
 //! The test node runs no kube-proxy, so the `kubernetes` Service's ClusterIP does not route:
 //! the plugin pod reaches the API server at the machine's address through the chart's
@@ -148,11 +150,11 @@ fn mps_claim() -> anyhow::Result<ResourceClaim> {
 /// tool (from the driver root, through the claim's CDI spec) sends `fake_client_attach` and
 /// prints `attached <daemon pid> <n>` every 200 ms while the daemon serves it. When the daemon
 /// goes, the container fails: the pod can only stay Running with a live daemon.
-fn mps_client_pod() -> anyhow::Result<Pod> {
+fn mps_client_pod(name: &str, claim: serde_json::Value) -> anyhow::Result<Pod> {
     Ok(serde_json::from_value(serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "mps-client", "namespace": "default"},
+        "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 2,
@@ -165,14 +167,27 @@ fn mps_client_pod() -> anyhow::Result<Pod> {
                     echo lost the MPS daemon > /dev/termination-log; exit 1"],
                 "resources": {"claims": [{"name": "gpu"}]},
             }],
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": "mps-gpu"}],
+            "resourceClaims": [claim],
         },
     }))?)
 }
 
-/// `(daemon pid, n)` of each `attached` line the MPS client has printed so far.
-fn attached(node: &Node) -> Vec<(u32, u64)> {
-    node.pod_logs("default", "mps-client", 100_000)
+/// A share of one GPU (fractional GPUs): 20 GB of the chart's share class.
+fn share_template() -> anyhow::Result<k8s_openapi::api::resource::v1::ResourceClaimTemplate> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "share-20g", "namespace": "default"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpu-share.drust.dev",
+            "capacity": {"requests": {"memory": "20G"}},
+        }}]}}},
+    }))?)
+}
+
+/// `(daemon pid, n)` of each `attached` line the MPS client `pod` has printed so far.
+fn attached(node: &Node, pod: &str) -> Vec<(u32, u64)> {
+    node.pod_logs("default", pod, 100_000)
         .lines()
         .filter_map(|l| {
             let mut words = l.split(" attached ").nth(1)?.split_whitespace();
@@ -181,19 +196,20 @@ fn attached(node: &Node) -> Vec<(u32, u64)> {
         .collect()
 }
 
-/// Waits until the MPS client has printed a line after `after` (`n`), returning the last one.
-async fn attached_after(node: &Node, after: Option<u64>) -> anyhow::Result<(u32, u64)> {
+/// Waits until the MPS client `pod` has printed a line after `after` (`n`), returning the last
+/// one.
+async fn attached_after(node: &Node, pod: &str, after: Option<u64>) -> anyhow::Result<(u32, u64)> {
     let start = Instant::now();
     loop {
-        if let Some(&last) = attached(node).last()
+        if let Some(&last) = attached(node, pod).last()
             && after.is_none_or(|n| last.1 > n)
         {
             return Ok(last);
         }
         ensure!(
             start.elapsed() < TIMEOUT,
-            "the MPS client printed nothing new after {after:?}\n{}\n{}",
-            node.pod_logs("default", "mps-client", 20),
+            "the MPS client {pod} printed nothing new after {after:?}\n{}\n{}",
+            node.pod_logs("default", pod, 20),
             node.pod_logs(NAMESPACE, "mps-control-daemon", 20)
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -267,6 +283,8 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         format!("host.driverRoot={}", driver_root.display()),
         format!("host.devRoot={}", host.root().display()),
         format!("host.mpsRoot={}", host.root().join("mps").display()),
+        // Fractional GPUs on: whole-GPU claims, the MPS claim and a share side by side.
+        "features.consumableCapacity=true".to_owned(),
         // A daemon Pod's start is part of a prepare: give this 2-core machine's kubelet room.
         format!(
             "extraArgs={{--fake-topology={},--claim-timeout-seconds=40,--mps-start-timeout-seconds=30}}",
@@ -337,10 +355,16 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     claims.create(&PostParams::default(), &mps_claim()?).await?;
     let mps_started = Instant::now();
-    pods.create(&PostParams::default(), &mps_client_pod()?)
-        .await?;
+    pods.create(
+        &PostParams::default(),
+        &mps_client_pod(
+            "mps-client",
+            serde_json::json!({"name": "gpu", "resourceClaimName": "mps-gpu"}),
+        )?,
+    )
+    .await?;
     wait_running(&pods, "mps-client", &node).await?;
-    let (daemon_pid, _) = attached_after(&node, None).await?;
+    let (daemon_pid, _) = attached_after(&node, "mps-client", None).await?;
     eprintln!(
         "MPS claim: daemon pod started, client attached: {} ms",
         mps_started.elapsed().as_millis()
@@ -360,6 +384,43 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         .join("mps")
         .join(&mps_uid)
         .join("log/control.log");
+
+    // Fractional GPUs: a share of one GPU (its own claim from a template of the chart's share
+    // class) connected to the GPU's MPS daemon, which runs in its own Pod too.
+    let templates: Api<k8s_openapi::api::resource::v1::ResourceClaimTemplate> =
+        Api::namespaced(client.clone(), "default");
+    templates
+        .create(&PostParams::default(), &share_template()?)
+        .await?;
+    pods.create(
+        &PostParams::default(),
+        &mps_client_pod(
+            "share-client",
+            serde_json::json!({"name": "gpu", "resourceClaimTemplateName": "share-20g"}),
+        )?,
+    )
+    .await?;
+    wait_running(&pods, "share-client", &node).await?;
+    let (share_daemon_pid, _) = attached_after(&node, "share-client", None).await?;
+    let (_, share_claim) =
+        drust_e2e::pods::bound_with_claim(&pods, &claims, "share-client", TIMEOUT).await?;
+    let share_device = drust_e2e::claims::allocation_results(&share_claim)
+        .and_then(|r| r.first())
+        .filter(|r| r.share_id.is_some())
+        .map(|r| r.device.clone())
+        .context("the share client's claim holds a share")?;
+    let share_key = drust_e2e::plugin::fake_gpus(&topology)
+        .map_err(anyhow::Error::msg)?
+        .into_iter()
+        .find(|g| g.name == share_device)
+        .context("the share's GPU")?
+        .raw
+        .uuid
+        .to_ascii_lowercase();
+    let share_daemon = system_pods
+        .get(&format!("mps-control-daemon-{share_key}"))
+        .await
+        .context("the GPU's MPS daemon runs in its own Pod")?;
 
     // Rolling update: a pod holds a GPU, another is created while `helm upgrade` moves the
     // DaemonSet to v2 (surge: the new pod registers beside the old one, then the old one hands
@@ -433,7 +494,10 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
 
     // The MPS client never lost its daemon: the same daemon process still serves it, its pod
     // never restarted, and the new instance adopted it instead of starting another.
-    let (_, n_after_rollout) = attached(&node).last().copied().unwrap_or_default();
+    let (_, n_after_rollout) = attached(&node, "mps-client")
+        .last()
+        .copied()
+        .unwrap_or_default();
     let mps_client = pods.get("mps-client").await?;
     ensure!(
         mps_client.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"),
@@ -441,7 +505,7 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         mps_client.status,
         node.pod_logs("default", "mps-client", 10)
     );
-    let (pid, _) = attached_after(&node, Some(n_after_rollout)).await?;
+    let (pid, _) = attached_after(&node, "mps-client", Some(n_after_rollout)).await?;
     let daemon = daemon.context("the MPS daemon has no Pod of its own")?;
     ensure!(
         daemon.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(NODE),
@@ -467,12 +531,33 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         node.pod_logs("default", "mps-client", 10)
     );
 
+    // The share kept its GPU's daemon too: same process, same Pod, never restarted.
+    let (_, n) = attached(&node, "share-client")
+        .last()
+        .copied()
+        .unwrap_or_default();
+    let (pid, _) = attached_after(&node, "share-client", Some(n)).await?;
+    let share_daemon_after = system_pods
+        .get(&format!("mps-control-daemon-{share_key}"))
+        .await?;
+    let share_client = pods.get("share-client").await?;
+    ensure!(
+        pid == share_daemon_pid
+            && restarts(&share_client) == 0
+            && share_daemon_after.metadata.uid == share_daemon.metadata.uid
+            && restarts(&share_daemon_after) == 0,
+        "the share kept its GPU's daemon across the rolling update: pid {pid} (was \
+         {share_daemon_pid}), client {:?}, daemon {:?}",
+        share_client.status,
+        share_daemon_after.status
+    );
+
     // The new instance unprepares what the old one prepared.
     ensure!(
-        checkpointed_claims(&node)? == 3,
-        "all three claims checkpointed"
+        checkpointed_claims(&node)? == 4,
+        "all four claims checkpointed"
     );
-    for name in ["holder", "during", "mps-client"] {
+    for name in ["holder", "during", "mps-client", "share-client"] {
         pods.delete(name, &DeleteParams::default()).await?;
     }
     claims.delete("mps-gpu", &DeleteParams::default()).await?;
@@ -487,10 +572,16 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // The new instance stopped the MPS daemon it adopted: its Pod and directories are gone.
+    // The new instance stopped the MPS daemons it adopted (the claim's, and the GPU's with its
+    // last share): their Pods and directories are gone.
     ensure!(
         system_pods.get_opt(&daemon_name).await?.is_none()
-            && !host.root().join("mps").join(&mps_uid).exists(),
+            && !host.root().join("mps").join(&mps_uid).exists()
+            && system_pods
+                .get_opt(&format!("mps-control-daemon-{share_key}"))
+                .await?
+                .is_none()
+            && !host.root().join("mps").join(&share_key).exists(),
         "the MPS daemon outlived its claim\n{}",
         node.pod_logs(NAMESPACE, RELEASE, 40)
     );
