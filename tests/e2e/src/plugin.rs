@@ -143,8 +143,8 @@ impl NodePlugin {
             .registration_socket(&self.config.driver_name)
     }
 
-    /// Waits until the plugin serves its sockets and its slices are in the API server; returns
-    /// the slices.
+    /// Waits until the plugin serves its sockets and its pool is complete in the API server
+    /// (every slice of its newest generation); returns the slices.
     ///
     /// # Errors
     /// [`PluginError`] when the plugin exits or does not get there within `timeout`.
@@ -175,7 +175,19 @@ impl NodePlugin {
                 let slices = api.list(&params).await.map_err(|e| PluginError {
                     problem: format!("listing ResourceSlices: {e}"),
                 })?;
-                if !slices.items.is_empty() {
+                // Complete: every slice of the newest generation is there. A pool published in
+                // several slices (a counter set beside its devices) is created one slice at a
+                // time; a pod scheduled in between finds the pool incomplete.
+                let newest = slices.items.iter().map(|s| s.spec.pool.generation).max();
+                let current: Vec<_> = slices
+                    .items
+                    .iter()
+                    .filter(|s| Some(s.spec.pool.generation) == newest)
+                    .collect();
+                let complete = current.first().is_some_and(|s| {
+                    usize::try_from(s.spec.pool.resource_slice_count).ok() == Some(current.len())
+                });
+                if complete {
                     return Ok(slices.items);
                 }
             }

@@ -106,3 +106,65 @@ pub async fn unschedulable(
     )
     .await?)
 }
+
+/// What stands between `pod` and a node, for an error message: its conditions, its claims'
+/// allocation and reservations, and every pool's ResourceSlices (generation, slices published
+/// of the count announced, devices). Errors while looking are part of the text.
+pub async fn diagnose(client: &kube::Client, namespace: &str, pod: &str) -> String {
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    let mut out = Vec::new();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    match pods.get(pod).await {
+        Ok(p) => {
+            for c in p.status.and_then(|s| s.conditions).unwrap_or_default() {
+                out.push(format!(
+                    "pod {pod} condition {}={}: {} {}",
+                    c.type_,
+                    c.status,
+                    c.reason.unwrap_or_default(),
+                    c.message.unwrap_or_default()
+                ));
+            }
+        }
+        Err(e) => out.push(format!("pod {pod}: {e}")),
+    }
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    match claims.list(&kube::api::ListParams::default()).await {
+        Ok(list) => {
+            for c in list.items {
+                let status = c.status.unwrap_or_default();
+                out.push(format!(
+                    "claim {}: allocated {}, reserved for {:?}",
+                    c.metadata.name.unwrap_or_default(),
+                    status.allocation.is_some(),
+                    status
+                        .reserved_for
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|r| r.name.clone())
+                        .collect::<Vec<_>>()
+                ));
+            }
+        }
+        Err(e) => out.push(format!("claims: {e}")),
+    }
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    match slices.list(&kube::api::ListParams::default()).await {
+        Ok(list) => {
+            for s in list.items {
+                out.push(format!(
+                    "slice {} pool {}/{} generation {} of {} slices, {} devices, counter sets {}",
+                    s.metadata.name.unwrap_or_default(),
+                    s.spec.driver,
+                    s.spec.pool.name,
+                    s.spec.pool.generation,
+                    s.spec.pool.resource_slice_count,
+                    s.spec.devices.map_or(0, |d| d.len()),
+                    s.spec.shared_counters.map_or(0, |c| c.len())
+                ));
+            }
+        }
+        Err(e) => out.push(format!("slices: {e}")),
+    }
+    out.join("\n")
+}

@@ -60,7 +60,15 @@ async fn slices_of(
 async fn allocated(client: &kube::Client, pod: &str) -> anyhow::Result<(String, Vec<String>)> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let (bound, claim) = drust_e2e::pods::bound_with_claim(&pods, &claims, pod, TIMEOUT).await?;
+    let (bound, claim) = match drust_e2e::pods::bound_with_claim(&pods, &claims, pod, TIMEOUT).await
+    {
+        Ok(b) => b,
+        // What the scheduler saw, for a failure that does not reproduce at will.
+        Err(e) => anyhow::bail!(
+            "{e}\n{}",
+            drust_e2e::pods::diagnose(client, "default", pod).await
+        ),
+    };
     let node = bound
         .spec
         .and_then(|s| s.node_name)
