@@ -1370,6 +1370,17 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
         )
     }
 
+    /// Why [`Self::capacity_fits`] says no, in words ([`capacity::shortfall`]).
+    fn capacity_shortfall(&self, requests: Option<&Requests>, dev: DevRef) -> Option<String> {
+        let (_, device) = self.alloc.device(dev.slice, dev.device)?;
+        capacity::shortfall(
+            self.alloc.aggregated.get(&dev.flat),
+            requests,
+            &device.capacity,
+            self.allocating_capacity.get(&dev.flat),
+        )
+    }
+
     /// `isSelectable`: class selectors, request selectors, per-device node selection; cached.
     fn is_selectable(
         &mut self,

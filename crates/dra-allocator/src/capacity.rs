@@ -58,6 +58,59 @@ pub(crate) fn fits(
     Ok(true)
 }
 
+/// Why [`fits`] says no, in words naming the capacity: a request for a capacity the device
+/// does not have, a request outside the capacity's request policy, or what is left of the
+/// capacity against what the request would consume (`memory: 3Gi of 81559Mi left, the request
+/// consumes 19Gi`). `None` when it fits.
+pub(crate) fn shortfall(
+    current: Option<&ConsumedCapacity>,
+    requests: Option<&Requests>,
+    capacity: &BTreeMap<String, Capacity>,
+    allocating: Option<&ConsumedCapacity>,
+) -> Option<String> {
+    if let Some(name) = requests.and_then(|r| r.keys().find(|n| !capacity.contains_key(*n))) {
+        return Some(format!("no capacity {name}"));
+    }
+    for (name, cap) in capacity {
+        let requested = requests.and_then(|r| r.get(name));
+        let consumed = consumed_for(requested, cap);
+        if violates_policy(&consumed, cap.policy.as_ref()) {
+            return Some(format!(
+                "{name}: {} is outside the device's request policy",
+                requested.map_or_else(|| consumed.to_string(), ToString::to_string)
+            ));
+        }
+        let mut used = current
+            .and_then(|c| c.get(name))
+            .cloned()
+            .unwrap_or_else(quantity::zero);
+        if let Some(more) = allocating.and_then(|a| a.get(name)) {
+            used = quantity::add(&used, more);
+        }
+        let total = quantity::add(&used, consumed.exact());
+        if total.compare(cap.value.exact()) == Ordering::Greater {
+            let left = quantity::sub(cap.value.exact(), &used);
+            return Some(format!(
+                "{name}: {} of {} left, the request consumes {}",
+                readable(&left),
+                cap.value,
+                readable(consumed.exact())
+            ));
+        }
+    }
+    None
+}
+
+/// An amount for people: whole GiB or MiB when it is a multiple of one, else as is.
+fn readable(q: &quantity::Exact) -> String {
+    match q.as_i64() {
+        Some(v) if v != 0 && v % (1 << 30) == 0 => format!("{}Gi", v >> 30),
+        Some(v) if v != 0 && v % (1 << 20) == 0 => format!("{}Mi", v >> 20),
+        Some(v) => v.to_string(),
+        None => q.to_string(),
+    }
+}
+
 /// `GetConsumedCapacityFromRequest`: what one allocation consumes of every capacity.
 pub(crate) fn consumed_from_request(
     requests: Option<&Requests>,
@@ -236,6 +289,26 @@ mod tests {
         let mut requests = Requests::new();
         requests.insert("memory".into(), q("30Gi"));
         assert_eq!(fits(None, Some(&requests), &caps, None), Ok(false));
+    }
+
+    #[test]
+    fn a_shortfall_names_the_capacity_what_is_left_and_what_the_request_consumes() {
+        let capacity = BTreeMap::from([(
+            "memory".to_owned(),
+            cap("81559Mi", Some(range("79Gi", "1Gi", None, Some("1Gi")))),
+        )]);
+        let used = BTreeMap::from([("memory".to_owned(), q("76Gi").exact().clone())]);
+        let wants = BTreeMap::from([("memory".to_owned(), q("20G"))]);
+        assert_eq!(
+            shortfall(Some(&used), Some(&wants), &capacity, None).as_deref(),
+            Some("memory: 3735Mi of 81559Mi left, the request consumes 19Gi")
+        );
+        assert_eq!(shortfall(None, Some(&wants), &capacity, None), None);
+        let unknown = BTreeMap::from([("cores".to_owned(), q("1"))]);
+        assert_eq!(
+            shortfall(None, Some(&unknown), &capacity, None).as_deref(),
+            Some("no capacity cores")
+        );
     }
 
     #[test]

@@ -299,6 +299,13 @@ impl RequestFunnel {
                 .join(", ");
             text.push_str(&format!(" ({by})"));
         }
+        // What a taint or a capacity looks like on one device the stage removed: the taint, or
+        // what is left of which capacity (`memory: 3735Mi of 81559Mi left, ...`).
+        if matches!(stage, Stage::TaintsTolerated | Stage::CountersAndCapacity)
+            && let Some(example) = at.examples.first()
+        {
+            text.push_str(&format!("; e.g. {example}"));
+        }
         if let Some(e) = at.errors.first() {
             text.push_str(&format!("; error: {e}"));
         }

@@ -16,7 +16,7 @@ use std::cmp::Ordering;
 use std::fmt;
 use std::sync::Arc;
 
-use dra_cel::libs::quantity::Quantity as Exact;
+pub(crate) use dra_cel::libs::quantity::Quantity as Exact;
 
 /// Upstream's `Format`: how a quantity is written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -14,7 +14,10 @@
 //!   GPU of each NUMA node gone: stops at the constraint, 3 devices for each value;
 //! - `examples/mig-partitionable`'s `one-more` after the example's two pods took both A100s'
 //!   memory slices: `mig-node` stops at counters and capacity. That node's slices come from the
-//!   node plugin itself (`--fake-topology`, `--mig-strategy partitionable`).
+//!   node plugin itself (`--fake-topology`, `--mig-strategy partitionable`);
+//! - `examples/fractional-gpus`' 20 GiB of an H100, a fourth time on `shares-node`, one H100
+//!   published shareable that three such shares hold: stops at counters and capacity, and the
+//!   text names the memory left (20119Mi of 81559Mi) against what the share consumes.
 //!
 //! The other slices are the plugin's own `--dry-run` snapshots, created directly.
 
@@ -35,12 +38,13 @@ use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// Creates the snapshot's slices for `node`, with the devices `keep` accepts.
+/// Creates the snapshot's slices for `node`, with the devices `keep` accepts, each changed by
+/// `edit`.
 async fn create_slices(
     client: &kube::Client,
     snapshot: &str,
     node: &str,
-    taint: bool,
+    edit: fn(&mut Device),
     keep: impl Fn(&Device) -> bool,
 ) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
@@ -55,15 +59,8 @@ async fn create_slices(
         if let Some(devices) = slice.spec.devices.as_mut() {
             devices.retain(&keep);
         }
-        if taint {
-            for device in slice.spec.devices.iter_mut().flatten() {
-                device.taints = Some(vec![DeviceTaint {
-                    key: "gpu.drust.dev/unhealthy".into(),
-                    value: Some("xid-79".into()),
-                    effect: "NoSchedule".into(),
-                    ..Default::default()
-                }]);
-            }
+        for device in slice.spec.devices.iter_mut().flatten() {
+            edit(device);
         }
         slices.create(&PostParams::default(), &slice).await?;
     }
@@ -112,8 +109,11 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
     cp.register_node("l40s-node", &[]).await?;
     cp.register_node("nvl-node", &[]).await?;
-    create_slices(&client, "pcie-l40s", "l40s-node", false, |_| true).await?;
-    create_slices(&client, "paired-nvlink-bridges", "nvl-node", true, |_| true).await?;
+    create_slices(&client, "pcie-l40s", "l40s-node", as_is, |_| true).await?;
+    create_slices(&client, "paired-nvlink-bridges", "nvl-node", taint, |_| {
+        true
+    })
+    .await?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::copy(cp.kubeconfig_path(), &kubeconfig)?;
@@ -162,7 +162,49 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
 
     forty_gib(cp, &client, &kubeconfig, &pods).await?;
     numa(cp, &client, &kubeconfig, &pods).await?;
-    partitionable_full(cp, &client, &kubeconfig, &pods).await
+    partitionable_full(cp, &client, &kubeconfig, &pods).await?;
+    shares_full(cp, &client, &kubeconfig, &pods).await
+}
+
+/// `examples/fractional-gpus/h100-20gi.yaml` on a node of one shareable H100 that three such
+/// shares already hold: the fourth is explained by the memory left.
+async fn shares_full(
+    cp: &ControlPlane,
+    client: &kube::Client,
+    kubeconfig: &Path,
+    pods: &Api<Pod>,
+) -> anyhow::Result<()> {
+    apply_file(client, &repo_path("deploy/deviceclasses/gpu-share.yaml")).await?;
+    cp.register_node("shares-node", &[]).await?;
+    let first = std::sync::Mutex::new(true);
+    create_slices(client, "dgx-h100", "shares-node", shareable, |_| {
+        std::mem::replace(&mut *first.lock().expect("lock"), false)
+    })
+    .await?;
+    let example = std::fs::read_to_string(repo_path("examples/fractional-gpus/h100-20gi.yaml"))?;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    for pod in ["llm-7b", "llm-7b-2", "llm-7b-3", "llm-7b-4"] {
+        let text = example.replace("name: llm-7b", &format!("name: {pod}"));
+        drust_e2e::manifests::apply_yaml(client, &text, Path::new(pod)).await?;
+        if pod != "llm-7b-4" {
+            bound_with_claim(pods, &claims, pod, WAIT).await?;
+        }
+    }
+    unschedulable(pods, "llm-7b-4", WAIT).await?;
+    let json = explain_json(kubeconfig, "llm-7b-4")?;
+    ensure!(
+        stage_on(&json, "shares-node") == Some(vec!["countersAndCapacity".to_owned()]),
+        "shares: {:?}",
+        stages(&json)
+    );
+    let out = explain(kubeconfig, "default/llm-7b-4", false)?;
+    let human = String::from_utf8_lossy(&out.stdout);
+    // 81559Mi less three shares of 20Gi.
+    ensure!(
+        human.contains("memory: 20119Mi of 81559Mi left, the request consumes 20Gi"),
+        "shares: {human}"
+    );
+    Ok(())
 }
 
 /// The stage `node`'s requests are blocked at, from `dractl explain pod -o json`.
@@ -181,6 +223,24 @@ fn explain_json(kubeconfig: &Path, pod: &str) -> anyhow::Result<Value> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// The plugin's health taint after an XID 79.
+fn taint(device: &mut Device) {
+    device.taints = Some(vec![DeviceTaint {
+        key: "gpu.drust.dev/unhealthy".into(),
+        value: Some("xid-79".into()),
+        effect: "NoSchedule".into(),
+        ..Default::default()
+    }]);
+}
+
+/// As published.
+fn as_is(_: &mut Device) {}
+
+/// As published with fractional GPUs (`--consumable-capacity`).
+fn shareable(device: &mut Device) {
+    gpu_inventory::shares::make_shareable(device);
 }
 
 fn product(device: &Device) -> Option<String> {
@@ -203,7 +263,7 @@ async fn forty_gib(
         )
         .await?;
     cp.register_node("l4-node", &[]).await?;
-    create_slices(client, "mixed-a100-l4", "l4-node", false, |d| {
+    create_slices(client, "mixed-a100-l4", "l4-node", as_is, |d| {
         product(d).is_some_and(|p| p.contains("L4"))
     })
     .await?;
@@ -219,7 +279,7 @@ async fn forty_gib(
         stages(&json)
     );
     // A fitting GPU appears: the scheduler places the pod there.
-    create_slices(client, "pcie-l40s", "l40s-node", false, |_| true).await?;
+    create_slices(client, "pcie-l40s", "l40s-node", as_is, |_| true).await?;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let (pod, _) = bound_with_claim(pods, &claims, "cuda-40gi", WAIT).await?;
     let node = pod.spec.and_then(|s| s.node_name);
@@ -236,7 +296,7 @@ async fn numa(
 ) -> anyhow::Result<()> {
     cp.register_node("numa-node", &[]).await?;
     let gone = std::sync::Mutex::new(std::collections::BTreeSet::new());
-    create_slices(client, "dgx-h100", "numa-node", false, |d| {
+    create_slices(client, "dgx-h100", "numa-node", as_is, |d| {
         let numa = d
             .attributes
             .as_ref()

@@ -189,7 +189,10 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
             if features.consumable_capacity
                 && this.capacity_fits(rd.capacity.as_ref(), dev) != Ok(true)
             {
-                return Err(Some(" (capacity)".into()));
+                let why = this
+                    .capacity_shortfall(rd.capacity.as_ref(), dev)
+                    .unwrap_or_else(|| "capacity".into());
+                return Err(Some(format!(" ({why})")));
             }
             let Some((slice, device)) = this.alloc.device(dev.slice, dev.device) else {
                 return Err(None);
