@@ -41,7 +41,7 @@ pub use config::{Backend, Config, DEFAULT_DRIVER_NAME, OutputFormat};
 
 use crate::cdi::CdiWriter;
 use crate::checkpoint::CheckpointFile;
-use crate::claims::{ClaimController, ControllerConfig, KubeCluster};
+use crate::claims::{ClaimController, Cluster as _, ControllerConfig, KubeCluster};
 use crate::hardware::BackendHardware;
 use crate::instance::{Activation, ActiveLock, Gate, Role};
 use crate::metrics::Metrics;
@@ -353,6 +353,17 @@ pub async fn run(
     }
     let client = kube_client(&config).await?;
     secure_state(&config)?;
+    if config.consumable_capacity && !publishing.shares {
+        // Said where an operator looks (`kubectl describe node`), not only in the log.
+        let cluster = KubeCluster::new(client.clone(), &config.driver_name, &config.node_name);
+        let message = format!(
+            "fractional GPUs are on (--consumable-capacity) but the MPS control tool {} is not \
+             found: shares could not be enforced, so this node's GPUs are published for \
+             exclusive use only",
+            config.mps_control_binary.display()
+        );
+        tokio::spawn(async move { cluster.warn("SharesNotPublished", &message).await });
+    }
 
     // The kubelet side first: it answers (and registers) while another instance is active.
     let metrics = Arc::new(Metrics::new());

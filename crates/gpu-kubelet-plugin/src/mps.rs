@@ -29,8 +29,10 @@
 //! claim, not a Deployment: the plugin already decides when a daemon must run (prepare,
 //! start-up recovery, the periodic check) and starts a lost one with the claim's limits again;
 //! a Deployment's controller would restart a daemon without them. `restartPolicy: Never` keeps
-//! that decision with the plugin. Daemons of one GPU shared by several claims (issue 17) fit the
-//! same shape with the GPU UUID in place of the claim UID.
+//! that decision with the plugin. The daemon of a GPU shared by several claims (fractional GPUs,
+//! `crate::claims`' shares) has the same shape with the GPU's lower-cased UUID in place of the
+//! claim UID (directories, Pod name and [`CLAIM_UID_LABEL`]) and no default limits: each share's
+//! containers bring their own ([`MpsControl::share_edits`]).
 //!
 //! Without [`DaemonPods`] (plugins run outside Kubernetes, tests), the daemon is started with
 //! `-d` in the plugin's process tree and dies with the plugin's container.
@@ -108,7 +110,8 @@ impl std::fmt::Debug for DaemonPods {
     }
 }
 
-/// Label on every daemon Pod naming the claim it serves.
+/// Label on every daemon Pod naming the claim it serves (for a GPU's share daemon: the GPU's
+/// lower-cased UUID).
 pub const CLAIM_UID_LABEL: &str = "drust.dev/mps-claim-uid";
 
 /// An MPS action failed.

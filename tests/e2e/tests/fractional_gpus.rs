@@ -508,3 +508,54 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     plugin.stop().await?;
     Ok(())
 }
+
+/// Without the MPS control tool a node publishes no shares (limits nobody could enforce are never
+/// handed out) and says why in a Warning event on its Node, where `kubectl describe node` shows it.
+#[tokio::test]
+async fn without_mps_the_node_publishes_no_shares_and_says_so_on_the_node() -> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let result = async {
+        let client = cp.client().await?;
+        cp.register_node(NODE, &[]).await?;
+        let topology = repo_path("examples/topologies/dgx-h100.yaml");
+        let mut plugin = NodePlugin::start_with(&cp, DRIVER, NODE, &topology, |c| {
+            c.consumable_capacity = true;
+            c.mps_control_binary = "/nonexistent/nvidia-cuda-mps-control".into();
+        })?;
+        let slices = plugin.wait_ready(&client, TIMEOUT).await?;
+        let shared = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .filter(|d| d.allow_multiple_allocations == Some(true))
+            .count();
+        ensure!(
+            shared == 0,
+            "{shared} devices published shareable without MPS"
+        );
+        let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(client.clone());
+        let event = until("the node's SharesNotPublished event", TIMEOUT, || async {
+            let list = events
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(list.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some("SharesNotPublished")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(NODE)
+            }))
+        })
+        .await?;
+        ensure!(
+            event.type_.as_deref() == Some("Warning")
+                && event
+                    .note
+                    .as_deref()
+                    .is_some_and(|n| n.contains("exclusive use only")),
+            "{event:?}"
+        );
+        plugin.stop().await?;
+        anyhow::Ok(())
+    }
+    .await;
+    cp.stop().await?;
+    result
+}
