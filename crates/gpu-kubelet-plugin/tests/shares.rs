@@ -227,3 +227,22 @@ async fn a_restart_keeps_the_daemon_of_recorded_shares_and_stops_one_no_share_ne
     assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
     assert!(daemons(dir.path()).is_empty());
 }
+
+#[tokio::test]
+async fn the_last_two_shares_unprepared_at_once_stop_the_daemon() {
+    for round in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let a = share_claim("a", "ua", dev(0), &format!("{SHARE}01"), "20Gi");
+        let b = share_claim("b", "ub", dev(0), &format!("{SHARE}02"), "20Gi");
+        let c = controller(dir.path(), vec![a, b]).await;
+        let both = || vec![claim_ref("a", "ua"), claim_ref("b", "ub")];
+        assert!(c.prepare(both()).await.values().all(Result::is_ok));
+        assert_eq!(daemons(dir.path()).len(), 1);
+        // One kubelet call for both, as when the pods of both end together.
+        assert!(c.unprepare(both()).await.values().all(Result::is_ok));
+        assert!(
+            daemons(dir.path()).is_empty(),
+            "round {round}: each kept the daemon for the other"
+        );
+    }
+}

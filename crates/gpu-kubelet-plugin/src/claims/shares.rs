@@ -8,7 +8,8 @@
 //! - It is started by the first share's prepare and stopped by the last share's unprepare, both
 //!   under the GPU's lock, deciding from the checkpoint (which holds every claim being prepared
 //!   or prepared): a share being prepared while the last other one is unprepared either finds
-//!   the daemon running or starts it after the stop.
+//!   the daemon running or starts it after the stop; shares being unprepared need no daemon, so
+//!   the last two unprepared at once stop it.
 //! - Each share's containers get their own limits through their CDI device's edits
 //!   ([`crate::mps::MpsControl::share_edits`]): the pinned device memory limit from
 //!   `consumedCapacity.memory` and the active thread percentage from `computePercent`.
@@ -23,7 +24,7 @@ use tracing::info;
 
 use super::error::ClaimError;
 use super::{ClaimController, Cluster};
-use crate::checkpoint::{Checkpoint, RecordedDevice};
+use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice};
 use crate::hardware::Hardware;
 
 /// The MPS daemon key of the device with `uuid` (a GPU or MIG UUID): lower-cased, so it is a
@@ -39,12 +40,15 @@ pub(crate) fn mps_shares(devices: &[RecordedDevice]) -> impl Iterator<Item = &Re
         .filter(|d| d.share.as_ref().is_some_and(|s| s.uses_mps()))
 }
 
-/// The daemon keys the shares recorded in `checkpoint` need, leaving out claim `except`.
+/// The daemon keys the shares recorded in `checkpoint` need, leaving out claim `except`. A claim
+/// being unprepared (`UnprepareStarted`) needs none: the kubelet unprepares once the claim's
+/// containers are gone, and two last shares unprepared at once must not each keep the daemon
+/// for the other.
 pub(crate) fn needed_daemons(checkpoint: &Checkpoint, except: Option<&str>) -> BTreeSet<String> {
     checkpoint
         .claims
         .iter()
-        .filter(|(uid, _)| Some(uid.as_str()) != except)
+        .filter(|(uid, r)| Some(uid.as_str()) != except && r.state != ClaimState::UnprepareStarted)
         .flat_map(|(_, r)| mps_shares(&r.devices).map(|d| daemon_key(&d.uuid)))
         .collect()
 }
