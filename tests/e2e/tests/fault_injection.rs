@@ -15,13 +15,15 @@ use drust_e2e::manifests::repo_path;
 use drust_e2e::plugin::read_checkpoint;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::failpoint;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
 /// Runs per failpoint; half retry the prepare after the crash, half give up and unprepare.
 const REPS: usize = 20;
 
-struct Host(BinaryHost);
+/// The plugin's host, and the arguments every start of it adds.
+struct Host(BinaryHost, Vec<std::ffi::OsString>);
 
 impl std::ops::Deref for Host {
     type Target = BinaryHost;
@@ -39,6 +41,7 @@ impl Host {
     fn start(&self, failpoint: Option<&str>) -> anyhow::Result<PluginProcess> {
         let _ = std::fs::remove_file(self.registration_socket());
         let mut cmd = self.command(&self.root().join("plugin.log"), failpoint)?;
+        cmd.args(&self.1);
         let start = Instant::now();
         let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
         while !self.registration_socket().exists() {
@@ -53,6 +56,32 @@ impl Host {
             std::thread::sleep(Duration::from_millis(10));
         }
         Ok(child)
+    }
+
+    /// Arms `fp` and makes the kubelet's call it is on for `claim` (for `unprepare/...`, after a
+    /// clean prepare): the plugin must die at the failpoint.
+    async fn kill_at(&self, fp: &str, claim: &ResourceClaim) -> anyhow::Result<()> {
+        let uid = claim.metadata.uid.clone().context("uid")?;
+        if fp.starts_with("prepare/") {
+            let child = self.start(Some(fp))?;
+            let (k, _) = Kubelet::register(&self.registration_socket()).await?;
+            let _ = k.prepare_v1(&[claim]).await; // the plugin dies mid-call
+            return Ok(expect_killed(child, fp, Duration::from_secs(60)).await?);
+        }
+        let child = self.start(None)?;
+        let (k, _) = Kubelet::register(&self.registration_socket()).await?;
+        let r = k.prepare_v1(&[claim]).await?;
+        ensure!(
+            r.claims[&uid].error.is_empty(),
+            "{fp}: {}",
+            r.claims[&uid].error
+        );
+        drop(k);
+        stop(child).await?;
+        let child = self.start(Some(fp))?;
+        let (k, _) = Kubelet::register(&self.registration_socket()).await?;
+        let _ = k.unprepare_v1(vec![v1_claim(claim)]).await;
+        Ok(expect_killed(child, fp, Duration::from_secs(60)).await?)
     }
 
     fn log_tail(&self) -> String {
@@ -113,13 +142,16 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
     let topology = repo_path("examples/topologies/dgx-h100.yaml");
-    let host = Host(BinaryHost::new(
-        "drust-fault-",
-        cp.kubeconfig_path(),
-        &topology,
-        DRIVER,
-        NODE,
-    )?);
+    let host = Host(
+        BinaryHost::new(
+            "drust-fault-",
+            cp.kubeconfig_path(),
+            &topology,
+            DRIVER,
+            NODE,
+        )?,
+        Vec::new(),
+    );
     let names: Vec<String> =
         drust_e2e::plugin::fake_gpu_names(&topology).map_err(anyhow::Error::msg)?;
 
@@ -149,28 +181,7 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
             let uid = claim.metadata.uid.clone().context("uid")?;
             let ctx = || format!("{fp} run {rep} ({devices:?})");
 
-            if fp.starts_with("prepare/") {
-                let child = host.start(Some(fp))?;
-                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
-                let _ = k.prepare_v1(&[&claim]).await; // the plugin dies mid-call
-                expect_killed(child, fp, Duration::from_secs(60)).await?;
-            } else {
-                let child = host.start(None)?;
-                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
-                let r = k.prepare_v1(&[&claim]).await?;
-                ensure!(
-                    r.claims[&uid].error.is_empty(),
-                    "{}: {}",
-                    ctx(),
-                    r.claims[&uid].error
-                );
-                drop(k);
-                stop(child).await?;
-                let child = host.start(Some(fp))?;
-                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
-                let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
-                expect_killed(child, fp, Duration::from_secs(60)).await?;
-            }
+            host.kill_at(fp, &claim).await.context(ctx())?;
             *kills.entry(fp).or_default() += 1;
 
             // Restart and repeat what the kubelet would do next.
@@ -286,34 +297,23 @@ async fn several_shares_of_one_gpu_survive_a_kill_at_every_step_of_another_share
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
     let topology = repo_path("examples/topologies/dgx-h100.yaml");
-    let host = Host(BinaryHost::new(
-        "drust-fault-shares-",
-        cp.kubeconfig_path(),
-        &topology,
-        DRIVER,
-        NODE,
-    )?);
+    // Fractional GPUs, with the fake MPS tool.
+    let host = Host(
+        BinaryHost::new(
+            "drust-fault-shares-",
+            cp.kubeconfig_path(),
+            &topology,
+            DRIVER,
+            NODE,
+        )?,
+        vec![
+            "--consumable-capacity".into(),
+            "true".into(),
+            "--mps-control-binary".into(),
+            drust_fakes::mps_control().into(),
+        ],
+    );
     let gpu = drust_e2e::plugin::fake_gpus(&topology).map_err(anyhow::Error::msg)?[0].clone();
-    let start = |fp: Option<&str>| -> anyhow::Result<PluginProcess> {
-        // The Host's start, with fractional GPUs and the fake MPS tool.
-        let _ = std::fs::remove_file(host.registration_socket());
-        let mut cmd = host.command(&host.root().join("plugin.log"), fp)?;
-        cmd.args(["--consumable-capacity", "true", "--mps-control-binary"])
-            .arg(drust_fakes::mps_control());
-        let started = Instant::now();
-        let mut child = PluginProcess(cmd.spawn().context("spawning gpu-kubelet-plugin")?);
-        while !host.registration_socket().exists() {
-            if let Some(status) = child.0.try_wait()? {
-                bail!("plugin exited at start: {status}; log: {}", host.log_tail());
-            }
-            ensure!(
-                started.elapsed() < Duration::from_secs(30),
-                "plugin not ready"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Ok(child)
-    };
     let mps = host
         .root()
         .join("mps")
@@ -335,7 +335,7 @@ async fn several_shares_of_one_gpu_survive_a_kill_at_every_step_of_another_share
             .await?,
         );
     }
-    let child = start(None)?;
+    let child = host.start(None)?;
     let (kubelet, _) = Kubelet::register(&host.registration_socket()).await?;
     let refs: Vec<&_> = bystanders.iter().collect();
     let answers = kubelet.prepare_v1(&refs).await?.claims;
@@ -372,31 +372,10 @@ async fn several_shares_of_one_gpu_survive_a_kill_at_every_step_of_another_share
             .await?;
             let uid = claim.metadata.uid.clone().context("uid")?;
             let ctx = || format!("share: {fp} run {rep}");
-            if fp.starts_with("prepare/") {
-                let child = start(Some(fp))?;
-                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
-                let _ = k.prepare_v1(&[&claim]).await;
-                expect_killed(child, fp, Duration::from_secs(60)).await?;
-            } else {
-                let child = start(None)?;
-                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
-                let r = k.prepare_v1(&[&claim]).await?;
-                ensure!(
-                    r.claims[&uid].error.is_empty(),
-                    "{}: {}",
-                    ctx(),
-                    r.claims[&uid].error
-                );
-                drop(k);
-                stop(child).await?;
-                let child = start(Some(fp))?;
-                let (k, _) = Kubelet::register(&host.registration_socket()).await?;
-                let _ = k.unprepare_v1(vec![v1_claim(&claim)]).await;
-                expect_killed(child, fp, Duration::from_secs(60)).await?;
-            }
+            host.kill_at(fp, &claim).await.context(ctx())?;
             kills += 1;
 
-            let child = start(None)?;
+            let child = host.start(None)?;
             let (k, _) = Kubelet::register(&host.registration_socket()).await?;
             if rep % 2 == 0 {
                 let r = k.prepare_v1(&[&claim]).await?;
@@ -456,7 +435,7 @@ async fn several_shares_of_one_gpu_survive_a_kill_at_every_step_of_another_share
     );
 
     // The last share's unprepare stops the daemon.
-    let child = start(None)?;
+    let child = host.start(None)?;
     let (k, _) = Kubelet::register(&host.registration_socket()).await?;
     let claims: Vec<_> = bystanders.iter().map(v1_claim).collect();
     let r = k.unprepare_v1(claims).await?;
