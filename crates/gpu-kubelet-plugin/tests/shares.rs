@@ -59,15 +59,7 @@ async fn each_share_gets_its_limits_and_the_whole_gpu_gets_none_and_keeps_its_co
     let dir = tempfile::tempdir().unwrap();
     let gpu = gpus()[0].clone();
     let mut quarter = share_claim("quarter", "uq", dev(0), &format!("{SHARE}01"), "20Gi");
-    if let Some(r) = quarter
-        .status
-        .as_mut()
-        .and_then(|s| s.allocation.as_mut())
-        .and_then(|a| a.devices.as_mut())
-        .and_then(|d| d.results.as_mut())
-        .and_then(|r| r.first_mut())
-        && let Some(c) = r.consumed_capacity.as_mut()
-    {
+    if let Some(c) = results_mut(&mut quarter)[0].consumed_capacity.as_mut() {
         c.insert(
             "computePercent".into(),
             k8s_openapi::apimachinery::pkg::api::resource::Quantity("25".into()),
@@ -131,13 +123,7 @@ async fn allocations_a_share_cannot_be_prepared_from_are_refused_by_name() {
     let mut two_gpus = share_claim("two-gpus", "u2", dev(0), &format!("{SHARE}02"), "20Gi");
     let mut two_of_one = share_claim("two-of-one", "u3", dev(0), &format!("{SHARE}03"), "20Gi");
     for (claim, second) in [(&mut two_gpus, dev(1)), (&mut two_of_one, dev(0))] {
-        let results = claim
-            .status
-            .as_mut()
-            .and_then(|s| s.allocation.as_mut())
-            .and_then(|a| a.devices.as_mut())
-            .and_then(|d| d.results.as_mut())
-            .unwrap();
+        let results = results_mut(claim);
         let mut more = results[0].clone();
         more.device = second.into();
         more.share_id = Some(format!("{SHARE}99"));

@@ -222,21 +222,27 @@ pub fn share_claim(
     memory: &str,
 ) -> ResourceClaim {
     let mut c = claim(name, uid, &[(DRIVER, NODE, device)]);
-    if let Some(r) = c
+    let r = &mut results_mut(&mut c)[0];
+    r.share_id = Some(share_id.into());
+    r.consumed_capacity = Some(std::collections::BTreeMap::from([
+        ("memory".to_owned(), Quantity(memory.into())),
+        ("computePercent".to_owned(), Quantity("0".into())),
+    ]));
+    c
+}
+
+/// The allocation results of an allocated `claim` (made by [`claim`]).
+#[allow(dead_code)] // not every test binary uses it
+pub fn results_mut(
+    claim: &mut ResourceClaim,
+) -> &mut Vec<k8s_openapi::api::resource::v1::DeviceRequestAllocationResult> {
+    claim
         .status
         .as_mut()
         .and_then(|s| s.allocation.as_mut())
         .and_then(|a| a.devices.as_mut())
         .and_then(|d| d.results.as_mut())
-        .and_then(|r| r.first_mut())
-    {
-        r.share_id = Some(share_id.into());
-        r.consumed_capacity = Some(std::collections::BTreeMap::from([
-            ("memory".to_owned(), Quantity(memory.into())),
-            ("computePercent".to_owned(), Quantity("0".into())),
-        ]));
-    }
-    c
+        .expect("an allocated claim")
 }
 
 pub fn claim_ref(name: &str, uid: &str) -> ClaimRef {
