@@ -489,8 +489,17 @@ fn cdi_host_paths_name_the_hosts_dev_root_not_the_plugin_containers() {
     );
 }
 
-#[tokio::test]
-async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
+/// Prepares, on the fake DGX A100's first existing MIG device (with the driver's capability
+/// table and device nodes in place), the claim `claim` makes of that device's name; returns the
+/// device, its parent's minor and the claim's CDI spec, the MPS root beside it.
+async fn prepare_existing_mig(
+    claim: impl FnOnce(&str) -> ResourceClaim,
+) -> (
+    gpu_inventory::MigDevice,
+    u32,
+    serde_json::Value,
+    tempfile::TempDir,
+) {
     let root = tempfile::tempdir().unwrap();
     let topology = Topology::from_file(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -531,11 +540,7 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
     }
 
     let devices = catalogue(&inventory, gpu_inventory::MigStrategy::Existing);
-    let f = Fixture::new(vec![claim(
-        "slice",
-        "um",
-        &[(DRIVER, NODE, mig.name.as_str())],
-    )]);
+    let f = Fixture::new(vec![claim(mig.name.as_str())]);
     let hw = Arc::new(BackendHardware::new(
         Arc::new(FakeBackend::new(topology)),
         root.path(),
@@ -557,6 +562,14 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
         &std::fs::read(f.dir.path().join("cdi/gpu.example.com-claim_um.json")).unwrap(),
     )
     .unwrap();
+    assert!(c.unprepare(vec![claim_ref("slice", "um")]).await["um"].is_ok());
+    (mig, minor, spec, f.dir)
+}
+
+#[tokio::test]
+async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
+    let (mig, minor, spec, _dir) =
+        prepare_existing_mig(|device| claim("slice", "um", &[(DRIVER, NODE, device)])).await;
     let nodes: Vec<&str> = spec["devices"][0]["containerEdits"]["deviceNodes"]
         .as_array()
         .unwrap()
@@ -580,6 +593,42 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
         spec["containerEdits"]["env"][0],
         "NVIDIA_VISIBLE_DEVICES=void"
     );
+}
+
+/// A share of an existing MIG device (fractional GPUs): the MIG device's own nodes, and its
+/// share limits under the MIG device's own daemon (keyed by the MIG UUID).
+#[tokio::test]
+async fn a_share_of_an_existing_mig_device_runs_under_that_mig_devices_daemon() {
+    let (mig, minor, spec, dir) = prepare_existing_mig(|device| {
+        share_claim(
+            "slice",
+            "um",
+            device,
+            "00000000-0000-4000-8000-000000000001",
+            "4Gi",
+        )
+    })
+    .await;
+    let edits = &spec["devices"][0]["containerEdits"];
+    let env: Vec<&str> = edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    assert!(
+        env.contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M"),
+        "{env:?}"
+    );
+    let key = mig.uuid.clone().unwrap().to_ascii_lowercase();
+    let pipe = edits["mounts"][0]["hostPath"].as_str().unwrap();
+    assert!(pipe.ends_with(&format!("mps/{key}/pipe")), "{pipe}");
+    assert_eq!(
+        edits["deviceNodes"][0]["path"],
+        format!("/dev/nvidia{minor}").as_str()
+    );
+    // The daemon served the MIG device and is gone with its only share.
+    assert!(!dir.path().join("mps").join(&key).exists());
 }
 
 /// Counts checkpoint stores (syncs of a checkpoint slot) on the real filesystem.
