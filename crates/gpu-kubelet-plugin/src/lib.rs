@@ -41,7 +41,7 @@ pub use config::{Backend, Config, DEFAULT_DRIVER_NAME, OutputFormat};
 
 use crate::cdi::CdiWriter;
 use crate::checkpoint::CheckpointFile;
-use crate::claims::{ClaimController, Cluster as _, ControllerConfig, KubeCluster};
+use crate::claims::{ClaimController, ControllerConfig, KubeCluster};
 use crate::hardware::BackendHardware;
 use crate::instance::{Activation, ActiveLock, Gate, Role};
 use crate::metrics::Metrics;
@@ -362,7 +362,11 @@ pub async fn run(
              exclusive use only",
             config.mps_control_binary.display()
         );
-        tokio::spawn(async move { cluster.warn("SharesNotPublished", &message).await });
+        tokio::spawn(async move {
+            cluster
+                .warning("SharesNotPublished", "Publish", &message)
+                .await;
+        });
     }
 
     // The kubelet side first: it answers (and registers) while another instance is active.

@@ -546,6 +546,7 @@ async fn without_mps_the_node_publishes_no_shares_and_says_so_on_the_node() -> a
         .await?;
         ensure!(
             event.type_.as_deref() == Some("Warning")
+                && event.action.as_deref() == Some("Publish")
                 && event
                     .note
                     .as_deref()

@@ -56,6 +56,15 @@ impl Cluster for KubeCluster {
     }
 
     async fn warn(&self, reason: &str, message: &str) {
+        self.warning(reason, "Recover", message).await;
+    }
+}
+
+impl KubeCluster {
+    /// A Warning event about this node with `reason`, `action` (what the plugin was doing, e.g.
+    /// `Recover`, `Publish`) and `message` (cut to the API's 1 KiB); best effort, failures
+    /// are logged.
+    pub async fn warning(&self, reason: &str, action: &str, message: &str) {
         warn!(reason, message, "warning event");
         let now = k8s_openapi::jiff::Timestamp::now();
         let event = Event {
@@ -68,7 +77,7 @@ impl Cluster for KubeCluster {
             type_: Some("Warning".into()),
             reason: Some(reason.into()),
             note: Some(message.chars().take(1024).collect()),
-            action: Some("Recover".into()),
+            action: Some(action.into()),
             reporting_controller: Some(self.controller.clone()),
             reporting_instance: Some(reporting_instance(&self.controller, &self.node_name)),
             regarding: Some(ObjectReference {
