@@ -72,6 +72,8 @@ pub(crate) fn plan(
 
     let mut devices: Vec<RecordedDevice> = Vec::new();
     let mut used: Vec<NodeDevice> = Vec::new();
+    // Index in `results` of each of `devices`, for errors naming the result.
+    let mut result_index: Vec<usize> = Vec::new();
     for (index, r) in results.iter().enumerate() {
         if r.driver != driver || r.pool != pool {
             continue;
@@ -112,6 +114,7 @@ pub(crate) fn plan(
             continue;
         }
         used.push(device.clone());
+        result_index.push(index);
         devices.push(RecordedDevice {
             request_names: vec![r.request.clone()],
             pool_name: r.pool.clone(),
@@ -156,24 +159,7 @@ pub(crate) fn plan(
                 source,
             }
         })?;
-    for (index, (d, s)) in devices.iter_mut().zip(sharing).enumerate() {
-        // A share's limits come from its allocation; a sharing config would be a second,
-        // conflicting source (time-slicing and MPS settings are per GPU, not per share). An
-        // allocation holding the whole device (a request without capacity on a shareable
-        // device) is exclusive and takes sharing configs as on any other device.
-        if d.share.as_ref().is_some_and(RecordedShare::uses_mps) && s.is_some() {
-            return Err(ClaimError::Share {
-                claim: claim.clone(),
-                index,
-                device: d.device_name.clone(),
-                problem: "shareID is set and consumedCapacity is less than the whole device (a \
-                          share, limited by its consumedCapacity), but a sharing config \
-                          (TimeSlicing or MPS) also applies to it: remove the config (a \
-                          share's memory and compute come from its capacity requests), or \
-                          request the whole device"
-                    .into(),
-            });
-        }
+    for (d, s) in devices.iter_mut().zip(sharing) {
         // Admin access (KEP-5018) reaches a device that other claims may be using: it never
         // changes the GPU's sharing (time slice, MPS), so neither does its unprepare. A class
         // or claim config asking for sharing is ignored for such a device, and said so.
@@ -184,40 +170,7 @@ pub(crate) fn plan(
         }
         d.sharing = s;
     }
-    // A container reaches one MPS daemon (one pipe directory): shares of two devices in one
-    // claim could end up in one container.
-    let mut shared = devices
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| d.share.as_ref().is_some_and(RecordedShare::uses_mps));
-    if let (Some((_, first)), Some((index, second))) = (shared.next(), shared.next()) {
-        return Err(ClaimError::Share {
-            claim: claim.clone(),
-            index,
-            device: second.device_name.clone(),
-            problem: format!(
-                "this claim already holds a share of device {:?}: a claim may hold shares of one \
-                 device only, since a container can reach one MPS daemon",
-                first.device_name
-            ),
-        });
-    }
-    if let Some((index, d)) = devices
-        .iter()
-        .enumerate()
-        .find(|(_, d)| d.share.as_ref().is_some_and(RecordedShare::uses_mps))
-        && uses_mps(&devices)
-    {
-        return Err(ClaimError::Share {
-            claim: claim.clone(),
-            index,
-            device: d.device_name.clone(),
-            problem: "a share runs under its device's MPS daemon, and another device of this \
-                      claim is configured for MPS with the claim's own daemon: a container can \
-                      reach one MPS daemon"
-                .into(),
-        });
-    }
+    super::shares::check(claim, &devices, &result_index)?;
     let created_later = used
         .iter()
         .any(|d| matches!(d, NodeDevice::MigPlacement { .. }));

@@ -24,7 +24,7 @@ use tracing::info;
 
 use super::error::ClaimError;
 use super::{ClaimController, Cluster};
-use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice};
+use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice, RecordedShare};
 use crate::hardware::Hardware;
 
 /// The MPS daemon key of the device with `uuid` (a GPU or MIG UUID): lower-cased, so it is a
@@ -51,6 +51,70 @@ pub(crate) fn needed_daemons(checkpoint: &Checkpoint, except: Option<&str>) -> B
         .filter(|(uid, r)| Some(uid.as_str()) != except && r.state != ClaimState::UnprepareStarted)
         .flat_map(|(_, r)| mps_shares(&r.devices).map(|d| daemon_key(&d.uuid)))
         .collect()
+}
+
+/// Refuses the shares among a claim's planned `devices` (with their sharing resolved; the index
+/// of each in the allocation's `results` in `result_index`) that this driver cannot prepare,
+/// naming the result:
+/// - a share smaller than its device with a sharing config (TimeSlicing, MPS): a second,
+///   conflicting source of limits, which are per GPU, not per share (a share holding the whole
+///   device is exclusive and takes configs as any device does);
+/// - shares of two devices, or a share beside a device under the claim's own MPS daemon: a
+///   container reaches one MPS daemon (one pipe directory).
+///
+/// # Errors
+/// [`ClaimError::Share`] for the first such result.
+pub(crate) fn check(
+    claim: &ClaimRef,
+    devices: &[RecordedDevice],
+    result_index: &[usize],
+) -> Result<(), ClaimError> {
+    let refuse = |i: usize, problem: String| ClaimError::Share {
+        claim: claim.clone(),
+        index: result_index.get(i).copied().unwrap_or(i),
+        device: devices[i].device_name.clone(),
+        problem,
+    };
+    let mut shares = devices
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.share.as_ref().is_some_and(RecordedShare::uses_mps));
+    let Some((first, _)) = shares.next() else {
+        return Ok(());
+    };
+    if let Some((i, _)) = std::iter::once((first, &devices[first]))
+        .chain(shares.clone())
+        .find(|(_, d)| d.sharing.is_some())
+    {
+        return Err(refuse(
+            i,
+            "shareID is set and consumedCapacity is less than the whole device (a share, \
+             limited by its consumedCapacity), but a sharing config (TimeSlicing or MPS) also \
+             applies to it: remove the config (a share's memory and compute come from its \
+             capacity requests), or request the whole device"
+                .into(),
+        ));
+    }
+    if let Some((second, _)) = shares.next() {
+        return Err(refuse(
+            second,
+            format!(
+                "this claim already holds a share of device {:?}: a claim may hold shares of \
+                 one device only, since a container can reach one MPS daemon",
+                devices[first].device_name
+            ),
+        ));
+    }
+    if super::plan::uses_mps(devices) {
+        return Err(refuse(
+            first,
+            "a share runs under its device's MPS daemon, and another device of this claim is \
+             configured for MPS with the claim's own daemon: a container can reach one MPS \
+             daemon"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
