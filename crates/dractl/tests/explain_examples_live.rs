@@ -359,13 +359,22 @@ async fn partitionable_full(
     let plugin = PluginProcess(cmd.spawn()?);
     let result = async {
         apply_file(client, &repo_path("deploy/deviceclasses/mig.yaml")).await?;
-        apply_file(
-            client,
-            &repo_path("examples/mig-partitionable/mig-partitionable.yaml"),
-        )
-        .await?;
+        // mig-4g-pair first, as the example's README says (see topologies.rs).
+        let origin = repo_path("examples/mig-partitionable/mig-partitionable.yaml");
+        let example = std::fs::read_to_string(&origin)?;
+        let is_3g = |d: &serde_yaml_ng::Value| d["metadata"]["name"] == "mig-3g-pair";
         let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-        for pod in ["mig-4g-pair", "mig-3g-pair"] {
+        for (pod, docs) in [
+            (
+                "mig-4g-pair",
+                drust_e2e::manifests::documents_where(&example, |d| !is_3g(d))?,
+            ),
+            (
+                "mig-3g-pair",
+                drust_e2e::manifests::documents_where(&example, is_3g)?,
+            ),
+        ] {
+            drust_e2e::manifests::apply_yaml(client, &docs, &origin).await?;
             bound_with_claim(pods, &claims, pod, WAIT).await?;
         }
         apply_file(

@@ -107,6 +107,25 @@ pub async fn apply_yaml(
     Ok(applied)
 }
 
+/// The documents of the YAML stream `text` that `keep` accepts, as a YAML stream: to apply an
+/// example's objects in an order of the test's choosing.
+///
+/// # Errors
+/// When `text` is not YAML.
+pub fn documents_where(
+    text: &str,
+    keep: impl Fn(&serde_yaml_ng::Value) -> bool,
+) -> anyhow::Result<String> {
+    let mut out = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(text) {
+        let v = <serde_yaml_ng::Value as serde::Deserialize>::deserialize(doc)?;
+        if !v.is_null() && keep(&v) {
+            out.push(serde_yaml_ng::to_string(&v)?);
+        }
+    }
+    Ok(out.join("---\n"))
+}
+
 /// The YAML stream `text` (e.g. an example) with every Pod's containers running `script`
 /// (`/bin/sh -c`) in the local workload image ([`crate::images::WORKLOAD_IMAGE`], never pulled)
 /// instead of their own image, which this machine cannot pull.

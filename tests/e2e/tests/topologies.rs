@@ -331,12 +331,19 @@ async fn every_topology_is_accepted_and_scheduled_by_its_topology() -> anyhow::R
         slices.iter().any(|s| s.spec.shared_counters.is_some()),
         "no counter-set slice published"
     );
-    apply_file(
-        &client,
-        &repo_path("examples/mig-partitionable/mig-partitionable.yaml"),
-    )
-    .await?;
+    // The scheduler places pods one at a time without lookahead: were mig-3g-pair placed
+    // first, it could take the 3g.40gb placements at slice 0 and leave no room for a 4g.40gb.
+    // The example's README says to apply mig-4g-pair first; so does this test.
+    let example = std::fs::read_to_string(repo_path(
+        "examples/mig-partitionable/mig-partitionable.yaml",
+    ))?;
+    let is_3g = |d: &serde_yaml_ng::Value| d["metadata"]["name"] == "mig-3g-pair";
+    let origin = repo_path("examples/mig-partitionable/mig-partitionable.yaml");
+    let first = drust_e2e::manifests::documents_where(&example, |d| !is_3g(d))?;
+    drust_e2e::manifests::apply_yaml(&client, &first, &origin).await?;
     let (n4, four) = allocated(&client, "mig-4g-pair").await?;
+    let then = drust_e2e::manifests::documents_where(&example, is_3g)?;
+    drust_e2e::manifests::apply_yaml(&client, &then, &origin).await?;
     let (n3, three) = allocated(&client, "mig-3g-pair").await?;
     ensure!(n4 == node && n3 == node, "partitionable pods on {n4}, {n3}");
     let four: BTreeSet<_> = four.into_iter().collect();
