@@ -32,7 +32,22 @@ impl std::ops::Deref for Host {
     }
 }
 
+/// The fake DGX H100 both tests kill the plugin on.
+const TOPOLOGY: &str = "examples/topologies/dgx-h100.yaml";
+
 impl Host {
+    /// A host of the fake DGX H100 for the node `NODE` of `cp`, whose plugin starts with `extra`.
+    fn on(cp: &ControlPlane, prefix: &str, extra: Vec<std::ffi::OsString>) -> anyhow::Result<Host> {
+        let host = BinaryHost::new(
+            prefix,
+            cp.kubeconfig_path(),
+            &repo_path(TOPOLOGY),
+            DRIVER,
+            NODE,
+        )?;
+        Ok(Host(host, extra))
+    }
+
     fn registration_socket(&self) -> PathBuf {
         self.registry().join(format!("{DRIVER}-reg.sock"))
     }
@@ -141,17 +156,8 @@ async fn the_plugin_killed_at_every_step_recovers_to_prepared_once_or_cleanly_un
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
-    let topology = repo_path("examples/topologies/dgx-h100.yaml");
-    let host = Host(
-        BinaryHost::new(
-            "drust-fault-",
-            cp.kubeconfig_path(),
-            &topology,
-            DRIVER,
-            NODE,
-        )?,
-        Vec::new(),
-    );
+    let topology = repo_path(TOPOLOGY);
+    let host = Host::on(&cp, "drust-fault-", Vec::new())?;
     let names: Vec<String> =
         drust_e2e::plugin::fake_gpu_names(&topology).map_err(anyhow::Error::msg)?;
 
@@ -296,23 +302,18 @@ async fn several_shares_of_one_gpu_survive_a_kill_at_every_step_of_another_share
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
-    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let topology = repo_path(TOPOLOGY);
     // Fractional GPUs, with the fake MPS tool.
-    let host = Host(
-        BinaryHost::new(
-            "drust-fault-shares-",
-            cp.kubeconfig_path(),
-            &topology,
-            DRIVER,
-            NODE,
-        )?,
+    let host = Host::on(
+        &cp,
+        "drust-fault-shares-",
         vec![
             "--consumable-capacity".into(),
             "true".into(),
             "--mps-control-binary".into(),
             drust_fakes::mps_control().into(),
         ],
-    );
+    )?;
     let gpu = drust_e2e::plugin::fake_gpus(&topology).map_err(anyhow::Error::msg)?[0].clone();
     let mps = host
         .root()
