@@ -40,6 +40,10 @@ const BUILD_SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../../tests/scripts/build-node.sh"
 );
+const PACKAGES_SCRIPT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../tests/scripts/install-node-packages.sh"
+);
 const RUNC: &str = "/usr/sbin/runc";
 /// The machine-wide lock a running [`Node`] holds (an exclusive `flock`).
 pub const LOCK: &str = "/run/drust-node.lock";
@@ -75,8 +79,16 @@ fn failed(what: &str, e: impl std::fmt::Display) -> NodeError {
     NodeError::Failed(format!("{what}: {e}"))
 }
 
+/// The Debian packages the node needs, each with a file it installs.
+const PACKAGES: [(&str, &str); 3] = [
+    (RUNC, "runc"),
+    ("/usr/lib/cni/bridge", "containernetworking-plugins"),
+    (images::BUSYBOX, "busybox-static"),
+];
+
 /// Why this machine cannot run a node, if it cannot: root, overlayfs, runc, the CNI plugins
-/// and busybox are needed (`apt-get install runc containernetworking-plugins busybox-static`).
+/// and busybox are needed (`apt-get install runc containernetworking-plugins busybox-static`;
+/// [`ensure_packages`] does that).
 pub fn unsupported() -> Option<String> {
     if !nix::unistd::geteuid().is_root() {
         return Some("not root".into());
@@ -88,16 +100,40 @@ pub fn unsupported() -> Option<String> {
     {
         return Some("no overlayfs in /proc/filesystems".into());
     }
-    for (path, package) in [
-        (RUNC, "runc"),
-        ("/usr/lib/cni/bridge", "containernetworking-plugins"),
-        (images::BUSYBOX, "busybox-static"),
-    ] {
-        if !Path::new(path).exists() {
-            return Some(format!("{path} is missing: install Debian's {package}"));
-        }
+    PACKAGES
+        .iter()
+        .find(|(path, _)| !Path::new(path).exists())
+        .map(|(path, package)| format!("{path} is missing: install Debian's {package}"))
+}
+
+/// Installs the Debian packages the node needs when one is missing and this process is root,
+/// with `tests/scripts/install-node-packages.sh` (apt-get; it says so on stderr). Concurrent
+/// callers, in this process or in test binaries run side by side, share the script's lock: one
+/// installs, the others wait and find the packages there. Blocking (apt-get takes a minute or
+/// two on a fresh machine): call it from a blocking thread.
+///
+/// # Errors
+/// [`NodeError::Failed`] when the script fails, with its output.
+pub fn ensure_packages() -> Result<(), NodeError> {
+    let missing = PACKAGES.iter().any(|(path, _)| !Path::new(path).exists());
+    if !missing || !nix::unistd::geteuid().is_root() {
+        return Ok(());
     }
-    None
+    let out = std::process::Command::new(PACKAGES_SCRIPT)
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| failed(&format!("running {PACKAGES_SCRIPT}"), e))?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    eprint!("{said}");
+    if !out.status.success() {
+        return Err(failed(
+            &format!("{PACKAGES_SCRIPT} ({})", out.status),
+            said.trim(),
+        ));
+    }
+    Ok(())
 }
 
 /// A running node: containerd and the kubelet.
@@ -128,6 +164,8 @@ impl Node {
     /// workload images, and waits (up to 2 minutes) for the Node to be Ready; then removes the
     /// taints set at registration (the test control plane runs no node-lifecycle controller).
     ///
+    /// Missing Debian packages are installed first ([`ensure_packages`]).
+    ///
     /// # Errors
     /// [`NodeError::Unsupported`] when [`unsupported`] says so; [`NodeError::Failed`] otherwise.
     pub async fn start(
@@ -135,6 +173,9 @@ impl Node {
         name: &str,
         options: NodeOptions,
     ) -> Result<Self, NodeError> {
+        tokio::task::spawn_blocking(ensure_packages)
+            .await
+            .map_err(|e| failed("installing the node's packages", e))??;
         if let Some(why) = unsupported() {
             return Err(NodeError::Unsupported(why));
         }

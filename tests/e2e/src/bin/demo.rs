@@ -65,13 +65,9 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let why_not = if real_node {
-        if drust_e2e::node::unsupported().is_some_and(|why| why.contains("install Debian's")) {
-            // Root, but packages missing: install them as .ci/run does.
-            let script = repo_path("tests/scripts/install-node-packages.sh");
-            let status = std::process::Command::new(&script).status();
-            if !status.as_ref().is_ok_and(|s| s.success()) {
-                println!("{} failed: {status:?}", script.display());
-            }
+        // Root, but packages missing: install them as the tests do.
+        if let Err(e) = drust_e2e::node::ensure_packages() {
+            println!("{e}");
         }
         drust_e2e::node::unsupported()
     } else {
