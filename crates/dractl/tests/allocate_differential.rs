@@ -9,6 +9,12 @@
 //! Every node where the claims do not fit gets an explanation (`dra_allocator::explain`) that
 //! is checked mechanically against the inputs (`support::explained`).
 //!
+//! No verdict depends on how fast this machine is. The oracle runs each node under the
+//! scheduler's 10 s filter timeout; a scenario where upstream ran out of time has no answer
+//! from that run (upstream's search is exponential where ours is not, kubernetes#131730, and a
+//! loaded machine pushes a 7 s search past 10 s), so it is run again without a timeout, counted
+//! and printed. Our side runs without a deadline.
+//!
 //! `DRUST_ALLOC_SCENARIOS` (default 5000) and `DRUST_ALLOC_SEED` (default 1) make longer or other
 //! runs. Failing scenarios are written to `<target>/dractl-allocate/failures-<seed>.jsonl`, one
 //! JSON object per line with the objects, both answers and the differences.
@@ -27,6 +33,35 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// Runs the scenarios whose oracle report has a node out of time again, without a timeout, and
+/// puts those answers in their place; returns the answers and the IDs run again.
+fn answer_the_timed_out_without_a_timeout(
+    batch: &[(String, Vec<Value>)],
+    mut oracle: Vec<Answer>,
+) -> (Vec<Answer>, Vec<String>) {
+    let again: Vec<usize> = oracle
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| matches!(a, Answer::Report(r) if support::timed_out(r)))
+        .map(|(i, _)| i)
+        .collect();
+    if again.is_empty() {
+        return (oracle, Vec::new());
+    }
+    let subset: Vec<(String, Vec<Value>)> = again.iter().map(|&i| batch[i].clone()).collect();
+    let t = Instant::now();
+    let answers = support::oracle_batch(&subset, 1, std::time::Duration::ZERO);
+    eprintln!(
+        "untimed oracle on {} scenarios: {:.1?}",
+        again.len(),
+        t.elapsed()
+    );
+    for (&i, answer) in again.iter().zip(answers) {
+        oracle[i] = answer;
+    }
+    (oracle, subset.into_iter().map(|(id, _)| id).collect())
 }
 
 #[test]
@@ -64,7 +99,7 @@ fn generated_scenarios_allocate_like_upstream() {
                 (r, t.elapsed())
             });
             let t = Instant::now();
-            let oracle = support::oracle_batch(&batch, 1);
+            let oracle = support::oracle_batch(&batch, 1, support::FILTER_TIMEOUT);
             eprintln!("oracle: {:.1?}", t.elapsed());
             (
                 (oracle, ours.join().expect("our side panicked")),
@@ -74,6 +109,7 @@ fn generated_scenarios_allocate_like_upstream() {
             )
         });
     eprintln!("ours: {ours_time:.1?}");
+    let (oracle, untimed) = answer_the_timed_out_without_a_timeout(&batch, oracle);
 
     let mut failures = Vec::new();
     let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
@@ -146,6 +182,11 @@ fn generated_scenarios_allocate_like_upstream() {
         "{n} scenarios (seed {seed}): {agree} agree, {} disagree; oracle node outcomes {kinds:?}; {:.1?} in all",
         failures.len(),
         start.elapsed()
+    );
+    eprintln!(
+        "{} scenarios ran past upstream's {:?} filter timeout here and were answered by an untimed run: {untimed:?}",
+        untimed.len(),
+        support::FILTER_TIMEOUT
     );
     eprintln!(
         "of those agreeing, {known_140438} repeat a distinctAttribute value as upstream does \

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use dra_allocator::explain::{NodeExplanation, RequestFunnel, Stage};
-use dra_allocator::{AllocatedState, Allocator, Features, Interrupt, NodeReport, Objects, Options};
+use dra_allocator::{AllocatedState, Allocator, Features, Interrupt, NodeReport, Objects};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::Value;
 
@@ -28,7 +28,7 @@ pub struct Tally {
 
 /// The scenario's objects as `dractl allocate` reads and defaults them.
 fn objects(id: &str, scenario: &[Value]) -> Result<Objects, String> {
-    dractl::allocate::objects(super::read(id, scenario)?, &Options::default())
+    dractl::allocate::objects(super::read(id, scenario)?, &super::untimed())
         .map_err(|e| e.to_string())
 }
 
@@ -38,7 +38,7 @@ pub fn check(id: &str, scenario: &[Value], tally: &mut Tally) -> Vec<String> {
         Ok(o) => o,
         Err(e) => return vec![format!("explain: reading the scenario: {e}")],
     };
-    let options = Options::default();
+    let options = super::untimed();
     let allocated = dra_allocator::allocate(&objects, &options);
     let explained = dra_allocator::explain(&objects, &options);
     // One allocator for every request allocated alone: the same slices and claims in use.

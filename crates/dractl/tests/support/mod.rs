@@ -9,6 +9,7 @@ pub mod scenarios;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
@@ -38,14 +39,43 @@ pub enum Answer {
     Invalid(String),
 }
 
-/// Runs the oracle on scenarios (id, objects) in one batch process; answers in order.
-pub fn oracle_batch(scenarios: &[(String, Vec<Value>)], jobs: usize) -> Vec<Answer> {
+/// The scheduler's filter timeout (`DynamicResourcesArgs.filterTimeout`, 10 s by default).
+pub const FILTER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Our allocator's options for comparisons: no deadline, so that no answer depends on how fast
+/// this machine is at the moment (the deadline's own behaviour has its tests in
+/// `dra-allocator/tests/interrupt.rs`).
+pub fn untimed() -> dractl::allocate::Options {
+    dractl::allocate::Options {
+        timeout: Duration::ZERO,
+        ..Default::default()
+    }
+}
+
+/// Whether the oracle's report has a node that ran out of time (`timed out trying to allocate
+/// devices`): no answer for that node, only a sign of how busy the machine was.
+pub fn timed_out(report: &Value) -> bool {
+    report["nodes"].as_array().into_iter().flatten().any(|n| {
+        n["error"]
+            .as_str()
+            .is_some_and(|e| e.ends_with("timed out trying to allocate devices"))
+    })
+}
+
+/// Runs the oracle on scenarios (id, objects) in one batch process, each node with `timeout`
+/// (zero: none); answers in order.
+pub fn oracle_batch(
+    scenarios: &[(String, Vec<Value>)],
+    jobs: usize,
+    timeout: Duration,
+) -> Vec<Answer> {
     let path = out_dir().join(format!("oracle-input-{}.jsonl", std::process::id()));
+    let timeout = format!("{}ms", timeout.as_millis());
     {
         let mut f =
             std::io::BufWriter::new(std::fs::File::create(&path).expect("create batch file"));
         for (id, objects) in scenarios {
-            let line = json!({"id": id, "objects": objects});
+            let line = json!({"id": id, "objects": objects, "timeout": timeout});
             writeln!(f, "{line}").expect("write batch file");
         }
     }
@@ -78,9 +108,9 @@ pub fn oracle_batch(scenarios: &[(String, Vec<Value>)], jobs: usize) -> Vec<Answ
     answers
 }
 
-/// Our side: the objects read as `dractl allocate` reads them, then allocated.
+/// Our side: the objects read as `dractl allocate` reads them, then allocated ([`untimed`]).
 pub fn ours(id: &str, objects: &[Value]) -> Result<Value, String> {
-    ours_with(id, objects, &dractl::allocate::Options::default())
+    ours_with(id, objects, &untimed())
 }
 
 /// [`ours`] with other options.
