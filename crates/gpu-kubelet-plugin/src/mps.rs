@@ -775,7 +775,7 @@ exec sleep 3600
         let mut mps = control(&tmp.path().join("mps"));
         mps.binary = tool;
         mps.start_timeout = Duration::from_millis(500);
-        let started = std::time::Instant::now();
+        // The tool never answers (it sleeps an hour): an answer at all is the timeout's.
         let err = mps
             .start(
                 "uid-3",
@@ -788,11 +788,6 @@ exec sleep 3600
             .await
             .expect_err("a hung tool");
         assert!(matches!(err, MpsError::Timeout { .. }), "{err}");
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "took {:?}",
-            started.elapsed()
-        );
         assert!(!tmp.path().join("mps/uid-3").exists());
     }
 

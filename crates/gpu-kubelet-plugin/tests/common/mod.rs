@@ -3,10 +3,10 @@
 
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use dra_kubelet::ClaimRef;
@@ -81,21 +81,39 @@ impl Claims {
     }
 }
 
-/// Hardware whose actions take a scripted time per device, can fail, and are recorded.
+/// Hardware whose prepare of a held device waits until the test releases it, can fail, and
+/// records its calls.
 #[derive(Default)]
 pub struct ScriptedHardware {
-    pub delays: Mutex<HashMap<String, Duration>>,
+    /// GPUs whose prepare waits in [`ScriptedHardware::release`] (by GPU name).
+    pub held: Mutex<HashSet<String>>,
+    pub released: Condvar,
     pub failing: Mutex<HashSet<String>>,
     pub calls: Mutex<Vec<String>>,
+}
+
+impl ScriptedHardware {
+    /// Makes the prepare of GPU `name` wait until [`ScriptedHardware::release`].
+    pub fn hold(&self, name: &str) {
+        self.held.lock().unwrap().insert(name.to_owned());
+    }
+
+    /// Lets every held prepare go on.
+    pub fn release(&self) {
+        self.held.lock().unwrap().clear();
+        self.released.notify_all();
+    }
 }
 
 impl Hardware for ScriptedHardware {
     fn prepare(&self, device: &NodeDevice) -> Result<Option<CreatedMig>, HardwareError> {
         let gpu = device.gpu();
-        let delay = self.delays.lock().unwrap().get(&gpu.name).copied();
-        if let Some(d) = delay {
-            std::thread::sleep(d);
-        }
+        let held = self.held.lock().unwrap();
+        drop(
+            self.released
+                .wait_while(held, |held| held.contains(&gpu.name))
+                .unwrap(),
+        );
         self.calls
             .lock()
             .unwrap()
