@@ -361,23 +361,42 @@ fn decode<T: DeserializeOwned + serde::Serialize>(value: &Value) -> Result<T, St
     Ok(typed)
 }
 
-/// Splits a file into documents: a JSON stream when it starts with `{`, else YAML documents
-/// (an empty document is `null`). Duplicate keys are refused. On failure: the index of the
-/// failing document and the message.
+/// Splits a file into documents as kubectl reads a file (apimachinery's `YAMLOrJSONDecoder`,
+/// `k8s.io/apimachinery/pkg/util/yaml/decoder.go`): a JSON stream when it starts with `{`, else
+/// YAML documents (an empty document is `null`). A stream that starts as JSON but fails to
+/// parse as JSON after at most one object (`{...}` then `---`, a YAML stream whose documents are
+/// written as JSON) is read as YAML from where the JSON objects ended; after two JSON objects it
+/// is a JSON stream and its error stands. Duplicate keys are refused. On failure: the index of
+/// the failing document and the message.
 fn split_documents(text: &str) -> Result<Vec<Value>, (usize, String)> {
     let trimmed = text.trim_start_matches(|c: char| c.is_whitespace() || c == '\u{feff}');
     let mut docs = Vec::new();
+    let mut rest = text;
     if trimmed.starts_with('{') {
-        let stream = serde_json::Deserializer::from_str(trimmed).into_iter::<strict::NoDupValue>();
-        for v in stream {
-            match v {
-                Ok(v) => docs.push(v.0),
-                Err(e) => return Err((docs.len(), format!("parsing JSON: {e}"))),
+        let mut stream =
+            serde_json::Deserializer::from_str(trimmed).into_iter::<strict::NoDupValue>();
+        loop {
+            let consumed = stream.byte_offset();
+            match stream.next() {
+                None => return Ok(docs),
+                Some(Ok(v)) => docs.push(v.0),
+                Some(Err(e)) if docs.len() > 1 => {
+                    return Err((docs.len(), format!("parsing JSON: {e}")));
+                }
+                Some(Err(_)) => {
+                    // As upstream: the blanks after the last object, through the first line
+                    // break, are not YAML's to read.
+                    let after = &trimmed[consumed..];
+                    let blanks = after.len() - after.trim_start_matches([' ', '\t', '\r']).len();
+                    rest = after[blanks..]
+                        .strip_prefix('\n')
+                        .unwrap_or(&after[blanks..]);
+                    break;
+                }
             }
         }
-        return Ok(docs);
     }
-    for doc in serde_yaml_ng::Deserializer::from_str(text) {
+    for doc in serde_yaml_ng::Deserializer::from_str(rest) {
         match <strict::NoDupValue as serde::Deserialize>::deserialize(doc) {
             Ok(v) => docs.push(v.0),
             Err(e) => return Err((docs.len(), format!("parsing YAML: {e}"))),
