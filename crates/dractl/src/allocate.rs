@@ -69,7 +69,7 @@ pub fn render(report: &Report, format: Format) -> Result<String, String> {
         Format::Json => serde_json::to_string(report)
             .map(|s| s + "\n")
             .map_err(|e| e.to_string()),
-        Format::Yaml => serde_yaml_ng::to_string(report).map_err(|e| e.to_string()),
+        Format::Yaml => gpu_inventory::yaml::to_string(report),
         Format::Table => Ok(table(report)),
     }
 }

@@ -398,9 +398,7 @@ fn simulate(
         dractl::explain::Format::Json => serde_json::to_string(&simulation)
             .map(|s| s + "\n")
             .map_err(|e| e.to_string()),
-        dractl::explain::Format::Yaml => {
-            serde_yaml_ng::to_string(&simulation).map_err(|e| e.to_string())
-        }
+        dractl::explain::Format::Yaml => gpu_inventory::yaml::to_string(&simulation),
     };
     print("simulate", rendered)
 }

@@ -53,6 +53,7 @@ pub mod shares;
 pub mod slices;
 pub mod sysfs;
 pub mod validate;
+pub mod yaml;
 
 pub use backend::{BackendError, GpuBackend, GpuState, RawGpu, SystemInfo};
 pub use fake::{FakeBackend, Topology, TopologyError};

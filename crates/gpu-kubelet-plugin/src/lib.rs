@@ -266,9 +266,7 @@ pub fn write_dry_run(
             let mut text = String::new();
             for s in &slices {
                 text.push_str("---\n");
-                text.push_str(
-                    &serde_yaml_ng::to_string(s).map_err(|e| Error::Output(e.to_string()))?,
-                );
+                text.push_str(&gpu_inventory::yaml::to_string(s).map_err(Error::Output)?);
             }
             text
         }
@@ -344,8 +342,7 @@ pub async fn run(
                 system: backend.system()?,
                 gpus: inventory.gpus.iter().map(|g| g.raw.clone()).collect(),
             };
-            let text =
-                serde_yaml_ng::to_string(&topology).map_err(|e| Error::Output(e.to_string()))?;
+            let text = gpu_inventory::yaml::to_string(&topology).map_err(Error::Output)?;
             std::fs::write(path, text)
                 .map_err(|e| Error::Output(format!("{}: {e}", path.display())))?;
         }

@@ -178,6 +178,44 @@ fn json_output_is_an_array_of_resource_slices_equal_to_the_yaml() {
     assert!(json.contains("\"apiVersion\": \"resource.k8s.io/v1\""));
 }
 
+/// Every topology's YAML, read by PyYAML (a YAML 1.1 reader, as many CI tools and Ruby are),
+/// says exactly what the JSON output says: no PCI bus ID read as a base-60 number, no string
+/// read as a bool or date. PyYAML is part of the machine's Python; missing, the test fails.
+#[test]
+fn yaml_output_reads_the_same_in_a_yaml_1_1_reader_as_the_json() {
+    const PYYAML: &str = "import json, sys, yaml\n\
+        json.dump([d for d in yaml.safe_load_all(sys.stdin) if d is not None], sys.stdout)";
+    for (topology, strategies) in TOPOLOGIES {
+        for strategy in *strategies {
+            let file = format!("examples/topologies/{topology}.yaml");
+            let json = dry_run(&file, &["--mig-strategy", strategy, "-o", "json"]);
+            let yaml = dry_run(&file, &["--mig-strategy", strategy, "-o", "yaml"]);
+            let mut python = Command::new("python3")
+                .args(["-c", PYYAML])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("python3 runs");
+            std::io::Write::write_all(&mut python.stdin.take().expect("stdin"), yaml.as_bytes())
+                .expect("write to python3");
+            let out = python.wait_with_output().expect("python3 ends");
+            assert!(
+                out.status.success(),
+                "{topology} ({strategy}): PyYAML: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let read_by_pyyaml: serde_json::Value =
+                serde_json::from_slice(&out.stdout).expect("JSON from python3");
+            let from_json: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+            assert_eq!(
+                read_by_pyyaml, from_json,
+                "{topology} ({strategy}): PyYAML reads the YAML output otherwise"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_bad_topology_is_a_clear_error_naming_the_file() {
     let dir = tempfile::tempdir().expect("tempdir");
