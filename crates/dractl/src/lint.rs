@@ -13,10 +13,14 @@
 //!   (`gpu_kubelet_plugin::claim_config::check_parameters`).
 //! - `unsatisfiable`: a claim (or a template's claim) that fits on no node of any known
 //!   topology, with the allocator's reason for the closest one. Known topologies: the fake
-//!   machines of `examples/topologies` (built into the binary), published in both MIG
-//!   strategies. Skipped where a request names a DeviceClass that is neither in the files nor one
-//!   the chart installs for this driver, and for a claim with another finding (it fails for that
-//!   first).
+//!   machines of `examples/topologies` (built into the binary), and a machine of 8 GPUs of each
+//!   model the driver knows ([`MODELS`]: every product of its built-in MIG tables), MIG off and
+//!   MIG on; each published as the plugin publishes it (existing MIG devices, partitionable
+//!   placements, shares). Skipped where a request names a DeviceClass that is neither in the
+//!   files nor one the chart installs for this driver, and for a claim with another finding (it
+//!   fails for that first).
+//! - `examples` (a warning, exit status 0): a claim that fits only a machine of a known model,
+//!   none of the example machines: valid, but nothing in this repository shows it running.
 //!
 //! Other kinds in the files (Pods, Namespaces, ...) are skipped and counted.
 
@@ -67,6 +71,90 @@ const TOPOLOGIES: [(&str, &str); 7] = [
     ),
 ];
 
+/// A GPU model as NVML reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct Model {
+    /// `nvmlDeviceGetName`.
+    pub product: &'static str,
+    /// `nvmlDeviceGetArchitecture`.
+    pub architecture: &'static str,
+    /// CUDA compute capability (major, minor).
+    pub compute_capability: (u32, u32),
+    /// Total memory, bytes.
+    pub memory_bytes: u64,
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+}
+
+const fn model(
+    product: &'static str,
+    architecture: &'static str,
+    compute_capability: (u32, u32),
+    memory_bytes: u64,
+    multiprocessors: u32,
+) -> Model {
+    Model {
+        product,
+        architecture,
+        compute_capability,
+        memory_bytes,
+        multiprocessors,
+    }
+}
+
+/// The GPU models the driver knows beyond the example machines: every product of its built-in
+/// MIG tables (`gpu_inventory::mig_tables`).
+pub const MODELS: [Model; 5] = [
+    model(
+        "NVIDIA A100-SXM4-40GB",
+        "Ampere",
+        (8, 0),
+        42_949_672_960,
+        108,
+    ),
+    model(
+        "NVIDIA A100-PCIE-40GB",
+        "Ampere",
+        (8, 0),
+        42_949_672_960,
+        108,
+    ),
+    model(
+        "NVIDIA A100-SXM4-80GB",
+        "Ampere",
+        (8, 0),
+        85_899_345_920,
+        108,
+    ),
+    model(
+        "NVIDIA A100 80GB PCIe",
+        "Ampere",
+        (8, 0),
+        85_899_345_920,
+        108,
+    ),
+    model(
+        "NVIDIA H100 80GB HBM3",
+        "Hopper",
+        (9, 0),
+        85_520_809_984,
+        132,
+    ),
+];
+
+/// GPUs in each machine made of one of [`MODELS`].
+const MODEL_MACHINE_GPUS: u32 = 8;
+
+/// How much a finding matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Severity {
+    /// The object would fail or never run: exit status 1.
+    Error,
+    /// Worth knowing, not wrong: exit status 0.
+    Warning,
+}
+
 /// One problem.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Finding {
@@ -76,8 +164,11 @@ pub struct Finding {
     pub object: String,
     /// The field path.
     pub field: String,
-    /// `cel`, `attribute`, `config`, `unsatisfiable` or `decode`.
+    /// `cel`, `attribute`, `config`, `unsatisfiable`, `decode` (errors) or `examples` (a
+    /// warning).
     pub check: &'static str,
+    /// Error or warning.
+    pub severity: Severity,
     /// What is wrong.
     pub message: String,
 }
@@ -96,26 +187,41 @@ pub struct Report {
 }
 
 impl Report {
+    /// Whether a finding is an error (the exit status is then 1).
+    pub fn failed(&self) -> bool {
+        self.findings.iter().any(|f| f.severity == Severity::Error)
+    }
+
     /// The human form: one line per finding, then a summary line.
     pub fn text(&self) -> String {
         let mut out = String::new();
         for f in &self.findings {
+            let warning = if f.severity == Severity::Warning {
+                "warning "
+            } else {
+                ""
+            };
             out.push_str(&format!(
-                "{} ({}): {}: [{}] {}\n",
+                "{} ({}): {}: {warning}[{}] {}\n",
                 f.location, f.object, f.field, f.check, f.message
             ));
         }
+        let warnings = self
+            .findings
+            .iter()
+            .filter(|f| f.severity == Severity::Warning)
+            .count();
+        let count = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
         out.push_str(&format!(
-            "{} object{} checked for driver {} ({} other document{} skipped): {}\n",
-            self.checked,
-            if self.checked == 1 { "" } else { "s" },
+            "{} checked for driver {} ({} skipped): {}\n",
+            count(self.checked, "object"),
             self.driver,
-            self.skipped,
-            if self.skipped == 1 { "" } else { "s" },
-            match self.findings.len() {
-                0 => "clean".to_owned(),
-                1 => "1 finding".to_owned(),
-                n => format!("{n} findings"),
+            count(self.skipped, "other document"),
+            match (self.findings.len() - warnings, warnings) {
+                (0, 0) => "clean".to_owned(),
+                (0, w) => count(w, "warning"),
+                (e, 0) => count(e, "finding"),
+                (e, w) => format!("{}, {}", count(e, "finding"), count(w, "warning")),
             }
         ));
         out
@@ -126,6 +232,10 @@ impl Report {
 struct Known {
     driver: String,
     nodes: Vec<Node>,
+    /// The nodes made of the example machines.
+    examples: BTreeSet<String>,
+    /// The nodes made of [`MODELS`], with what they are, for messages.
+    models: BTreeMap<String, String>,
     slices: Vec<ResourceSlice>,
     /// (attributes or capacity, domain) -> names.
     names: BTreeMap<(&'static str, String), BTreeSet<String>>,
@@ -143,6 +253,8 @@ impl Known {
         let mut known = Known {
             driver: driver.to_owned(),
             nodes: Vec::new(),
+            examples: BTreeSet::new(),
+            models: BTreeMap::new(),
             slices: Vec::new(),
             names: BTreeMap::new(),
             classes: Vec::new(),
@@ -150,38 +262,20 @@ impl Known {
         for (name, yaml) in TOPOLOGIES {
             let topology = gpu_inventory::Topology::parse(yaml, name)
                 .map_err(|e| InputError::general(format!("built-in topology {name}: {e}")))?;
-            let backend = gpu_inventory::FakeBackend::new(topology);
-            let inventory = gpu_inventory::discover_with(&backend, naming)
-                .map_err(|e| InputError::general(format!("built-in topology {name}: {e}")))?;
-            // Each machine as the plugin publishes it: existing MIG devices, partitionable
-            // placements, and fractional GPUs (consumable capacity, `--consumable-capacity`).
-            for (strategy, shares, node) in [
-                (gpu_inventory::MigStrategy::Existing, false, name.to_owned()),
-                (
-                    gpu_inventory::MigStrategy::Partitionable,
-                    false,
-                    format!("{name}-partitionable"),
-                ),
-                (
-                    gpu_inventory::MigStrategy::Existing,
-                    true,
-                    format!("{name}-shares"),
-                ),
-            ] {
-                let mut pool = inventory.pool(strategy);
-                if shares {
-                    gpu_inventory::shares::publish_shares(&mut pool);
-                }
-                known.nodes.push(Node {
-                    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-                        name: Some(node.clone()),
-                        ..Default::default()
-                    },
-                    ..Default::default()
-                });
-                for mut slice in gpu_inventory::slices::pool_slices(driver, &node, 1, &pool) {
-                    slice.metadata.name = slice.metadata.generate_name.take();
-                    known.slices.push(slice);
+            for node in known.publish(name, topology, naming)? {
+                known.examples.insert(node);
+            }
+        }
+        for (i, model) in MODELS.iter().enumerate() {
+            for mig in [false, true] {
+                let name = format!("model-{i}-mig-{}", if mig { "on" } else { "off" });
+                let what = format!(
+                    "{MODEL_MACHINE_GPUS} x {}, MIG {}",
+                    model.product,
+                    if mig { "on" } else { "off" }
+                );
+                for node in known.publish(&name, model_machine(model, mig, &name)?, naming)? {
+                    known.models.insert(node, what.clone());
                 }
             }
         }
@@ -225,6 +319,88 @@ impl Known {
         }
         Ok(known)
     }
+}
+
+impl Known {
+    /// Publishes `topology` as the plugin would (existing MIG devices, partitionable
+    /// placements, shares), one node each, named after `name`; returns the node names.
+    fn publish(
+        &mut self,
+        name: &str,
+        topology: gpu_inventory::Topology,
+        naming: gpu_inventory::Naming,
+    ) -> Result<Vec<String>, InputError> {
+        let backend = gpu_inventory::FakeBackend::new(topology);
+        let inventory = gpu_inventory::discover_with(&backend, naming)
+            .map_err(|e| InputError::general(format!("built-in topology {name}: {e}")))?;
+        let mut names = Vec::new();
+        for (strategy, shares, node) in [
+            (gpu_inventory::MigStrategy::Existing, false, name.to_owned()),
+            (
+                gpu_inventory::MigStrategy::Partitionable,
+                false,
+                format!("{name}-partitionable"),
+            ),
+            (
+                gpu_inventory::MigStrategy::Existing,
+                true,
+                format!("{name}-shares"),
+            ),
+        ] {
+            let mut pool = inventory.pool(strategy);
+            if shares {
+                gpu_inventory::shares::publish_shares(&mut pool);
+            }
+            self.nodes.push(Node {
+                metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                    name: Some(node.clone()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            });
+            for mut slice in gpu_inventory::slices::pool_slices(&self.driver, &node, 1, &pool) {
+                slice.metadata.name = slice.metadata.generate_name.take();
+                self.slices.push(slice);
+            }
+            names.push(node);
+        }
+        Ok(names)
+    }
+}
+
+/// A machine of [`MODEL_MACHINE_GPUS`] GPUs of `model` ([`MODELS`]), MIG off or on (no MIG
+/// device created: partitionable mode publishes every placement of the built-in table).
+fn model_machine(
+    model: &Model,
+    mig: bool,
+    name: &str,
+) -> Result<gpu_inventory::Topology, InputError> {
+    let (major, minor) = model.compute_capability;
+    let gpus: Vec<Value> = (0..MODEL_MACHINE_GPUS)
+        .map(|g| {
+            json!({
+                "index": g,
+                "minor": g,
+                "uuid": format!("GPU-00000000-0000-4000-8000-{:012x}", g),
+                "name": model.product,
+                "brand": "Nvidia",
+                "architecture": model.architecture,
+                "cudaComputeCapabilityMajor": major,
+                "cudaComputeCapabilityMinor": minor,
+                "memoryTotalBytes": model.memory_bytes,
+                "multiprocessorCount": model.multiprocessors,
+                "pciBusId": format!("00000000:{:02x}:00.0", 0x10 + g),
+                "numaNode": g / 4,
+                "migMode": if mig { "enabled" } else { "disabled" },
+            })
+        })
+        .collect();
+    let topology = json!({
+        "system": {"driverVersion": "580.95.05", "cudaDriverVersion": 13000},
+        "gpus": gpus,
+    });
+    gpu_inventory::Topology::parse(&topology.to_string(), name)
+        .map_err(|e| InputError::general(format!("built-in model machine {name}: {e}")))
 }
 
 /// One object to check, decoded.
@@ -297,6 +473,7 @@ pub fn lint_values(docs: Vec<(Location, Value)>, driver: &str) -> Result<Report,
                 object,
                 field: "(object)".into(),
                 check: "decode",
+                severity: Severity::Error,
                 message: e.to_string(),
             }),
         }
@@ -371,11 +548,16 @@ struct Lint<'a> {
 
 impl Lint<'_> {
     fn find(&mut self, field: String, check: &'static str, message: String) {
+        self.report(field, check, Severity::Error, message);
+    }
+
+    fn report(&mut self, field: String, check: &'static str, severity: Severity, message: String) {
         self.findings.push(Finding {
             location: self.location.clone(),
             object: self.object.to_owned(),
             field,
             check,
+            severity,
             message,
         });
     }
@@ -527,7 +709,22 @@ impl Lint<'_> {
         // As the API server stores them (allocationMode ExactCount, count 1, ...).
         dra_allocator::apply_defaults(&mut objects);
         let report = dra_allocator::explain(&objects, &dra_allocator::Options::default());
-        if report.nodes.iter().any(|n| n.fits) {
+        let mut fits = report.nodes.iter().filter(|n| n.fits).map(|n| &n.name);
+        let fits_a_model = match fits.clone().find(|n| self.known.examples.contains(*n)) {
+            Some(_) => return,
+            None => fits.find_map(|n| self.known.models.get(n)),
+        };
+        if let Some(model) = fits_a_model {
+            self.report(
+                format!("{prefix}.devices"),
+                "examples",
+                Severity::Warning,
+                format!(
+                    "fits none of the {} example machines of examples/topologies; it fits a \
+                     machine of {model}, a model the driver knows",
+                    TOPOLOGIES.len()
+                ),
+            );
             return;
         }
         // The closest node: the one whose requests kept the most devices where they stopped,
@@ -562,8 +759,11 @@ impl Lint<'_> {
             "unsatisfiable",
             format!(
                 "no known topology can satisfy this claim: it fits on none of the {} fake \
-                 machines of examples/topologies as the plugin publishes them (either MIG strategy, or shares){reason}",
-                TOPOLOGIES.len()
+                 machines of examples/topologies nor a machine of {MODEL_MACHINE_GPUS} GPUs of \
+                 any of the {} models the driver knows, as the plugin publishes them (either MIG \
+                 strategy, or shares){reason}",
+                TOPOLOGIES.len(),
+                MODELS.len()
             ),
         );
     }
@@ -618,5 +818,42 @@ mod tests {
                 ("capacity", "gpu.drust.dev".to_owned(), "memory".to_owned()),
             ]
         );
+    }
+
+    #[test]
+    fn the_known_models_are_the_mig_tables_products_and_agree_with_the_example_machines() {
+        let models: BTreeSet<&str> = MODELS.iter().map(|m| m.product).collect();
+        let products: BTreeSet<&str> = gpu_inventory::mig_tables::builtin_products().collect();
+        assert_eq!(models, products, "a model per built-in MIG table");
+        let mut compared = 0;
+        for (name, yaml) in TOPOLOGIES {
+            let topology = gpu_inventory::Topology::parse(yaml, name).unwrap();
+            for gpu in &topology.gpus {
+                let Some(m) = MODELS.iter().find(|m| m.product == gpu.name) else {
+                    continue;
+                };
+                assert_eq!(
+                    (
+                        m.architecture,
+                        m.compute_capability,
+                        m.memory_bytes,
+                        m.multiprocessors
+                    ),
+                    (
+                        gpu.architecture.as_str(),
+                        (
+                            gpu.cuda_compute_capability_major,
+                            gpu.cuda_compute_capability_minor
+                        ),
+                        gpu.memory_total_bytes,
+                        gpu.multiprocessor_count
+                    ),
+                    "{name}: {}",
+                    gpu.name
+                );
+                compared += 1;
+            }
+        }
+        assert!(compared > 0);
     }
 }

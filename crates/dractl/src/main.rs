@@ -236,7 +236,7 @@ fn main() -> anyhow::Result<()> {
                     LintFormat::Json => serde_json::to_string_pretty(&report)? + "\n",
                 };
                 print!("{out}");
-                i32::from(!report.findings.is_empty())
+                i32::from(report.failed())
             }
             Err(e) => {
                 eprintln!("dractl lint: {e}");

@@ -271,3 +271,54 @@ fn selectors_the_api_server_would_refuse_for_length_or_cost_are_findings() {
         );
     }
 }
+
+/// A claim for MIG profiles of a model the driver knows (its built-in MIG tables) but no example
+/// machine has: valid, so at most a warning (exit status 0), never "unsatisfiable". A profile
+/// no model has stays an error.
+#[test]
+fn a_claim_for_a_known_model_no_example_machine_has_is_a_warning_not_an_error() {
+    let claim = |profiles: &[&str]| {
+        let requests: Vec<String> = profiles
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                format!(
+                    "      - name: mig-{i}\n        exactly:\n          deviceClassName: mig.drust.dev\n          selectors:\n          - cel:\n              expression: device.attributes[\"gpu.drust.dev\"].profile == \"{p}\"\n"
+                )
+            })
+            .collect();
+        format!(
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: a100-40gb-mig\n  namespace: default\nspec:\n  devices:\n    requests:\n{}",
+            requests.concat()
+        )
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let known = dir.path().join("a100-40gb-mig.yaml");
+    std::fs::write(&known, claim(&["1g.5gb", "2g.10gb", "3g.20gb"])).expect("write");
+    let out = lint(std::slice::from_ref(&known), &[]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains("warning [examples] fits none of the 7 example machines")
+            && stdout.contains("NVIDIA A100-")
+            && stdout.contains("40GB, MIG on, a model the driver knows")
+            && stdout.ends_with(
+                "1 object checked for driver gpu.drust.dev (0 other documents skipped): 1 warning\n"
+            ),
+        "{stdout}"
+    );
+    let json = lint(std::slice::from_ref(&known), &["-o", "json"]);
+    assert_eq!(json.status.code(), Some(0));
+    let report: Value = serde_json::from_slice(&json.stdout).expect("JSON");
+    assert_eq!(report["findings"][0]["severity"], "warning", "{report}");
+
+    let unknown = dir.path().join("no-such-profile.yaml");
+    std::fs::write(&unknown, claim(&["1g.5gb", "5g.50gb"])).expect("write");
+    let out = lint(std::slice::from_ref(&unknown), &[]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains("[unsatisfiable] no known topology can satisfy this claim"),
+        "{stdout}"
+    );
+}
