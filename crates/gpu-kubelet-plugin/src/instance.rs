@@ -333,7 +333,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!waiter.is_finished(), "acquired while held");
         drop(first);
-        let second = tokio::time::timeout(Duration::from_secs(5), waiter)
+        let second = tokio::time::timeout(Duration::from_secs(60), waiter)
             .await
             .expect("acquired after release")
             .unwrap()

@@ -1367,7 +1367,7 @@ mod tests {
             c.claims.insert("u2".into(), record("second"));
             Ok(())
         });
-        tokio::time::timeout(Duration::from_secs(5), next)
+        tokio::time::timeout(Duration::from_secs(60), next)
             .await
             .expect("the group commit is not wedged")
             .expect("stored");
