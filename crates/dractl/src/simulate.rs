@@ -16,7 +16,7 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimStatus};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::objects::{InputError, Location, Reader};
+use crate::objects::{InputError, Reader};
 
 /// Most pods simulated when `--count` is not given.
 pub const MAX_PODS: usize = 10_000;
@@ -62,15 +62,9 @@ pub fn templates(files: &[String]) -> Result<Vec<ResourceClaim>, InputError> {
     let mut reader = Reader::new();
     let mut found = 0;
     for file in files {
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| InputError::general(format!("{file}: {e}")))?;
-        for (document, doc) in serde_yaml_ng::Deserializer::from_str(&text).enumerate() {
-            let value: Value = serde::Deserialize::deserialize(doc).map_err(|e| {
-                InputError::general(format!("{file}: document {}: {e}", document + 1))
-            })?;
-            if value.is_null() {
-                continue;
-            }
+        // Every stream kubectl reads, `List`s expanded (`crate::objects::documents`).
+        let text = crate::objects::read_input(file)?;
+        for (location, value) in crate::objects::documents(file, &text)? {
             let claim = match value.get("kind").and_then(Value::as_str) {
                 Some("ResourceClaimTemplate") => serde_json::json!({
                     "apiVersion": "resource.k8s.io/v1",
@@ -85,20 +79,12 @@ pub fn templates(files: &[String]) -> Result<Vec<ResourceClaim>, InputError> {
                 Some("ResourceClaim") => value,
                 other => {
                     return Err(InputError::general(format!(
-                        "{file}: document {}: kind {other:?}: expected a ResourceClaimTemplate or ResourceClaim",
-                        document + 1
+                        "{location}: kind {other:?}: expected a ResourceClaimTemplate or ResourceClaim"
                     )));
                 }
             };
             found += 1;
-            reader.read_value(
-                Location {
-                    file: file.clone(),
-                    document,
-                    item: None,
-                },
-                claim,
-            )?;
+            reader.read_value(location, claim)?;
         }
     }
     if found == 0 {

@@ -186,3 +186,35 @@ fn a_stream_of_two_json_objects_stays_json_as_in_kubectl() {
         "{e}"
     );
 }
+
+/// `dractl simulate --claim-template` reads its files the same way: each form gives the same
+/// claims.
+#[test]
+fn claim_templates_for_simulate_are_read_in_every_form() {
+    let template = |name: &str| {
+        json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"spec": {"devices": {"requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": "gpu.drust.dev"}}
+            ]}}},
+        })
+    };
+    let templates = [template("one"), template("two")];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut read = Vec::new();
+    for (i, (form, text)) in forms(&templates).into_iter().enumerate() {
+        let path = dir.path().join(format!("templates-{i}"));
+        std::fs::write(&path, &text).expect("write form");
+        let claims = dractl::simulate::templates(&[path.display().to_string()])
+            .unwrap_or_else(|e| panic!("{form}: {e}\n{text}"));
+        let names: Vec<_> = claims
+            .iter()
+            .map(|c| c.metadata.name.clone().unwrap_or_default())
+            .collect();
+        assert_eq!(names, ["one", "two"], "{form}");
+        read.push(serde_json::to_value(&claims).expect("JSON"));
+    }
+    assert!(read.windows(2).all(|w| w[0] == w[1]), "the forms differ");
+}
