@@ -17,6 +17,17 @@ if [[ -x "$bin" && -f "$cache/.complete" ]]; then
   exit 0
 fi
 
+# Test threads and runs side by side may ask at once: one builds, the others wait for it and
+# then find it cached.
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+flock 9
+if [[ -x "$bin" && -f "$cache/.complete" ]]; then
+  echo "helm ${helm_version}: cached in $cache" >&2
+  echo "$bin"
+  exit 0
+fi
+
 echo "helm ${helm_version}: building into $cache (first run only; ~5 CPU-minutes plus module downloads)" >&2
 mkdir -p "$cache"
 tmp=$(mktemp -d "$cache/.build.XXXXXX")

@@ -24,6 +24,17 @@ if [[ -f "$cache/.complete" ]]; then
   exit 0
 fi
 
+# Test threads and runs side by side may ask at once: one builds, the others wait for it and
+# then find it cached.
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+flock 9
+if [[ -f "$cache/.complete" ]]; then
+  echo "node ${k8s_version} + containerd ${containerd_version}: cached in $cache" >&2
+  echo "$cache"
+  exit 0
+fi
+
 echo "node: building kubelet ${k8s_version} and containerd ${containerd_version} into $cache (first run only; ~15 min on 2 cores)" >&2
 mkdir -p "$cache"
 tmp=$(mktemp -d "$cache/.build.XXXXXX")
