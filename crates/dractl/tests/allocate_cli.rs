@@ -13,9 +13,7 @@ use cli::text;
 
 /// The README's example inputs.
 fn example_files() -> Vec<PathBuf> {
-    let mut files = cli::cluster();
-    files.push(cli::repo().join("examples/allocate/pod-claims.yaml"));
-    files
+    cli::allocate_example()
 }
 
 fn dractl(files: &[PathBuf], extra: &[&str]) -> Output {
@@ -187,16 +185,7 @@ fn raw_objects(docs: &[Value]) -> dra_allocator::Objects {
 
 #[test]
 fn random_damage_to_valid_input_never_panics_and_stays_bounded() {
-    let documents: Vec<Value> = example_files()
-        .iter()
-        .flat_map(|f| {
-            let text = std::fs::read_to_string(f).expect("read example");
-            serde_yaml_ng::Deserializer::from_str(&text)
-                .map(|d| <Value as serde::Deserialize>::deserialize(d).expect("YAML"))
-                .filter(|v| !v.is_null())
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let documents: Vec<Value> = cli::yaml_documents(&example_files());
     let mut rng = Rng(0x5eed);
     let mut outcomes = [0usize; 2];
     // Bounded by the allocator's deadline: a damaged input that set off a long search ends

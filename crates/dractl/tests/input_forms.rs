@@ -14,17 +14,8 @@ use serde_json::{Value, json};
 /// The README's example objects (cluster, DeviceClass, slices, the pod's claims), in order. The
 /// slices' `generateName` becomes their name (the oracle has no API server to generate one).
 fn objects() -> Vec<Value> {
-    let mut files = cli::cluster();
-    files.push(cli::repo().join("examples/allocate/pod-claims.yaml"));
-    files
-        .iter()
-        .flat_map(|f| {
-            let text = std::fs::read_to_string(f).expect("read example");
-            serde_yaml_ng::Deserializer::from_str(&text)
-                .map(|d| <Value as serde::Deserialize>::deserialize(d).expect("YAML"))
-                .filter(|v| !v.is_null())
-                .collect::<Vec<_>>()
-        })
+    cli::yaml_documents(&cli::allocate_example())
+        .into_iter()
         .map(|mut v| {
             if let Some(prefix) = v["metadata"]
                 .as_object_mut()
@@ -132,15 +123,7 @@ fn run_dractl(path: &Path) -> Value {
 fn every_stream_kubectl_reads_is_read_and_allocated_alike() {
     let objects = objects();
     let dir = tempfile::tempdir().expect("temp dir");
-    let baseline = cli::dractl(
-        "allocate",
-        &{
-            let mut f = cli::cluster();
-            f.push(cli::repo().join("examples/allocate/pod-claims.yaml"));
-            f
-        },
-        &["-o", "json"],
-    );
+    let baseline = cli::dractl("allocate", &cli::allocate_example(), &["-o", "json"]);
     assert!(baseline.status.success(), "{}", cli::text(&baseline.stderr));
     let baseline: Value = serde_json::from_slice(&baseline.stdout).expect("JSON");
     assert_eq!(baseline["nodes"][0]["allocated"], true, "{baseline}");

@@ -20,6 +20,27 @@ pub fn cluster() -> Vec<PathBuf> {
     ]
 }
 
+/// The README's `dractl allocate` example: [`cluster`] and the pod's claims.
+pub fn allocate_example() -> Vec<PathBuf> {
+    let mut files = cluster();
+    files.push(repo().join("examples/allocate/pod-claims.yaml"));
+    files
+}
+
+/// The YAML documents of `files`, in order, empty ones left out.
+pub fn yaml_documents(files: &[PathBuf]) -> Vec<serde_json::Value> {
+    files
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(f).expect("read example");
+            serde_yaml_ng::Deserializer::from_str(&text)
+                .map(|d| <serde_json::Value as serde::Deserialize>::deserialize(d).expect("YAML"))
+                .filter(|v| !v.is_null())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// `dractl <subcommand> -f FILE... <extra>`.
 pub fn dractl(subcommand: &str, files: &[PathBuf], extra: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_dractl"));
