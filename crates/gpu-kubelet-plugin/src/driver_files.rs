@@ -9,7 +9,7 @@
 //! - **libraries**: every regular file named `*.so.<driver version>` in the library
 //!   directories ([`LIBRARY_DIRS`], and their `vdpau/`), plus the legacy `libnvidia-nvvm70.so.*`;
 //!   symlinks are left to the hooks (`ldconfig` recreates the soname links);
-//! - **binaries** ([`BINARIES`]): `nvidia-smi`, the MPS tools and the rest, in [`BINARY_DIRS`];
+//! - **binaries** ([`BINARIES`]): `nvidia-smi` and the rest (not the MPS tools), in [`BINARY_DIRS`];
 //! - **GSP firmware**: `lib/firmware/nvidia/<driver version>/gsp*.bin` (and `updates/`);
 //! - **IPC sockets** ([`SOCKETS`], mounted writable): the persistence daemon's and the fabric
 //!   manager's, where present. The MPS pipe directory is not among them: MPS daemons are per
@@ -57,13 +57,15 @@ pub const BINARY_DIRS: [&str; 6] = [
     "bin",
 ];
 
-/// The driver's binaries a container gets, where present.
-pub const BINARIES: [&str; 7] = [
+/// The driver's binaries a container gets, where present. Not the MPS tools
+/// (`nvidia-cuda-mps-control`, `nvidia-cuda-mps-server`): an MPS client needs neither (the daemon
+/// starts its servers), and the control tool is how a tenant would send `quit` or new limits to
+/// a daemon that serves other claims too; the daemons run them from the driver root
+/// ([`crate::mps`]).
+pub const BINARIES: [&str; 5] = [
     "nvidia-smi",
     "nvidia-debugdump",
     "nvidia-persistenced",
-    "nvidia-cuda-mps-control",
-    "nvidia-cuda-mps-server",
     "nvidia-imex",
     "nvidia-imex-ctl",
 ];

@@ -834,19 +834,28 @@ async fn an_mps_claim_gets_its_own_daemon_with_limits_and_the_cdi_edits_to_reach
         &std::fs::read_to_string(f.dir.path().join("cdi").join(&f.cdi_files()[0])).expect("spec"),
     )
     .expect("json");
-    let edits = &spec["containerEdits"];
+    // Each MPS device's edits reach the daemon; the claim-wide edits do not.
+    for edits in spec["devices"].as_array().expect("devices") {
+        let edits = &edits["containerEdits"];
+        assert!(
+            edits["env"]
+                .as_array()
+                .expect("env")
+                .contains(&serde_json::json!(
+                    "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps"
+                )),
+            "{edits}"
+        );
+        assert_eq!(
+            edits["mounts"][0]["hostPath"],
+            mps_dir.join("pipe").display().to_string()
+        );
+    }
     assert!(
-        edits["env"]
-            .as_array()
-            .expect("env")
-            .contains(&serde_json::json!(
-                "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps"
-            )),
-        "{edits}"
-    );
-    assert_eq!(
-        edits["mounts"][0]["hostPath"],
-        mps_dir.join("pipe").display().to_string()
+        !spec["containerEdits"].to_string().contains("MPS")
+            && !spec["containerEdits"].to_string().contains("/mps/"),
+        "{}",
+        spec["containerEdits"]
     );
 
     // A restarted plugin finds the daemon alive and leaves it be.
@@ -859,6 +868,84 @@ async fn an_mps_claim_gets_its_own_daemon_with_limits_and_the_cdi_edits_to_reach
         !mps_dir.exists(),
         "daemon stopped and its directories removed"
     );
+}
+
+/// NVIDIA's quickstart claim: a time-sliced request and an MPS request, each with its own
+/// config. Only the MPS request's device reaches the claim's daemon: a container of the
+/// time-sliced request sees no pipe directory, no shared memory and no MPS variable, at device
+/// or claim level.
+#[tokio::test]
+async fn a_time_sliced_request_beside_an_mps_request_gets_none_of_its_mps_edits() {
+    let mut rc = claim(
+        "quickstart",
+        "u1",
+        &[(DRIVER, NODE, dev(0)), (DRIVER, NODE, dev(1))],
+    );
+    let devices = rc
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .expect("allocated");
+    let results = devices.results.as_mut().expect("results");
+    results[0].request = "ts-gpu".into();
+    results[1].request = "mps-gpu".into();
+    let config = |request: &str, parameters: serde_json::Value| {
+        k8s_openapi::api::resource::v1::DeviceAllocationConfiguration {
+            source: "FromClaim".into(),
+            requests: Some(vec![request.into()]),
+            opaque: Some(k8s_openapi::api::resource::v1::OpaqueDeviceConfiguration {
+                driver: DRIVER.into(),
+                parameters: k8s_openapi::apimachinery::pkg::runtime::RawExtension(parameters),
+            }),
+        }
+    };
+    devices.config = Some(vec![
+        config("ts-gpu", time_slicing("Long")),
+        config("mps-gpu", mps(50, "10Gi")),
+    ]);
+    let mut f = Fixture::new(vec![rc]);
+    f.timeout = Duration::from_secs(30);
+    let c = f.controller().await;
+    c.prepare(vec![claim_ref("quickstart", "u1")]).await["u1"]
+        .as_ref()
+        .expect("prepared");
+    let spec: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(f.dir.path().join("cdi").join(&f.cdi_files()[0])).expect("spec"),
+    )
+    .expect("json");
+    let device = |name: &str| {
+        spec["devices"]
+            .as_array()
+            .expect("devices")
+            .iter()
+            .find(|d| d["name"].as_str().is_some_and(|n| n.ends_with(name)))
+            .map(|d| d["containerEdits"].clone())
+            .unwrap_or_else(|| panic!("no CDI device {name} in {spec}"))
+    };
+    let (ts, mps) = (device(dev(0)), device(dev(1)));
+    let mps_dir = f.dir.path().join("mps/u1");
+    assert!(
+        !ts.to_string().contains("MPS") && ts["mounts"].is_null(),
+        "the time-sliced device's edits: {ts}"
+    );
+    assert!(
+        !spec["containerEdits"].to_string().contains("MPS")
+            && !spec["containerEdits"]
+                .to_string()
+                .contains(&mps_dir.display().to_string()),
+        "claim-wide edits: {}",
+        spec["containerEdits"]
+    );
+    assert!(
+        mps.to_string()
+            .contains("CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps")
+            && mps["mounts"][0]["hostPath"] == mps_dir.join("pipe").display().to_string(),
+        "the MPS device's edits: {mps}"
+    );
+    c.unprepare(vec![claim_ref("quickstart", "u1")]).await["u1"]
+        .as_ref()
+        .expect("unprepared");
 }
 
 /// Stops claim `uid`'s MPS daemon behind the plugin's back (its own `quit` command).

@@ -1,6 +1,6 @@
 //! From an allocated ResourceClaim to what prepare makes: the devices and the CDI spec.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use dra_kubelet::ClaimRef;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -235,11 +235,16 @@ fn share(
     })
 }
 
-/// The MPS edits of a claim's CDI spec: its own daemon (an MPS sharing config) at spec level,
-/// and each share's daemon and limits in its device's edits.
+/// The MPS edits of a claim's CDI spec, all in the edits of the devices they serve (never at
+/// spec level, which reaches every container of the claim): the claim's own daemon in the edits
+/// of each device an MPS sharing config covers, and each share's daemon and limits in its
+/// device's edits. A container of a request whose devices are not under MPS (a time-sliced or
+/// exclusive request of the same claim) gets no pipe directory, no shared memory and no MPS
+/// variable: NVIDIA's DRA driver, too, attaches a config's edits only to the devices it covers.
 pub(crate) struct MpsEdits<'a> {
     control: &'a MpsControl,
-    claim_daemon: bool,
+    /// The devices under the claim's own daemon (an MPS sharing config), by name.
+    claim_daemon: BTreeSet<String>,
     /// Daemon key, memory bytes and compute percentage of each share run under MPS, by device.
     shares: BTreeMap<String, (String, u64, u32)>,
 }
@@ -249,7 +254,11 @@ impl<'a> MpsEdits<'a> {
     pub(crate) fn of(control: &'a MpsControl, devices: &[RecordedDevice]) -> Self {
         Self {
             control,
-            claim_daemon: uses_mps(devices),
+            claim_daemon: devices
+                .iter()
+                .filter(|d| matches!(d.sharing, Some(Sharing::Mps(_))))
+                .map(|d| d.device_name.clone())
+                .collect(),
             shares: super::shares::mps_shares(devices)
                 .filter_map(|d| {
                     let s = d.share.as_ref()?;
@@ -281,10 +290,10 @@ pub(crate) fn uses_mps(devices: &[RecordedDevice]) -> bool {
 /// its device nodes (`/dev/nvidia<minor>`, plus the MIG capability nodes of a MIG device) and
 /// `DRUST_DEVICE_<NAME>=<uuid>` ([`device_env`]), one variable per device so that a container
 /// holding several devices sees all of them (CDI keeps only the last value of a repeated
-/// variable, so one list variable cannot be per device). The spec-level edits are what every
-/// container of the claim needs whatever its devices: the control nodes, with `mps` the
-/// claim's MPS pipe directory and its environment, the `driver` edits (the driver's libraries,
-/// binaries, firmware, sockets and hooks: [`crate::driver_files`]), and
+/// variable, so one list variable cannot be per device), and its MPS edits ([`MpsEdits`]). The
+/// spec-level edits are what every
+/// container of the claim needs whatever its devices: the control nodes, the `driver` edits
+/// (the driver's libraries, binaries, firmware, sockets and hooks: [`crate::driver_files`]), and
 /// `NVIDIA_VISIBLE_DEVICES=void` so that an
 /// NVIDIA container runtime on the node injects nothing beyond what CDI did (as NVIDIA's own DRA
 /// driver does). Annotations name the claim for recovery from disk. `created` holds the MIG
@@ -311,6 +320,7 @@ pub(crate) fn spec(
             })?;
         let mut edits = match mps.shares.get(d.name()) {
             Some((key, memory, compute)) => mps.control.share_edits(key, *memory, *compute),
+            None if mps.claim_daemon.contains(d.name()) => mps.control.container_edits(&claim.uid),
             None => ContainerEdits::default(),
         };
         edits.env.insert(0, device_env(d.name(), uuid));
@@ -336,12 +346,8 @@ pub(crate) fn spec(
         ]),
         devices: cdi_devices,
         container_edits: {
-            let mut edits = if mps.claim_daemon {
-                mps.control.container_edits(&claim.uid)
-            } else {
-                ContainerEdits::default()
-            };
-            edits.env.insert(0, NVIDIA_VISIBLE_DEVICES_VOID.to_owned());
+            let mut edits = ContainerEdits::default();
+            edits.env.push(NVIDIA_VISIBLE_DEVICES_VOID.to_owned());
             edits.env.extend(driver.env.iter().cloned());
             edits.mounts.extend(driver.mounts.iter().cloned());
             edits.hooks.extend(driver.hooks.iter().cloned());
