@@ -114,9 +114,32 @@ impl std::fmt::Debug for DaemonPods {
 /// lower-cased UUID).
 pub const CLAIM_UID_LABEL: &str = "drust.dev/mps-claim-uid";
 
+/// Whether a daemon is alive, as far as one control command can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Liveness {
+    /// It answered `get_server_list`.
+    Answering,
+    /// Confirmed dead: its directory is gone, or the control tool ran and found no daemon.
+    Dead,
+    /// The tool did not answer in time or could not run: the daemon may be alive (a busy node),
+    /// so nothing may quit, replace or restart it on this evidence.
+    Unknown(String),
+}
+
 /// An MPS action failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MpsError {
+    /// The daemon's state could not be told, so it was neither replaced nor started beside it.
+    #[error(
+        "MPS control daemon in {pipe_dir} may still run (no clear answer: {problem}); \
+         not starting another"
+    )]
+    Unresponsive {
+        /// The pipe directory.
+        pipe_dir: PathBuf,
+        /// Why its state is unknown.
+        problem: String,
+    },
     /// A directory could not be created or removed.
     #[error("MPS directory {path}: {source}")]
     Dir {
@@ -265,8 +288,13 @@ impl MpsControl {
     }
 
     /// Starts the daemon of claim `uid` for the devices `visible_ids` (GPU or MIG UUIDs, in
-    /// ordinal order) with `limits`, replacing any leftover daemon of the same claim. On error
-    /// nothing is left running.
+    /// ordinal order) with `limits`. A daemon of the same claim that answers is quit first (it
+    /// may have other limits); one whose state cannot be told is left alone and the start fails
+    /// ([`MpsError::Unresponsive`]); a dead one's Pod is deleted. The directories are created
+    /// when missing and **never removed or recreated here**: running containers hold bind
+    /// mounts of them, which must reach the new daemon (only [`Self::stop`], once no claim needs
+    /// the daemon, removes them). On error nothing started is left running, and directories
+    /// this call created are removed.
     ///
     /// # Errors
     /// [`MpsError`] when the daemon cannot be started, does not answer in time, or does not
@@ -277,7 +305,16 @@ impl MpsControl {
         devices: &[MpsDevice],
         active_thread_percentage: Option<u32>,
     ) -> Result<(), MpsError> {
-        self.stop(uid).await?;
+        match self.liveness(uid).await {
+            Liveness::Answering => self.halt(uid, true).await?,
+            Liveness::Dead => self.halt(uid, false).await?,
+            Liveness::Unknown(problem) => {
+                return Err(MpsError::Unresponsive {
+                    pipe_dir: self.pipe_dir(uid),
+                    problem,
+                });
+            }
+        }
         let pipe = self.pipe_dir(uid);
         let log = self.claim_dir(uid).join("log");
         // Containers of any user reach the daemon through the pipe directory; the plugin's own
@@ -289,7 +326,8 @@ impl MpsControl {
             (self.shm_dir(uid), 0o1777),
         ];
         // Directory work blocks on a slow disk: off the async workers.
-        off_workers(&self.claim_dir(uid), move || {
+        let created = off_workers(&self.claim_dir(uid), move || {
+            let created = !dirs[0].0.exists();
             for (dir, mode) in dirs {
                 std::fs::create_dir_all(&dir)
                     .and_then(|()| {
@@ -297,16 +335,21 @@ impl MpsControl {
                     })
                     .map_err(|source| MpsError::Dir { path: dir, source })?;
             }
-            Ok(())
+            Ok(created)
         })
         .await?;
         let result = self
             .start_in(uid, &pipe, &log, devices, active_thread_percentage)
             .await;
-        if result.is_err()
-            && let Err(e) = self.stop(uid).await
-        {
-            warn!(claim = uid, error = %e, "cleaning up after a failed MPS start failed");
+        if result.is_err() {
+            let cleanup = if created {
+                self.stop(uid).await
+            } else {
+                self.halt(uid, true).await
+            };
+            if let Err(e) = cleanup {
+                warn!(claim = uid, error = %e, "cleaning up after a failed MPS start failed");
+            }
         }
         result
     }
@@ -421,9 +464,23 @@ impl MpsControl {
 
     /// Whether the daemon of claim `uid` answers.
     pub async fn is_running(&self, uid: &str) -> bool {
-        self.command(&self.pipe_dir(uid), "get_server_list")
-            .await
-            .is_ok()
+        self.liveness(uid).await == Liveness::Answering
+    }
+
+    /// Whether the daemon of claim `uid` is alive ([`Liveness`]): one `get_server_list`.
+    pub async fn liveness(&self, uid: &str) -> Liveness {
+        let dir = self.claim_dir(uid);
+        match off_workers(&dir.clone(), move || Ok(dir.exists())).await {
+            Ok(false) => return Liveness::Dead,
+            Ok(true) => {}
+            Err(e) => return Liveness::Unknown(e.to_string()),
+        }
+        match self.command(&self.pipe_dir(uid), "get_server_list").await {
+            Ok(_) => Liveness::Answering,
+            // The tool ran and said no daemon answers.
+            Err(MpsError::Failed { .. }) => Liveness::Dead,
+            Err(e) => Liveness::Unknown(e.to_string()),
+        }
     }
 
     /// Stops the daemon of claim `uid` (if any) and removes its directories. Idempotent.
@@ -441,8 +498,20 @@ impl MpsControl {
             // A Pod whose directories are gone serves nobody.
             return self.delete_pod(uid).await;
         }
+        self.halt(uid, true).await?;
+        off_workers(&dir.clone(), move || match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(MpsError::Dir { path: dir, source }),
+        })
+        .await
+    }
+
+    /// Stops the daemon of claim `uid` (`quit` first, when `quit` and it answers) and deletes
+    /// its Pod, keeping its directories.
+    async fn halt(&self, uid: &str, quit: bool) -> Result<(), MpsError> {
         let pipe = self.pipe_dir(uid);
-        if self.command(&pipe, "get_server_list").await.is_ok() {
+        if quit && self.command(&pipe, "get_server_list").await.is_ok() {
             // The answer to quit may never come: the daemon exits.
             let _ = self.command(&pipe, "quit").await;
             let deadline = tokio::time::Instant::now() + self.start_timeout;
@@ -457,14 +526,8 @@ impl MpsControl {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
-        // The daemon has quit (or never answered): its Pod goes, then its directories.
-        self.delete_pod(uid).await?;
-        off_workers(&dir.clone(), move || match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(MpsError::Dir { path: dir, source }),
-        })
-        .await
+        // The daemon has quit (or never answered): its Pod goes.
+        self.delete_pod(uid).await
     }
 
     /// The Pod that runs the daemon of claim `uid` for `visible_ids` (comma-separated GPU or
@@ -642,9 +705,12 @@ impl MpsControl {
             .map_err(|e| spawn_err(std::io::Error::other(e)))?
             .map_err(spawn_err)?;
         if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            pipe.write_all(format!("{text}\n").as_bytes())
-                .await
-                .map_err(spawn_err)?;
+            match pipe.write_all(format!("{text}\n").as_bytes()).await {
+                // The tool exited without reading (no daemon to send to): its exit status
+                // says so.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+                other => other.map_err(spawn_err)?,
+            }
         }
         let output = tokio::time::timeout(self.start_timeout, child.wait_with_output())
             .await

@@ -24,6 +24,9 @@ struct Fixture {
     hardware: Arc<ScriptedHardware>,
     boot_id: String,
     timeout: Duration,
+    /// The MPS control tool (the fake unless a test wraps it) and its command timeout.
+    mps_binary: std::path::PathBuf,
+    mps_timeout: Duration,
 }
 
 type Controller = ClaimController<Shared, ScriptedHardware>;
@@ -40,6 +43,8 @@ impl Fixture {
             hardware: Arc::default(),
             boot_id: "boot-1".into(),
             timeout: Duration::from_secs(5),
+            mps_binary: drust_fakes::mps_control().to_owned(),
+            mps_timeout: Duration::from_secs(10),
         }
     }
 
@@ -50,7 +55,11 @@ impl Fixture {
             timeout: self.timeout,
             boot_id: self.boot_id.clone(),
             sharing: true,
-            mps: mps_control(&self.dir.path().join("mps")),
+            mps: gpu_kubelet_plugin::mps::MpsControl {
+                binary: self.mps_binary.clone(),
+                start_timeout: self.mps_timeout,
+                ..mps_control(&self.dir.path().join("mps"))
+            },
             driver_edits: Default::default(),
         }
     }
@@ -946,6 +955,79 @@ async fn a_time_sliced_request_beside_an_mps_request_gets_none_of_its_mps_edits(
     c.unprepare(vec![claim_ref("quickstart", "u1")]).await["u1"]
         .as_ref()
         .expect("unprepared");
+}
+
+/// A control command that gets no answer in time (a busy node) is no evidence that a daemon
+/// died: neither start-up recovery nor the periodic check quits, replaces or starts a second
+/// daemon on it. A daemon confirmed dead is started again in the same directories, so the bind
+/// mounts running containers hold (the pipe directory, by inode) reach the new one.
+#[tokio::test]
+async fn a_slow_daemon_is_never_replaced_and_a_dead_one_restarts_where_containers_look() {
+    use std::os::unix::fs::MetadataExt;
+    let mut f = Fixture::new(vec![with_configs(
+        claim("mps", "u1", &[(DRIVER, NODE, dev(0))]),
+        &[("FromClaim", mps(50, "1Gi"))],
+    )]);
+    f.timeout = Duration::from_secs(30);
+    // The fake tool, hung (as on a node whose driver is busy) while `hang` exists.
+    let hang = f.dir.path().join("hang");
+    let tool = f.dir.path().join("mps-control");
+    std::fs::write(
+        &tool,
+        format!(
+            "#!/bin/sh\n[ -e '{}' ] && exec sleep 3600\nexec '{}' \"$@\"\n",
+            hang.display(),
+            drust_fakes::mps_control().display()
+        ),
+    )
+    .expect("wrapper");
+    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    f.mps_binary = tool;
+    let c = f.controller().await;
+    c.prepare(vec![claim_ref("mps", "u1")]).await["u1"]
+        .as_ref()
+        .expect("prepared");
+    let mps_dir = f.dir.path().join("mps/u1");
+    let pipe_inode = || {
+        std::fs::metadata(mps_dir.join("pipe"))
+            .expect("pipe dir")
+            .ino()
+    };
+    let before = pipe_inode();
+    let starts = || {
+        std::fs::read_to_string(mps_dir.join("log/control.log"))
+            .expect("log")
+            .lines()
+            .filter(|l| l.starts_with("start "))
+            .count()
+    };
+    assert_eq!(starts(), 1);
+
+    std::fs::write(&hang, "").expect("hang");
+    f.mps_timeout = Duration::from_millis(500);
+    let (restarted, report) = f.start().await;
+    assert!(report.mps_restarted.is_empty(), "{report:?}");
+    assert!(restarted.restart_dead_daemons().await.is_empty());
+    std::fs::remove_file(&hang).expect("unhang");
+    let control = mps_control(&f.dir.path().join("mps"));
+    assert!(control.is_running("u1").await, "the daemon still runs");
+    let log = std::fs::read_to_string(mps_dir.join("log/control.log")).expect("log");
+    assert!(
+        starts() == 1 && !log.contains("quit"),
+        "a slow answer quit or replaced the daemon: {log}"
+    );
+
+    // Dead for sure: started again (by the check or by the recovery retry), same directories.
+    quit_daemon(&control, "u1").await;
+    restarted.restart_dead_daemons().await;
+    assert!(control.is_running("u1").await);
+    assert_eq!(starts(), 2);
+    assert_eq!(pipe_inode(), before, "the pipe directory was recreated");
+    restarted.unprepare(vec![claim_ref("mps", "u1")]).await["u1"]
+        .as_ref()
+        .expect("unprepared");
+    assert!(!mps_dir.exists());
 }
 
 /// Stops claim `uid`'s MPS daemon behind the plugin's back (its own `quit` command).

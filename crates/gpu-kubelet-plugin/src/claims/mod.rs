@@ -652,22 +652,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             })
             .collect();
         self.set_time_slices(claim, slices).await?;
-        // One daemon for the claim's MPS devices: one thread percentage (the config resolution
-        // refuses claims whose requests disagree on it), each device its own pinned limit.
-        let mut percentage = None;
-        let served: Vec<crate::mps::MpsDevice> = devices
-            .iter()
-            .filter_map(|d| match &d.sharing {
-                Some(Sharing::Mps(limits)) => {
-                    percentage = limits.active_thread_percentage;
-                    Some(crate::mps::MpsDevice {
-                        uuid: d.uuid.clone(),
-                        pinned_memory_limit_bytes: limits.pinned_memory_limit_bytes,
-                    })
-                }
-                _ => None,
-            })
-            .collect();
+        let (served, percentage) = claim_daemon_devices(devices);
         if !served.is_empty() {
             self.inner
                 .config
@@ -680,7 +665,45 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 })?;
         }
         // Shares (consumable capacity): their devices' daemons, shared with other claims.
-        self.start_share_daemons(claim, devices).await
+        self.start_share_daemons(claim, devices).await.map(drop)
+    }
+
+    /// Starts again the MPS daemons of prepared `devices` that are confirmed dead
+    /// ([`crate::mps::Liveness::Dead`]): the claim's own (under the claim's lock, which the
+    /// caller holds) and its shares' devices' (each re-checked under its GPU's lock). A daemon
+    /// that answers, or whose state cannot be told (a slow answer on a busy node), is left
+    /// alone; the latter fails the call, to be retried. Directories stay as they are, so the
+    /// bind mounts of running containers reach the new daemon. Returns whether one was started.
+    pub(super) async fn revive_daemons(
+        &self,
+        claim: &ClaimRef,
+        devices: &[RecordedDevice],
+    ) -> Result<bool, ClaimError> {
+        let mps = &self.inner.config.mps;
+        let mps_error = |source| ClaimError::Mps {
+            claim: claim.clone(),
+            source,
+        };
+        let mut started = false;
+        let (served, percentage) = claim_daemon_devices(devices);
+        if !served.is_empty() {
+            match mps.liveness(&claim.uid).await {
+                crate::mps::Liveness::Answering => {}
+                crate::mps::Liveness::Dead => {
+                    mps.start(&claim.uid, &served, percentage)
+                        .await
+                        .map_err(mps_error)?;
+                    started = true;
+                }
+                crate::mps::Liveness::Unknown(problem) => {
+                    return Err(mps_error(crate::mps::MpsError::Unresponsive {
+                        pipe_dir: mps.pipe_dir(&claim.uid),
+                        problem,
+                    }));
+                }
+            }
+        }
+        Ok(self.start_share_daemons(claim, devices).await? || started)
     }
 
     /// Undoes [`Self::share`]: stops the claim's MPS daemon (if any is running), the daemons of
@@ -1110,15 +1133,23 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let share_daemons: Vec<String> = shares::mps_shares(&r.devices)
                 .map(|d| shares::daemon_key(&d.uuid))
                 .collect();
-            let mut all_running = true;
+            let mut dead = false;
             for key in plan::uses_mps(&r.devices)
                 .then_some(&uid)
                 .into_iter()
                 .chain(&share_daemons)
             {
-                all_running &= self.inner.config.mps.is_running(key).await;
+                match self.inner.config.mps.liveness(key).await {
+                    crate::mps::Liveness::Answering => {}
+                    crate::mps::Liveness::Dead => dead = true,
+                    // A slow answer is no evidence of death: never quit or replace on it.
+                    crate::mps::Liveness::Unknown(problem) => {
+                        warn!(claim = %uid, daemon = %key, %problem,
+                            "MPS daemon check: no clear answer; leaving the daemon be");
+                    }
+                }
             }
-            if all_running {
+            if !dead {
                 continue;
             }
             let claim = ClaimRef {
@@ -1134,11 +1165,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             if record.state != ClaimState::PrepareCompleted {
                 continue;
             }
-            match self.share(&claim, &record.devices).await {
-                Ok(()) => {
+            // Re-checked under the locks: only a daemon still dead is started.
+            match self.revive_daemons(&claim, &record.devices).await {
+                Ok(true) => {
                     warn!(claim = %claim, "the claim's MPS daemon had stopped answering; started it again");
                     restarted.push(uid);
                 }
+                Ok(false) => {}
                 Err(e) => warn!(claim = %claim, error = %e,
                     "restarting the claim's MPS daemon failed; retrying at the next check"),
             }
@@ -1178,6 +1211,27 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
         released
     }
+}
+
+/// The devices of the claim's own MPS daemon (those an MPS sharing config covers, in device
+/// order, which is the daemon's ordinal order), each with its pinned limit, and the daemon's
+/// thread percentage (the config resolution refuses claims whose requests disagree on it).
+fn claim_daemon_devices(devices: &[RecordedDevice]) -> (Vec<crate::mps::MpsDevice>, Option<u32>) {
+    let mut percentage = None;
+    let served = devices
+        .iter()
+        .filter_map(|d| match &d.sharing {
+            Some(Sharing::Mps(limits)) => {
+                percentage = limits.active_thread_percentage;
+                Some(crate::mps::MpsDevice {
+                    uuid: d.uuid.clone(),
+                    pinned_memory_limit_bytes: limits.pinned_memory_limit_bytes,
+                })
+            }
+            _ => None,
+        })
+        .collect();
+    (served, percentage)
 }
 
 /// Refuses a device held by another claim unless one of the two allocations has admin access

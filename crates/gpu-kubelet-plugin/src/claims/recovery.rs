@@ -233,15 +233,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             return Ok(done);
         }
         done.regenerated = self.ensure_spec(claim, &record).await?;
-        if plan::uses_mps(&record.devices) && !self.inner.config.mps.is_running(&claim.uid).await {
-            // The daemon died with the previous plugin process: start it again so new
-            // containers of the claim can use it.
-            self.share(claim, &record.devices).await?;
-            done.mps_restarted = true;
-        } else {
-            // The daemons of its shares' devices (each started once, for all their shares).
-            self.start_share_daemons(claim, &record.devices).await?;
-        }
+        // A daemon that died with the previous plugin process is started again so new
+        // containers of the claim can use it (the daemons of its shares' devices once, for all
+        // their shares); one that answers, or may, is kept.
+        let claim_daemon_revived = self.revive_daemons(claim, &record.devices).await?;
+        done.mps_restarted = claim_daemon_revived && plan::uses_mps(&record.devices);
         Ok(done)
     }
 

@@ -26,6 +26,7 @@ use super::error::ClaimError;
 use super::{ClaimController, Cluster};
 use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice, RecordedShare};
 use crate::hardware::Hardware;
+use crate::mps::Liveness;
 
 /// The MPS daemon key of the device with `uuid` (a GPU or MIG UUID): lower-cased, so it is a
 /// valid Pod name and label value.
@@ -119,33 +120,44 @@ pub(crate) fn check(
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// Makes sure the MPS daemon of every device `devices` hold a share of is running: started
-    /// (without default limits) unless it answers already. Under each device's GPU lock.
+    /// (without default limits) when confirmed dead, under each device's GPU lock. One whose
+    /// state cannot be told (a slow answer) is left alone and fails the call, to be retried:
+    /// quitting it would cut every running share of the GPU off its daemon. Returns whether one
+    /// was started.
     pub(super) async fn start_share_daemons(
         &self,
         claim: &ClaimRef,
         devices: &[RecordedDevice],
-    ) -> Result<(), ClaimError> {
+    ) -> Result<bool, ClaimError> {
+        let mut started = false;
         for d in mps_shares(devices) {
             let key = daemon_key(&d.uuid);
             let _guard = self.share_lock(&d.device_name).await;
             let mps = &self.inner.config.mps;
-            if mps.is_running(&key).await {
-                continue;
+            let mps_error = |source| ClaimError::Mps {
+                claim: claim.clone(),
+                source,
+            };
+            match mps.liveness(&key).await {
+                Liveness::Answering => continue,
+                Liveness::Dead => {}
+                Liveness::Unknown(problem) => {
+                    return Err(mps_error(crate::mps::MpsError::Unresponsive {
+                        pipe_dir: mps.pipe_dir(&key),
+                        problem,
+                    }));
+                }
             }
             let served = [crate::mps::MpsDevice {
                 uuid: d.uuid.clone(),
                 pinned_memory_limit_bytes: None,
             }];
-            mps.start(&key, &served, None)
-                .await
-                .map_err(|source| ClaimError::Mps {
-                    claim: claim.clone(),
-                    source,
-                })?;
+            mps.start(&key, &served, None).await.map_err(mps_error)?;
+            started = true;
             info!(claim = %claim, device = %d.device_name, daemon = %key,
-                "started the device's MPS daemon for its first share");
+                "started the device's MPS daemon");
         }
-        Ok(())
+        Ok(started)
     }
 
     /// Stops the MPS daemon of every device `devices` hold a share of that no other claim's
