@@ -90,6 +90,22 @@ pub enum MigMode {
     Enabled,
 }
 
+/// The compute mode of a GPU (`nvmlComputeMode_t`): how many CUDA contexts may run on it.
+/// `EXCLUSIVE_THREAD` is gone from drivers since CUDA 8 and not modelled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ComputeMode {
+    /// Any number of contexts (`NVML_COMPUTEMODE_DEFAULT`, 0).
+    #[default]
+    Default,
+    /// No context at all (`NVML_COMPUTEMODE_PROHIBITED`, 2).
+    Prohibited,
+    /// One context, of one process (`NVML_COMPUTEMODE_EXCLUSIVE_PROCESS`, 3): with an MPS server
+    /// holding it, a CUDA process that bypasses MPS gets no context instead of the whole GPU
+    /// (NVIDIA's MPS guide, "Provisioning Sequence").
+    ExclusiveProcess,
+}
+
 /// One GPU instance profile (`nvmlGpuInstanceProfileInfo_t`) and where it can be placed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -368,6 +384,32 @@ pub trait GpuBackend: Send + Sync {
         let _ = value;
         Err(BackendError::Unsupported {
             call: "set_compute_time_slice",
+            index,
+        })
+    }
+
+    /// The compute mode of the GPU at `index` (`nvmlDeviceGetComputeMode`).
+    ///
+    /// # Errors
+    /// [`BackendError`] when it cannot be read; by default, always
+    /// ([`BackendError::Unsupported`]).
+    fn compute_mode(&self, index: u32) -> Result<ComputeMode, BackendError> {
+        Err(BackendError::Unsupported {
+            call: "compute_mode",
+            index,
+        })
+    }
+
+    /// Sets the compute mode of the GPU at `index` (`nvmlDeviceSetComputeMode`; root). It
+    /// lasts until the next driver load or GPU reset.
+    ///
+    /// # Errors
+    /// [`BackendError`] when it cannot be set; by default, always
+    /// ([`BackendError::Unsupported`]).
+    fn set_compute_mode(&self, index: u32, mode: ComputeMode) -> Result<(), BackendError> {
+        let _ = mode;
+        Err(BackendError::Unsupported {
+            call: "set_compute_mode",
             index,
         })
     }

@@ -64,8 +64,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    BackendError, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement, RawGpu, RawMigDevice,
-    SystemInfo,
+    BackendError, ComputeMode, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement, RawGpu,
+    RawMigDevice, SystemInfo,
 };
 use crate::health::{EVENT_POLL_INTERVAL, HealthEvent, events_dir, take_event_file};
 use crate::mig_tables::builtin_profiles;
@@ -258,6 +258,7 @@ pub struct FakeBackend {
     failing_events: std::sync::atomic::AtomicBool,
     state_dir: Option<PathBuf>,
     time_slices: Mutex<BTreeMap<u32, u8>>,
+    compute_modes: Mutex<BTreeMap<u32, ComputeMode>>,
     /// MIG devices as changed in this process (without a state dir); also serializes
     /// read-modify-write of the state file within the process.
     mig: Mutex<mig::MigState>,
@@ -277,6 +278,7 @@ impl FakeBackend {
             failing_events: std::sync::atomic::AtomicBool::new(false),
             state_dir: None,
             time_slices: Mutex::new(BTreeMap::new()),
+            compute_modes: Mutex::new(BTreeMap::new()),
             mig: Mutex::new(mig::MigState::default()),
             failing_mig: Mutex::new(BTreeSet::new()),
             injected: Mutex::new(VecDeque::new()),
@@ -343,6 +345,12 @@ impl FakeBackend {
         {
             self.time_slices = Mutex::new(saved);
         }
+        if let Some(saved) = std::fs::read_to_string(dir.join("compute-modes.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+        {
+            self.compute_modes = Mutex::new(saved);
+        }
         self.state_dir = Some(dir);
         self
     }
@@ -352,6 +360,13 @@ impl FakeBackend {
     /// directory, also kept in `<state_dir>/time-slices.json` as `{"<index>": <value>}`.
     pub fn time_slices(&self) -> BTreeMap<u32, u8> {
         lock(&self.time_slices).clone()
+    }
+
+    /// The compute mode last set on each GPU (by index; see [`GpuBackend::set_compute_mode`]);
+    /// GPUs never set are absent (in [`ComputeMode::Default`]). With a state directory, also
+    /// kept in `<state_dir>/compute-modes.json`.
+    pub fn compute_modes(&self) -> BTreeMap<u32, ComputeMode> {
+        lock(&self.compute_modes).clone()
     }
 
     /// The state directory, if any.
@@ -565,6 +580,37 @@ impl GpuBackend for FakeBackend {
             state.gpus.insert(gpu.uuid.clone(), devices);
             Ok((true, true))
         })
+    }
+
+    fn compute_mode(&self, index: u32) -> Result<ComputeMode, BackendError> {
+        self.raw_gpu(index)?;
+        Ok(lock(&self.compute_modes)
+            .get(&index)
+            .copied()
+            .unwrap_or_default())
+    }
+
+    fn set_compute_mode(&self, index: u32, mode: ComputeMode) -> Result<(), BackendError> {
+        const CALL: &str = "set_compute_mode";
+        self.record(format!("{CALL}({index}, {mode:?})"));
+        if lock(&self.failing_gpus).contains(&index) {
+            return Err(BackendError::Injected { call: CALL, index });
+        }
+        self.raw_gpu(index)?;
+        let mut modes = lock(&self.compute_modes);
+        modes.insert(index, mode);
+        if let Some(dir) = &self.state_dir {
+            let text = serde_json::to_string(&*modes).unwrap_or_default();
+            let path = dir.join("compute-modes.json");
+            std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(&path, text))
+                .map_err(|e| BackendError::Action {
+                    call: CALL,
+                    index,
+                    message: format!("writing {}: {e}", path.display()),
+                })?;
+        }
+        Ok(())
     }
 
     fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {

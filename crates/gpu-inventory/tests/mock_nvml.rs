@@ -189,3 +189,55 @@ fn mig_devices_and_health_events_run_through_nvml() {
         RecoveryProbe::Unhealthy(reason) if reason.starts_with("not reachable")
     ));
 }
+
+const COMPUTE_CHILD: &str = "DRUST_MOCK_NVML_COMPUTE_LIB";
+
+/// The compute mode a GPU hosting shares is put in (EXCLUSIVE_PROCESS) and restored from, set
+/// and read through the real NVML backend: the calls reach the library (the mock records each
+/// with the GPU's UUID) and read back, and a refused mode is an error naming the call.
+#[test]
+fn compute_modes_run_through_nvml() {
+    use gpu_inventory::backend::ComputeMode;
+    let Some(lib) = std::env::var_os(COMPUTE_CHILD) else {
+        let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
+        let dir = tempfile::tempdir().expect("dir");
+        let calls = dir.path().join("calls");
+        let out = Command::new(std::env::current_exe().expect("this test"))
+            .args(["--exact", "compute_modes_run_through_nvml", "--nocapture"])
+            .env(COMPUTE_CHILD, &lib)
+            .env("DRUST_MOCK_NVML_MACHINE", "dgxh100")
+            .env("DRUST_MOCK_NVML_CALLS", &calls)
+            .output()
+            .expect("run the child");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("1 passed"), "{text}");
+        let recorded = std::fs::read_to_string(&calls).expect("recorded calls");
+        let lines: Vec<&str> = recorded.lines().collect();
+        assert_eq!(lines.len(), 2, "{recorded}");
+        let uuid = lines[0]
+            .strip_prefix("nvmlDeviceSetComputeMode ")
+            .and_then(|l| l.strip_suffix(" 3"))
+            .expect("EXCLUSIVE_PROCESS first");
+        assert!(uuid.starts_with("GPU-"), "{recorded}");
+        assert_eq!(lines[1], format!("nvmlDeviceSetComputeMode {uuid} 0"));
+        return;
+    };
+    let nvml = NvmlBackend::load(Some(&lib), "/sys".into()).expect("load the mock");
+    assert_eq!(nvml.compute_mode(2).expect("read"), ComputeMode::Default);
+    nvml.set_compute_mode(2, ComputeMode::ExclusiveProcess)
+        .expect("exclusive process");
+    assert_eq!(
+        nvml.compute_mode(2).expect("read"),
+        ComputeMode::ExclusiveProcess
+    );
+    assert_eq!(nvml.compute_mode(3).expect("read"), ComputeMode::Default);
+    nvml.set_compute_mode(2, ComputeMode::Default)
+        .expect("default");
+    assert_eq!(nvml.compute_mode(2).expect("read"), ComputeMode::Default);
+    let err = nvml
+        .set_compute_mode(99, ComputeMode::Default)
+        .expect_err("no GPU 99");
+    assert!(err.to_string().contains("99"), "{err}");
+}

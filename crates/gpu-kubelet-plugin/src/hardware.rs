@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gpu_inventory::backend::{MigPlacement, RawMigDevice};
+use gpu_inventory::backend::{ComputeMode, MigPlacement, RawMigDevice};
 use gpu_inventory::{Gpu, GpuBackend, Inventory, MigDevice, MigStrategy};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
@@ -414,6 +414,32 @@ pub trait Hardware: Send + Sync + 'static {
         })
     }
 
+    /// The compute mode of `gpu` now. The default says [`ComputeMode::Default`].
+    ///
+    /// # Errors
+    /// [`HardwareError`] when it cannot be read.
+    fn compute_mode(&self, gpu: &Gpu) -> Result<ComputeMode, HardwareError> {
+        let _ = gpu;
+        Ok(ComputeMode::Default)
+    }
+
+    /// Sets the compute mode of `gpu`: [`ComputeMode::ExclusiveProcess`] while it hosts an MPS
+    /// daemon, so no CUDA process can bypass MPS, [`ComputeMode::Default`] after.
+    ///
+    /// # Errors
+    /// [`HardwareError::Setting`] when it cannot be set; by default, always.
+    fn set_compute_mode(&self, gpu: &Gpu, mode: ComputeMode) -> Result<(), HardwareError> {
+        let _ = mode;
+        Err(HardwareError::Setting {
+            device: gpu.name.clone(),
+            action: "setting the compute mode",
+            source: gpu_inventory::BackendError::Unsupported {
+                call: "set_compute_mode",
+                index: gpu.raw.index,
+            },
+        })
+    }
+
     /// The MIG devices on `gpu` now, for start-up reconciliation in partitionable mode. The
     /// default knows of none.
     ///
@@ -715,6 +741,38 @@ impl Hardware for BackendHardware {
 
     fn destroy_mig(&self, gpu: &Gpu, mig: &CreatedMig) -> Result<(), HardwareError> {
         self.destroy(&gpu.name, gpu, mig)
+    }
+
+    fn compute_mode(&self, gpu: &Gpu) -> Result<ComputeMode, HardwareError> {
+        self.current(&gpu.name, gpu)?;
+        self.backend
+            .compute_mode(gpu.raw.index)
+            .map_err(|source| HardwareError::Query {
+                device: gpu.name.clone(),
+                source,
+            })
+    }
+
+    fn set_compute_mode(&self, gpu: &Gpu, mode: ComputeMode) -> Result<(), HardwareError> {
+        // Never another GPU's mode; a GPU that is gone has no mode left to restore.
+        if let Err(e) = self.current(&gpu.name, gpu) {
+            if mode == ComputeMode::Default {
+                warn!(device = gpu.name, error = %e,
+                    "the GPU is not where it was discovered; no compute mode to restore");
+                return Ok(());
+            }
+            return Err(e);
+        }
+        self.backend
+            .set_compute_mode(gpu.raw.index, mode)
+            .map_err(|source| HardwareError::Setting {
+                device: gpu.name.clone(),
+                action: "setting the compute mode",
+                source,
+            })?;
+        // A GPU-wide setting: say when it changes.
+        info!(device = gpu.name, ?mode, "set the GPU's compute mode");
+        Ok(())
     }
 
     fn set_time_slice(&self, device: &NodeDevice, slice: TimeSlice) -> Result<(), HardwareError> {

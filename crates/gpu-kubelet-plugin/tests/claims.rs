@@ -1150,10 +1150,17 @@ async fn a_failed_mps_start_rolls_the_claim_back() {
     assert!(f.cdi_files().is_empty());
     assert!(c.prepared_claims().await.is_empty());
     assert!(!f.dir.path().join("mps/u1").exists());
+    // The GPU was exclusive for the daemon's start only, and is back in its default mode.
     let gpu = dev(3);
     assert_eq!(
         f.hardware.calls.lock().unwrap().clone(),
-        [format!("prepare {gpu}"), format!("unprepare {gpu}")]
+        [
+            format!("prepare {gpu}"),
+            format!("compute-mode {gpu} ExclusiveProcess"),
+            format!("compute-mode {gpu} Default"),
+            format!("compute-mode {gpu} Default"),
+            format!("unprepare {gpu}")
+        ]
     );
 }
 

@@ -232,3 +232,63 @@ async fn the_last_two_shares_unprepared_at_once_stop_the_daemon() {
         );
     }
 }
+
+/// No CUDA process may bypass a GPU's share daemon: the GPU is in `EXCLUSIVE_PROCESS` from
+/// before its first share's daemon starts until its last share goes; a GPU held whole is left
+/// alone; and a restart puts back in the default mode a GPU no recorded share needs (left
+/// exclusive by a crash), without touching the GPU of a recorded share.
+#[tokio::test]
+async fn a_gpu_hosting_shares_admits_only_its_daemon_until_the_last_share_goes() {
+    use gpu_inventory::backend::ComputeMode;
+    let dir = tempfile::tempdir().unwrap();
+    let gpu = |i: usize| gpus()[i].name.clone();
+    let a = share_claim("a", "ua", dev(0), &format!("{SHARE}01"), "20Gi");
+    let b = share_claim("b", "ub", dev(0), &format!("{SHARE}02"), "10Gi");
+    let whole = share_claim("whole", "uw", dev(1), &format!("{SHARE}03"), "79Gi");
+    let cluster = Shared::default();
+    for c in [a, b, whole] {
+        cluster.put(c);
+    }
+    let hardware = Arc::new(ScriptedHardware::default());
+    let modes = || hardware.compute_modes.lock().unwrap().clone();
+    let c = controller_in(dir.path(), cluster.clone(), Arc::clone(&hardware)).await;
+    let r = c
+        .prepare(vec![
+            claim_ref("a", "ua"),
+            claim_ref("b", "ub"),
+            claim_ref("whole", "uw"),
+        ])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::ExclusiveProcess));
+    assert_eq!(modes().get(&gpu(1)), None, "a GPU held whole is left alone");
+    let first_exclusive = hardware
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.starts_with("compute-mode"))
+        .count();
+    assert_eq!(first_exclusive, 1, "set once, for the first share");
+
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::ExclusiveProcess));
+    assert!(c.unprepare(vec![claim_ref("b", "ub")]).await["ub"].is_ok());
+    assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::Default));
+
+    // A share again on GPU 0; GPU 3 left exclusive by a crash. A restart keeps the one and
+    // restores the other.
+    assert!(c.prepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    drop(c);
+    hardware
+        .compute_modes
+        .lock()
+        .unwrap()
+        .insert(gpu(3), ComputeMode::ExclusiveProcess);
+    let c = controller_in(dir.path(), cluster, Arc::clone(&hardware)).await;
+    assert_eq!(modes().get(&gpu(3)), Some(&ComputeMode::Default));
+    assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::ExclusiveProcess));
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    assert!(c.unprepare(vec![claim_ref("whole", "uw")]).await["uw"].is_ok());
+    assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::Default));
+}

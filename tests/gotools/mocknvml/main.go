@@ -12,6 +12,9 @@
 // for a reset (what a GPU reports after an uncorrectable memory error until it is reset).
 // DRUST_MOCK_NVML_MIG=1 enables MIG mode on every GPU at init (the mock's SetMigMode), as an
 // administrator would before partitionable mode; no MIG device exists then.
+// DRUST_MOCK_NVML_CALLS names a file to which every setting call is appended, one line each,
+// so a test sees what reached NVML: `nvmlDeviceSetComputeMode <uuid> <mode>` (mode as NVML's
+// nvmlComputeMode_t: 0 default, 2 prohibited, 3 exclusive process).
 //
 // Where the mock has no answer for a call the backend makes, this bridge gives one and says so
 // here (and in tests/gpu/README.md):
@@ -21,6 +24,9 @@
 //     (tests/gpu/fixtures/h200-580.159.04); nvmlDeviceGetNumGpuCores, NUMA node, NVLink and
 //     fabric queries answer NOT_SUPPORTED (the mock models none of them).
 //   - nvmlDeviceGetMemoryInfo_v2 is the mock's v1 memory info with no reserved memory.
+//   - Compute mode: the mock keeps none. The bridge keeps one per GPU (DEFAULT at init), set by
+//     nvmlDeviceSetComputeMode and read by nvmlDeviceGetComputeMode; EXCLUSIVE_THREAD (1) is
+//     refused as NOT_SUPPORTED, as drivers since CUDA 8 do.
 //   - MIG devices: the mock keeps GPU and compute instances but has no MIG device handles. The
 //     bridge lists one MIG device per compute instance (nvmlDeviceGetMigDeviceHandleByIndex, up
 //     to 7 per GPU) with a UUID made from the parent's and the instance ids, the attributes and
@@ -973,5 +979,56 @@ func nvmlDeviceGetRemappedRows(h unsafe.Pointer, corr, unc, pending, failure *C.
 			*unc, *pending = 1, 1
 		}
 	}
+	return success
+}
+
+// Compute modes, by GPU index (absent: DEFAULT).
+var computeModes = map[int]C.int{}
+
+// record appends one line to DRUST_MOCK_NVML_CALLS, if set.
+func record(format string, args ...any) {
+	path := os.Getenv("DRUST_MOCK_NVML_CALLS")
+	if path == "" {
+		return
+	}
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	fmt.Fprintf(f, format+"\n", args...)
+}
+
+//export nvmlDeviceGetComputeMode
+func nvmlDeviceGetComputeMode(h unsafe.Pointer, out *C.int) C.int {
+	i := index(h)
+	if i < 0 || out == nil {
+		return invalidArgument
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	*out = computeModes[i]
+	return success
+}
+
+//export nvmlDeviceSetComputeMode
+func nvmlDeviceSetComputeMode(h unsafe.Pointer, mode C.int) C.int {
+	d, ok := device(h)
+	i := index(h)
+	if !ok || i < 0 {
+		return invalidArgument
+	}
+	switch mode {
+	case 0, 2, 3:
+	case 1:
+		return notSupported
+	default:
+		return invalidArgument
+	}
+	uuid, _ := d.GetUUID()
+	mu.Lock()
+	computeModes[i] = mode
+	mu.Unlock()
+	record("nvmlDeviceSetComputeMode %s %d", uuid, int(mode))
 	return success
 }

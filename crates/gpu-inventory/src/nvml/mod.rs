@@ -44,8 +44,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use crate::backend::{
-    BackendError, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement, MigProfile,
-    NvLinkGroup, RawGpu, RawMigDevice, SystemInfo,
+    BackendError, ComputeMode, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement,
+    MigProfile, NvLinkGroup, RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::health::{HealthEvent, HealthEventKind, RecoveryProbe};
 use crate::mig_tables::PROFILE_COUNT;
@@ -414,6 +414,40 @@ impl GpuBackend for NvmlBackend {
     /// ([`TOOL_TIMEOUT`] unless [`NvmlBackend::with_tool_timeout`] set another).
     fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
         set_time_slice_with(OsStr::new("nvidia-smi"), index, value, self.tool_timeout)
+    }
+
+    fn compute_mode(&self, index: u32) -> Result<ComputeMode, BackendError> {
+        use nvml_wrapper::enum_wrappers::device::ComputeMode as Nvml;
+        let mode = self
+            .nvml
+            .device_by_index(index)
+            .and_then(|d| d.compute_mode())
+            .map_err(query("nvmlDeviceGetComputeMode", index))?;
+        Ok(match mode {
+            Nvml::Default => ComputeMode::Default,
+            Nvml::Prohibited => ComputeMode::Prohibited,
+            Nvml::ExclusiveProcess => ComputeMode::ExclusiveProcess,
+            // Gone from drivers since CUDA 8; it admits one context as well.
+            Nvml::ExclusiveThread => ComputeMode::ExclusiveProcess,
+        })
+    }
+
+    fn set_compute_mode(&self, index: u32, mode: ComputeMode) -> Result<(), BackendError> {
+        use nvml_wrapper::enum_wrappers::device::ComputeMode as Nvml;
+        let mut d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
+        d.set_compute_mode(match mode {
+            ComputeMode::Default => Nvml::Default,
+            ComputeMode::Prohibited => Nvml::Prohibited,
+            ComputeMode::ExclusiveProcess => Nvml::ExclusiveProcess,
+        })
+        .map_err(|e| BackendError::Action {
+            call: "nvmlDeviceSetComputeMode",
+            index,
+            message: e.to_string(),
+        })
     }
 
     fn create_mig_device(

@@ -45,6 +45,7 @@
 
 mod cluster;
 mod error;
+mod exclusive;
 mod plan;
 mod recovery;
 mod shares;
@@ -54,6 +55,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dra_kubelet::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
+use gpu_inventory::backend::ComputeMode;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, warn};
@@ -654,15 +656,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         self.set_time_slices(claim, slices).await?;
         let (served, percentage) = claim_daemon_devices(devices);
         if !served.is_empty() {
-            self.inner
-                .config
-                .mps
-                .start(&claim.uid, &served, percentage)
-                .await
-                .map_err(|source| ClaimError::Mps {
-                    claim: claim.clone(),
-                    source,
-                })?;
+            self.start_claim_daemon(claim, devices, &served, percentage)
+                .await?;
         }
         // Shares (consumable capacity): their devices' daemons, shared with other claims.
         self.start_share_daemons(claim, devices).await.map(drop)
@@ -690,9 +685,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             match mps.liveness(&claim.uid).await {
                 crate::mps::Liveness::Answering => {}
                 crate::mps::Liveness::Dead => {
-                    mps.start(&claim.uid, &served, percentage)
-                        .await
-                        .map_err(mps_error)?;
+                    self.start_claim_daemon(claim, devices, &served, percentage)
+                        .await?;
                     started = true;
                 }
                 crate::mps::Liveness::Unknown(problem) => {
@@ -706,6 +700,47 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Ok(self.start_share_daemons(claim, devices).await? || started)
     }
 
+    /// Starts the claim's own MPS daemon for `served` (its MPS devices), with their full GPUs
+    /// in `EXCLUSIVE_PROCESS` first ([`exclusive`]); on failure the modes are restored.
+    async fn start_claim_daemon(
+        &self,
+        claim: &ClaimRef,
+        devices: &[RecordedDevice],
+        served: &[crate::mps::MpsDevice],
+        percentage: Option<u32>,
+    ) -> Result<(), ClaimError> {
+        let names = mps_device_names(devices);
+        let mut result = Ok(());
+        for name in &names {
+            result = self
+                .compute_mode(claim, name, ComputeMode::ExclusiveProcess)
+                .await;
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_ok() {
+            result = self
+                .inner
+                .config
+                .mps
+                .start(&claim.uid, served, percentage)
+                .await
+                .map_err(|source| ClaimError::Mps {
+                    claim: claim.clone(),
+                    source,
+                });
+        }
+        if result.is_err() {
+            for name in &names {
+                if let Err(e) = self.compute_mode(claim, name, ComputeMode::Default).await {
+                    warn!(claim = %claim, error = %e, "restoring a GPU's compute mode failed");
+                }
+            }
+        }
+        result
+    }
+
     /// Undoes [`Self::share`]: stops the claim's MPS daemon (if any is running), the daemons of
     /// its shares' devices that no other share needs, and puts time-sliced GPUs back to the
     /// default slice. Safe when nothing was applied.
@@ -715,6 +750,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         devices: &[RecordedDevice],
     ) -> Result<(), ClaimError> {
         self.stop_share_daemons(claim, devices).await?;
+        // The modes first: a crash before the stop leaves the daemon, an orphan at start-up.
+        for name in mps_device_names(devices) {
+            self.compute_mode(claim, &name, ComputeMode::Default)
+                .await?;
+        }
         self.inner
             .config
             .mps
@@ -1213,6 +1253,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     }
 }
 
+/// The names of the devices under the claim's own MPS daemon.
+fn mps_device_names(devices: &[RecordedDevice]) -> Vec<String> {
+    devices
+        .iter()
+        .filter(|d| matches!(d.sharing, Some(Sharing::Mps(_))))
+        .map(|d| d.device_name.clone())
+        .collect()
+}
+
 /// The devices of the claim's own MPS daemon (those an MPS sharing config covers, in device
 /// order, which is the daemon's ordinal order), each with its pinned limit, and the daemon's
 /// thread percentage (the config resolution refuses claims whose requests disagree on it).
@@ -1315,6 +1364,13 @@ mod tests {
             Ok(None)
         }
         fn unprepare(&self, _: &NodeDevice, _: Option<&CreatedMig>) -> Result<(), HardwareError> {
+            Ok(())
+        }
+        fn set_compute_mode(
+            &self,
+            _: &gpu_inventory::Gpu,
+            _: gpu_inventory::backend::ComputeMode,
+        ) -> Result<(), HardwareError> {
             Ok(())
         }
     }

@@ -44,6 +44,9 @@ pub struct RecoveryReport {
     /// MIG devices no claim owns on GPUs published as partitionable, destroyed (UUID, GPU,
     /// instance ids, profile and placement).
     pub mig_orphans_destroyed: Vec<String>,
+    /// GPUs (by name) put back in the default compute mode: no recorded claim runs MPS on them
+    /// ([`super::exclusive`]).
+    pub compute_modes_restored: Vec<String>,
     /// Claims whose recovery step failed, with the error; retried in the background.
     pub failed: Vec<(String, String)>,
 }
@@ -191,6 +194,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 }
             }
         }
+
+        report.compute_modes_restored = self.restore_compute_modes(&node).await;
 
         let boot_id = inner.config.boot_id.clone();
         self.update(&node, |c| {

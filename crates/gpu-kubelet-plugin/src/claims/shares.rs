@@ -27,6 +27,7 @@ use super::{ClaimController, Cluster};
 use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice, RecordedShare};
 use crate::hardware::Hardware;
 use crate::mps::Liveness;
+use gpu_inventory::backend::ComputeMode;
 
 /// The MPS daemon key of the device with `uuid` (a GPU or MIG UUID): lower-cased, so it is a
 /// valid Pod name and label value.
@@ -152,7 +153,19 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 uuid: d.uuid.clone(),
                 pinned_memory_limit_bytes: None,
             }];
-            mps.start(&key, &served, None).await.map_err(mps_error)?;
+            // No CUDA process may bypass the daemon ([`super::exclusive`]).
+            self.compute_mode_locked(claim, &d.device_name, ComputeMode::ExclusiveProcess)
+                .await?;
+            if let Err(e) = mps.start(&key, &served, None).await {
+                if let Err(e) = self
+                    .compute_mode_locked(claim, &d.device_name, ComputeMode::Default)
+                    .await
+                {
+                    tracing::warn!(claim = %claim, error = %e,
+                        "restoring the GPU's compute mode after a failed daemon start failed");
+                }
+                return Err(mps_error(e));
+            }
             started = true;
             info!(claim = %claim, device = %d.device_name, daemon = %key,
                 "started the device's MPS daemon");
@@ -174,6 +187,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             if needed.contains(&key) {
                 continue;
             }
+            // The mode first: a crash before the stop leaves the daemon, an orphan at start-up.
+            self.compute_mode_locked(claim, &d.device_name, ComputeMode::Default)
+                .await?;
             self.inner
                 .config
                 .mps

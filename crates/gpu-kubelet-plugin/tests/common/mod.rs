@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use dra_kubelet::ClaimRef;
+use gpu_inventory::backend::ComputeMode;
 use gpu_inventory::{FakeBackend, Gpu, Topology, discover};
 use gpu_kubelet_plugin::cdi::CdiWriter;
 use gpu_kubelet_plugin::checkpoint::CheckpointFile;
@@ -90,6 +91,8 @@ pub struct ScriptedHardware {
     pub released: Condvar,
     pub failing: Mutex<HashSet<String>>,
     pub calls: Mutex<Vec<String>>,
+    /// Each GPU's compute mode (by GPU name; absent: default), as set.
+    pub compute_modes: Mutex<std::collections::HashMap<String, ComputeMode>>,
 }
 
 impl ScriptedHardware {
@@ -145,6 +148,32 @@ impl Hardware for ScriptedHardware {
             .lock()
             .unwrap()
             .push(format!("time-slice {} {slice:?}", device.gpu().name));
+        Ok(())
+    }
+
+    fn compute_mode(&self, gpu: &Gpu) -> Result<ComputeMode, HardwareError> {
+        Ok(self
+            .compute_modes
+            .lock()
+            .unwrap()
+            .get(&gpu.name)
+            .copied()
+            .unwrap_or_default())
+    }
+
+    fn set_compute_mode(
+        &self,
+        gpu: &gpu_inventory::Gpu,
+        mode: ComputeMode,
+    ) -> Result<(), HardwareError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("compute-mode {} {mode:?}", gpu.name));
+        self.compute_modes
+            .lock()
+            .unwrap()
+            .insert(gpu.name.clone(), mode);
         Ok(())
     }
 }
