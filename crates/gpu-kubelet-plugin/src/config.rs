@@ -162,4 +162,6 @@ pub struct MpsDaemonPods {
     pub namespace: String,
     /// `priorityClassName` of the Pods, if any.
     pub priority_class: Option<String>,
+    /// The plugin's DaemonSet (in `namespace`), the Pods' owner, if any.
+    pub owner: Option<String>,
 }

@@ -665,6 +665,7 @@ async fn take_over(
                     priority_class: pods.priority_class.clone(),
                     host_driver_root: config.driver_root.host_root.clone(),
                     daemon_binary: daemon_binary(config),
+                    owner: pods.owner.clone().map(mps::DaemonSetOwner::new),
                 }),
             },
             driver_edits,

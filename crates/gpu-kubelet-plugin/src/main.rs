@@ -137,6 +137,10 @@ struct Args {
     /// `priorityClassName` of the MPS daemon Pods.
     #[arg(long)]
     mps_daemon_priority_class: Option<String>,
+    /// The plugin's DaemonSet (in the daemon Pods' namespace): each daemon Pod names it as its
+    /// owner, so deleting it (uninstalling the chart) deletes the daemons. Unset: no owner.
+    #[arg(long)]
+    mps_daemon_owner: Option<String>,
     /// Root of the NVIDIA driver installation as this process sees it: its libraries,
     /// binaries, firmware and sockets go into every claim's CDI spec.
     #[arg(long, default_value = "/")]
@@ -248,6 +252,7 @@ impl Args {
                 pull_policy: self.mps_daemon_image_pull_policy,
                 namespace,
                 priority_class: self.mps_daemon_priority_class.filter(|p| !p.is_empty()),
+                owner: self.mps_daemon_owner.filter(|o| !o.is_empty()),
             }),
         };
         config.driver_root = gpu_kubelet_plugin::driver_files::DriverRoot {

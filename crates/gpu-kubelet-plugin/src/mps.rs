@@ -20,7 +20,9 @@
 //!
 //! With [`DaemonPods`] (the chart's setting), each daemon runs in its own Pod on this node,
 //! created through the API server: `chroot <driver root> nvidia-cuda-mps-control -f` in the
-//! plugin's own image, privileged, with the claim's directory over the driver root's `/tmp` and
+//! plugin's own image, privileged, owned by the plugin's DaemonSet (so uninstalling the chart
+//! deletes it), with no ServiceAccount token, the driver root read-only, the claim's directory
+//! over the driver root's `/tmp` and
 //! its `shm` over the driver root's `/dev/shm`, so the daemon, the servers it spawns and the
 //! clients in the claim's containers share one pipe directory and one `/dev/shm` (as NVIDIA's
 //! DRA driver runs its daemons, in `cmd/gpu-kubelet-plugin/sharing.go`). The daemon is then not
@@ -40,8 +42,10 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
@@ -97,6 +101,28 @@ pub struct DaemonPods {
     pub host_driver_root: PathBuf,
     /// `nvidia-cuda-mps-control` inside the driver root.
     pub daemon_binary: PathBuf,
+    /// The DaemonSet of the plugin (in `namespace`), named in each Pod's `ownerReferences` so
+    /// that deleting it (`helm uninstall`) deletes the daemons too (garbage collection); `None`:
+    /// no owner (plugins run outside the chart).
+    pub owner: Option<DaemonSetOwner>,
+}
+
+/// The plugin's DaemonSet as the owner of daemon Pods: its name, and its UID once looked up
+/// (`GET`, at the first daemon Pod; the chart's RBAC allows exactly that one object).
+#[derive(Debug, Clone)]
+pub struct DaemonSetOwner {
+    name: String,
+    uid: Arc<tokio::sync::OnceCell<String>>,
+}
+
+impl DaemonSetOwner {
+    /// The DaemonSet `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            uid: Arc::default(),
+        }
+    }
 }
 
 impl std::fmt::Debug for DaemonPods {
@@ -106,6 +132,7 @@ impl std::fmt::Debug for DaemonPods {
             .field("node_name", &self.node_name)
             .field("image", &self.image)
             .field("host_driver_root", &self.host_driver_root)
+            .field("owner", &self.owner)
             .finish_non_exhaustive()
     }
 }
@@ -365,7 +392,8 @@ impl MpsControl {
         let started = tokio::time::Instant::now();
         let visible_ids: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
         if let Some(pods) = &self.pods {
-            let pod = self.build_daemon_pod(pods, uid, &visible_ids.join(","))?;
+            let owner = self.owner_uid(pods, uid).await?;
+            let pod = self.build_daemon_pod(pods, uid, &visible_ids.join(","), owner)?;
             self.pod_call(pods, uid, "create", async {
                 Api::<Pod>::namespaced(pods.client.clone(), &pods.namespace)
                     .create(&PostParams::default(), &pod)
@@ -531,16 +559,53 @@ impl MpsControl {
     }
 
     /// The Pod that runs the daemon of claim `uid` for `visible_ids` (comma-separated GPU or
-    /// MIG UUIDs), as [`Self::start`] creates it (see the module docs); `None` without
-    /// [`DaemonPods`].
+    /// MIG UUIDs), as [`Self::start`] creates it (see the module docs; its owner looked up as
+    /// there); `None` without [`DaemonPods`].
     ///
     /// # Errors
-    /// [`MpsError::Pod`] if the Pod cannot be built (a bug).
-    pub fn daemon_pod(&self, uid: &str, visible_ids: &str) -> Result<Option<Pod>, MpsError> {
+    /// [`MpsError::Pod`] if the owner cannot be looked up or the Pod cannot be built (a bug).
+    pub async fn daemon_pod(&self, uid: &str, visible_ids: &str) -> Result<Option<Pod>, MpsError> {
         match &self.pods {
-            Some(pods) => self.build_daemon_pod(pods, uid, visible_ids).map(Some),
+            Some(pods) => {
+                let owner = self.owner_uid(pods, uid).await?;
+                self.build_daemon_pod(pods, uid, visible_ids, owner)
+                    .map(Some)
+            }
             None => Ok(None),
         }
+    }
+
+    /// The UID of the owning DaemonSet ([`DaemonPods::owner`]), looked up once.
+    async fn owner_uid<'p>(
+        &self,
+        pods: &'p DaemonPods,
+        uid: &str,
+    ) -> Result<Option<(&'p str, &'p str)>, MpsError> {
+        let Some(owner) = &pods.owner else {
+            return Ok(None);
+        };
+        let found = owner
+            .uid
+            .get_or_try_init(|| async {
+                let api = Api::<DaemonSet>::namespaced(pods.client.clone(), &pods.namespace);
+                let problem =
+                    match tokio::time::timeout(self.start_timeout, api.get(&owner.name)).await {
+                        Ok(Ok(ds)) => match ds.metadata.uid {
+                            Some(uid) => return Ok(uid),
+                            None => "the DaemonSet has no UID".to_owned(),
+                        },
+                        Ok(Err(e)) => e.to_string(),
+                        Err(_) => format!("no answer within {} ms", self.start_timeout.as_millis()),
+                    };
+                Err(MpsError::Pod {
+                    namespace: pods.namespace.clone(),
+                    name: Self::pod_name(uid),
+                    what: "look up its owner, DaemonSet",
+                    problem: format!("{}: {problem}", owner.name),
+                })
+            })
+            .await?;
+        Ok(Some((owner.name.as_str(), found.as_str())))
     }
 
     fn build_daemon_pod(
@@ -548,8 +613,17 @@ impl MpsControl {
         pods: &DaemonPods,
         uid: &str,
         visible_ids: &str,
+        owner: Option<(&str, &str)>,
     ) -> Result<Pod, MpsError> {
         let binary = Path::new("/").join(&pods.daemon_binary);
+        // Not the controller: the DaemonSet controller would release (or count) a Pod it
+        // controls that its selector does not match. An owner is enough for the collector.
+        let owners = owner.map(|(name, owner_uid)| {
+            [
+                serde_json::json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                                "name": name, "uid": owner_uid}),
+            ]
+        });
         let pod = serde_json::json!({
             "apiVersion": "v1",
             "kind": "Pod",
@@ -561,11 +635,14 @@ impl MpsControl {
                     "app.kubernetes.io/managed-by": "gpu-kubelet-plugin",
                     CLAIM_UID_LABEL: uid,
                 },
+                "ownerReferences": owners,
             },
             "spec": {
                 "nodeName": pods.node_name,
                 // The plugin starts a lost daemon again, with the claim's limits.
                 "restartPolicy": "Never",
+                // The namespace's default account, with no token: the daemon calls no API.
+                "serviceAccountName": "default",
                 "automountServiceAccountToken": false,
                 "enableServiceLinks": false,
                 "terminationGracePeriodSeconds": 5,
@@ -586,7 +663,8 @@ impl MpsControl {
                     "securityContext": {"privileged": true},
                     "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
                     "volumeMounts": [
-                        {"name": "driver-root", "mountPath": "/driver-root",
+                        // Read-only: the daemon writes only its pipes, log and shared memory.
+                        {"name": "driver-root", "mountPath": "/driver-root", "readOnly": true,
                          "mountPropagation": "HostToContainer"},
                         {"name": "claim", "mountPath": "/driver-root/tmp"},
                         {"name": "shm", "mountPath": "/driver-root/dev/shm"},

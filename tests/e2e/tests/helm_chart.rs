@@ -16,7 +16,7 @@ use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
-use gpu_kubelet_plugin::mps::{DaemonPods, MpsControl};
+use gpu_kubelet_plugin::mps::{DaemonPods, DaemonSetOwner, MpsControl};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
@@ -123,8 +123,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         ("RoleBinding", 2),
         ("Service", 1),
         ("ServiceAccount", 1),
-        ("ValidatingAdmissionPolicy", 2),
-        ("ValidatingAdmissionPolicyBinding", 2),
+        ("ValidatingAdmissionPolicy", 3),
+        ("ValidatingAdmissionPolicyBinding", 3),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_owned(), n))
@@ -680,38 +680,75 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         &[&user, r#"cannot create resource "pods""#],
     )?;
 
-    // 6b. MPS control daemon Pods: the plugin may create the Pod its code builds (dry run), in
-    //     its namespace, on its node, of its image; not on another node, not of another image,
-    //     and it may not delete Pods of another node.
+    // 6b. MPS control daemon Pods: the plugin may create the Pod its code builds (dry run) from
+    //     the rendered DaemonSet's own arguments, in its namespace, on its node, of its image,
+    //     owned by the DaemonSet (whose UID the plugin reads as this identity); not on another
+    //     node, not of another image, and not one that differs from it in any way that would
+    //     give the token more than a daemon: each escalation below is denied by the exact-shape
+    //     policy.
     let pod_policy = format!("ValidatingAdmissionPolicy '{POD_POLICY}'");
     let daemon_pods: Api<Pod> = Api::namespaced(plugin_client.clone(), NAMESPACE);
-    let mps = |node: &str, image: &str| MpsControl {
-        binary: "nvidia-cuda-mps-control".into(),
-        root: "/run/drust/mps".into(),
-        start_timeout: TIMEOUT,
-        pods: Some(DaemonPods {
-            client: plugin_client.clone(),
-            namespace: NAMESPACE.to_owned(),
-            node_name: node.to_owned(),
-            image: image.to_owned(),
-            pull_policy: "IfNotPresent".to_owned(),
-            priority_class: Some("system-node-critical".to_owned()),
-            host_driver_root: "/".into(),
-            daemon_binary: "usr/bin/nvidia-cuda-mps-control".into(),
-        }),
+    let ds_args: Vec<String> = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.args.clone())
+        .unwrap_or_default();
+    let arg = |name: &str| -> anyhow::Result<String> {
+        ds_args
+            .iter()
+            .find_map(|a| a.strip_prefix(&format!("--{name}=")))
+            .map(str::to_owned)
+            .with_context(|| format!("--{name} in the DaemonSet's args {ds_args:?}"))
     };
+    let daemon_binary = arg("mps-control-binary")?
+        .strip_prefix("/driver-root/")
+        .context("--mps-control-binary under the driver root")?
+        .to_owned();
+    let mps = |node: &str, image: &str| -> anyhow::Result<MpsControl> {
+        Ok(MpsControl {
+            binary: "nvidia-cuda-mps-control".into(),
+            root: arg("mps-root")?.into(),
+            start_timeout: TIMEOUT,
+            pods: Some(DaemonPods {
+                client: plugin_client.clone(),
+                namespace: NAMESPACE.to_owned(),
+                node_name: node.to_owned(),
+                image: image.to_owned(),
+                pull_policy: arg("mps-daemon-image-pull-policy")?,
+                priority_class: arg("mps-daemon-priority-class").ok(),
+                host_driver_root: arg("host-driver-root")?.into(),
+                daemon_binary: daemon_binary.clone().into(),
+                owner: Some(DaemonSetOwner::new(arg("mps-daemon-owner")?)),
+            }),
+        })
+    };
+    ensure!(
+        arg("mps-daemon-image")? == IMAGE,
+        "the chart's daemon image: {ds_args:?}"
+    );
     let uid = "0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9";
     let dry = PostParams {
         dry_run: true,
         ..Default::default()
     };
+    let own = mps("gpu-node-a", IMAGE)?
+        .daemon_pod(uid, "GPU-0")
+        .await?
+        .context("a pod")?;
+    ensure!(
+        own.metadata
+            .owner_references
+            .as_ref()
+            .and_then(|o| o.first())
+            .map(|o| (o.kind.as_str(), o.uid.as_str()))
+            == Some(("DaemonSet", ds.metadata.uid.as_deref().unwrap_or_default())),
+        "the daemon Pod's owner: {:?}",
+        own.metadata.owner_references
+    );
     daemon_pods
-        .create(
-            &dry,
-            &mps("gpu-node-a", IMAGE)
-                .daemon_pod(uid, "GPU-0")?
-                .context("a pod")?,
-        )
+        .create(&dry, &own)
         .await
         .context("the plugin may create its MPS daemon Pod on its own node")?;
     denied(
@@ -719,8 +756,9 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         daemon_pods
             .create(
                 &dry,
-                &mps("gpu-node-b", IMAGE)
-                    .daemon_pod(uid, "GPU-0")?
+                &mps("gpu-node-b", IMAGE)?
+                    .daemon_pod(uid, "GPU-0")
+                    .await?
                     .context("a pod")?,
             )
             .await,
@@ -734,12 +772,146 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         daemon_pods
             .create(
                 &dry,
-                &mps("gpu-node-a", "busybox")
-                    .daemon_pod(uid, "GPU-0")?
+                &mps("gpu-node-a", "busybox")?
+                    .daemon_pod(uid, "GPU-0")
+                    .await?
                     .context("a pod")?,
             )
             .await,
         &[&pod_policy, "may only create Pods of its own image"],
+    )?;
+    // Each escalation the issue names, as a change to the plugin's own Pod.
+    type Change = fn(&mut Value);
+    let escalations: [(&str, Change, &str); 14] = [
+        (
+            "run as the plugin's ServiceAccount",
+            |p| p["spec"]["serviceAccountName"] = json!(SERVICE_ACCOUNT),
+            "default ServiceAccount with no token",
+        ),
+        (
+            "mount a ServiceAccount token",
+            |p| p["spec"]["automountServiceAccountToken"] = json!(true),
+            "default ServiceAccount with no token",
+        ),
+        (
+            "mount a Secret",
+            |p| {
+                if let Some(v) = p["spec"]["volumes"].as_array_mut() {
+                    v.push(json!({"name": "s", "secret": {"secretName": "anything"}}));
+                }
+            },
+            "exactly three host directories",
+        ),
+        (
+            "mount a projected token in place of its shared memory",
+            |p| {
+                p["spec"]["volumes"][2] = json!({"name": "shm", "projected": {"sources": [
+                    {"serviceAccountToken": {"path": "token"}}]}});
+            },
+            "exactly three host directories",
+        ),
+        (
+            "mount the host's / writable",
+            |p| p["spec"]["containers"][0]["volumeMounts"][0]["readOnly"] = json!(false),
+            "driver root read-only",
+        ),
+        (
+            "mount / as its claim directory",
+            |p| p["spec"]["volumes"][1]["hostPath"]["path"] = json!("/"),
+            "exactly three host directories",
+        ),
+        (
+            "use the host's PID namespace",
+            |p| p["spec"]["hostPID"] = json!(true),
+            "host's network, PID or IPC namespace",
+        ),
+        (
+            "use the host's network",
+            |p| p["spec"]["hostNetwork"] = json!(true),
+            "host's network, PID or IPC namespace",
+        ),
+        (
+            "run its own command",
+            |p| {
+                p["spec"]["containers"][0]["command"] =
+                    json!(["chroot", "/driver-root", "/bin/sh", "-c", "id"]);
+            },
+            "runs exactly `chroot /driver-root",
+        ),
+        (
+            "add LD_PRELOAD",
+            |p| {
+                if let Some(e) = p["spec"]["containers"][0]["env"].as_array_mut() {
+                    e.push(json!({"name": "LD_PRELOAD", "value": "/tmp/x.so"}));
+                }
+            },
+            "runs exactly `chroot /driver-root",
+        ),
+        (
+            "run a command at start (postStart hook)",
+            |p| {
+                p["spec"]["containers"][0]["lifecycle"] =
+                    json!({"postStart": {"exec": {"command": ["/bin/sh", "-c", "id"]}}});
+            },
+            "no ports, lifecycle hooks, probes",
+        ),
+        (
+            "add an init container",
+            |p| {
+                p["spec"]["initContainers"] =
+                    json!([{"name": "i", "image": IMAGE, "command": ["id"]}]);
+            },
+            // Both policies refuse it, and either may answer first.
+            "one container and nothing else|may only create Pods of its own image",
+        ),
+        (
+            "drop its owner",
+            |p| p["metadata"]["ownerReferences"] = json!(null),
+            "must be owned (metadata.ownerReferences) by the DaemonSet",
+        ),
+        (
+            "claim GPUs of its own (a resource claim)",
+            |p| {
+                p["spec"]["resourceClaims"] =
+                    json!([{"name": "g", "resourceClaimName": "someone-elses"}]);
+            },
+            "one container and nothing else",
+        ),
+    ];
+    let own_json = serde_json::to_value(&own)?;
+    for (what, change, messages) in escalations {
+        let mut pod = own_json.clone();
+        change(&mut pod);
+        let what = format!("create a daemon Pod that would {what}");
+        let result = daemon_pods
+            .create(&dry, &serde_json::from_value(pod)?)
+            .await;
+        // `a|b`: either message.
+        let message = match &result {
+            Err(kube::Error::Api(e)) => messages
+                .split('|')
+                .find(|m| e.message.contains(m))
+                .unwrap_or(messages),
+            _ => messages,
+        };
+        denied(
+            &what,
+            result,
+            &["ValidatingAdmissionPolicy 'drust-mps-daemon-pods-", message],
+        )?;
+    }
+    denied(
+        "delete a Pod of its own node that is no MPS daemon",
+        daemon_pods
+            .delete(
+                pod_a.metadata.name.as_deref().unwrap_or_default(),
+                &DeleteParams {
+                    dry_run: true,
+                    ..Default::default()
+                },
+            )
+            .await,
+        &[&pod_policy, "may only delete MPS control daemon Pods"],
     )?;
     denied(
         "delete the plugin Pod of gpu-node-b",
@@ -836,8 +1008,46 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         .await?
         .items;
     ensure!(still.len() == published.len(), "{still:?}");
-
     plugin.stop().await?;
+
+    // 8. Uninstalling the chart deletes the MPS daemon Pods: one created for real by the
+    //    plugin's identity, owned by the DaemonSet, is deleted by the garbage collector once
+    //    `helm uninstall` deletes the DaemonSet (no kubelet runs here, so it is left
+    //    terminating rather than gone).
+    let name = daemon_pods
+        .create(&PostParams::default(), &own)
+        .await
+        .context("the plugin creates its daemon Pod")?
+        .metadata
+        .name
+        .unwrap_or_default();
+    let uninstalled = helm_in(
+        Some(&scratch.path().join("helm-home")),
+        &[
+            "uninstall",
+            RELEASE,
+            "--namespace",
+            NAMESPACE,
+            &kubeconfig_flag,
+        ],
+    )
+    .await?;
+    ensure!(uninstalled.contains("uninstalled"), "{uninstalled}");
+    let admin_pods: Api<Pod> = Api::namespaced(admin.clone(), NAMESPACE);
+    until(
+        "the garbage collector deletes the daemon Pod",
+        TIMEOUT,
+        || async {
+            match admin_pods.get_opt(&name).await {
+                Ok(None) => Ok(Some(())),
+                Ok(Some(p)) if p.metadata.deletion_timestamp.is_some() => Ok(Some(())),
+                Ok(Some(_)) => Err("still there, not terminating".to_owned()),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await?;
+
     cp.stop().await?;
     Ok(())
 }

@@ -83,3 +83,9 @@ app.kubernetes.io/component: kubelet-plugin
 {{- fail "serviceAccount.create=false needs serviceAccount.name: the existing ServiceAccount the plugin runs as" -}}
 {{- end -}}
 {{- end -}}
+
+{{/* nvidia-cuda-mps-control inside the driver root: the plugin's --mps-control-binary (under
+/driver-root) and the daemon Pods' command, which the admission policy pins. */}}
+{{- define "drust.mpsControlBinary" -}}
+/usr/bin/nvidia-cuda-mps-control
+{{- end -}}
