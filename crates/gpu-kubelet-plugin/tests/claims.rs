@@ -381,16 +381,30 @@ async fn a_corrupt_checkpoint_is_rebuilt_from_cdi_specs_and_the_api_server_with_
     let f = Fixture::new(vec![
         claim("kept", "uk", &[(DRIVER, NODE, dev(4))]),
         claim("deleted", "ud", &[(DRIVER, NODE, dev(5))]),
+        claim("unplannable", "uu", &[(DRIVER, NODE, dev(6))]),
     ]);
     let c = f.controller().await;
     assert!(
-        c.prepare(vec![claim_ref("kept", "uk"), claim_ref("deleted", "ud")])
-            .await
-            .values()
-            .all(Result::is_ok)
+        c.prepare(vec![
+            claim_ref("kept", "uk"),
+            claim_ref("deleted", "ud"),
+            claim_ref("unplannable", "uu")
+        ])
+        .await
+        .values()
+        .all(Result::is_ok)
     );
     drop(c);
     f.cluster.claims.lock().unwrap().remove("ns/deleted");
+    // A claim this build cannot plan now (a config it refuses) may still have running pods:
+    // it is kept as its CDI spec shows, never dropped with its spec.
+    f.cluster.put(with_configs(
+        claim("unplannable", "uu", &[(DRIVER, NODE, dev(6))]),
+        &[(
+            "FromClaim",
+            serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1", "kind": "Bogus"}),
+        )],
+    ));
     // Both slots damaged (one alone is a torn store, recovered from the other).
     for slot in f.checkpoint().slot_paths() {
         std::fs::write(slot, b"{\"version\":2,\"chec").unwrap();
@@ -398,9 +412,15 @@ async fn a_corrupt_checkpoint_is_rebuilt_from_cdi_specs_and_the_api_server_with_
 
     let (c, report) = f.start().await;
     assert!(report.corrupt_checkpoint.is_some());
-    assert_eq!(report.rebuilt, ["uk"]);
-    assert_eq!(c.prepared_claims().await, ["uk"]);
-    assert_eq!(f.cdi_files(), ["gpu.example.com-claim_uk.json"]);
+    assert_eq!(report.rebuilt, ["uk", "uu"]);
+    assert_eq!(c.prepared_claims().await, ["uk", "uu"]);
+    assert_eq!(
+        f.cdi_files(),
+        [
+            "gpu.example.com-claim_uk.json",
+            "gpu.example.com-claim_uu.json"
+        ]
+    );
     let warnings = f.cluster.warnings.lock().unwrap().clone();
     assert!(
         warnings[0].starts_with("CheckpointRecovered: checkpoint"),

@@ -292,3 +292,80 @@ async fn a_gpu_hosting_shares_admits_only_its_daemon_until_the_last_share_goes()
     assert!(c.unprepare(vec![claim_ref("whole", "uw")]).await["uw"].is_ok());
     assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::Default));
 }
+
+/// A damaged checkpoint rebuilt while the API server does not answer: the shares are rebuilt
+/// from their CDI specs with what the specs show (the share's limits, its GPU's daemon), so the
+/// GPU's daemon, both specs and the GPU's exclusive mode all stay under the running
+/// containers; once the API server answers, the stale-claim check settles the records (the
+/// share IDs come back) and the last share's unprepare stops the daemon as usual.
+#[tokio::test]
+async fn a_rebuild_while_the_api_server_is_down_stops_nothing_shares_still_use() {
+    use gpu_inventory::backend::ComputeMode;
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let a = share_claim("a", "ua", dev(0), &format!("{SHARE}01"), "20Gi");
+    let b = share_claim("b", "ub", dev(0), &format!("{SHARE}02"), "10Gi");
+    let cluster = Shared::default();
+    cluster.put(a);
+    cluster.put(b);
+    let hardware = Arc::new(ScriptedHardware::default());
+    let c = controller_in(dir.path(), cluster.clone(), Arc::clone(&hardware)).await;
+    let both = || vec![claim_ref("a", "ua"), claim_ref("b", "ub")];
+    assert!(c.prepare(both()).await.values().all(Result::is_ok));
+    let key = gpus()[0].raw.uuid.to_ascii_lowercase();
+    let log = dir.path().join("mps").join(&key).join("log/control.log");
+    let starts = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("start "))
+            .count()
+    };
+    assert_eq!(starts(), 1);
+    drop(c);
+    for slot in ["checkpoint.json", "checkpoint.b.json"] {
+        let path = dir.path().join("plugin").join(slot);
+        if path.exists() {
+            std::fs::write(path, b"{damaged").unwrap();
+        }
+    }
+
+    cluster.unreachable.store(true, Ordering::SeqCst);
+    let c = controller_in(dir.path(), cluster.clone(), Arc::clone(&hardware)).await;
+    let mut prepared = c.prepared_claims().await;
+    prepared.sort();
+    assert_eq!(prepared, ["ua", "ub"]);
+    let control = mps_control(&dir.path().join("mps"));
+    assert!(
+        control.is_running(&key).await,
+        "the GPU's daemon was stopped"
+    );
+    assert_eq!(starts(), 1, "the GPU's daemon was replaced");
+    assert_eq!(daemons(dir.path()), std::slice::from_ref(&key));
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("cdi")).unwrap().count(),
+        2,
+        "both CDI specs stay"
+    );
+    assert_eq!(
+        hardware.compute_modes.lock().unwrap().get(&gpus()[0].name),
+        Some(&ComputeMode::ExclusiveProcess)
+    );
+
+    // Reachable again: the check settles both records.
+    cluster.unreachable.store(false, Ordering::SeqCst);
+    assert!(c.unprepare_stale().await.is_empty());
+    let checkpoint = gpu_kubelet_plugin::checkpoint::CheckpointFile::new(
+        Arc::new(gpu_kubelet_plugin::storage::RealFs),
+        dir.path().join("plugin/checkpoint.json"),
+    );
+    let state = checkpoint.load().unwrap().unwrap();
+    for (uid, id) in [("ua", "01"), ("ub", "02")] {
+        let share = state.claims[uid].devices[0].share.clone().expect("a share");
+        assert_eq!(share.id, format!("{SHARE}{id}"), "{uid} settled");
+    }
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    assert!(control.is_running(&key).await);
+    assert!(c.unprepare(vec![claim_ref("b", "ub")]).await["ub"].is_ok());
+    assert!(daemons(dir.path()).is_empty());
+}

@@ -50,7 +50,7 @@ mod plan;
 mod recovery;
 mod shares;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -163,6 +163,9 @@ struct RecoveryRetries {
     count: tokio::sync::watch::Sender<usize>,
     /// Stops the retries ([`ClaimController::quiesce`]).
     stop: tokio_util::sync::CancellationToken,
+    /// Claims rebuilt from their CDI spec alone (the API server did not answer at start), by
+    /// UID: their records are settled by the next stale-claim check that reaches it.
+    unverified: std::sync::Mutex<BTreeSet<String>>,
 }
 
 /// Group-commit bookkeeping: changes are numbered (epochs) as they are staged.
@@ -217,6 +220,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 background: TaskTracker::new(),
                 recovery: RecoveryRetries {
                     failing: std::sync::Mutex::default(),
+                    unverified: std::sync::Mutex::default(),
                     count: tokio::sync::watch::Sender::new(0),
                     stop: tokio_util::sync::CancellationToken::new(),
                 },
@@ -1228,7 +1232,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         for (uid, r) in records {
             let gone = match self.inner.cluster.get_claim(&r.namespace, &r.name).await {
                 Ok(None) => true,
-                Ok(Some(rc)) => rc.metadata.uid.as_deref() != Some(uid.as_str()),
+                Ok(Some(rc)) if rc.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                    self.settle_unverified(&uid, &rc).await;
+                    false
+                }
+                Ok(Some(_)) => true,
                 Err(e) => {
                     warn!(claim = %uid, error = %e, "stale-claim check: lookup failed; keeping it");
                     false

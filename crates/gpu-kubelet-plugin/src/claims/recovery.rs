@@ -22,6 +22,7 @@ use tracing::{Instrument, info, warn};
 use super::{ClaimController, ClaimError, Cluster, plan};
 use crate::cdi::{ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID};
 use crate::checkpoint::{Checkpoint, ClaimRecord, ClaimState};
+use crate::claim_config::Sharing;
 use crate::hardware::{CreatedMig, Hardware, NodeDevice};
 
 /// What start-up reconciliation did.
@@ -148,7 +149,26 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let (kept, share_daemons) = {
             let checkpoint = inner.checkpoint.lock().await;
             let kept: Vec<String> = checkpoint.claims.keys().cloned().collect();
-            (kept, super::shares::needed_daemons(&checkpoint, None))
+            let mut daemons = super::shares::needed_daemons(&checkpoint, None);
+            // And every daemon a kept claim's CDI spec mounts: its containers may use it.
+            let root = &inner.config.mps.root;
+            daemons.extend(
+                checkpoint
+                    .claims
+                    .values()
+                    .flat_map(|r| {
+                        let spec = &r.cdi_spec;
+                        spec.container_edits
+                            .mounts
+                            .iter()
+                            .chain(spec.devices.iter().flat_map(|d| &d.container_edits.mounts))
+                    })
+                    .filter_map(|m| {
+                        let rest = std::path::Path::new(&m.host_path).strip_prefix(root).ok()?;
+                        Some(rest.components().next()?.as_os_str().to_str()?.to_owned())
+                    }),
+            );
+            (kept, daemons)
         };
         let orphans = {
             let kept = kept.clone();
@@ -455,6 +475,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     }
 
     /// The devices a spec exposes, for when the API server cannot say (request names unknown).
+    /// The devices of `claim` as its CDI spec names them, for a claim that cannot be checked
+    /// against the API server now. What sharing the spec shows is kept, so that nothing the
+    /// claim's running containers use is stopped as an orphan: a device whose edits mount a
+    /// GPU's share daemon (`<mps root>/<key>/pipe`) is recorded as a share with the limits of
+    /// its edits (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; the
+    /// share ID is unknown), one that mounts the claim's own daemon as under MPS (its
+    /// daemon-side limits unknown). Such a claim is settled against the API server once it
+    /// answers ([`ClaimController::settle_unverified`]).
     fn devices_from_spec(
         &self,
         claim: &ClaimRef,
@@ -463,20 +491,51 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let inner = &self.inner;
         let prefix = format!("{}-", claim.uid);
         let catalogue = self.catalogue();
+        let mps = &inner.config.mps;
         spec.devices
             .iter()
-            .filter_map(|d| d.name.strip_prefix(&prefix))
-            .filter_map(|name| catalogue.get(name))
-            .map(|d| crate::checkpoint::RecordedDevice {
-                request_names: Vec::new(),
-                pool_name: inner.config.node_name.clone(),
-                device_name: d.name().to_owned(),
-                cdi_device_ids: vec![inner.cdi.device_id(&claim.uid, d.name())],
-                uuid: d.visible_id().to_owned(),
-                admin_access: false,
-                sharing: None,
-                mig: None,
-                share: None,
+            .filter_map(|d| Some((d, d.name.strip_prefix(&prefix)?)))
+            .filter_map(|(d, name)| Some((d, catalogue.get(name)?)))
+            .map(|(cdi, d)| {
+                let edits = &cdi.container_edits;
+                let daemon = edits
+                    .mounts
+                    .iter()
+                    .find(|m| m.container_path == crate::mps::CONTAINER_PIPE_DIR)
+                    .map(|m| std::path::PathBuf::from(&m.host_path));
+                let env = |name: &str| {
+                    edits
+                        .env
+                        .iter()
+                        .find_map(|e| e.strip_prefix(name)?.strip_prefix('='))
+                };
+                let share_key = super::shares::daemon_key(d.visible_id());
+                let (mut sharing, mut share) = (None, None);
+                if daemon.as_deref() == Some(mps.pipe_dir(&claim.uid).as_path()) {
+                    sharing = Some(Sharing::Mps(crate::claim_config::MpsLimits::default()));
+                } else if daemon.as_deref() == Some(mps.pipe_dir(&share_key).as_path()) {
+                    share = Some(crate::checkpoint::RecordedShare {
+                        id: String::new(),
+                        memory_bytes: env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+                            .and_then(|v| v.strip_prefix("0=")?.strip_suffix('M')?.parse().ok())
+                            .map_or(0, |mib: u64| mib << 20),
+                        compute_percent: env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+                            .and_then(|v| v.parse().ok())
+                            .unwrap_or(0),
+                        whole: false,
+                    });
+                }
+                crate::checkpoint::RecordedDevice {
+                    request_names: Vec::new(),
+                    pool_name: inner.config.node_name.clone(),
+                    device_name: d.name().to_owned(),
+                    cdi_device_ids: vec![inner.cdi.device_id(&claim.uid, d.name())],
+                    uuid: d.visible_id().to_owned(),
+                    admin_access: false,
+                    sharing,
+                    mig: None,
+                    share,
+                }
             })
             .collect()
     }
@@ -511,11 +570,19 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let mut devices = match inner.cluster.get_claim(&claim.namespace, &claim.name).await {
                 Ok(Some(rc)) => match plan::plan(&claim, &rc, &self.plan_context()) {
                     Ok(p) => p.devices,
-                    Err(_) => continue,
+                    // Its pods may still run: keep what the spec shows; the stale-claim check
+                    // unprepares it once its claim is gone or replaced.
+                    Err(e) => {
+                        warn!(claim = %claim, error = %e,
+                            "cannot plan a recovered claim; keeping it as its CDI spec shows");
+                        self.devices_from_spec(&claim, &spec)
+                    }
                 },
                 Ok(None) => continue,
                 Err(e) => {
-                    warn!(claim = %claim, error = %e, "cannot check a recovered claim; keeping its CDI spec");
+                    warn!(claim = %claim, error = %e,
+                        "cannot check a recovered claim; keeping it as its CDI spec shows until the API server answers");
+                    super::lock(&inner.recovery.unverified).insert(uid.clone());
                     self.devices_from_spec(&claim, &spec)
                 }
             };
@@ -546,4 +613,59 @@ pub(super) struct Recovered {
     pub(super) regenerated: bool,
     /// Its MPS daemon was not running and was started.
     pub(super) mps_restarted: bool,
+}
+
+impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+    /// Settles claim `uid`, rebuilt from its CDI spec alone at start (the API server did not
+    /// answer), now that its ResourceClaim `rc` is known: its record takes the devices, sharing
+    /// and shares of the plan, so its unprepare undoes exactly what it holds. Nothing is
+    /// stopped or restarted: the daemons it uses were kept. A plan that fails leaves the
+    /// record as the spec showed it (logged).
+    pub(super) async fn settle_unverified(
+        &self,
+        uid: &str,
+        rc: &k8s_openapi::api::resource::v1::ResourceClaim,
+    ) {
+        if !super::lock(&self.inner.recovery.unverified).contains(uid) {
+            return;
+        }
+        let _guard = self.claim_lock(uid).lock_owned().await;
+        let Some(record) = self.record(uid).await else {
+            super::lock(&self.inner.recovery.unverified).remove(uid);
+            return;
+        };
+        let claim = ClaimRef {
+            namespace: record.namespace.clone(),
+            name: record.name.clone(),
+            uid: uid.to_owned(),
+        };
+        match plan::plan(&claim, rc, &self.plan_context()) {
+            Ok(mut p) => {
+                self.adopt_mig_devices(&mut p.devices);
+                let devices = p.devices;
+                let key = uid.to_owned();
+                let settled = self
+                    .update(&claim, move |c| {
+                        if let Some(r) = c.claims.get_mut(&key) {
+                            r.devices = devices;
+                        }
+                        Ok(())
+                    })
+                    .await;
+                match settled {
+                    Ok(()) => {
+                        info!(claim = %uid, "settled a claim rebuilt from its CDI spec");
+                        super::lock(&self.inner.recovery.unverified).remove(uid);
+                    }
+                    Err(e) => warn!(claim = %uid, error = %e,
+                        "settling a claim rebuilt from its CDI spec failed; retrying"),
+                }
+            }
+            Err(e) => {
+                warn!(claim = %uid, error = %e,
+                    "cannot plan a claim rebuilt from its CDI spec; keeping it as the spec shows");
+                super::lock(&self.inner.recovery.unverified).remove(uid);
+            }
+        }
+    }
 }

@@ -35,6 +35,8 @@ pub struct Claims {
     pub claims: Mutex<BTreeMap<String, ResourceClaim>>,
     pub gets: AtomicUsize,
     pub warnings: Mutex<Vec<String>>,
+    /// While set, every lookup fails as an unreachable API server's does.
+    pub unreachable: std::sync::atomic::AtomicBool,
 }
 
 /// The test's handle and the controller's share one in-memory cluster.
@@ -55,6 +57,9 @@ impl Cluster for Shared {
         name: &str,
     ) -> Result<Option<ResourceClaim>, kube::Error> {
         self.gets.fetch_add(1, Ordering::SeqCst);
+        if self.unreachable.load(Ordering::SeqCst) {
+            return Err(kube::Error::Service("connection refused (test)".into()));
+        }
         Ok(self
             .claims
             .lock()
