@@ -45,10 +45,16 @@
 //! - Version 3 added `devices[].mig` ([`CreatedMig`]): the MIG device prepare created for a
 //!   partitionable placement, which unprepare must destroy.
 //! - Version 5 added `devices[].share` ([`RecordedShare`]): a share of a device allocated through
-//!   consumable capacity. A file recording a share is written with `minReaderVersion` 5: an older
-//!   build would take the device as held by one claim and stop the GPU's MPS daemon as an
-//!   orphan, under the other shares' running containers; it must refuse the file instead. A file
-//!   without shares keeps `minReaderVersion` 4.
+//!   consumable capacity. A file recording a share is written with `minReaderVersion` 5, so an
+//!   older build does not read it as exclusive records. What a version-4 build then does (read
+//!   from its code, `claims/recovery.rs` before shares): it refuses the file as too new, moves
+//!   it aside, rebuilds its claims from the CDI specs and the API server, and, knowing no
+//!   shares, stops every MPS daemon not named after a claim, the GPUs' share daemons included,
+//!   under the shares' running containers. So a node running shares must be drained of them
+//!   before a downgrade below version 5 (README, "Upgrades and downgrades"). From version 5 on,
+//!   a build that finds a file too new for it rebuilds its claims the same way but takes
+//!   nothing for an orphan in that start (`claims/recovery.rs`): a reader never stops what it
+//!   does not understand. A file without shares keeps `minReaderVersion` 4.
 
 use std::collections::BTreeMap;
 use std::io;

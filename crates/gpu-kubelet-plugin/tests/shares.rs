@@ -369,3 +369,68 @@ async fn a_rebuild_while_the_api_server_is_down_stops_nothing_shares_still_use()
     assert!(c.unprepare(vec![claim_ref("b", "ub")]).await["ub"].is_ok());
     assert!(daemons(dir.path()).is_empty());
 }
+
+/// A downgrade: the checkpoint was written by a newer build (a `minReaderVersion` above this
+/// build's). This build moves it aside and rebuilds its claims, but takes nothing it finds for
+/// an orphan in that start: the GPU's daemon, the GPU's exclusive mode and even the spec of a
+/// claim it could not rebuild (gone from the API server) stay as found.
+#[tokio::test]
+async fn a_checkpoint_from_a_newer_build_stops_nothing() {
+    use gpu_inventory::backend::ComputeMode;
+    let dir = tempfile::tempdir().unwrap();
+    let a = share_claim("a", "ua", dev(0), &format!("{SHARE}01"), "20Gi");
+    let gone = share_claim("gone", "ug", dev(0), &format!("{SHARE}02"), "10Gi");
+    let cluster = Shared::default();
+    cluster.put(a);
+    cluster.put(gone);
+    let hardware = Arc::new(ScriptedHardware::default());
+    let c = controller_in(dir.path(), cluster.clone(), Arc::clone(&hardware)).await;
+    let both = || vec![claim_ref("a", "ua"), claim_ref("gone", "ug")];
+    assert!(c.prepare(both()).await.values().all(Result::is_ok));
+    drop(c);
+    cluster.claims.lock().unwrap().remove("ns/gone");
+    // The newest slot, as a newer format would write it (the checksum covers `data` only).
+    let newer = gpu_kubelet_plugin::checkpoint::VERSION + 1;
+    let mut rewritten = 0;
+    for slot in ["checkpoint.json", "checkpoint.b.json"] {
+        let path = dir.path().join("plugin").join(slot);
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let text = text.replacen(
+            &format!(
+                "\"version\":{},\"minReaderVersion\":{}",
+                gpu_kubelet_plugin::checkpoint::VERSION,
+                gpu_kubelet_plugin::checkpoint::MIN_READER_VERSION_SHARES
+            ),
+            &format!("\"version\":{newer},\"minReaderVersion\":{newer}"),
+            1,
+        );
+        rewritten += usize::from(text.contains(&format!("\"minReaderVersion\":{newer}")));
+        std::fs::write(&path, text).unwrap();
+    }
+    assert!(rewritten > 0, "no slot was rewritten");
+
+    let c = controller_in(dir.path(), cluster.clone(), Arc::clone(&hardware)).await;
+    assert_eq!(c.prepared_claims().await, ["ua"]);
+    let key = gpus()[0].raw.uuid.to_ascii_lowercase();
+    let control = mps_control(&dir.path().join("mps"));
+    assert!(control.is_running(&key).await);
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("cdi")).unwrap().count(),
+        2,
+        "the spec of the claim it could not rebuild stays too"
+    );
+    assert_eq!(
+        hardware.compute_modes.lock().unwrap().get(&gpus()[0].name),
+        Some(&ComputeMode::ExclusiveProcess)
+    );
+    let moved: Vec<String> = std::fs::read_dir(dir.path().join("plugin"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".corrupt"))
+        .collect();
+    assert!(!moved.is_empty(), "the newer file is kept aside");
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+}

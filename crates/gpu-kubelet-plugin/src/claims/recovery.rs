@@ -4,7 +4,14 @@
 //! `PrepareCompleted` (destroying the MIG devices its record lists); in partitionable mode,
 //! destroy the MIG devices that no remaining claim records on the GPUs that publish placements
 //! (orphans of a crash between their creation and the checkpoint write: the plugin owns every
-//! MIG device there); regenerate missing CDI specs; remove CDI specs no claim owns.
+//! MIG device there); regenerate missing CDI specs; remove CDI specs, MPS daemons and compute
+//! modes no claim owns.
+//!
+//! A damaged checkpoint is rebuilt from the CDI specs, each claim checked against the API
+//! server; a claim that cannot be checked (no answer) or planned is kept as its spec shows, with
+//! the sharing the spec shows, so nothing its pods may use is taken for an orphan, and is
+//! settled once the API server answers. A checkpoint written by a newer build (a downgrade) is
+//! rebuilt the same way, and then nothing at all is taken for an orphan in that start.
 //!
 //! One claim whose step fails (a rollback, a CDI rewrite, an MPS restart, a time-slice reset)
 //! never stops the start: the failure is logged, reported as a Warning event naming the claim,
@@ -73,6 +80,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             uid: String::new(),
         };
         let mut report = RecoveryReport::default();
+        let mut newer_checkpoint = false;
         let file = inner.checkpoint_file.clone();
         let loaded = tokio::task::spawn_blocking(move || file.load())
             .await
@@ -84,6 +92,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let loaded = match loaded {
             Ok(c) => c.unwrap_or_default(),
             Err(e) => {
+                newer_checkpoint = matches!(e, crate::checkpoint::CheckpointError::TooNew { .. });
                 let aside = inner
                     .checkpoint_file
                     .quarantine()
@@ -144,6 +153,37 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
+        if newer_checkpoint {
+            // Written by a newer build (a downgrade): what this build does not understand may
+            // still be in use, so nothing is taken for an orphan in this start.
+            warn!(
+                "the checkpoint was written by a newer build: leaving every CDI spec, MPS \
+                daemon, MIG device and compute mode as found; the next start reconciles them"
+            );
+        } else {
+            self.remove_orphans(&node, &mut report).await;
+        }
+
+        let boot_id = inner.config.boot_id.clone();
+        self.update(&node, |c| {
+            c.boot_id = boot_id;
+            Ok(())
+        })
+        .await?;
+        if report != RecoveryReport::default() {
+            info!(?report, "reconciled claim state at start");
+        }
+        if !report.failed.is_empty() {
+            self.spawn_recovery_retries();
+        }
+        Ok(report)
+    }
+
+    /// Removes what no recorded claim owns: MIG devices on partitionable GPUs, CDI specs and
+    /// temp files, MPS daemons (keeping every daemon a recorded claim's spec mounts), and puts
+    /// GPUs no recorded claim runs MPS on back in the default compute mode.
+    async fn remove_orphans(&self, node: &ClaimRef, report: &mut RecoveryReport) {
+        let inner = &self.inner;
         report.mig_orphans_destroyed = self.destroy_mig_orphans().await;
 
         let (kept, share_daemons) = {
@@ -172,7 +212,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         let orphans = {
             let kept = kept.clone();
-            self.cdi_io(&node, move |cdi| {
+            self.cdi_io(node, move |cdi| {
                 let mut removed = Vec::new();
                 for (uid, path) in cdi.list()? {
                     if uid.is_none_or(|u| !kept.contains(&u)) {
@@ -215,21 +255,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
-        report.compute_modes_restored = self.restore_compute_modes(&node).await;
-
-        let boot_id = inner.config.boot_id.clone();
-        self.update(&node, |c| {
-            c.boot_id = boot_id;
-            Ok(())
-        })
-        .await?;
-        if report != RecoveryReport::default() {
-            info!(?report, "reconciled claim state at start");
-        }
-        if !report.failed.is_empty() {
-            self.spawn_recovery_retries();
-        }
-        Ok(report)
+        report.compute_modes_restored = self.restore_compute_modes(node).await;
     }
 
     /// Runs `pending` for `claim` under its lock. A claim whose record is gone meanwhile (the
