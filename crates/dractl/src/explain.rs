@@ -33,7 +33,44 @@ const NODE_NAMES: usize = 8;
 /// An [`InputError`] when `--node` names a node that is not in the input.
 pub fn explain(inputs: Inputs, options: &Options) -> Result<ExplainReport, InputError> {
     let objects = crate::allocate::objects(inputs, options)?;
-    Ok(dra_allocator::explain(&objects, options))
+    Ok(explain_objects(&objects, options).0)
+}
+
+/// [`dra_allocator::explain`] of defaulted `objects`, then the node plugin's own refusals: a
+/// node where the claims fit only with an allocation the plugin will not prepare
+/// ([`gpu_inventory::shares::prepare_refusal`]) does not fit, with that reason. Also returns
+/// those refusals, by node.
+pub fn explain_objects(
+    objects: &dra_allocator::Objects,
+    options: &Options,
+) -> (ExplainReport, Vec<(String, String)>) {
+    let mut report = dra_allocator::explain(objects, options);
+    let device = |r: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult| {
+        objects
+            .slices
+            .iter()
+            .filter(|s| s.spec.driver == r.driver && s.spec.pool.name == r.pool)
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .find(|d| d.name == r.device)
+    };
+    let mut refusals = Vec::new();
+    for node in report.nodes.iter_mut().filter(|n| n.fits) {
+        let refusal = node.claims.iter().find_map(|c| {
+            let results = c.allocation.devices.as_ref()?.results.as_deref()?;
+            let why = gpu_inventory::shares::prepare_refusal(results, device)?;
+            Some(format!(
+                "claim {}/{} is allocated here, but {why}",
+                c.namespace, c.name
+            ))
+        });
+        if let Some(reason) = refusal {
+            node.fits = false;
+            node.claims.clear();
+            refusals.push((node.name.clone(), reason.clone()));
+            node.reason = Some(reason);
+        }
+    }
+    (report, refusals)
 }
 
 /// Renders a report (every format ends with a newline).

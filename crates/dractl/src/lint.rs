@@ -708,7 +708,18 @@ impl Lint<'_> {
         };
         // As the API server stores them (allocationMode ExactCount, count 1, ...).
         dra_allocator::apply_defaults(&mut objects);
-        let report = dra_allocator::explain(&objects, &dra_allocator::Options::default());
+        let (report, refusals) =
+            crate::explain::explain_objects(&objects, &dra_allocator::Options::default());
+        if !report.nodes.iter().any(|n| n.fits)
+            && let Some((node, reason)) = refusals.first()
+        {
+            self.find(
+                format!("{prefix}.devices"),
+                "prepare",
+                format!("fits on {node} only as an allocation the driver refuses: {reason}"),
+            );
+            return;
+        }
         let mut fits = report.nodes.iter().filter(|n| n.fits).map(|n| &n.name);
         let fits_a_model = match fits.clone().find(|n| self.known.examples.contains(*n)) {
             Some(_) => return,

@@ -349,7 +349,7 @@ fn explain_live(
         eprintln!("dractl explain: node {node:?} is not in the cluster");
         return 2;
     }
-    let report = dra_allocator::explain(&objects, options);
+    let (report, _) = dractl::explain::explain_objects(&objects, options);
     print("explain", dractl::explain::render(&report, output))
 }
 

@@ -121,3 +121,85 @@ fn simulate_packs_nvlink_pairs_until_one_is_short_and_says_why() {
     let out = simulate(&cluster(), &["--claim-template", "/nonexistent.yaml"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A pod whose claim holds two shares smaller than a GPU: the scheduler would allocate it, and
+/// the node plugin would refuse it at prepare forever. Explain says the node does not fit, and
+/// why; the same pod with one share fits.
+#[test]
+fn two_shares_in_one_claim_fit_nowhere_and_explain_says_the_plugin_refuses_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let device = |name: &str| {
+        format!(
+            "      - name: {name}
+        allowMultipleAllocations: true
+        attributes:
+          type: {{string: gpu}}
+        capacity:
+          memory:
+            value: 80Gi
+            requestPolicy: {{default: 80Gi, validRange: {{min: 1Gi, step: 1Gi}}}}
+          computePercent:
+            value: \"100\"
+            requestPolicy: {{default: \"0\", validRange: {{min: \"0\", step: \"1\"}}}}
+"
+        )
+    };
+    let cluster = format!(
+        "apiVersion: v1
+kind: Node
+metadata: {{name: gpu-node-0}}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {{name: gpu-node-0-gpu.drust.dev}}
+spec:
+  driver: gpu.drust.dev
+  nodeName: gpu-node-0
+  pool: {{name: gpu-node-0, generation: 1, resourceSliceCount: 1}}
+  devices:
+{}{}",
+        device("gpu-0"),
+        device("gpu-1")
+    );
+    // The pod's claims, as explain reads them.
+    let pod = |count: u32| {
+        format!(
+            "apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {{name: shares, namespace: default}}
+spec:
+  devices:
+    requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu-share.drust.dev
+          count: {count}
+          capacity:
+            requests: {{memory: 20Gi}}
+"
+        )
+    };
+    let files = |count: u32| {
+        let c = dir.path().join("cluster.yaml");
+        let p = dir.path().join(format!("pod-{count}.yaml"));
+        std::fs::write(&c, &cluster).unwrap();
+        std::fs::write(&p, pod(count)).unwrap();
+        vec![c, repo().join("deploy/deviceclasses/gpu-share.yaml"), p]
+    };
+    let out = dractl(&files(2), &[]);
+    let human = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        human.starts_with("Does not fit: the pod's claims fit on no node (1 node checked).\n")
+            && human.contains("claim default/shares is allocated here, but 2 shares smaller than a GPU in one claim")
+            && human.contains("prepares at most one per claim"),
+        "{human}"
+    );
+    let out = dractl(&files(1), &[]);
+    assert_eq!(
+        text(&out.stdout),
+        "Fits on 1 of 1 node: gpu-node-0.\n",
+        "{}",
+        text(&out.stderr)
+    );
+}

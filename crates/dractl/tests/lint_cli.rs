@@ -322,3 +322,58 @@ fn a_claim_for_a_known_model_no_example_machine_has_is_a_warning_not_an_error() 
         "{stdout}"
     );
 }
+
+/// A claim the scheduler allocates but the node plugin refuses at prepare: two shares smaller
+/// than a GPU (a request with `count: 2`, or two share requests) would leave its pod waiting
+/// forever. Lint names the refusal; one share, or two whole GPUs through the share class, are
+/// clean.
+#[test]
+fn a_claim_of_two_shares_is_refused_by_name_before_a_pod_waits_for_it() {
+    let claim = |requests: &str| {
+        format!(
+            "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata:\n  name: shares\n  namespace: default\nspec:\n  devices:\n    requests:\n{requests}"
+        )
+    };
+    let request = |name: &str, count: u32, memory: Option<&str>| {
+        let capacity = memory
+            .map(|m| {
+                format!("          capacity:\n            requests:\n              memory: {m}\n")
+            })
+            .unwrap_or_default();
+        format!(
+            "      - name: {name}\n        exactly:\n          deviceClassName: gpu-share.drust.dev\n          count: {count}\n{capacity}"
+        )
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (file, requests, refused) in [
+        ("count-2.yaml", request("gpu", 2, Some("20Gi")), true),
+        (
+            "two-requests.yaml",
+            request("a", 1, Some("20Gi")) + &request("b", 1, Some("10Gi")),
+            true,
+        ),
+        ("one-share.yaml", request("gpu", 1, Some("40Gi")), false),
+        ("two-whole.yaml", request("gpu", 2, None), false),
+    ] {
+        let path = dir.path().join(file);
+        std::fs::write(&path, claim(&requests)).expect("write");
+        let out = lint(std::slice::from_ref(&path), &[]);
+        let stdout = text(&out.stdout);
+        if refused {
+            assert_eq!(out.status.code(), Some(1), "{file}: {stdout}");
+            assert!(
+                stdout.contains("[prepare]")
+                    && stdout.contains("2 shares smaller than a GPU in one claim")
+                    && stdout.contains("prepares at most one per claim"),
+                "{file}: {stdout}"
+            );
+        } else {
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{file}: {stdout}{}",
+                text(&out.stderr)
+            );
+        }
+    }
+}

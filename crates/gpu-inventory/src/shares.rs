@@ -40,6 +40,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceCapacity,
+    DeviceRequestAllocationResult,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
@@ -73,6 +74,52 @@ pub fn can_share(device: &Device) -> bool {
         .as_ref()
         .is_none_or(|c| c.is_empty())
         && memory_bytes(device).is_some_and(|b| whole_memory_bytes(b) >= MEMORY_STEP_BYTES)
+}
+
+/// Why the node plugin will refuse to prepare a claim allocated `results`, if it will, as far as
+/// the allocation shows: more than one of them is a share smaller than its device (a share run
+/// under its device's MPS daemon; the plugin's `claims::shares::check`). A container reaches
+/// one MPS daemon, so a claim holds at most one such share: a request with `count: 2` or two
+/// share requests would be allocated by the scheduler and then fail at prepare forever.
+/// `device` finds a result's device in the ResourceSlices; only devices this crate published
+/// as shareable ([`make_shareable`]: multiple allocations and a `computePercent` capacity)
+/// count, so other drivers' allocations never do. For `dractl lint`/`explain` and the explain
+/// controller, which name the refusal before a pod waits.
+pub fn prepare_refusal<'d>(
+    results: &[DeviceRequestAllocationResult],
+    device: impl Fn(&DeviceRequestAllocationResult) -> Option<&'d Device>,
+) -> Option<String> {
+    let shares: Vec<&DeviceRequestAllocationResult> = results
+        .iter()
+        .filter(|r| r.share_id.is_some())
+        .filter(|r| {
+            let Some(d) = device(r) else { return false };
+            let ours = d.allow_multiple_allocations == Some(true)
+                && d.capacity
+                    .as_ref()
+                    .is_some_and(|c| c.contains_key(COMPUTE_PERCENT));
+            let total = memory_bytes(d);
+            let used = consumed(&r.consumed_capacity.clone().unwrap_or_default())
+                .ok()
+                .map(|c| c.memory_bytes);
+            ours && matches!((used, total), (Some(u), Some(t)) if !is_whole(u, t))
+        })
+        .collect();
+    if shares.len() < 2 {
+        return None;
+    }
+    let list = shares
+        .iter()
+        .map(|r| format!("request {:?} on device {}/{}", r.request, r.pool, r.device))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Some(format!(
+        "{} shares smaller than a GPU in one claim ({list}): the kubelet plugin of {} prepares at \
+         most one per claim, since a container reaches one MPS daemon, so the pod would wait at \
+         prepare forever; ask for one share with more memory, or for whole GPUs",
+        shares.len(),
+        shares[0].driver
+    ))
 }
 
 /// The `memory` capacity of `device` in bytes, when it publishes one in a form this crate writes
