@@ -84,9 +84,11 @@ def main():
         check(name, "minor", attr(device, "minor"), int(gpu.findtext("minor_number")))
         check(name, "resource.kubernetes.io/pciBusID", attr(device, "resource.kubernetes.io/pciBusID"),
               f"{domain[-4:]}:{rest}".lower())
-        total = gpu.findtext("fb_memory_usage/total")  # "81559 MiB"
+        # What CUDA can allocate: the framebuffer less the driver's reserve.
+        total = int(gpu.findtext("fb_memory_usage/total").replace(" MiB", ""))  # 81559
+        reserved = int((gpu.findtext("fb_memory_usage/reserved") or "0 MiB").replace(" MiB", ""))
         check(name, "capacity memory", device.get("capacity", {}).get("memory", {}).get("value"),
-              total.replace(" MiB", "Mi"))
+              f"{total - reserved}Mi")
         if uuid in csv:
             check(name, "cudaComputeCapability", attr(device, "cudaComputeCapability"),
                   semver(csv[uuid]))

@@ -36,8 +36,13 @@ pub struct RawGpu {
     pub cuda_compute_capability_major: u32,
     /// CUDA compute capability minor (`nvmlDeviceGetCudaComputeCapability`).
     pub cuda_compute_capability_minor: u32,
-    /// Total framebuffer memory in bytes (`nvmlDeviceGetMemoryInfo`.total).
+    /// Total framebuffer memory in bytes (`nvmlDeviceGetMemoryInfo_v2`.total).
     pub memory_total_bytes: u64,
+    /// Framebuffer bytes the driver reserves for itself (`nvmlDeviceGetMemoryInfo_v2`.reserved:
+    /// 480 MiB on an H100 80GB with driver 580); no CUDA context can allocate them. Absent in
+    /// topology files written before it was recorded: 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub memory_reserved_bytes: u64,
     /// Streaming multiprocessors: `nvmlDeviceGetAttributes_v2`.multiprocessorCount where NVML
     /// answers it, else `nvmlDeviceGetNumGpuCores` / cores per multiprocessor of the compute
     /// capability; `0` when unknown (no `multiprocessors` capacity is published then).
@@ -75,6 +80,17 @@ pub struct RawGpu {
     /// is not part of such a fabric or NVML does not support the query.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<FabricInfo>,
+}
+
+impl RawGpu {
+    /// The bytes a CUDA process can allocate: total less the driver's reserve. What drust
+    /// publishes as the GPU's `memory` capacity, so that shares adding up to it all fit (CUDA
+    /// itself reports this total: PyTorch's "total capacity 79.18 GiB" on the H100 80GB of
+    /// `tests/gpu/fixtures/h100-580.159.04`, 81559 MiB less 480 MiB reserved).
+    pub fn usable_memory_bytes(&self) -> u64 {
+        self.memory_total_bytes
+            .saturating_sub(self.memory_reserved_bytes)
+    }
 }
 
 /// MIG mode of a GPU.
@@ -488,4 +504,8 @@ pub trait GpuBackend: Send + Sync {
         let _ = gpu_uuid;
         Ok(RecoveryProbe::Unsupported)
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

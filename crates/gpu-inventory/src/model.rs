@@ -400,7 +400,8 @@ impl Gpu {
         }
         let mut capacities = BTreeMap::from([(
             "memory".to_owned(),
-            capacity(bytes_quantity(r.memory_total_bytes)),
+            // What CUDA can allocate, not the framebuffer's size (see `usable_memory_bytes`).
+            capacity(bytes_quantity(r.usable_memory_bytes())),
         )]);
         // 0: the backend could not tell (see `NvmlBackend`'s multiprocessor count).
         if r.multiprocessor_count > 0 {

@@ -147,6 +147,7 @@ mod tests {
             cuda_compute_capability_major: 9,
             cuda_compute_capability_minor: 0,
             memory_total_bytes: 1,
+            memory_reserved_bytes: 0,
             multiprocessor_count: 1,
             pci_bus_id: format!("00000000:{bus}:00.0"),
             numa_node: None,

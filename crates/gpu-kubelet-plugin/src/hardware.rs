@@ -135,7 +135,7 @@ impl NodeDevice {
     /// Device memory in bytes: the GPU's, or the MIG device's.
     pub fn memory_bytes(&self) -> u64 {
         match self {
-            Self::Gpu(g) => g.raw.memory_total_bytes,
+            Self::Gpu(g) => g.raw.usable_memory_bytes(),
             Self::Mig { mig, .. } => mig.memory_bytes,
             // The profile's memory (NVML counts it in MiB); the whole GPU if the profile is
             // unknown, which only makes the config check more lenient.

@@ -4,7 +4,9 @@
 //! its output under `tests/gpu/fixtures/<gpu>-<driver>/`: the backend's raw answers
 //! (`probe.json`) and the slices `--dry-run` printed from them (`slices*.json`). A topology made
 //! of those raw answers must publish exactly those slices through the fake backend, so the fake
-//! used by every other test is shown to agree with the NVML path on real hardware.
+//! used by every other test is shown to agree with the NVML path on real hardware. The published
+//! `memory` is what CUDA can allocate (total less the driver's reserve), checked against what
+//! CUDA itself reported in the same run.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -73,6 +75,17 @@ fn a_builtin_mig_table_is_what_the_real_gpu_reports() {
     assert!(compared >= 1, "no fixture GPU has a built-in MIG table");
 }
 
+/// The driver's reserve nvidia-smi reported in the fixture's run, MiB.
+fn smi_reserved_mib(dir: &Path) -> u64 {
+    let xml = std::fs::read_to_string(dir.join("nvidia-smi-q.xml")).expect("nvidia-smi-q.xml");
+    xml.split("<fb_memory_usage>")
+        .nth(1)
+        .and_then(|t| t.split("<reserved>").nth(1))
+        .and_then(|t| t.split(" MiB").next())
+        .and_then(|m| m.trim().parse().ok())
+        .expect("fb_memory_usage/reserved")
+}
+
 /// The `NVML_GPU_INSTANCE_PROFILE_*` values the built-in tables hold.
 fn profile_ids_known(profile: u32) -> bool {
     [0, 1, 2, 3, 4, 7, 9].contains(&profile)
@@ -87,12 +100,36 @@ fn the_fake_backend_publishes_what_nvml_published_on_a_real_gpu() {
     );
     for dir in dirs {
         let probe = read_json(&dir.join("probe.json"));
+        // The probe predates the driver's reserve in the raw answers: nvidia-smi's
+        // `fb_memory_usage/reserved` of the same run (one GPU per fixture) stands for it.
+        let reserved = smi_reserved_mib(&dir) << 20;
         let gpus: Vec<Value> = probe["gpus"]
             .as_array()
             .expect("probe.json: gpus")
             .iter()
-            .map(|g| g["gpu"].clone())
+            .map(|g| {
+                let mut gpu = g["gpu"].clone();
+                gpu["memoryReservedBytes"] = json!(reserved);
+                gpu
+            })
             .collect();
+        let total = gpus[0]["memoryTotalBytes"]
+            .as_u64()
+            .expect("memoryTotalBytes");
+        let usable = total - reserved;
+        // What CUDA itself reports as the GPU's total (PyTorch, the run's MPS client).
+        let cuda = std::fs::read_to_string(dir.join("mps-client.txt")).expect("mps-client.txt");
+        let cuda_gib = cuda
+            .split("total capacity of ")
+            .nth(1)
+            .and_then(|t| t.split(" GiB").next())
+            .and_then(|g| g.parse::<f64>().ok())
+            .expect("PyTorch's total capacity");
+        assert!(
+            (usable as f64 / f64::from(1u32 << 30) - cuda_gib).abs() < 0.005,
+            "{}: published {usable} bytes, CUDA reports {cuda_gib} GiB",
+            dir.display()
+        );
         let topology = json!({"system": probe["system"], "gpus": gpus});
         let tmp = tempfile::tempdir().expect("tempdir");
         let file = tmp.path().join("topology.yaml");
@@ -113,7 +150,19 @@ fn the_fake_backend_publishes_what_nvml_published_on_a_real_gpu() {
                 String::from_utf8_lossy(&out.stderr)
             );
             let published: Value = serde_json::from_slice(&out.stdout).expect("JSON slices");
-            let expected = read_json(&dir.join(slices));
+            // The real run published the framebuffer's size; drust now publishes what CUDA can
+            // allocate. Everything else must agree as recorded.
+            let mut expected = read_json(&dir.join(slices));
+            for d in expected[0]["spec"]["devices"]
+                .as_array_mut()
+                .into_iter()
+                .flatten()
+            {
+                let memory = &mut d["capacity"]["memory"]["value"];
+                if *memory == json!(format!("{}Mi", total >> 20)) {
+                    *memory = json!(format!("{}Mi", usable >> 20));
+                }
+            }
             assert!(
                 expected[0]["spec"]["devices"]
                     .as_array()

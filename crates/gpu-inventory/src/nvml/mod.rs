@@ -379,6 +379,9 @@ impl GpuBackend for NvmlBackend {
             MigMode::Enabled => self.mig_devices(&d, index)?,
             _ => Vec::new(),
         };
+        let memory = d
+            .memory_info()
+            .map_err(query("nvmlDeviceGetMemoryInfo_v2", index))?;
         Ok(RawGpu {
             index,
             minor: d
@@ -393,10 +396,8 @@ impl GpuBackend for NvmlBackend {
                 .to_string(),
             cuda_compute_capability_major: u32::try_from(cc.major).unwrap_or_default(),
             cuda_compute_capability_minor: u32::try_from(cc.minor).unwrap_or_default(),
-            memory_total_bytes: d
-                .memory_info()
-                .map_err(query("nvmlDeviceGetMemoryInfo", index))?
-                .total,
+            memory_total_bytes: memory.total,
+            memory_reserved_bytes: memory.reserved,
             multiprocessor_count: multiprocessors(&d, index, cc.major, cc.minor)?,
             pcie_root: self.sysfs_pcie_root(&pci.bus_id),
             pci_bus_id: pci.bus_id,
