@@ -17,6 +17,9 @@
 //! request that names only memory reserves no compute and runs uncapped, next to the shares that
 //! reserved theirs (the scheduler never reserves more than 100 on one device).
 //!
+//! Each shareable device also gets the attribute `shareEnforcement` ([`ShareEnforcement`]): how
+//! its shares are enforced, for claims that need a level to select on it.
+//!
 //! Exclusive use stays possible: a request without capacity consumes each policy's default
 //! (upstream `calculateConsumedCapacity`), which for `memory` is the whole device in steps; what
 //! is left is below the 1 GiB minimum, so no other share fits next to it. The plugin prepares
@@ -217,8 +220,53 @@ pub fn make_shareable(device: &mut Device) -> bool {
             }),
         },
     );
+    let mig = device
+        .attributes
+        .as_ref()
+        .and_then(|a| a.get("type"))
+        .and_then(|t| t.string.as_deref())
+        == Some("mig");
+    device.attributes.get_or_insert_with(BTreeMap::new).insert(
+        SHARE_ENFORCEMENT.to_owned(),
+        crate::model::string(
+            if mig {
+                ShareEnforcement::Mig
+            } else {
+                ShareEnforcement::Mps
+            }
+            .as_str(),
+        ),
+    );
     device.allow_multiple_allocations = Some(true);
     true
+}
+
+/// The attribute naming how a shareable device's shares are enforced ([`ShareEnforcement`]), so
+/// a claim can select on it (`device.attributes["gpu.drust.dev"].shareEnforcement == "mps"`).
+pub const SHARE_ENFORCEMENT: &str = "shareEnforcement";
+
+/// How the shares of a device are held to their limits, strongest the node offers (README,
+/// "Shares: what holds"). Published as [`SHARE_ENFORCEMENT`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShareEnforcement {
+    /// A full GPU under legacy MPS: the GPU is in `EXCLUSIVE_PROCESS` while it hosts shares, so
+    /// no CUDA process runs beside the MPS server; each share's memory and thread limits are its
+    /// clients' own (`CUDA_MPS_*`), per process, which a tenant can raise.
+    Mps,
+    /// A MIG device under legacy MPS: the MIG device bounds every share on it (its memory and
+    /// engines); the compute mode is its parent GPU's, shared with other claims, so it is left
+    /// alone and a process that bypasses MPS gets the whole MIG device.
+    Mig,
+}
+
+impl ShareEnforcement {
+    /// The attribute's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Mps => "mps",
+            Self::Mig => "mig",
+        }
+    }
 }
 
 /// What one share consumes, read from an allocation result's `consumedCapacity`.

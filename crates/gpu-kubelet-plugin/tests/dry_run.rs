@@ -326,6 +326,30 @@ fn fractional_gpus_are_published_only_where_mps_can_enforce_them() {
     gpu_inventory::validate::validate_pool(&slices).expect("valid");
     let (shared, all) = shareable(&slices);
     assert!(all > 8 && shared == all, "{shared} of {all} shareable");
+    // Each says how its shares are enforced: a whole GPU under MPS in EXCLUSIVE_PROCESS, a MIG
+    // device bounded by itself.
+    for d in slices
+        .iter()
+        .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+    {
+        let attr = |name: &str| {
+            d.attributes
+                .as_ref()
+                .and_then(|a| a.get(name))
+                .and_then(|v| v.string.clone())
+        };
+        let want = if attr("type").as_deref() == Some("mig") {
+            "mig"
+        } else {
+            "mps"
+        };
+        assert_eq!(
+            attr("shareEnforcement").as_deref(),
+            Some(want),
+            "{}",
+            d.name
+        );
+    }
 
     let mut args = tool.to_vec();
     args.extend(["--mig-strategy", "partitionable"]);
