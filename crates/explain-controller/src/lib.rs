@@ -1,6 +1,9 @@
 //! The explain controller: for every pod the scheduler marked Unschedulable that has DRA claims,
 //! why its claims fit on no node ([`dra_allocator::explain`]), recorded as a Warning event on the
-//! pod, where `kubectl describe pod` shows it.
+//! pod, where `kubectl describe pod` shows it. And for every claim the scheduler allocated in a
+//! way drust's kubelet plugin refuses to prepare ([`gpu_inventory::shares::prepare_refusal`]:
+//! two shares smaller than a GPU), a Warning event [`REFUSED_REASON`] on the claim and on each
+//! pod it is reserved for, before they wait at prepare forever ([`watch_refusals`]).
 //!
 //! Shape: kube-runtime's [`Controller`] over pods not yet bound (`spec.nodeName=`), a reconcile
 //! function and an error policy. ResourceClaims, ResourceSlices, DeviceClasses and Nodes come
@@ -37,6 +40,8 @@ pub use status::Status;
 pub const REASON: &str = "CannotAllocateDevices";
 /// The event's action.
 pub const ACTION: &str = "ExplainPending";
+/// The reason of the event on a claim (and its pods) allocated as the plugin will not prepare.
+pub const REFUSED_REASON: &str = "DevicesWillNotBePrepared";
 /// The most bytes of an event note the API server accepts.
 pub const NOTE_LIMIT: usize = 1024;
 
@@ -221,6 +226,7 @@ pub async fn run(
         published: Mutex::new(HashMap::new()),
         status,
     });
+    tokio::spawn(watch_refusals(Arc::clone(&context)));
     let pods: Api<Pod> = Api::all(client);
     // Only pods not bound to a node: those are the ones a scheduler may have given up on.
     Controller::new(pods, watcher::Config::default().fields("spec.nodeName="))
@@ -475,6 +481,98 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
     ctx.remember(uid, inputs, note);
     tracing::info!(pod = %pod_ref, "explained");
     Ok(Action::requeue(ctx.settings.resync))
+}
+
+/// Every `resync`, each allocated claim in the cache whose allocation the node plugin will
+/// refuse at prepare ([`gpu_inventory::shares::prepare_refusal`]) gets a Warning event
+/// [`REFUSED_REASON`], and so does each pod in its `status.reservedFor`: the scheduler has
+/// placed them, so no Unschedulable explanation will ever name it. Once per allocation (and
+/// again after `republish_after`), through the same token bucket as every event.
+async fn watch_refusals(ctx: Arc<Context>) {
+    loop {
+        let slices = owned(&ctx.slices);
+        for claim in ctx.claims.state() {
+            let Some(results) = claim
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .and_then(|a| a.devices.as_ref())
+                .and_then(|d| d.results.as_deref())
+            else {
+                continue;
+            };
+            let device = |r: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult| {
+                slices
+                    .iter()
+                    .filter(|s| s.spec.driver == r.driver && s.spec.pool.name == r.pool)
+                    .flat_map(|s| s.spec.devices.iter().flatten())
+                    .find(|d| d.name == r.device)
+            };
+            let Some(refusal) = gpu_inventory::shares::prepare_refusal(results, device) else {
+                continue;
+            };
+            let namespace = claim.namespace().unwrap_or_default();
+            let note: String = format!(
+                "Claim {namespace}/{} is allocated, but {refusal}.",
+                claim.name_any()
+            )
+            .chars()
+            .take(NOTE_LIMIT)
+            .collect();
+            let key = format!("claim:{}", claim.uid().unwrap_or_default());
+            if !ctx.should_publish(&key, &note) {
+                ctx.status.deduplicated.inc();
+                continue;
+            }
+            let mut regarding = vec![claim.object_ref(&())];
+            regarding.extend(
+                claim
+                    .status
+                    .iter()
+                    .flat_map(|s| s.reserved_for.iter().flatten())
+                    .filter(|r| {
+                        r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty()
+                    })
+                    .map(|r| k8s_openapi::api::core::v1::ObjectReference {
+                        api_version: Some("v1".into()),
+                        kind: Some("Pod".into()),
+                        name: Some(r.name.clone()),
+                        namespace: Some(namespace.clone()),
+                        uid: Some(r.uid.clone()),
+                        ..Default::default()
+                    }),
+            );
+            let mut published = true;
+            for object in &regarding {
+                ctx.bucket.take().await;
+                let event = Event {
+                    type_: EventType::Warning,
+                    reason: REFUSED_REASON.into(),
+                    note: Some(note.clone()),
+                    action: ACTION.into(),
+                    secondary: None,
+                };
+                match Recorder::new(ctx.client.clone(), ctx.settings.reporter.clone())
+                    .publish(&event, object)
+                    .await
+                {
+                    Ok(()) => {
+                        ctx.status.published.inc();
+                    }
+                    Err(e) => {
+                        published = false;
+                        ctx.status.errors.inc();
+                        tracing::warn!(claim = %key, error = %e, "publishing a refusal failed; retrying");
+                    }
+                }
+            }
+            if published {
+                tracing::info!(claim = %format!("{namespace}/{}", claim.name_any()), "refusal published");
+                ctx.remember(key, (0, Vec::new()), note);
+            }
+        }
+        tokio::time::sleep(ctx.settings.resync).await;
+    }
 }
 
 fn error_policy(pod: Arc<Pod>, error: &Error, ctx: Arc<Context>) -> Action {

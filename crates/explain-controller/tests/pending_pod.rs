@@ -3,7 +3,8 @@
 //! the real scheduler leaves Unschedulable gets a Warning event with the explanation within
 //! seconds, once (re-explaining every second publishes nothing new); a pod that fits gets none.
 //! Its HTTP endpoint, on the port and with the probes the chart renders: ready once its caches
-//! are filled, and its counters say what it did.
+//! are filled, and its counters say what it did. A pod whose claim the scheduler allocates as
+//! two shares of GPUs (which the node plugin refuses at prepare) gets an event saying so.
 
 use std::time::{Duration, Instant};
 
@@ -141,4 +142,81 @@ async fn check(client: &kube::Client) -> anyhow::Result<()> {
     let events = events_on(client, "cuda-200gi").await?;
     ensure!(events.len() == 1, "one event, got {}", events.len());
     Ok(())
+}
+
+/// A claim of two shares smaller than a GPU (`count: 2` on the share class): the real scheduler
+/// allocates it and binds the pod, and the node plugin would refuse it at prepare forever. The
+/// controller puts a Warning event on the claim and on the pod, naming the refusal, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_of_two_shares_gets_an_event_before_its_pod_waits_at_prepare() -> anyhow::Result<()>
+{
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let result = async {
+        cp.register_node("gpu-node-0", &[]).await?;
+        let client = cp.client().await?;
+        apply_file(&client, &repo_path("deploy/deviceclasses/gpu-share.yaml")).await?;
+        support::create_slices_of(&client, "gpu-node-0", "dgx-a100-mig-shares.yaml").await?;
+        let controller = support::start(&cp, &["explainController.resync=1s"]).await?;
+        ready(&controller).await?;
+        let manifest = std::env::temp_dir().join(format!("two-shares-{}.yaml", std::process::id()));
+        std::fs::write(
+            &manifest,
+            "apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: two-shares, namespace: default}
+spec:
+  devices:
+    requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu-share.drust.dev
+          count: 2
+          capacity: {requests: {memory: 10Gi}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: two-shares, namespace: default}
+spec:
+  containers: [{name: c, image: busybox, resources: {claims: [{name: gpu}]}}]
+  resourceClaims: [{name: gpu, resourceClaimName: two-shares}]
+",
+        )?;
+        apply_file(&client, &manifest).await?;
+        let _ = std::fs::remove_file(&manifest);
+        for object in ["two-shares"] {
+            let events = drust_e2e::wait::until(
+                "the refusal events on the claim and the pod",
+                Duration::from_secs(60),
+                || async {
+                    let events = events_on(&client, object).await.map_err(|e| e.to_string())?;
+                    Ok((events.len() >= 2).then_some(events))
+                },
+            )
+            .await?;
+            let kinds: Vec<&str> = events
+                .iter()
+                .filter_map(|e| e.regarding.as_ref()?.kind.as_deref())
+                .collect();
+            ensure!(
+                kinds.contains(&"ResourceClaim") && kinds.contains(&"Pod"),
+                "{events:?}"
+            );
+            for event in &events {
+                let note = event.note.clone().unwrap_or_default();
+                ensure!(
+                    event.reason.as_deref() == Some("DevicesWillNotBePrepared")
+                        && note.starts_with("Claim default/two-shares is allocated, but 2 shares smaller than a GPU in one claim")
+                        && note.contains("prepares at most one per claim"),
+                    "{event:?}"
+                );
+            }
+        }
+        // Checked again every second: published once.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        ensure!(events_on(&client, "two-shares").await?.len() == 2);
+        Ok(())
+    }
+    .await;
+    cp.stop().await?;
+    result
 }

@@ -112,20 +112,36 @@ pub fn busybox_rootfs() -> io::Result<Vec<Entry>> {
     Ok(entries)
 }
 
-/// The workload image: busybox, running `sh` unless the pod says otherwise, with the `PATH`
+/// The workload image: busybox and a stand-in MPS client, running `sh` unless the pod says
+/// otherwise, with the `PATH`
 /// of Debian-based images (CUDA's among them), so binaries CDI mounts in `/usr/bin` are found.
 ///
 /// # Errors
 /// As [`busybox_rootfs`].
 pub fn workload() -> io::Result<Image> {
+    let mut entries = busybox_rootfs()?;
+    // A stand-in for a CUDA application's MPS client (libcuda connecting to the daemon of
+    // `CUDA_MPS_PIPE_DIRECTORY`): the static fake control tool, whose `fake_client_attach`
+    // stays connected as a client does. Part of the image, as the application is: the driver's
+    // MPS tools are not mounted into containers.
+    entries.extend(["usr", "usr/local", "usr/local/bin"].map(|d| Entry::Dir(d.to_owned())));
+    entries.push(Entry::File {
+        path: FAKE_CUDA_CLIENT.trim_start_matches('/').to_owned(),
+        source: drust_fakes::mps_control().to_owned(),
+        mode: 0o755,
+    });
     Ok(Image {
         name: WORKLOAD_IMAGE.into(),
         entrypoint: vec![],
         cmd: vec!["/bin/sh".into()],
         env: vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()],
-        entries: busybox_rootfs()?,
+        entries,
     })
 }
+
+/// Where the workload image has its stand-in MPS client (see [`workload`]): `echo
+/// fake_client_attach | /usr/local/bin/fake-cuda-client` attaches to the daemon.
+pub const FAKE_CUDA_CLIENT: &str = "/usr/local/bin/fake-cuda-client";
 
 /// The sandbox image: busybox sleeping until SIGTERM, as `pause` does.
 ///

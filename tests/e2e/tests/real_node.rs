@@ -589,8 +589,6 @@ async fn a_cdi_spec_alone_gives_a_container_the_driver_files_and_runs_the_hooks(
         format!("smi fake nvidia-smi {VERSION}"),
         "bin nvidia-debugdump".to_owned(),
         "bin nvidia-persistenced".to_owned(),
-        "bin nvidia-cuda-mps-control".to_owned(),
-        "bin nvidia-cuda-mps-server".to_owned(),
         format!("firmware /lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin"),
         format!("firmware /lib/firmware/nvidia/{VERSION}/gsp_tu10x.bin"),
         "socket socket".to_owned(),
@@ -956,7 +954,7 @@ async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> a
         ],
     )
     .await?;
-    // Containers reach the MPS tool through the driver root, as CUDA images do.
+    // The driver root has the MPS tool, as a node's does; containers must not get it.
     std::fs::copy(
         drust_fakes::mps_control(),
         real.host
@@ -977,7 +975,9 @@ async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> a
         }
         let script = format!(
             "{{ env | grep -E '^(CUDA_MPS|DRUST)_' | sort | sed 's/^/env /'; }} > \
-             /dev/termination-log; (echo fake_client_attach | /usr/bin/nvidia-cuda-mps-control) \
+             /dev/termination-log; [ -e /usr/bin/nvidia-cuda-mps-control ] && echo 'env \
+             MPS_TOOL=mounted' >> /dev/termination-log; (echo fake_client_attach | \
+             /usr/local/bin/fake-cuda-client) \
              & sleep {}; exit 0",
             if stay { 600 } else { 2 }
         );
@@ -1037,8 +1037,22 @@ spec:
                 .any(|e| e == "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps")
             && !env
                 .iter()
-                .any(|e| e.starts_with("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")),
-        "the plain share's container saw {env:?}"
+                .any(|e| e.starts_with("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+            && !env.iter().any(|e| e == "MPS_TOOL=mounted"),
+        "the plain share's container saw {env:?} (MPS_TOOL=mounted: it had the control tool)"
+    );
+    // The GPU admits only its MPS server while it hosts shares (the fake NVML's state).
+    let modes = || -> anyhow::Result<serde_json::Value> {
+        Ok(serde_json::from_str(&std::fs::read_to_string(
+            real.host.state_dir().join("compute-modes.json"),
+        )?)?)
+    };
+    ensure!(
+        modes()?
+            .as_object()
+            .is_some_and(|m| m.len() == 1 && m.values().all(|v| v == "exclusiveProcess")),
+        "compute modes while shares run: {}",
+        modes()?
     );
     // Both on one GPU, under its one daemon, each client with its own limits.
     let gpu = env
@@ -1081,6 +1095,13 @@ spec:
         Ok((!real.host.root().join("mps").join(&gpu).exists()).then_some(()))
     })
     .await?;
+    ensure!(
+        modes()?
+            .as_object()
+            .is_some_and(|m| m.values().all(|v| v == "default")),
+        "compute modes after the last share: {}",
+        modes()?
+    );
     real.stop().await
 }
 

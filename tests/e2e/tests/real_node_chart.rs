@@ -146,8 +146,8 @@ fn mps_claim() -> anyhow::Result<ResourceClaim> {
     }))?)
 }
 
-/// A pod standing for a CUDA process connected to its claim's MPS daemon: the fake control
-/// tool (from the driver root, through the claim's CDI spec) sends `fake_client_attach` and
+/// A pod standing for a CUDA process connected to its claim's MPS daemon: the workload image's
+/// stand-in client (the fake control tool, `images::FAKE_CUDA_CLIENT`) sends `fake_client_attach` and
 /// prints `attached <daemon pid> <n>` every 200 ms while the daemon serves it. When the daemon
 /// goes, the container fails: the pod can only stay Running with a live daemon.
 fn mps_client_pod(name: &str, claim: serde_json::Value) -> anyhow::Result<Pod> {
@@ -163,7 +163,7 @@ fn mps_client_pod(name: &str, claim: serde_json::Value) -> anyhow::Result<Pod> {
                 "image": images::WORKLOAD_IMAGE,
                 "imagePullPolicy": "Never",
                 "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; \
-                    (echo fake_client_attach | /usr/bin/nvidia-cuda-mps-control) & wait $!; \
+                    (echo fake_client_attach | /usr/local/bin/fake-cuda-client) & wait $!; \
                     echo lost the MPS daemon > /dev/termination-log; exit 1"],
                 "resources": {"claims": [{"name": "gpu"}]},
             }],

@@ -19,10 +19,21 @@ pub const SERVICE_ACCOUNT: &str = "drust-explain-controller";
 
 /// Creates the fake DGX H100's ResourceSlices (the plugin's `--dry-run` snapshot) for `node`.
 pub async fn create_slices(client: &kube::Client, node: &str) -> anyhow::Result<()> {
+    create_slices_of(client, node, "dgx-h100.yaml").await
+}
+
+/// The plugin's dry-run snapshot `snapshot` (under crates/gpu-kubelet-plugin/tests/snapshots)
+/// as `node`'s pool.
+#[allow(dead_code)] // not every test binary uses it
+pub async fn create_slices_of(
+    client: &kube::Client,
+    node: &str,
+    snapshot: &str,
+) -> anyhow::Result<()> {
     let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let snapshot = std::fs::read_to_string(repo_path(
-        "crates/gpu-kubelet-plugin/tests/snapshots/dgx-h100.yaml",
-    ))?;
+    let snapshot = std::fs::read_to_string(repo_path(&format!(
+        "crates/gpu-kubelet-plugin/tests/snapshots/{snapshot}"
+    )))?;
     for doc in serde_yaml_ng::Deserializer::from_str(&snapshot) {
         let mut slice = ResourceSlice::deserialize(doc)?;
         slice.metadata.generate_name = Some(format!("{node}-gpus-"));
