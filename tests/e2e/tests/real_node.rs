@@ -1105,6 +1105,128 @@ spec:
     real.stop().await
 }
 
+/// A GPU's share daemon that dies under a running share is started again where the share's
+/// container looks: the container's client, cut off when the daemon goes, attaches to the new
+/// daemon through the bind mount it has held since it started (had the directory been
+/// recreated, the mount would show the deleted one, with no daemon behind it). The plugin
+/// checks its daemons every second here.
+#[tokio::test]
+async fn a_share_daemon_that_dies_is_restarted_where_the_running_container_reaches_it()
+-> anyhow::Result<()> {
+    let real = RealNode::start_as(
+        "examples/topologies/dgx-h100.yaml",
+        "drust-real-node-daemon-restart-",
+        Some("570.124.06"),
+        DRIVER,
+        &[
+            "--consumable-capacity",
+            "true",
+            "--mps-control-binary",
+            drust_fakes::mps_control().to_str().context("utf-8 path")?,
+            "--stale-claim-interval-seconds",
+            "1",
+        ],
+    )
+    .await?;
+    apply_file(
+        &real.client,
+        &repo_path("deploy/deviceclasses/gpu-share.yaml"),
+    )
+    .await?;
+    // Attach until the daemon goes, then attach again (each try bounded) until a daemon
+    // answers; report both daemons' first lines.
+    let script = "echo fake_client_attach | /usr/local/bin/fake-cuda-client > /tmp/a; \
+        while :; do echo fake_client_attach | /bin/busybox timeout 2 \
+        /usr/local/bin/fake-cuda-client > /tmp/b; [ -s /tmp/b ] && break; sleep 0.2; done; \
+        echo \"first $(head -n 1 /tmp/a)\" > /dev/termination-log; \
+        echo \"second $(head -n 1 /tmp/b)\" >> /dev/termination-log";
+    let yaml = format!(
+        r"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: share, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly:
+            deviceClassName: gpu-share.drust.dev
+            capacity: {{requests: {{memory: 20Gi}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: share, namespace: default}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: cuda
+      image: {WORKLOAD_IMAGE}
+      imagePullPolicy: Never
+      command: [/bin/sh, -c, {script}]
+      resources: {{claims: [{{name: gpu}}]}}
+  resourceClaims:
+    - {{name: gpu, resourceClaimTemplateName: share}}
+",
+        script = serde_json::to_string(script)?
+    );
+    apply_yaml(&real.client, &yaml, &real.host.root().join("share.yaml")).await?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    wait_running(&pods, "share", &real.node).await?;
+    let mps = real.host.root().join("mps");
+    let daemon = drust_e2e::wait::until("the share's client attached", TIMEOUT, || async {
+        let dirs: Vec<std::path::PathBuf> = std::fs::read_dir(&mps)
+            .map_err(|e| e.to_string())?
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        Ok(dirs.into_iter().find(|d| {
+            std::fs::read_to_string(d.join("log/control.log"))
+                .is_ok_and(|l| l.contains("client attached"))
+        }))
+    })
+    .await?;
+    // The daemon dies (its own quit, from the host).
+    let quit = std::process::Command::new(drust_fakes::mps_control())
+        .env("CUDA_MPS_PIPE_DIRECTORY", daemon.join("pipe"))
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .context("stdin")
+                .map_err(std::io::Error::other)?
+                .write_all(b"quit\n")?;
+            child.wait()
+        })?;
+    ensure!(quit.success(), "quit failed");
+    let done = wait_pod_done(&pods, "share", &real.node).await?;
+    ensure!(
+        succeeded(&done),
+        "the share's pod failed: {:?}",
+        done.status
+    );
+    let message = terminated_message(&done, "cuda").unwrap_or_default();
+    let pid = |which: &str| {
+        message
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(which)?
+                    .strip_prefix(" attached ")?
+                    .split(' ')
+                    .next()
+            })
+            .map(str::to_owned)
+    };
+    ensure!(
+        pid("first").is_some() && pid("second").is_some() && pid("first") != pid("second"),
+        "the container's clients: {message:?}"
+    );
+    real.stop().await
+}
+
 /// The health of the first device in `pod`'s first container's `allocatedResourcesStatus`,
 /// with its entry name and resource ID.
 fn allocated_health(pod: &Pod) -> Option<(String, String, String)> {
