@@ -126,17 +126,24 @@ async fn a_claim_shares_a_dynamic_mig_device_through_mps_while_health_is_monitor
     let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(
         cdi_root.join(format!("{DRIVER}-claim_{uid}.json")),
     )?)?;
-    let edits = &spec["containerEdits"];
-    let env: Vec<&str> = edits["env"]
-        .as_array()
-        .context("env")?
-        .iter()
-        .filter_map(|e| e.as_str())
-        .collect();
+    // The daemon's edits are the MIG device's own (the request's), not claim-wide.
+    let env_of = |edits: &serde_json::Value| -> anyhow::Result<Vec<String>> {
+        Ok(edits["env"]
+            .as_array()
+            .context("env")?
+            .iter()
+            .filter_map(|e| e.as_str().map(str::to_owned))
+            .collect())
+    };
+    let claim_env = env_of(&spec["containerEdits"])?;
+    let edits = &spec["devices"][0]["containerEdits"];
     ensure!(
-        env.contains(&"NVIDIA_VISIBLE_DEVICES=void")
-            && env.contains(&"CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps"),
-        "{edits}"
+        claim_env.iter().any(|e| e == "NVIDIA_VISIBLE_DEVICES=void")
+            && !claim_env.iter().any(|e| e.starts_with("CUDA_MPS"))
+            && env_of(edits)?
+                .iter()
+                .any(|e| e == "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps"),
+        "{spec}"
     );
     ensure!(
         spec["devices"][0]["containerEdits"]["env"][0]
