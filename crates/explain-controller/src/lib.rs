@@ -490,7 +490,23 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
 /// again after `republish_after`), through the same token bucket as every event.
 async fn watch_refusals(ctx: Arc<Context>) {
     loop {
-        let slices = owned(&ctx.slices);
+        let slices = ctx.slices.state();
+        // Devices by (driver, pool, device): one pass over the slices per round.
+        let devices: HashMap<(&str, &str, &str), &k8s_openapi::api::resource::v1::Device> = slices
+            .iter()
+            .flat_map(|s| {
+                s.spec.devices.iter().flatten().map(move |d| {
+                    (
+                        (
+                            s.spec.driver.as_str(),
+                            s.spec.pool.name.as_str(),
+                            d.name.as_str(),
+                        ),
+                        d,
+                    )
+                })
+            })
+            .collect();
         for claim in ctx.claims.state() {
             let Some(results) = claim
                 .status
@@ -501,12 +517,14 @@ async fn watch_refusals(ctx: Arc<Context>) {
             else {
                 continue;
             };
+            // Only a claim with two shares can be refused.
+            if results.iter().filter(|r| r.share_id.is_some()).count() < 2 {
+                continue;
+            }
             let device = |r: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult| {
-                slices
-                    .iter()
-                    .filter(|s| s.spec.driver == r.driver && s.spec.pool.name == r.pool)
-                    .flat_map(|s| s.spec.devices.iter().flatten())
-                    .find(|d| d.name == r.device)
+                devices
+                    .get(&(r.driver.as_str(), r.pool.as_str(), r.device.as_str()))
+                    .copied()
             };
             let Some(refusal) = gpu_inventory::shares::prepare_refusal(results, device) else {
                 continue;

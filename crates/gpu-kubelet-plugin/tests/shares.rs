@@ -434,3 +434,22 @@ async fn a_checkpoint_from_a_newer_build_stops_nothing() {
     assert!(!moved.is_empty(), "the newer file is kept aside");
     assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
 }
+
+/// Start-up restores only the mode the plugin sets: a GPU an administrator set to
+/// `PROHIBITED` (to keep work off it) stays so.
+#[tokio::test]
+async fn start_up_leaves_an_administrators_prohibited_gpu_alone() {
+    use gpu_inventory::backend::ComputeMode;
+    let dir = tempfile::tempdir().unwrap();
+    let hardware = Arc::new(ScriptedHardware::default());
+    let gpu = |i: usize| gpus()[i].name.clone();
+    {
+        let mut modes = hardware.compute_modes.lock().unwrap();
+        modes.insert(gpu(2), ComputeMode::Prohibited);
+        modes.insert(gpu(3), ComputeMode::ExclusiveProcess);
+    }
+    let _c = controller_in(dir.path(), Shared::default(), Arc::clone(&hardware)).await;
+    let modes = hardware.compute_modes.lock().unwrap().clone();
+    assert_eq!(modes.get(&gpu(2)), Some(&ComputeMode::Prohibited));
+    assert_eq!(modes.get(&gpu(3)), Some(&ComputeMode::Default));
+}

@@ -11,8 +11,8 @@
 //! - Set before the daemon starts, under the GPU's lock; restored to `DEFAULT` before the
 //!   daemon that needed it is stopped (a crash in between leaves the daemon's directory, which
 //!   start-up treats as an orphan), and by start-up for every full GPU no recorded claim runs
-//!   MPS on ([`ClaimController::restore_compute_modes`]): the plugin owns the compute mode of the
-//!   GPUs it publishes.
+//!   MPS on and that is in `EXCLUSIVE_PROCESS` ([`ClaimController::restore_compute_modes`]); an
+//!   administrator's `PROHIBITED` is left alone.
 //! - MIG devices are left alone: the compute mode belongs to the parent GPU, whose other MIG
 //!   devices run other claims' processes, which `EXCLUSIVE_PROCESS` would limit to one each.
 //!   A share of a MIG device is bounded by the MIG device itself (its memory and engines), not
@@ -102,9 +102,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     }
 
     /// Start-up: puts every full GPU no recorded claim runs MPS on back in
-    /// [`ComputeMode::Default`] if it is in another mode (left by a crash between a daemon's
-    /// stop and the restore, or by a previous plugin). Failures are logged; the next start
-    /// tries again. Returns the GPUs restored.
+    /// [`ComputeMode::Default`] if it is in [`ComputeMode::ExclusiveProcess`], the mode this
+    /// plugin sets (left by a crash between a daemon's stop and the restore, or by a previous
+    /// plugin); another mode (an administrator's `PROHIBITED`) is left alone. Failures are
+    /// logged; the next start tries again. Returns the GPUs restored.
     pub(super) async fn restore_compute_modes(&self, node: &ClaimRef) -> Vec<String> {
         let catalogue = self.catalogue();
         let needed = gpus_under_mps(&*self.inner.checkpoint.lock().await, &catalogue);
@@ -125,8 +126,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .spawn_blocking(move || hw.compute_mode(&gpu))
                 .await;
             match mode {
-                Ok(Ok(ComputeMode::Default)) => continue,
-                Ok(Ok(_)) => {}
+                // Only the mode this plugin sets: an administrator's PROHIBITED stays.
+                Ok(Ok(ComputeMode::ExclusiveProcess)) => {}
+                Ok(Ok(_)) => continue,
                 Ok(Err(e)) => {
                     warn!(device = d.name(), error = %e, "cannot read the GPU's compute mode");
                     continue;
