@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# What holds a tenant to its share on a real GPU, as drust runs shares (issue 30): one control
+# daemon per GPU started by the plugin's own code with NO default limits, each client with its
+# share's own `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M`, and the GPU in EXCLUSIVE_PROCESS while
+# it hosts the daemon (the plugin sets it through NVML; `nvidia-smi -c` here, the same setting).
+# Each case prints one line; README "What is enforced and what is not" states the expected
+# outcome of each. Not in the README's test command (CI has no GPU). Written without a GPU
+# (2026-11-27): the first run on a lent GPU is its test; commit its output as a fixture.
+#
+#   tests/gpu/mps_enforcement.sh OUT_DIR      (env: DRIVER_ROOT, PROBE as for validate.sh;
+#                                             needs root, python3 with torch, GPU 0 idle)
+set -uo pipefail
+out=${1:?OUT_DIR}
+mkdir -p "$out"
+DRIVER_ROOT=${DRIVER_ROOT:-/usr/local/nvidia}
+PROBE=${PROBE:?prebuilt gpu_probe}
+mpsctl=$(command -v nvidia-cuda-mps-control || echo "$DRIVER_ROOT/bin/nvidia-cuda-mps-control")
+smi=$(command -v nvidia-smi || echo "$DRIVER_ROOT/bin/nvidia-smi")
+root=$(mktemp -d /tmp/drust-enforce.XXXXXX)
+key=gpu-enforcement-test
+before=$("$smi" -i 0 --query-gpu=compute_mode --format=csv,noheader)
+restore() {
+    "$PROBE" mps-stop --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$key" \
+        >>"$out/enforcement.log" 2>&1
+    "$smi" -i 0 -c DEFAULT >>"$out/enforcement.log" 2>&1
+    rm -rf "$root"
+}
+trap restore EXIT
+"$smi" -i 0 -c EXCLUSIVE_PROCESS >>"$out/enforcement.log" 2>&1 || { echo "cannot set EXCLUSIVE_PROCESS"; exit 1; }
+# As the plugin starts a GPU's share daemon: no --threads, no --pinned-mib.
+"$PROBE" mps-start --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$key" \
+    >"$out/enforcement-start.json" 2>>"$out/enforcement.log" || { echo "mps-start failed"; exit 1; }
+pipe="$root/$key/pipe"
+chmod 0755 "$root" "$root/$key"
+# client NAME ENV... -- ALLOC_GIB: a CUDA process with exactly ENV (plus PATH/HOME).
+client() {
+    local name=$1; shift
+    local envs=()
+    while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+    shift
+    env -i PATH="$PATH" HOME=/root "${envs[@]}" python3 - "$name" "$1" <<'PY' 2>&1 | tail -n 1
+import sys
+name, gib = sys.argv[1], int(sys.argv[2])
+try:
+    import torch
+    torch.cuda.init()
+    x = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    print(f"{name}: {gib} GiB allowed")
+except Exception as e:  # CUDA init refused (no context) or out of memory
+    print(f"{name}: {gib} GiB refused: {str(e).splitlines()[0][:160]}")
+PY
+}
+{
+    echo "compute mode before: $before; now: $("$smi" -i 0 --query-gpu=compute_mode --format=csv,noheader)"
+    # Bypass before any MPS client connected: no MPS server may hold the GPU's one context yet
+    # (the plugin does not pre-start one; README says so), so this may get the GPU.
+    client "bypass before any MPS client (CUDA_MPS_PIPE_DIRECTORY unset)" -- 1
+    # The product's format and limits: a 4 GiB share.
+    client "share 4G (product format 0=4096M)" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
+        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M -- 6
+    # A share's process that stays connected, then a bypass beside it: refused if EXCLUSIVE_PROCESS
+    # holds while the server runs.
+    env -i PATH="$PATH" HOME=/root CUDA_MPS_PIPE_DIRECTORY="$pipe" python3 -c \
+        'import torch, time; x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda"); time.sleep(30)' &
+    keeper=$!
+    sleep 10
+    client "bypass beside a running MPS client" -- 1
+    echo "servers: $(echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$pipe "$mpsctl" 2>&1 | tr '\n' ' ')"
+    # Raise: the tenant sets a larger limit than its share; no daemon default caps it (the
+    # README says this does not hold at the mps level).
+    client "raised to 40G by the tenant" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
+        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M -- 20
+    # Two processes of one share at once: each gets the limit (per process).
+    client "process 1 of a 4G share" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
+        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M -- 3 &
+    client "process 2 of a 4G share" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
+        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M -- 3
+    wait
+    kill "$keeper" 2>/dev/null; wait "$keeper" 2>/dev/null
+    # What the control daemon accepts from a tenant: a non-root user sends get_server_list,
+    # then set_default_active_thread_percentage (not quit: the script still needs the daemon).
+    echo "non-root get_server_list: $(su nobody -s /bin/sh -c "echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$pipe $mpsctl" 2>&1 | head -n 1)"
+    echo "non-root set_default_active_thread_percentage 10: $(su nobody -s /bin/sh -c "echo set_default_active_thread_percentage 10 | CUDA_MPS_PIPE_DIRECTORY=$pipe $mpsctl" 2>&1 | head -n 1)"
+    echo "default thread percentage now: $(echo get_default_active_thread_percentage | CUDA_MPS_PIPE_DIRECTORY=$pipe "$mpsctl" 2>&1)"
+} | tee "$out/enforcement.txt"
+cat "$root/$key/log/control.log" "$root/$key/log/server.log" >"$out/enforcement-mps.log" 2>/dev/null
