@@ -55,6 +55,10 @@ PY
     # Bypass before any MPS client connected: no MPS server may hold the GPU's one context yet
     # (the plugin does not pre-start one; README says so), so this may get the GPU.
     client "bypass before any MPS client (CUDA_MPS_PIPE_DIRECTORY unset)" -- 1
+    # The fix to try: start root's server with the daemon, so it holds the context at once.
+    echo "start_server -uid 0: $(echo start_server -uid 0 | CUDA_MPS_PIPE_DIRECTORY=$pipe "$mpsctl" 2>&1 | head -n 1)"
+    sleep 2
+    client "bypass after start_server -uid 0, before any client" -- 1
     # The product's format and limits: a 4 GiB share.
     client "share 4G (product format 0=4096M)" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
         CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M -- 6
