@@ -900,6 +900,18 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             &["ValidatingAdmissionPolicy 'drust-mps-daemon-pods-", message],
         )?;
     }
+    // The Role's one read of DaemonSets is its own (the daemon Pods' owner): no other, no list.
+    let daemonsets: Api<DaemonSet> = Api::namespaced(plugin_client.clone(), NAMESPACE);
+    denied(
+        "read another DaemonSet",
+        daemonsets.get("kube-proxy").await,
+        &[&user, r#"cannot get resource "daemonsets""#],
+    )?;
+    denied(
+        "list DaemonSets",
+        daemonsets.list(&ListParams::default()).await,
+        &[&user, r#"cannot list resource "daemonsets""#],
+    )?;
     denied(
         "delete a Pod of its own node that is no MPS daemon",
         daemon_pods
