@@ -45,13 +45,11 @@ pub fn explain_objects(
     options: &Options,
 ) -> (ExplainReport, Vec<(String, String)>) {
     let mut report = dra_allocator::explain(objects, options);
+    let devices = gpu_inventory::shares::devices_by_name(&objects.slices);
     let device = |r: &k8s_openapi::api::resource::v1::DeviceRequestAllocationResult| {
-        objects
-            .slices
-            .iter()
-            .filter(|s| s.spec.driver == r.driver && s.spec.pool.name == r.pool)
-            .flat_map(|s| s.spec.devices.iter().flatten())
-            .find(|d| d.name == r.device)
+        devices
+            .get(&(r.driver.as_str(), r.pool.as_str(), r.device.as_str()))
+            .copied()
     };
     let mut refusals = Vec::new();
     for node in report.nodes.iter_mut().filter(|n| n.fits) {

@@ -491,22 +491,8 @@ async fn reconcile(pod: Arc<Pod>, ctx: Arc<Context>) -> Result<Action, Error> {
 async fn watch_refusals(ctx: Arc<Context>) {
     loop {
         let slices = ctx.slices.state();
-        // Devices by (driver, pool, device): one pass over the slices per round.
-        let devices: HashMap<(&str, &str, &str), &k8s_openapi::api::resource::v1::Device> = slices
-            .iter()
-            .flat_map(|s| {
-                s.spec.devices.iter().flatten().map(move |d| {
-                    (
-                        (
-                            s.spec.driver.as_str(),
-                            s.spec.pool.name.as_str(),
-                            d.name.as_str(),
-                        ),
-                        d,
-                    )
-                })
-            })
-            .collect();
+        // One pass over the slices per round.
+        let devices = gpu_inventory::shares::devices_by_name(slices.iter().map(|s| &**s));
         for claim in ctx.claims.state() {
             let Some(results) = claim
                 .status

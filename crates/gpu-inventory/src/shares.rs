@@ -43,7 +43,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceCapacity,
-    DeviceRequestAllocationResult,
+    DeviceRequestAllocationResult, ResourceSlice,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
@@ -123,6 +123,28 @@ pub fn prepare_refusal<'d>(
         shares.len(),
         shares[0].driver
     ))
+}
+
+/// The devices of `slices` by (driver, pool, device name): what [`prepare_refusal`] looks an
+/// allocation result's device up in, built once per set of slices.
+pub fn devices_by_name<'s>(
+    slices: impl IntoIterator<Item = &'s ResourceSlice>,
+) -> std::collections::HashMap<(&'s str, &'s str, &'s str), &'s Device> {
+    slices
+        .into_iter()
+        .flat_map(|s| {
+            s.spec.devices.iter().flatten().map(move |d| {
+                (
+                    (
+                        s.spec.driver.as_str(),
+                        s.spec.pool.name.as_str(),
+                        d.name.as_str(),
+                    ),
+                    d,
+                )
+            })
+        })
+        .collect()
 }
 
 /// The `memory` capacity of `device` in bytes, when it publishes one in a form this crate writes

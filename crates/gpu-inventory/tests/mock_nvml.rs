@@ -21,28 +21,35 @@ use gpu_inventory::{
 
 const CHILD: &str = "DRUST_MOCK_NVML_LIB";
 
+/// Runs this binary's test `name` alone in a child process with `env` (NVML loads once per
+/// process, and the mock reads its machine at load) and requires that it ran and passed.
+fn run_in_child(name: &str, env: &[(&str, &std::ffi::OsStr)]) {
+    let out = Command::new(std::env::current_exe().expect("this test"))
+        .args(["--exact", name, "--nocapture"])
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the child");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    // The child ran the test (not zero tests).
+    assert!(text.contains("1 passed"), "{text}");
+}
+
 #[test]
 fn mig_devices_and_health_events_run_through_nvml() {
     let Some(lib) = std::env::var_os(CHILD) else {
         let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
         let events = tempfile::tempdir().expect("events dir");
-        let out = Command::new(std::env::current_exe().expect("this test"))
-            .args([
-                "--exact",
-                "mig_devices_and_health_events_run_through_nvml",
-                "--nocapture",
-            ])
-            .env(CHILD, &lib)
-            .env("DRUST_MOCK_NVML_MACHINE", "dgxa100")
-            .env("DRUST_MOCK_NVML_MIG", "1")
-            .env("DRUST_MOCK_NVML_EVENTS", events.path())
-            .output()
-            .expect("run the child");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{text}");
-        // The child ran the test (not zero tests).
-        assert!(text.contains("1 passed"), "{text}");
+        run_in_child(
+            "mig_devices_and_health_events_run_through_nvml",
+            &[
+                (CHILD, lib.as_os_str()),
+                ("DRUST_MOCK_NVML_MACHINE", "dgxa100".as_ref()),
+                ("DRUST_MOCK_NVML_MIG", "1".as_ref()),
+                ("DRUST_MOCK_NVML_EVENTS", events.path().as_os_str()),
+            ],
+        );
         return;
     };
     let nvml = NvmlBackend::load(Some(&lib), "/sys".into()).expect("load the mock");
@@ -202,17 +209,14 @@ fn compute_modes_run_through_nvml() {
         let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
         let dir = tempfile::tempdir().expect("dir");
         let calls = dir.path().join("calls");
-        let out = Command::new(std::env::current_exe().expect("this test"))
-            .args(["--exact", "compute_modes_run_through_nvml", "--nocapture"])
-            .env(COMPUTE_CHILD, &lib)
-            .env("DRUST_MOCK_NVML_MACHINE", "dgxh100")
-            .env("DRUST_MOCK_NVML_CALLS", &calls)
-            .output()
-            .expect("run the child");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{text}");
-        assert!(text.contains("1 passed"), "{text}");
+        run_in_child(
+            "compute_modes_run_through_nvml",
+            &[
+                (COMPUTE_CHILD, lib.as_os_str()),
+                ("DRUST_MOCK_NVML_MACHINE", "dgxh100".as_ref()),
+                ("DRUST_MOCK_NVML_CALLS", calls.as_os_str()),
+            ],
+        );
         let recorded = std::fs::read_to_string(&calls).expect("recorded calls");
         let lines: Vec<&str> = recorded.lines().collect();
         assert_eq!(lines.len(), 2, "{recorded}");

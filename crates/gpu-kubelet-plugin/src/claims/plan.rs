@@ -254,11 +254,7 @@ impl<'a> MpsEdits<'a> {
     pub(crate) fn of(control: &'a MpsControl, devices: &[RecordedDevice]) -> Self {
         Self {
             control,
-            claim_daemon: devices
-                .iter()
-                .filter(|d| matches!(d.sharing, Some(Sharing::Mps(_))))
-                .map(|d| d.device_name.clone())
-                .collect(),
+            claim_daemon: super::mps_device_names(devices).into_iter().collect(),
             shares: super::shares::mps_shares(devices)
                 .filter_map(|d| {
                     let s = d.share.as_ref()?;
