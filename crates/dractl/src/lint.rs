@@ -349,7 +349,10 @@ impl Known {
         ] {
             let mut pool = inventory.pool(strategy);
             if shares {
-                gpu_inventory::shares::publish_shares(&mut pool);
+                gpu_inventory::shares::publish_shares(
+                    &mut pool,
+                    gpu_inventory::shares::ShareEnforcement::Mps,
+                );
             }
             self.nodes.push(Node {
                 metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {

@@ -122,6 +122,50 @@ pub enum ComputeMode {
     ExclusiveProcess,
 }
 
+/// Per-cgroup GPU memory limits of one GPU (NVML `nvmlSetMemoryLimits_v1_t`), in bytes: what
+/// the driver's memory partitioning enforces for every process of a cgroup, whatever the
+/// processes' own environment says (NVIDIA's MPS guide, release 615, "MPS v3 Memory
+/// Partitioning"; NVML API reference, `nvmlDeviceSetMemoryLimits_v1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MemoryLimits {
+    /// Memory guaranteed to the cgroup before allocations may fail under pressure.
+    pub soft_bytes: u64,
+    /// The most the cgroup's processes may allocate together; beyond it allocation fails.
+    pub hard_bytes: u64,
+}
+
+impl MemoryLimits {
+    /// No limit: what NVML's documentation says clears them (soft 0, hard
+    /// `NVML_DEVICE_MEMORY_LIMIT_MAX`, the largest `unsigned long long`).
+    pub const CLEARED: Self = Self {
+        soft_bytes: 0,
+        hard_bytes: u64::MAX,
+    };
+
+    /// A share of `bytes`: guaranteed and capped at the same amount.
+    pub fn share(bytes: u64) -> Self {
+        Self {
+            soft_bytes: bytes,
+            hard_bytes: bytes,
+        }
+    }
+}
+
+/// The first driver branch with per-cgroup memory limits (`nvmlDeviceSetMemoryLimits_v1`) and
+/// MPS v3 (NVIDIA's MPS guide, release 615).
+pub const MEMORY_PARTITIONING_DRIVER_MAJOR: u32 = 615;
+
+/// Whether driver version `version` (as NVML reports it, `615.12.03`) is of a branch with
+/// memory partitioning ([`MEMORY_PARTITIONING_DRIVER_MAJOR`]); `false` when it cannot be read.
+pub fn driver_has_memory_partitioning(version: &str) -> bool {
+    version
+        .split('.')
+        .next()
+        .and_then(|major| major.trim().parse::<u32>().ok())
+        .is_some_and(|major| major >= MEMORY_PARTITIONING_DRIVER_MAJOR)
+}
+
 /// One GPU instance profile (`nvmlGpuInstanceProfileInfo_t`) and where it can be placed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -427,6 +471,53 @@ pub trait GpuBackend: Send + Sync {
         Err(BackendError::Unsupported {
             call: "set_compute_mode",
             index,
+        })
+    }
+
+    /// Whether this backend can set per-cgroup memory limits ([`GpuBackend::set_memory_limits`]):
+    /// for NVML, the library has `nvmlDeviceSetMemoryLimits_v1` and the driver is of a branch
+    /// with memory partitioning ([`driver_has_memory_partitioning`]). The default says no.
+    ///
+    /// # Errors
+    /// [`BackendError`] when the driver version cannot be read.
+    fn memory_partitioning(&self) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// Sets the memory limits on GPU `index` of the cgroup whose directory is `cgroup` (a full
+    /// path under the cgroup v2 mount, e.g. `/sys/fs/cgroup/kubepods.slice/...`); with
+    /// [`MemoryLimits::CLEARED`], clears them. Full GPUs only: NVML refuses MIG handles.
+    ///
+    /// # Errors
+    /// [`BackendError::Action`] when the driver refuses; by default
+    /// [`BackendError::Unsupported`].
+    fn set_memory_limits(
+        &self,
+        index: u32,
+        cgroup: &std::path::Path,
+        limits: MemoryLimits,
+    ) -> Result<(), BackendError> {
+        let _ = (cgroup, limits);
+        Err(BackendError::Unsupported {
+            call: "set_memory_limits",
+            index,
+        })
+    }
+
+    /// The enumeration index of the GPU whose UUID is `uuid`. The default asks every GPU.
+    ///
+    /// # Errors
+    /// [`BackendError::Query`] when no GPU has it or a query fails.
+    fn index_of(&self, uuid: &str) -> Result<u32, BackendError> {
+        for index in 0..self.device_count()? {
+            if self.gpu_state(index)?.uuid == uuid {
+                return Ok(index);
+            }
+        }
+        Err(BackendError::Query {
+            call: "nvmlDeviceGetHandleByUUID",
+            index: u32::MAX,
+            message: format!("no GPU has UUID {uuid}"),
         })
     }
 

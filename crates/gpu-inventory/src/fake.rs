@@ -48,6 +48,15 @@
 //! `<state_dir>/fail-mig-destroy`: while one exists (any content) every creation (destruction)
 //! fails with [`BackendError::Injected`] and changes nothing.
 //!
+//! # Memory limits
+//! A topology whose driver version is r615 or later ([`crate::backend::driver_has_memory_partitioning`])
+//! has memory partitioning. [`GpuBackend::set_memory_limits`] refuses a cgroup directory that
+//! does not exist, as the driver would, and keeps each limit set in memory and, with a state
+//! dir, as one file per GPU and cgroup, `<state_dir>/memory-limits/<gpu uuid>/<cgroup path with
+//! `/` as `%2F`>.json` holding `{"cgroup": "...", "softBytes": n, "hardBytes": n}`, removed when
+//! the limits are cleared: a hook process and the plugin setting limits at once never lose one
+//! another's. [`FakeBackend::memory_limits`] lists them.
+//!
 //! # Health events
 //! Tests inject them in memory with [`FakeBackend::inject_event`], or as files in
 //! `<state_dir>/events/` (format and ordering in [`crate::health`]); a waiting
@@ -64,8 +73,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    BackendError, ComputeMode, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement, RawGpu,
-    RawMigDevice, SystemInfo,
+    BackendError, ComputeMode, GpuBackend, GpuState, MemoryLimits, MigAttributes, MigMode,
+    MigPlacement, RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::health::{EVENT_POLL_INTERVAL, HealthEvent, events_dir, take_event_file};
 use crate::mig_tables::builtin_profiles;
@@ -259,6 +268,8 @@ pub struct FakeBackend {
     state_dir: Option<PathBuf>,
     time_slices: Mutex<BTreeMap<u32, u8>>,
     compute_modes: Mutex<BTreeMap<u32, ComputeMode>>,
+    /// Memory limits set without a state dir, by GPU UUID and cgroup.
+    memory_limits: Mutex<BTreeMap<(String, PathBuf), MemoryLimits>>,
     /// MIG devices as changed in this process (without a state dir); also serializes
     /// read-modify-write of the state file within the process.
     mig: Mutex<mig::MigState>,
@@ -279,6 +290,7 @@ impl FakeBackend {
             state_dir: None,
             time_slices: Mutex::new(BTreeMap::new()),
             compute_modes: Mutex::new(BTreeMap::new()),
+            memory_limits: Mutex::new(BTreeMap::new()),
             mig: Mutex::new(mig::MigState::default()),
             failing_mig: Mutex::new(BTreeSet::new()),
             injected: Mutex::new(VecDeque::new()),
@@ -367,6 +379,48 @@ impl FakeBackend {
     /// kept in `<state_dir>/compute-modes.json`.
     pub fn compute_modes(&self) -> BTreeMap<u32, ComputeMode> {
         lock(&self.compute_modes).clone()
+    }
+
+    /// The memory limits set now, by GPU UUID and cgroup directory (see the module docs); from
+    /// the state directory when there is one, so limits another process set are listed too.
+    /// A cgroup that no longer exists has none: removing a cgroup clears its limits (NVML API
+    /// reference, `nvmlSetMemoryLimits_v1_t`).
+    pub fn memory_limits(&self) -> BTreeMap<(String, PathBuf), MemoryLimits> {
+        let mut found = self.memory_limits_set();
+        found.retain(|(_, cgroup), _| cgroup.is_dir());
+        found
+    }
+
+    fn memory_limits_set(&self) -> BTreeMap<(String, PathBuf), MemoryLimits> {
+        let Some(dir) = &self.state_dir else {
+            return lock(&self.memory_limits).clone();
+        };
+        let mut found = BTreeMap::new();
+        let Ok(gpus) = std::fs::read_dir(dir.join(MEMORY_LIMITS_DIR)) else {
+            return found;
+        };
+        for gpu in gpus.flatten() {
+            let uuid = gpu.file_name().to_string_lossy().into_owned();
+            for file in std::fs::read_dir(gpu.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let record = std::fs::read_to_string(file.path())
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<LimitFile>(&t).ok());
+                if let Some(r) = record {
+                    found.insert(
+                        (uuid.clone(), r.cgroup),
+                        MemoryLimits {
+                            soft_bytes: r.soft_bytes,
+                            hard_bytes: r.hard_bytes,
+                        },
+                    );
+                }
+            }
+        }
+        found
     }
 
     /// The state directory, if any.
@@ -469,6 +523,26 @@ const CREATE: &str = "create_mig_device";
 const DESTROY: &str = "destroy_mig_device";
 
 /// A poisoned lock only means another test thread panicked; the data is still usable.
+/// Where [`FakeBackend`] keeps memory limits under its state dir.
+const MEMORY_LIMITS_DIR: &str = "memory-limits";
+
+/// One memory-limit file of [`FakeBackend`].
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LimitFile {
+    cgroup: PathBuf,
+    soft_bytes: u64,
+    hard_bytes: u64,
+}
+
+/// `cgroup` as one file name: `%` as `%25`, `/` as `%2F`.
+fn escape_path(cgroup: &Path) -> String {
+    cgroup
+        .to_string_lossy()
+        .replace('%', "%25")
+        .replace('/', "%2F")
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -613,6 +687,75 @@ impl GpuBackend for FakeBackend {
         Ok(())
     }
 
+    fn memory_partitioning(&self) -> Result<bool, BackendError> {
+        Ok(crate::backend::driver_has_memory_partitioning(
+            &self.topology().system.driver_version,
+        ))
+    }
+
+    fn set_memory_limits(
+        &self,
+        index: u32,
+        cgroup: &Path,
+        limits: MemoryLimits,
+    ) -> Result<(), BackendError> {
+        const CALL: &str = "set_memory_limits";
+        self.record(format!(
+            "{CALL}({index}, {}, {}, {})",
+            cgroup.display(),
+            limits.soft_bytes,
+            limits.hard_bytes
+        ));
+        if lock(&self.failing_gpus).contains(&index) {
+            return Err(BackendError::Injected { call: CALL, index });
+        }
+        if !self.memory_partitioning()? {
+            return Err(BackendError::Unsupported { call: CALL, index });
+        }
+        let uuid = self.raw_gpu(index)?.uuid;
+        if !cgroup.is_dir() {
+            return Err(BackendError::Action {
+                call: CALL,
+                index,
+                message: format!("cgroup {} does not exist", cgroup.display()),
+            });
+        }
+        let cleared = limits == MemoryLimits::CLEARED;
+        let Some(dir) = &self.state_dir else {
+            let mut set = lock(&self.memory_limits);
+            if cleared {
+                set.remove(&(uuid, cgroup.to_owned()));
+            } else {
+                set.insert((uuid, cgroup.to_owned()), limits);
+            }
+            return Ok(());
+        };
+        let gpu_dir = dir.join(MEMORY_LIMITS_DIR).join(&uuid);
+        let file = gpu_dir.join(format!("{}.json", escape_path(cgroup)));
+        let failed = |e: std::io::Error| BackendError::Action {
+            call: CALL,
+            index,
+            message: format!("writing {}: {e}", file.display()),
+        };
+        if cleared {
+            return match std::fs::remove_file(&file) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(failed(e)),
+                _ => Ok(()),
+            };
+        }
+        let text = serde_json::to_string(&LimitFile {
+            cgroup: cgroup.to_owned(),
+            soft_bytes: limits.soft_bytes,
+            hard_bytes: limits.hard_bytes,
+        })
+        .unwrap_or_default();
+        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::create_dir_all(&gpu_dir)
+            .and_then(|()| std::fs::write(&tmp, text))
+            .and_then(|()| std::fs::rename(&tmp, &file))
+            .map_err(failed)
+    }
+
     fn set_compute_time_slice(&self, index: u32, value: u8) -> Result<(), BackendError> {
         self.record(format!("set_compute_time_slice({index}, {value})"));
         if lock(&self.failing_gpus).contains(&index) {
@@ -697,6 +840,44 @@ gpus:
      memoryTotalBytes: 85520809984, multiprocessorCount: 132, pciBusId: "00000000:18:00.0",
      numaNode: 0}
 "#;
+
+    #[test]
+    fn memory_limits_need_r615_and_an_existing_cgroup_and_outlive_the_backend() {
+        let dir = tempfile::tempdir().expect("dir");
+        let cgroup = dir.path().join("cg/pod/c1");
+        std::fs::create_dir_all(&cgroup).expect("cgroup");
+        let old = FakeBackend::new(Topology::parse(ONE_GPU, "t").expect("valid"));
+        assert!(!old.memory_partitioning().expect("version"));
+        assert!(matches!(
+            old.set_memory_limits(0, &cgroup, MemoryLimits::share(1 << 30)),
+            Err(BackendError::Unsupported { .. })
+        ));
+        let r615 = Topology::parse(&ONE_GPU.replace("570.124.06", "615.20.01"), "t").expect("ok");
+        let fake = FakeBackend::new(r615.clone()).with_state_dir(dir.path().join("state"));
+        assert!(fake.memory_partitioning().expect("version"));
+        let err = fake
+            .set_memory_limits(0, &dir.path().join("gone"), MemoryLimits::share(1 << 30))
+            .expect_err("no such cgroup");
+        assert!(err.to_string().contains("does not exist"), "{err}");
+        fake.set_memory_limits(0, &cgroup, MemoryLimits::share(2 << 30))
+            .expect("set");
+        // Another process's backend on the same state dir sees it.
+        let other = FakeBackend::new(r615).with_state_dir(dir.path().join("state"));
+        let key = ("GPU-a".to_owned(), cgroup.clone());
+        assert_eq!(
+            other.memory_limits().get(&key),
+            Some(&MemoryLimits::share(2 << 30))
+        );
+        other
+            .set_memory_limits(0, &cgroup, MemoryLimits::CLEARED)
+            .expect("clear");
+        assert!(fake.memory_limits().is_empty());
+        // Removing the cgroup drops its limits, as the driver does.
+        fake.set_memory_limits(0, &cgroup, MemoryLimits::share(2 << 30))
+            .expect("set");
+        std::fs::remove_dir(&cgroup).expect("remove");
+        assert!(fake.memory_limits().is_empty());
+    }
 
     #[test]
     fn a_topology_is_served_query_by_query_and_recorded() {

@@ -55,7 +55,7 @@ pub mod sysfs;
 pub mod validate;
 pub mod yaml;
 
-pub use backend::{BackendError, GpuBackend, GpuState, RawGpu, SystemInfo};
+pub use backend::{BackendError, GpuBackend, GpuState, MemoryLimits, RawGpu, SystemInfo};
 pub use fake::{FakeBackend, Topology, TopologyError};
 pub use health::{HealthEvent, HealthEventKind, RecoveryProbe};
 pub use mig::MigDevice;

@@ -185,20 +185,28 @@ fn parse_bytes(q: &str) -> Option<u64> {
     q.parse().ok()
 }
 
-/// Makes every device of `pool` that [`can_share`] shareable, as the module docs describe.
-/// Returns how many devices became shareable.
-pub fn publish_shares(pool: &mut Pool) -> usize {
+/// Makes every device of `pool` that [`can_share`] shareable, as the module docs describe, its
+/// full GPUs at enforcement level `full_gpus` ([`ShareEnforcement::Mps`] or
+/// [`ShareEnforcement::Kernel`]; MIG devices are always [`ShareEnforcement::Mig`]). Returns how
+/// many devices became shareable.
+pub fn publish_shares(pool: &mut Pool, full_gpus: ShareEnforcement) -> usize {
     let mut shared = 0;
     for device in &mut pool.devices {
-        if make_shareable(device) {
+        if make_shareable_at(device, full_gpus) {
             shared += 1;
         }
     }
     shared
 }
 
-/// Makes `device` shareable; `false` (unchanged) when it [`can_share`] not.
+/// Makes `device` shareable at the `mps` level; `false` (unchanged) when it [`can_share`] not.
 pub fn make_shareable(device: &mut Device) -> bool {
+    make_shareable_at(device, ShareEnforcement::Mps)
+}
+
+/// Makes `device` shareable, a full GPU at level `full_gpu`; `false` (unchanged) when it
+/// [`can_share`] not.
+pub fn make_shareable_at(device: &mut Device, full_gpu: ShareEnforcement) -> bool {
     let Some(total) = memory_bytes(device).filter(|_| can_share(device)) else {
         return false;
     };
@@ -250,14 +258,7 @@ pub fn make_shareable(device: &mut Device) -> bool {
         == Some("mig");
     device.attributes.get_or_insert_with(BTreeMap::new).insert(
         SHARE_ENFORCEMENT.to_owned(),
-        crate::model::string(
-            if mig {
-                ShareEnforcement::Mig
-            } else {
-                ShareEnforcement::Mps
-            }
-            .as_str(),
-        ),
+        crate::model::string(if mig { ShareEnforcement::Mig } else { full_gpu }.as_str()),
     );
     device.allow_multiple_allocations = Some(true);
     true
@@ -279,6 +280,12 @@ pub enum ShareEnforcement {
     /// engines); the compute mode is its parent GPU's, shared with other claims, so it is left
     /// alone and a process that bypasses MPS gets the whole MIG device.
     Mig,
+    /// A full GPU whose driver partitions memory per cgroup (r615+, cgroup v2): each share
+    /// container's cgroup has a hard memory limit of its share on the GPU, set by the plugin's
+    /// CDI hook and enforced by the driver for all its processes whatever their environment; the
+    /// GPU is in `EXCLUSIVE_PROCESS` as at the `mps` level. Compute is still each client's own
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` under legacy MPS (MPS v3 namespaces are not used yet).
+    Kernel,
 }
 
 impl ShareEnforcement {
@@ -287,6 +294,7 @@ impl ShareEnforcement {
         match self {
             Self::Mps => "mps",
             Self::Mig => "mig",
+            Self::Kernel => "kernel",
         }
     }
 }
@@ -374,6 +382,22 @@ mod tests {
             ])),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_enforcement_level_is_the_nodes_for_full_gpus() {
+        let level = |d: &Device| {
+            d.attributes.as_ref().unwrap()[SHARE_ENFORCEMENT]
+                .string
+                .clone()
+                .unwrap()
+        };
+        let mut d = gpu("81559Mi");
+        assert!(make_shareable_at(&mut d, ShareEnforcement::Kernel));
+        assert_eq!(level(&d), "kernel");
+        let mut d = gpu("81559Mi");
+        assert!(make_shareable(&mut d));
+        assert_eq!(level(&d), "mps");
     }
 
     #[test]

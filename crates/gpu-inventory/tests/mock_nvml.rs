@@ -245,3 +245,68 @@ fn compute_modes_run_through_nvml() {
         .expect_err("no GPU 99");
     assert!(err.to_string().contains("99"), "{err}");
 }
+
+const LIMITS_CHILD: &str = "DRUST_TEST_MEMORY_LIMITS_CHILD";
+
+/// Per-cgroup memory limits through the real NVML backend: a driver before r615 has no memory
+/// partitioning; on r615 a limit and its clearing reach `nvmlDeviceSetMemoryLimits_v1` with the
+/// GPU, the cgroup path and the bytes (the mock records each call), found by UUID; a cgroup
+/// that does not exist is refused with an error naming the call and the cgroup.
+#[test]
+fn memory_limits_run_through_nvml() {
+    use gpu_inventory::MemoryLimits;
+    let Some(lib) = std::env::var_os(LIMITS_CHILD) else {
+        let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
+        let dir = tempfile::tempdir().expect("dir");
+        let calls = dir.path().join("calls");
+        let cgroup = dir.path().join("kubepods.slice/pod-a/container-b");
+        std::fs::create_dir_all(&cgroup).expect("cgroup dir");
+        run_in_child(
+            "memory_limits_run_through_nvml",
+            &[
+                (LIMITS_CHILD, lib.as_os_str()),
+                ("DRUST_MOCK_NVML_MACHINE", "dgxh100".as_ref()),
+                ("DRUST_MOCK_NVML_DRIVER_VERSION", "615.20.01".as_ref()),
+                ("DRUST_MOCK_NVML_CALLS", calls.as_os_str()),
+                ("DRUST_TEST_CGROUP", cgroup.as_os_str()),
+            ],
+        );
+        let recorded = std::fs::read_to_string(&calls).expect("recorded calls");
+        let lines: Vec<&str> = recorded.lines().collect();
+        assert_eq!(lines.len(), 2, "{recorded}");
+        let (uuid, rest) = lines[0]
+            .strip_prefix("nvmlDeviceSetMemoryLimits_v1 ")
+            .and_then(|l| l.split_once(' '))
+            .expect("a memory-limit call");
+        assert!(uuid.starts_with("GPU-"), "{recorded}");
+        let c = cgroup.display();
+        assert_eq!(rest, format!("{c} 10737418240 10737418240"));
+        assert_eq!(
+            lines[1],
+            format!("nvmlDeviceSetMemoryLimits_v1 {uuid} {c} 0 18446744073709551615")
+        );
+        // The same library with the machine's own (pre-615) driver: no memory partitioning.
+        let old = NvmlBackend::load(Some(lib.as_os_str()), "/sys".into()).expect("load");
+        assert!(!old.memory_partitioning().expect("driver version"));
+        return;
+    };
+    let cgroup = std::path::PathBuf::from(std::env::var_os("DRUST_TEST_CGROUP").expect("cgroup"));
+    let nvml = NvmlBackend::load(Some(&lib), "/sys".into()).expect("load the mock");
+    assert!(nvml.memory_partitioning().expect("driver version"));
+    let uuid = nvml.gpu(1).expect("GPU 1").uuid;
+    let index = nvml.index_of(&uuid).expect("found by UUID");
+    assert_eq!(index, 1);
+    nvml.set_memory_limits(index, &cgroup, MemoryLimits::share(10 << 30))
+        .expect("set");
+    nvml.set_memory_limits(index, &cgroup, MemoryLimits::CLEARED)
+        .expect("clear");
+    let gone = cgroup.join("gone");
+    let err = nvml
+        .set_memory_limits(index, &gone, MemoryLimits::share(1 << 30))
+        .expect_err("no such cgroup");
+    let text = err.to_string();
+    assert!(
+        text.contains("nvmlDeviceSetMemoryLimits_v1") && text.contains("gone"),
+        "{text}"
+    );
+}

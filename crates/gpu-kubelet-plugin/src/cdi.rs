@@ -95,6 +95,9 @@ pub struct Hook {
     /// `NAME=value` environment of the hook.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<String>,
+    /// Seconds the runtime lets the hook run before failing the container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<u32>,
 }
 
 /// A bind mount (CDI `mounts` entry).

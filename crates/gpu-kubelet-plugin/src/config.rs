@@ -106,6 +106,12 @@ pub struct Config {
     /// Where the NVIDIA driver's files are read and what host path CDI specs name them by
     /// (default: `/` for both, no explicit hook): [`crate::driver_files`].
     pub driver_root: crate::driver_files::DriverRoot,
+    /// The cgroup v2 root the `kernel` level's memory limits are set under (default
+    /// `/sys/fs/cgroup`, which the driver requires): [`crate::memory_limits`].
+    pub cgroup_root: PathBuf,
+    /// The `drust-cdi-hook` binary shipped with the plugin, installed into `<plugin dir>/bin/`
+    /// for the `kernel` level (default: beside the plugin's own binary).
+    pub cdi_hook_binary: PathBuf,
 }
 
 impl Config {
@@ -146,6 +152,14 @@ impl Config {
                 host_root: PathBuf::from("/"),
                 hook: None,
             },
+            cgroup_root: PathBuf::from(crate::memory_limits::DEFAULT_CGROUP_ROOT),
+            cdi_hook_binary: std::env::current_exe()
+                .ok()
+                .and_then(|exe| {
+                    exe.parent()
+                        .map(|d| d.join(crate::memory_limits::HOOK_BINARY))
+                })
+                .unwrap_or_else(|| PathBuf::from(crate::memory_limits::HOOK_BINARY)),
         }
     }
 }

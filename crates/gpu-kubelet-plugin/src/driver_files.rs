@@ -279,6 +279,7 @@ impl DriverFiles {
                     .chain(args)
                     .collect(),
                 env: Vec::new(),
+                timeout: None,
             };
             if let Some(libcuda) = self.libraries.iter().find(|l| {
                 l.file_name()

@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use gpu_inventory::backend::{ComputeMode, MigPlacement, RawMigDevice};
-use gpu_inventory::{Gpu, GpuBackend, Inventory, MigDevice, MigStrategy};
+use gpu_inventory::{Gpu, GpuBackend, Inventory, MemoryLimits, MigDevice, MigStrategy};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
@@ -440,6 +440,28 @@ pub trait Hardware: Send + Sync + 'static {
         })
     }
 
+    /// Sets (or with [`MemoryLimits::CLEARED`], clears) the memory limits on the GPU whose UUID
+    /// is `gpu_uuid` of the cgroup directory `cgroup` ([`crate::memory_limits`]).
+    ///
+    /// # Errors
+    /// [`HardwareError::Setting`] when they cannot be set; by default, always.
+    fn set_memory_limits(
+        &self,
+        gpu_uuid: &str,
+        cgroup: &std::path::Path,
+        limits: MemoryLimits,
+    ) -> Result<(), HardwareError> {
+        let _ = (cgroup, limits);
+        Err(HardwareError::Setting {
+            device: gpu_uuid.to_owned(),
+            action: "setting a memory limit",
+            source: gpu_inventory::BackendError::Unsupported {
+                call: "set_memory_limits",
+                index: u32::MAX,
+            },
+        })
+    }
+
     /// The MIG devices on `gpu` now, for start-up reconciliation in partitionable mode. The
     /// default knows of none.
     ///
@@ -773,6 +795,23 @@ impl Hardware for BackendHardware {
         // A GPU-wide setting: say when it changes.
         info!(device = gpu.name, ?mode, "set the GPU's compute mode");
         Ok(())
+    }
+
+    fn set_memory_limits(
+        &self,
+        gpu_uuid: &str,
+        cgroup: &std::path::Path,
+        limits: MemoryLimits,
+    ) -> Result<(), HardwareError> {
+        let setting = |source| HardwareError::Setting {
+            device: gpu_uuid.to_owned(),
+            action: "setting a memory limit",
+            source,
+        };
+        let index = self.backend.index_of(gpu_uuid).map_err(setting)?;
+        self.backend
+            .set_memory_limits(index, cgroup, limits)
+            .map_err(setting)
     }
 
     fn set_time_slice(&self, device: &NodeDevice, slice: TimeSlice) -> Result<(), HardwareError> {

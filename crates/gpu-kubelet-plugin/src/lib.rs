@@ -20,6 +20,7 @@ pub mod health;
 pub mod health_record;
 pub mod http;
 pub mod instance;
+pub mod memory_limits;
 pub mod metrics;
 pub mod mps;
 pub mod publisher;
@@ -182,6 +183,10 @@ pub struct Publishing {
     /// Whether devices are published for consumable capacity (fractional GPUs): the flag, and
     /// the MPS control tool found to enforce the shares.
     pub shares: bool,
+    /// How full GPUs' shares are enforced: [`ShareEnforcement::Kernel`] where the node has
+    /// the `kernel` level ([`memory_limits::KernelMemory::detect`]), else
+    /// [`ShareEnforcement::Mps`].
+    pub enforcement: gpu_inventory::shares::ShareEnforcement,
 }
 
 impl Publishing {
@@ -190,7 +195,7 @@ impl Publishing {
     pub fn pool(&self, inventory: &Inventory) -> Pool {
         let mut pool = inventory.pool(self.strategy);
         if self.shares {
-            gpu_inventory::shares::publish_shares(&mut pool);
+            gpu_inventory::shares::publish_shares(&mut pool, self.enforcement);
         }
         pool
     }
@@ -222,6 +227,42 @@ impl Publishing {
         Self {
             strategy: config.mig_strategy,
             shares,
+            enforcement: gpu_inventory::shares::ShareEnforcement::Mps,
+        }
+    }
+
+    /// Finds out whether full GPUs' shares get the `kernel` level (when shares are published at
+    /// all), installing the CDI hook unless `--dry-run`; says which level applies and why.
+    pub async fn detect_kernel_memory(
+        &mut self,
+        config: &Config,
+        backend: &Arc<dyn GpuBackend>,
+    ) -> Option<Arc<memory_limits::KernelMemory>> {
+        if !self.shares {
+            return None;
+        }
+        let (config2, backend2) = (config.clone(), Arc::clone(backend));
+        let install = config.dry_run.is_none();
+        let detected = tokio::task::spawn_blocking(move || {
+            memory_limits::KernelMemory::detect(&config2, backend2.as_ref(), install)
+        })
+        .await
+        .map_err(|e| e.to_string());
+        match detected {
+            Ok(Ok(kernel)) => {
+                info!(cgroup_root = %config.cgroup_root.display(),
+                    "shares of full GPUs are enforced at the kernel level: each share                      container's cgroup gets a hard GPU memory limit");
+                self.enforcement = gpu_inventory::shares::ShareEnforcement::Kernel;
+                Some(Arc::new(kernel))
+            }
+            Ok(Err(reason)) => {
+                info!(%reason, "shares of full GPUs are enforced at the mps level");
+                None
+            }
+            Err(join) => {
+                warn!(error = %join, "detecting the kernel enforcement level failed; the mps level applies");
+                None
+            }
         }
     }
 }
@@ -330,7 +371,8 @@ pub async fn run(
     config.sockets.instance_id = config.instance_id.clone();
     let backend = open_backend(&config)?;
     let inventory = rediscover(backend.as_ref(), config.naming)?;
-    let publishing = Publishing::of(&config).await;
+    let mut publishing = Publishing::of(&config).await;
+    let kernel_memory = publishing.detect_kernel_memory(&config, &backend).await;
     let pool = publishing.pool(&inventory);
     info!(gpus = inventory.gpus.len(), devices = pool.devices.len(), node = %config.node_name,
         "discovered GPUs");
@@ -423,8 +465,11 @@ pub async fn run(
                 lock,
                 &config,
                 client.clone(),
-                &backend,
-                &inventory,
+                Found {
+                    backend: &backend,
+                    inventory: &inventory,
+                    kernel_memory: kernel_memory.clone(),
+                },
                 &activation,
                 &metrics,
             )
@@ -613,17 +658,29 @@ async fn wait_for_lock(lock_path: &std::path::Path) -> Result<ActiveLock, Error>
     Ok(lock)
 }
 
+/// The GPUs found at start: the open backend, the first inventory and the `kernel` level's
+/// memory limits where the node has them.
+struct Found<'a> {
+    backend: &'a Arc<dyn GpuBackend>,
+    inventory: &'a Inventory,
+    kernel_memory: Option<Arc<memory_limits::KernelMemory>>,
+}
+
 /// Holding the lock: recovers the claims and opens the gate. On success the claims flow; the
 /// caller then starts [`Active::run_tasks`].
 async fn take_over(
     lock: ActiveLock,
     config: &Config,
     client: kube::Client,
-    backend: &Arc<dyn GpuBackend>,
-    inventory: &Inventory,
+    found: Found<'_>,
     activation: &Activation<KubeCluster, BackendHardware>,
     metrics: &Arc<Metrics>,
 ) -> Result<Active, Error> {
+    let Found {
+        backend,
+        inventory,
+        kernel_memory,
+    } = found;
     let recovering = Instant::now();
     let boot_id = std::fs::read_to_string(&config.boot_id_path)
         .map_err(|source| Error::BootId {
@@ -669,6 +726,7 @@ async fn take_over(
                 }),
             },
             driver_edits,
+            kernel_memory,
         },
         hardware::node_devices(inventory, config.mig_strategy).into_values(),
         CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name),

@@ -119,6 +119,13 @@ struct Args {
     /// Host directory for per-claim MPS pipe and log directories (mounted into containers).
     #[arg(long, default_value = "/run/drust/mps")]
     mps_root: PathBuf,
+    /// The cgroup v2 root under which share containers' GPU memory limits are set (the
+    /// `kernel` enforcement level; the NVIDIA driver needs cgroup v2 at /sys/fs/cgroup).
+    #[arg(long, default_value = "/sys/fs/cgroup")]
+    cgroup_root: PathBuf,
+    /// The drust-cdi-hook binary to install for the `kernel` level (default: beside this one).
+    #[arg(long)]
+    cdi_hook_binary: Option<PathBuf>,
     /// How long an MPS control daemon may take to start answering, in seconds: at least 1 and
     /// less than --claim-timeout-seconds (the start is part of a prepare).
     #[arg(long, default_value_t = 5, value_parser = claim_deadline)]
@@ -237,6 +244,10 @@ impl Args {
         config.consumable_capacity = self.consumable_capacity;
         config.mps_control_binary = self.mps_control_binary;
         config.mps_root = self.mps_root;
+        config.cgroup_root = self.cgroup_root;
+        if let Some(hook) = self.cdi_hook_binary {
+            config.cdi_hook_binary = hook;
+        }
         config.mps_start_timeout = std::time::Duration::from_secs(self.mps_start_timeout_seconds);
         config.mps_daemon_pods = match (
             self.mps_daemon_image.filter(|i| !i.is_empty()),

@@ -61,6 +61,7 @@ impl Fixture {
                 ..mps_control(&self.dir.path().join("mps"))
             },
             driver_edits: Default::default(),
+            kernel_memory: None,
         }
     }
 

@@ -104,6 +104,7 @@ impl Node {
                 sharing: true,
                 mps: mps_control(&self.dir.path().join("mps")),
                 driver_edits: Default::default(),
+                kernel_memory: None,
             },
             devices.into_values(),
             CdiWriter::new(Arc::new(RealFs), self.dir.path().join("cdi"), DRIVER),

@@ -299,6 +299,7 @@ async fn controller_reporting(
             sharing: true,
             mps: mps_control(mps),
             driver_edits: Default::default(),
+            kernel_memory: None,
         },
         node_devices(),
         CdiWriter::new(fs.clone(), CDI, DRIVER),

@@ -10,7 +10,8 @@ pub use drust_gotools::go_tool;
 
 /// Builds (if needed) and locates `gpu-kubelet-plugin` with the same cargo that runs the tests,
 /// in the release profile when the caller is a release build (benchmarks), reading the
-/// executable's path from cargo's JSON messages.
+/// executable's path from cargo's JSON messages. Its CDI hook, `drust-cdi-hook`, is built beside
+/// it, where the plugin looks for it by default.
 ///
 /// # Errors
 /// A description of the failed build.
@@ -23,6 +24,8 @@ pub fn plugin_binary() -> Result<PathBuf, String> {
         "gpu-kubelet-plugin",
         "--bin",
         "gpu-kubelet-plugin",
+        "--bin",
+        "drust-cdi-hook",
         "--message-format=json-render-diagnostics",
     ]);
     if !cfg!(debug_assertions) {

@@ -11,7 +11,9 @@
 //!   (fake driver root) and runs the hooks (a recording stand-in);
 //! - time-slicing, existing MIG and dynamic MIG pods run with their devices;
 //! - an XID shows in the running pod's `allocatedResourcesStatus`, and recovery clears it;
-//! - fractional GPUs: two shares of one GPU, each container with its own MPS limits, one daemon.
+//! - fractional GPUs: two shares of one GPU, each container with its own MPS limits, one daemon;
+//!   at the `kernel` level, containerd runs the plugin's CDI hook and the share's memory limit
+//!   lands on the container's own cgroup.
 //!
 //! The Helm chart's DaemonSet on the same kind of node (plugin image, probes, rolling update)
 //! is `real_node_chart.rs`.
@@ -1102,6 +1104,137 @@ spec:
         "compute modes after the last share: {}",
         modes()?
     );
+    real.stop().await
+}
+
+/// The `kernel` enforcement level on the real node: with a driver of the r615 branch (the fake
+/// GPUs' topology) and cgroup v2 (this host's unified hierarchy), the published shares say
+/// `shareEnforcement: kernel`, a claim selects on it, and containerd runs the plugin's CDI hook
+/// for the share's container: the limit (the share's 19 GiB of `20G`) lands on the container's
+/// own cgroup, which holds every process of the container, the one that dropped its whole
+/// environment included. Deleting the pod leaves no limit and no record.
+#[tokio::test]
+async fn a_kernel_level_share_gets_its_memory_limit_on_the_containers_own_cgroup()
+-> anyhow::Result<()> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let cgroup_root = mountinfo
+        .lines()
+        .find_map(|l| {
+            let (fields, rest) = l.split_once(" - ")?;
+            let mount = fields.split_whitespace().nth(4)?;
+            (rest.split_whitespace().next() == Some("cgroup2")).then(|| mount.to_owned())
+        })
+        .context("a cgroup v2 hierarchy is mounted (the machine's kind has one)")?;
+    let dir = tempfile::tempdir()?;
+    let topology = dir.path().join("dgx-h100-r615.yaml");
+    let text = std::fs::read_to_string(repo_path("examples/topologies/dgx-h100.yaml"))?;
+    ensure!(text.contains("driverVersion: \"570.124.06\""));
+    std::fs::write(
+        &topology,
+        text.replace(
+            "driverVersion: \"570.124.06\"",
+            "driverVersion: \"615.20.01\"",
+        ),
+    )?;
+    let real = RealNode::start_as(
+        topology.to_str().context("utf-8 path")?,
+        "drust-real-node-kernel-",
+        None,
+        DRIVER,
+        &[
+            "--consumable-capacity",
+            "true",
+            "--mps-control-binary",
+            drust_fakes::mps_control().to_str().context("utf-8 path")?,
+            "--cgroup-root",
+            &cgroup_root,
+        ],
+    )
+    .await?;
+    apply_file(
+        &real.client,
+        &repo_path("deploy/deviceclasses/gpu-share.yaml"),
+    )
+    .await?;
+    let script = "(env -i /bin/sleep 601) & exec /bin/sleep 600";
+    let yaml = format!(
+        r#"apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {{name: limited, namespace: default}}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly:
+            deviceClassName: gpu-share.drust.dev
+            selectors:
+              - cel: {{expression: 'device.attributes["gpu.drust.dev"].shareEnforcement == "kernel"'}}
+            capacity: {{requests: {{memory: 20G}}}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {{name: limited, namespace: default}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: cuda
+      image: {WORKLOAD_IMAGE}
+      imagePullPolicy: Never
+      command: [/bin/sh, -c, {script}]
+      env: [{{name: DRUST_TEST_MARKER, value: kernel-share}}]
+      resources: {{claims: [{{name: gpu}}]}}
+  resourceClaims:
+    - {{name: gpu, resourceClaimTemplateName: limited}}
+"#,
+        script = serde_json::to_string(script)?
+    );
+    apply_yaml(&real.client, &yaml, &real.host.root().join("limited.yaml")).await?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    wait_running(&pods, "limited", &real.node).await?;
+
+    let fake = || -> anyhow::Result<gpu_inventory::FakeBackend> {
+        Ok(gpu_inventory::FakeBackend::from_file(&topology)?.with_state_dir(real.host.state_dir()))
+    };
+    let limits = fake()?.memory_limits();
+    ensure!(limits.len() == 1, "memory limits set: {limits:?}");
+    let ((_, cgroup), set) = limits.iter().next().context("one limit")?;
+    ensure!(
+        *set == gpu_inventory::MemoryLimits::share(19 << 30),
+        "the limit set: {set:?}"
+    );
+    // Every process in that cgroup is the container's: the one with its environment, and the
+    // one that dropped it (env -i), both under the one limit.
+    let procs = std::fs::read_to_string(cgroup.join("cgroup.procs"))?;
+    let (mut marked, mut bare) = (0, 0);
+    for pid in procs.split_whitespace() {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if environ
+            .split(|b| *b == 0)
+            .any(|v| v == b"DRUST_TEST_MARKER=kernel-share")
+        {
+            marked += 1;
+        } else if environ.is_empty() && cmdline.ends_with(b"sleep\x00601\x00") {
+            bare += 1;
+        }
+    }
+    ensure!(
+        marked >= 1 && bare == 1,
+        "cgroup {} holds {procs:?}: {marked} with the container's environment, {bare} without any",
+        cgroup.display()
+    );
+
+    pods.delete("limited", &DeleteParams::default()).await?;
+    let records = real.host.plugin_dir().join("memory-limits");
+    drust_e2e::wait::until("the share unprepared", TIMEOUT, || async {
+        let left = std::fs::read_dir(&records).map(|d| d.count()).unwrap_or(0);
+        Ok((left == 0).then_some(()))
+    })
+    .await?;
+    let limits = fake()?.memory_limits();
+    ensure!(limits.is_empty(), "limits left after the pod: {limits:?}");
     real.stop().await
 }
 

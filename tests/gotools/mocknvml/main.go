@@ -14,7 +14,12 @@
 // administrator would before partitionable mode; no MIG device exists then.
 // DRUST_MOCK_NVML_CALLS names a file to which every setting call is appended, one line each,
 // so a test sees what reached NVML: `nvmlDeviceSetComputeMode <uuid> <mode>` (mode as NVML's
-// nvmlComputeMode_t: 0 default, 2 prohibited, 3 exclusive process).
+// nvmlComputeMode_t: 0 default, 2 prohibited, 3 exclusive process) and
+// `nvmlDeviceSetMemoryLimits_v1 <uuid> <cgroup path> <soft bytes> <hard bytes>`.
+// DRUST_MOCK_NVML_UUIDS=fixed gives GPU i the UUID GPU-00000000-0000-4000-8000-<i, 12 digits>
+// instead of the mock's random ones, so that two processes name the same GPU.
+// DRUST_MOCK_NVML_DRIVER_VERSION replaces the machine's driver version (e.g. 615.20.01, a
+// branch with memory partitioning).
 //
 // Where the mock has no answer for a call the backend makes, this bridge gives one and says so
 // here (and in tests/gpu/README.md):
@@ -27,6 +32,10 @@
 //   - Compute mode: the mock keeps none. The bridge keeps one per GPU (DEFAULT at init), set by
 //     nvmlDeviceSetComputeMode and read by nvmlDeviceGetComputeMode; EXCLUSIVE_THREAD (1) is
 //     refused as NOT_SUPPORTED, as drivers since CUDA 8 do.
+//   - Memory limits (nvmlDeviceSetMemoryLimits_v1, driver r615+): the mock has none. The
+//     bridge has the entry point whatever the driver version (a real pre-615 library lacks it;
+//     the plugin checks the version too), refuses MIG handles and a cgroup path that is not an
+//     existing directory as INVALID_ARGUMENT, and records each call.
 //   - MIG devices: the mock keeps GPU and compute instances but has no MIG device handles. The
 //     bridge lists one MIG device per compute instance (nvmlDeviceGetMigDeviceHandleByIndex, up
 //     to 7 per GPU) with a UUID made from the parent's and the instance ids, the attributes and
@@ -44,6 +53,13 @@ package main
 /*
 #include <stdlib.h>
 #include <string.h>
+
+// nvmlSetMemoryLimits_v1_t (nvml.h, CUDA 13.4).
+typedef struct {
+    const char* nameSpace;
+    unsigned long long softLimit;
+    unsigned long long hardLimit;
+} nvmlSetMemoryLimits_v1_t;
 */
 import "C"
 
@@ -196,6 +212,16 @@ func nvmlInit_v2() C.int {
 	defer mu.Unlock()
 	if server == nil {
 		server = newServer()
+		if os.Getenv("DRUST_MOCK_NVML_UUIDS") == "fixed" {
+			count, _ := server.DeviceGetCount()
+			for i := 0; i < count; i++ {
+				if d, r := server.DeviceGetHandleByIndex(i); r == nvml.SUCCESS {
+					if md, ok := d.(*mock.Device); ok {
+						md.UUID = fmt.Sprintf("GPU-00000000-0000-4000-8000-%012d", i)
+					}
+				}
+			}
+		}
 		if os.Getenv("DRUST_MOCK_NVML_MIG") == "1" {
 			count, _ := server.DeviceGetCount()
 			for i := 0; i < count; i++ {
@@ -234,6 +260,9 @@ func nvmlSystemGetDriverVersion(buf *C.char, n C.uint) C.int {
 	v, r := server.SystemGetDriverVersion()
 	if r != nvml.SUCCESS {
 		return C.int(r)
+	}
+	if override := os.Getenv("DRUST_MOCK_NVML_DRIVER_VERSION"); override != "" {
+		v = override
 	}
 	return putString(buf, n, v)
 }
@@ -1030,5 +1059,22 @@ func nvmlDeviceSetComputeMode(h unsafe.Pointer, mode C.int) C.int {
 	computeModes[i] = mode
 	mu.Unlock()
 	record("nvmlDeviceSetComputeMode %s %d", uuid, int(mode))
+	return success
+}
+
+//export nvmlDeviceSetMemoryLimits_v1
+func nvmlDeviceSetMemoryLimits_v1(h unsafe.Pointer, limits *C.nvmlSetMemoryLimits_v1_t) C.int {
+	d, ok := device(h)
+	if !ok || limits == nil || limits.nameSpace == nil {
+		// MIG handles are not full-GPU handles: NVML refuses them here.
+		return invalidArgument
+	}
+	cgroup := C.GoString(limits.nameSpace)
+	if st, err := os.Stat(cgroup); err != nil || !st.IsDir() {
+		return invalidArgument
+	}
+	uuid, _ := d.GetUUID()
+	record("nvmlDeviceSetMemoryLimits_v1 %s %s %d %d", uuid, cgroup,
+		uint64(limits.softLimit), uint64(limits.hardLimit))
 	return success
 }

@@ -21,6 +21,62 @@ use nvml_wrapper_sys::bindings::{
 
 use crate::backend::{FabricInfo, FabricState, MigPlacement, NvLinkRemote};
 
+/// `nvmlSetMemoryLimits_v1_t` (NVML 13.4 header, `nvml.h`): 24 bytes on x86_64.
+#[repr(C)]
+struct SetMemoryLimitsV1 {
+    /// The cgroup's full sysfs path, NUL-terminated.
+    name_space: *const std::os::raw::c_char,
+    soft_limit: u64,
+    hard_limit: u64,
+}
+
+/// `nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t, nvmlSetMemoryLimits_v1_t *)`.
+type SetMemoryLimitsFn = unsafe extern "C" fn(
+    nvml_wrapper_sys::bindings::nvmlDevice_t,
+    *mut SetMemoryLimitsV1,
+) -> nvmlReturn_t;
+
+/// `nvmlDeviceSetMemoryLimits_v1`, looked up in the library NVML was loaded from: drivers
+/// before r615 lack it, and nvml-wrapper-sys 0.10's table does not know it.
+pub(super) struct MemoryLimitsEntry {
+    set: SetMemoryLimitsFn,
+    // Keeps the library mapped while `set` may be called (NVML holds it too).
+    _library: libloading::Library,
+}
+
+impl MemoryLimitsEntry {
+    /// Looks the entry point up in `library` (the path or name NVML was loaded from); `None`
+    /// when the library lacks it.
+    pub(super) fn find(library: &std::ffi::OsStr) -> Option<Self> {
+        // SAFETY: the library is libnvidia-ml, already loaded and initialized by nvml-wrapper;
+        // opening it again only takes a reference and runs no initializers a second time.
+        let lib = unsafe { libloading::Library::new(library) }.ok()?;
+        // SAFETY: the symbol's type is the documented C signature above.
+        let set = unsafe { lib.get::<SetMemoryLimitsFn>(b"nvmlDeviceSetMemoryLimits_v1\0") }
+            .ok()
+            .map(|s| *s)?;
+        Some(Self { set, _library: lib })
+    }
+
+    /// Sets (or with soft 0 and hard `u64::MAX`, clears) the limits of `cgroup` on `device`.
+    pub(super) fn set(
+        &self,
+        device: &Device<'_>,
+        cgroup: &std::ffi::CStr,
+        soft: u64,
+        hard: u64,
+    ) -> Result<(), NvmlError> {
+        let mut limits = SetMemoryLimitsV1 {
+            name_space: cgroup.as_ptr(),
+            soft_limit: soft,
+            hard_limit: hard,
+        };
+        // SAFETY: `device` is a live handle of the same library; `limits` is a valid,
+        // initialized struct whose string outlives the call.
+        nvml_try(unsafe { (self.set)(device.handle(), &mut limits) })
+    }
+}
+
 /// `nvmlDeviceGetNvLinkRemoteDeviceType`; `None` for an unknown remote.
 pub(super) fn nvlink_remote_device_type(
     nvml: &Nvml,

@@ -44,8 +44,8 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use crate::backend::{
-    BackendError, ComputeMode, GpuBackend, GpuState, MigAttributes, MigMode, MigPlacement,
-    MigProfile, NvLinkGroup, RawGpu, RawMigDevice, SystemInfo,
+    BackendError, ComputeMode, GpuBackend, GpuState, MemoryLimits, MigAttributes, MigMode,
+    MigPlacement, MigProfile, NvLinkGroup, RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::health::{HealthEvent, HealthEventKind, RecoveryProbe};
 use crate::mig_tables::PROFILE_COUNT;
@@ -66,6 +66,8 @@ pub struct NvmlBackend {
     // Declared before `nvml`: the event set must be freed while the library is loaded.
     events: Mutex<Events>,
     nvml: Nvml,
+    /// `nvmlDeviceSetMemoryLimits_v1`, where the library has it (r615 and later).
+    memory_limits: Option<ffi::MemoryLimitsEntry>,
     sysfs_root: PathBuf,
     tool_timeout: Duration,
 }
@@ -97,6 +99,7 @@ impl NvmlBackend {
         Ok(Self {
             events: Mutex::new(Events::default()),
             nvml,
+            memory_limits: ffi::MemoryLimitsEntry::find(library),
             sysfs_root,
             tool_timeout: TOOL_TIMEOUT,
         })
@@ -449,6 +452,53 @@ impl GpuBackend for NvmlBackend {
             index,
             message: e.to_string(),
         })
+    }
+
+    fn memory_partitioning(&self) -> Result<bool, BackendError> {
+        Ok(self.memory_limits.is_some()
+            && crate::backend::driver_has_memory_partitioning(&self.system()?.driver_version))
+    }
+
+    fn set_memory_limits(
+        &self,
+        index: u32,
+        cgroup: &std::path::Path,
+        limits: MemoryLimits,
+    ) -> Result<(), BackendError> {
+        const CALL: &str = "nvmlDeviceSetMemoryLimits_v1";
+        let entry = self
+            .memory_limits
+            .as_ref()
+            .ok_or(BackendError::Unsupported { call: CALL, index })?;
+        let path = std::ffi::CString::new(cgroup.as_os_str().as_encoded_bytes()).map_err(|_| {
+            BackendError::Action {
+                call: CALL,
+                index,
+                message: format!("cgroup path {} has a NUL byte", cgroup.display()),
+            }
+        })?;
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
+        entry
+            .set(&d, &path, limits.soft_bytes, limits.hard_bytes)
+            .map_err(|e| BackendError::Action {
+                call: CALL,
+                index,
+                message: format!("cgroup {}: {e}", cgroup.display()),
+            })
+    }
+
+    fn index_of(&self, uuid: &str) -> Result<u32, BackendError> {
+        self.nvml
+            .device_by_uuid(uuid)
+            .and_then(|d| d.index())
+            .map_err(|e| BackendError::Query {
+                call: "nvmlDeviceGetHandleByUUID",
+                index: u32::MAX,
+                message: format!("{uuid}: {e}"),
+            })
     }
 
     fn create_mig_device(

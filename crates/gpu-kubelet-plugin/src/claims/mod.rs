@@ -97,6 +97,9 @@ pub struct ControllerConfig {
     /// Spec-level CDI edits every claim gets: the driver's files and hooks
     /// ([`crate::driver_files::DriverFiles::container_edits`]); empty for none.
     pub driver_edits: crate::cdi::ContainerEdits,
+    /// The `kernel` enforcement level's memory limits, where the node has it
+    /// ([`crate::memory_limits::KernelMemory::detect`]); `None`: the `mps` level.
+    pub kernel_memory: Option<Arc<crate::memory_limits::KernelMemory>>,
 }
 
 /// Prepares and unprepares claims for one driver on one node. Cheap to clone.
@@ -643,6 +646,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             cdi: &inner.cdi,
             sharing: inner.config.sharing,
             mps: &inner.config.mps,
+            kernel_memory: inner.config.kernel_memory.as_deref(),
             driver_edits: &inner.config.driver_edits,
         }
     }
@@ -753,6 +757,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         devices: &[RecordedDevice],
     ) -> Result<(), ClaimError> {
+        // The containers are gone: their limits first, while the records say where.
+        self.clear_memory_limits(claim).await?;
         self.stop_share_daemons(claim, devices).await?;
         // The modes first: a crash before the stop leaves the daemon, an orphan at start-up.
         for name in mps_device_names(devices) {
@@ -774,6 +780,32 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .map(|d| (d.device_name.clone(), TimeSlice::Default))
             .collect();
         self.set_time_slices(claim, slices).await
+    }
+
+    /// Clears the memory limits the `kernel` level's hook set for `claim`'s containers
+    /// ([`crate::memory_limits::KernelMemory::clear_claim`]); nothing at the `mps` level.
+    async fn clear_memory_limits(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        let Some(kernel) = self.inner.config.kernel_memory.clone() else {
+            return Ok(());
+        };
+        let hardware = Arc::clone(&self.inner.hardware);
+        let uid = claim.uid.clone();
+        let cleared =
+            tokio::task::spawn_blocking(move || kernel.clear_claim(hardware.as_ref(), &uid))
+                .await
+                .map_err(|e| ClaimError::TaskFailed {
+                    claim: claim.clone(),
+                    action: "clearing memory limits",
+                    message: e.to_string(),
+                })?
+                .map_err(|source| ClaimError::Hardware {
+                    claim: claim.clone(),
+                    source,
+                })?;
+        if cleared > 0 {
+            info!(claim = %claim, cleared, "cleared the share containers' GPU memory limits");
+        }
+        Ok(())
     }
 
     /// Sets each named device's GPU time slice, under the GPU locks.
@@ -969,7 +1001,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Some(spec) => Ok(spec),
             None => {
                 let used: Vec<&NodeDevice> = plan.used.iter().collect();
-                let mps = plan::MpsEdits::of(&inner.config.mps, &plan.devices);
+                let mps = plan::MpsEdits::of(
+                    &inner.config.mps,
+                    inner.config.kernel_memory.as_deref(),
+                    &plan.devices,
+                );
                 plan::spec(
                     claim,
                     &used,
@@ -1462,6 +1498,7 @@ mod tests {
                     pods: None,
                 },
                 driver_edits: Default::default(),
+                kernel_memory: None,
             },
             Vec::new(),
             CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), "gpu.example.com"),

@@ -36,6 +36,8 @@ pub(crate) struct PlanContext<'a> {
     /// Whether sharing configs are allowed (`--sharing`).
     pub(crate) sharing: bool,
     pub(crate) mps: &'a MpsControl,
+    /// The `kernel` level's memory limits, if the node has them.
+    pub(crate) kernel_memory: Option<&'a crate::memory_limits::KernelMemory>,
     /// Spec-level edits of the driver's files ([`super::ControllerConfig::driver_edits`]).
     pub(crate) driver_edits: &'a ContainerEdits,
 }
@@ -182,7 +184,7 @@ pub(crate) fn plan(
             claim,
             &refs,
             &BTreeMap::new(),
-            &MpsEdits::of(cx.mps, &devices),
+            &MpsEdits::of(cx.mps, cx.kernel_memory, &devices),
             cx.driver_edits,
             cx.hardware,
             cx.cdi,
@@ -243,6 +245,9 @@ fn share(
 /// variable: NVIDIA's DRA driver, too, attaches a config's edits only to the devices it covers.
 pub(crate) struct MpsEdits<'a> {
     control: &'a MpsControl,
+    /// The `kernel` level: each share on a full GPU also gets the hook that sets its
+    /// container's memory limit.
+    kernel: Option<&'a crate::memory_limits::KernelMemory>,
     /// The devices under the claim's own daemon (an MPS sharing config), by name.
     claim_daemon: BTreeSet<String>,
     /// Daemon key, memory bytes and compute percentage of each share run under MPS, by device.
@@ -251,9 +256,14 @@ pub(crate) struct MpsEdits<'a> {
 
 impl<'a> MpsEdits<'a> {
     /// The edits `devices` need.
-    pub(crate) fn of(control: &'a MpsControl, devices: &[RecordedDevice]) -> Self {
+    pub(crate) fn of(
+        control: &'a MpsControl,
+        kernel: Option<&'a crate::memory_limits::KernelMemory>,
+        devices: &[RecordedDevice],
+    ) -> Self {
         Self {
             control,
+            kernel,
             claim_daemon: super::mps_device_names(devices).into_iter().collect(),
             shares: super::shares::mps_shares(devices)
                 .filter_map(|d| {
@@ -315,7 +325,14 @@ pub(crate) fn spec(
                 source,
             })?;
         let mut edits = match mps.shares.get(d.name()) {
-            Some((key, memory, compute)) => mps.control.share_edits(key, *memory, *compute),
+            Some((key, memory, compute)) => {
+                let mut edits = mps.control.share_edits(key, *memory, *compute);
+                // NVML refuses MIG handles; a MIG device's partition bounds its shares.
+                if let Some(kernel) = mps.kernel.filter(|_| !d.is_mig()) {
+                    edits.hooks.push(kernel.hook(&claim.uid, uuid, *memory));
+                }
+                edits
+            }
             None if mps.claim_daemon.contains(d.name()) => mps.control.container_edits(&claim.uid),
             None => ContainerEdits::default(),
         };

@@ -255,6 +255,29 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
+        // Memory limits the hook set for containers of claims not kept.
+        if let Some(kernel) = &inner.config.kernel_memory {
+            let recorded = {
+                let kernel = std::sync::Arc::clone(kernel);
+                tokio::task::spawn_blocking(move || kernel.recorded_claims())
+                    .await
+                    .unwrap_or_default()
+            };
+            for uid in recorded.into_iter().filter(|u| !kept.contains(u)) {
+                let orphan = ClaimRef {
+                    uid: uid.clone(),
+                    ..node.clone()
+                };
+                match self.clear_memory_limits(&orphan).await {
+                    Ok(()) => report
+                        .orphans_removed
+                        .push(format!("memory limits of claim {uid}")),
+                    Err(e) => warn!(claim = %uid, error = %e,
+                        "clearing an orphaned claim's memory limits failed; retried at the next start"),
+                }
+            }
+        }
+
         report.compute_modes_restored = self.restore_compute_modes(node).await;
     }
 
@@ -477,7 +500,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .filter_map(|d| catalogue.get(&d.device_name))
                 .collect();
             let created = plan::created_migs(&record.devices);
-            let mps = plan::MpsEdits::of(&inner.config.mps, &record.devices);
+            let mps = plan::MpsEdits::of(
+                &inner.config.mps,
+                inner.config.kernel_memory.as_deref(),
+                &record.devices,
+            );
             plan::spec(
                 claim,
                 &used,

@@ -344,6 +344,7 @@ pub async fn controller_in(
             sharing: true,
             mps: mps_control(&dir.join("mps")),
             driver_edits: Default::default(),
+            kernel_memory: None,
         },
         node_devices(),
         CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),

@@ -1,0 +1,565 @@
+//! The `kernel` enforcement level's memory limits: each share container's cgroup gets a hard
+//! limit on its GPU equal to the share's memory, enforced by the driver for every process of
+//! the container whatever their environment says (NVIDIA's MPS guide, release 615, "MPS v3
+//! Memory Partitioning"; NVML `nvmlDeviceSetMemoryLimits_v1`).
+//!
+//! A container's cgroup exists only once the runtime creates the container, so the limit is set
+//! by a CDI hook in the share's device edits ([`KernelMemory::hook`]): the runtime runs
+//! `drust-cdi-hook` (a small binary shipped with the plugin, no shell) with the container's OCI
+//! state on stdin. The hook point is `createRuntime`, not `createContainer`: both run after the
+//! runtime put the container's process in its cgroup and before the user's program starts, but
+//! the OCI runtime spec runs `createContainer` hooks in the container's namespaces, where a
+//! private cgroup namespace (the default under cgroup v2) shows the container's cgroup as `/`;
+//! `createRuntime` hooks run in the runtime's namespaces, on the host (runc: after the cgroup
+//! manager's `Apply` and `Set`, with `prestart`). The hook finds the container's cgroup v2
+//! directory from its process (`/proc/<pid>/cgroup`, the `0::` line, under the cgroup v2 root),
+//! writes a record first and then sets the limit ([`run_hook`]); when it cannot, it fails, and
+//! the runtime does not start the container: a share never runs without its limit.
+//!
+//! Records: `<records>/<claim uid>/<container id>.json`, `{"gpu": "<uuid>", "cgroup": "<dir>",
+//! "bytes": n}`. Unprepare clears every limit its claim's records name whose cgroup still exists
+//! (removing the cgroup clears them too, NVML API reference) and removes the records
+//! ([`KernelMemory::clear_claim`]); start-up recovery does the same for every claim it does not
+//! keep ([`KernelMemory::recorded_claims`]).
+//!
+//! Requirements, checked at start-up ([`KernelMemory::detect`]): a backend with memory
+//! partitioning (driver r615+ with the entry point), cgroup v2 at the cgroup root (the driver
+//! requires it at `/sys/fs/cgroup`), and the hook binary installed where the runtime can run it
+//! (`<plugin dir>/bin/drust-cdi-hook`, a host path). MIG devices are excluded: NVML refuses MIG
+//! handles, and their MIG partition already bounds them.
+
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
+
+use gpu_inventory::{GpuBackend, MemoryLimits};
+use serde::{Deserialize, Serialize};
+
+use crate::cdi::Hook;
+use crate::config::{Backend, Config};
+use crate::hardware::{Hardware, HardwareError};
+
+/// The hook binary's file name, beside the plugin's own binary and where it is installed.
+pub const HOOK_BINARY: &str = "drust-cdi-hook";
+
+/// The OCI hook point the hook runs at (see the module docs for why not `createContainer`).
+pub const HOOK_POINT: &str = "createRuntime";
+
+/// The hook's subcommand that sets a share's limit.
+pub const MEMORY_LIMIT_COMMAND: &str = "memory-limit";
+
+/// The most seconds the runtime lets the hook run (CDI `hooks[].timeout`): NVML's call is quick;
+/// a hung driver must not hold container creation for long.
+pub const HOOK_TIMEOUT_SECONDS: u32 = 30;
+
+/// The largest OCI state the hook reads from stdin.
+const MAX_STATE_BYTES: u64 = 1 << 20;
+
+/// The `kernel` level's memory limits on this node: where the hook is, what it is told and
+/// where its records are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelMemory {
+    /// The installed hook, a host path.
+    hook: PathBuf,
+    /// The hook's arguments naming the GPU backend (the plugin's own).
+    backend_args: Vec<String>,
+    /// The cgroup v2 root.
+    cgroup_root: PathBuf,
+    /// The record directory.
+    records: PathBuf,
+}
+
+/// Why the `kernel` level is not available on this node; the `mps` level applies.
+#[derive(Debug, thiserror::Error)]
+pub enum Unavailable {
+    /// The driver or its library has no memory partitioning.
+    #[error(
+        "the GPU driver has no per-cgroup memory limits (needs r{} or later with \
+         nvmlDeviceSetMemoryLimits_v1)",
+        gpu_inventory::backend::MEMORY_PARTITIONING_DRIVER_MAJOR
+    )]
+    Driver,
+    /// The driver version could not be read.
+    #[error("reading the driver version: {0}")]
+    Backend(#[from] gpu_inventory::BackendError),
+    /// No cgroup v2 hierarchy where it must be.
+    #[error("{root} is not a cgroup v2 hierarchy (no cgroup.controllers){hint}")]
+    Cgroup {
+        /// The cgroup root checked.
+        root: PathBuf,
+        /// What else is required.
+        hint: &'static str,
+    },
+    /// The hook binary could not be installed.
+    #[error("installing the CDI hook {from} as {to}: {source}")]
+    Hook {
+        /// The binary shipped with the plugin.
+        from: PathBuf,
+        /// Where the runtime is to run it.
+        to: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+impl KernelMemory {
+    /// The `kernel` level for `config` with `backend`, or why not: memory partitioning in the
+    /// driver, cgroup v2 at `config.cgroup_root` (with NVML, exactly `/sys/fs/cgroup`, the
+    /// driver's requirement), and, with `install`, the hook `config.cdi_hook_binary` copied to
+    /// `<plugin dir>/bin/` (replaced atomically, mode 0755; `--dry-run` writes nothing).
+    /// Blocking (NVML, file copies).
+    ///
+    /// # Errors
+    /// [`Unavailable`], naming what is missing.
+    pub fn detect(
+        config: &Config,
+        backend: &dyn GpuBackend,
+        install_hook: bool,
+    ) -> Result<Self, Unavailable> {
+        if !backend.memory_partitioning()? {
+            return Err(Unavailable::Driver);
+        }
+        let root = &config.cgroup_root;
+        let nvml = matches!(config.backend, Backend::Nvml { .. });
+        if !root.join("cgroup.controllers").is_file()
+            || (nvml && root != Path::new(DEFAULT_CGROUP_ROOT))
+        {
+            return Err(Unavailable::Cgroup {
+                root: root.clone(),
+                hint: if nvml {
+                    "; the driver needs cgroup v2 mounted at /sys/fs/cgroup"
+                } else {
+                    ""
+                },
+            });
+        }
+        let dir = config.sockets.plugin_dir.join("bin");
+        let hook = dir.join(HOOK_BINARY);
+        if install_hook {
+            install(&config.cdi_hook_binary, &hook).map_err(|source| Unavailable::Hook {
+                from: config.cdi_hook_binary.clone(),
+                to: hook.clone(),
+                source,
+            })?;
+        }
+        Ok(Self {
+            hook,
+            backend_args: backend_args(&config.backend),
+            cgroup_root: root.clone(),
+            records: config.sockets.plugin_dir.join("memory-limits"),
+        })
+    }
+
+    /// The `createRuntime` hook that limits the container of `claim_uid`'s share on GPU
+    /// `gpu_uuid` to `bytes` of its memory.
+    pub fn hook(&self, claim_uid: &str, gpu_uuid: &str, bytes: u64) -> Hook {
+        let mut args = vec![
+            HOOK_BINARY.to_owned(),
+            MEMORY_LIMIT_COMMAND.to_owned(),
+            "--gpu".to_owned(),
+            gpu_uuid.to_owned(),
+            "--bytes".to_owned(),
+            bytes.to_string(),
+            "--claim".to_owned(),
+            claim_uid.to_owned(),
+            "--records".to_owned(),
+            self.records.display().to_string(),
+            "--cgroup-root".to_owned(),
+            self.cgroup_root.display().to_string(),
+        ];
+        args.extend(self.backend_args.iter().cloned());
+        Hook {
+            hook_name: HOOK_POINT.to_owned(),
+            path: self.hook.display().to_string(),
+            args,
+            env: Vec::new(),
+            timeout: Some(HOOK_TIMEOUT_SECONDS),
+        }
+    }
+
+    /// Clears the limits the hook set for `claim_uid`'s containers and removes their records.
+    /// A record whose cgroup is gone needs nothing (the driver dropped its limits with it).
+    /// Returns how many limits were cleared. Blocking.
+    ///
+    /// # Errors
+    /// [`HardwareError`] when a limit cannot be cleared (its record stays, for a retry) or a
+    /// record cannot be removed.
+    pub fn clear_claim<H: Hardware + ?Sized>(
+        &self,
+        hardware: &H,
+        claim_uid: &str,
+    ) -> Result<usize, HardwareError> {
+        let dir = self.records.join(claim_uid);
+        let io = |path: &Path, e: std::io::Error| HardwareError::Setting {
+            device: claim_uid.to_owned(),
+            action: "removing a memory-limit record",
+            source: gpu_inventory::BackendError::FakeState {
+                path: path.to_owned(),
+                message: e.to_string(),
+            },
+        };
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(io(&dir, e)),
+        };
+        let mut cleared = 0;
+        for entry in entries {
+            let path = entry.map_err(|e| io(&dir, e))?.path();
+            // A record the hook was still writing (a crash) names nothing set yet.
+            if let Some(record) = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Record>(&b).ok())
+                && record.cgroup.is_dir()
+            {
+                hardware.set_memory_limits(&record.gpu, &record.cgroup, MemoryLimits::CLEARED)?;
+                cleared += 1;
+            }
+            std::fs::remove_file(&path).map_err(|e| io(&path, e))?;
+        }
+        match std::fs::remove_dir(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir, e)),
+            _ => Ok(cleared),
+        }
+    }
+
+    /// The claims (by UID) that have records, for recovery to clear those it does not keep.
+    pub fn recorded_claims(&self) -> BTreeSet<String> {
+        std::fs::read_dir(&self.records)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect()
+    }
+}
+
+/// Where the driver requires cgroup v2 (and the default `--cgroup-root`).
+pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// The hook arguments that open `backend` as the plugin does.
+fn backend_args(backend: &Backend) -> Vec<String> {
+    match backend {
+        Backend::Nvml { library: None } => Vec::new(),
+        Backend::Nvml {
+            library: Some(library),
+        } => vec!["--nvml-library".to_owned(), library.display().to_string()],
+        Backend::Fake {
+            topology,
+            state_dir,
+        } => {
+            let mut args = vec!["--fake-topology".to_owned(), topology.display().to_string()];
+            if let Some(dir) = state_dir {
+                args.extend(["--fake-state-dir".to_owned(), dir.display().to_string()]);
+            }
+            args
+        }
+    }
+}
+
+/// Copies `from` to `to` (atomically replaced, mode 0755).
+fn install(from: &Path, to: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = to.parent().unwrap_or(Path::new("/"));
+    std::fs::create_dir_all(dir)?;
+    let tmp = to.with_extension(format!("new{}", std::process::id()));
+    std::fs::copy(from, &tmp)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::rename(&tmp, to)
+}
+
+/// One container's limit, as the hook records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Record {
+    gpu: String,
+    cgroup: PathBuf,
+    bytes: u64,
+}
+
+/// The part of the OCI state (runtime-spec `state`) the hook reads.
+#[derive(Debug, Deserialize)]
+struct OciState {
+    id: String,
+    pid: Option<u32>,
+}
+
+/// The hook failed; the runtime then does not create the container.
+#[derive(Debug, thiserror::Error)]
+pub enum HookError {
+    /// The command line is not what the plugin writes.
+    #[error(
+        "usage: {HOOK_BINARY} {MEMORY_LIMIT_COMMAND} --gpu UUID --bytes N --claim UID --records DIR --cgroup-root DIR [--nvml-library PATH | --fake-topology FILE [--fake-state-dir DIR]] (OCI state on stdin): {0}"
+    )]
+    Usage(String),
+    /// The OCI state on stdin is not usable.
+    #[error("the container state on stdin: {0}")]
+    State(String),
+    /// The container's cgroup could not be found.
+    #[error("container {container} (pid {pid}): {problem}")]
+    Cgroup {
+        /// The container ID.
+        container: String,
+        /// Its process.
+        pid: u32,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The record could not be written.
+    #[error("writing the memory-limit record {path}: {source}")]
+    Record {
+        /// The record.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The GPU backend failed.
+    #[error("setting the memory limit of container {container} on GPU {gpu}: {source}")]
+    Backend {
+        /// The container ID.
+        container: String,
+        /// The GPU UUID.
+        gpu: String,
+        /// The cause.
+        source: gpu_inventory::BackendError,
+    },
+    /// The backend could not be opened.
+    #[error("opening the GPU backend: {0}")]
+    Open(String),
+}
+
+/// The hook's arguments after the subcommand.
+#[derive(Debug, Default)]
+struct HookArgs {
+    gpu: String,
+    bytes: u64,
+    claim: String,
+    records: PathBuf,
+    cgroup_root: PathBuf,
+    nvml_library: Option<PathBuf>,
+    fake_topology: Option<PathBuf>,
+    fake_state_dir: Option<PathBuf>,
+}
+
+fn parse_args(args: &[String]) -> Result<HookArgs, HookError> {
+    let usage = |m: String| HookError::Usage(m);
+    let (command, rest) = args
+        .split_first()
+        .ok_or_else(|| usage("no subcommand".into()))?;
+    if command != MEMORY_LIMIT_COMMAND {
+        return Err(usage(format!("unknown subcommand {command:?}")));
+    }
+    let mut parsed = HookArgs::default();
+    let mut it = rest.iter();
+    while let Some(flag) = it.next() {
+        let value = it
+            .next()
+            .ok_or_else(|| usage(format!("{flag} needs a value")))?;
+        match flag.as_str() {
+            "--gpu" => parsed.gpu.clone_from(value),
+            "--bytes" => {
+                parsed.bytes = value
+                    .parse()
+                    .map_err(|_| usage(format!("--bytes {value:?} is not a byte count")))?;
+            }
+            "--claim" => parsed.claim.clone_from(value),
+            "--records" => parsed.records = value.into(),
+            "--cgroup-root" => parsed.cgroup_root = value.into(),
+            "--nvml-library" => parsed.nvml_library = Some(value.into()),
+            "--fake-topology" => parsed.fake_topology = Some(value.into()),
+            "--fake-state-dir" => parsed.fake_state_dir = Some(value.into()),
+            other => return Err(usage(format!("unknown flag {other:?}"))),
+        }
+    }
+    if parsed.gpu.is_empty() || parsed.bytes == 0 || !safe_name(&parsed.claim) {
+        return Err(usage("--gpu, --bytes and --claim are required".into()));
+    }
+    if !parsed.records.is_absolute() || !parsed.cgroup_root.is_absolute() {
+        return Err(usage("--records and --cgroup-root must be absolute".into()));
+    }
+    Ok(parsed)
+}
+
+/// A name that is one path component of letters, digits, `-`, `_` and `.` (not `.` or `..`).
+fn safe_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name.len() <= 253
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// The cgroup v2 directory of process `pid` under `cgroup_root`, from `proc_cgroup` (the text of
+/// `/proc/<pid>/cgroup`): its `0::<path>` line. A path that climbs (`..`) is refused.
+fn cgroup_dir(proc_cgroup: &str, cgroup_root: &Path) -> Result<PathBuf, String> {
+    let path = proc_cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .ok_or("no cgroup v2 entry (0::) in /proc/<pid>/cgroup")?;
+    let relative = Path::new(path.trim());
+    if relative
+        .components()
+        .any(|c| !matches!(c, Component::RootDir | Component::Normal(_)))
+    {
+        return Err(format!("cgroup path {path:?} is not a plain path"));
+    }
+    let dir = cgroup_root.join(relative.strip_prefix("/").unwrap_or(relative));
+    if dir == cgroup_root {
+        return Err("the process is in the root cgroup, not a container's".into());
+    }
+    Ok(dir)
+}
+
+/// Runs the hook: `args` after the program name, the OCI state on `stdin`, `/proc` at
+/// `proc_root`, the backend opened by `open` from the parsed flags. Writes the record, then
+/// sets the limit.
+///
+/// # Errors
+/// [`HookError`]; the binary prints it and exits non-zero, so the runtime fails the container.
+pub fn run_hook(
+    args: &[String],
+    stdin: impl Read,
+    proc_root: &Path,
+    open: impl FnOnce(
+        Option<&Path>,
+        Option<(&Path, Option<&Path>)>,
+    ) -> Result<Box<dyn GpuBackend>, String>,
+) -> Result<(), HookError> {
+    let args = parse_args(args)?;
+    let mut text = String::new();
+    stdin
+        .take(MAX_STATE_BYTES)
+        .read_to_string(&mut text)
+        .map_err(|e| HookError::State(e.to_string()))?;
+    let state: OciState =
+        serde_json::from_str(&text).map_err(|e| HookError::State(e.to_string()))?;
+    if !safe_name(&state.id) {
+        return Err(HookError::State(format!(
+            "container id {:?} is not a plain name",
+            state.id
+        )));
+    }
+    let pid = state
+        .pid
+        .filter(|p| *p > 0)
+        .ok_or_else(|| HookError::State("no pid: the hook must run at createRuntime".into()))?;
+    let cgroup_err = |problem: String| HookError::Cgroup {
+        container: state.id.clone(),
+        pid,
+        problem,
+    };
+    let proc_cgroup = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup"))
+        .map_err(|e| cgroup_err(format!("reading /proc/{pid}/cgroup: {e}")))?;
+    let cgroup = cgroup_dir(&proc_cgroup, &args.cgroup_root).map_err(cgroup_err)?;
+    if !cgroup.is_dir() {
+        return Err(cgroup_err(format!("{} does not exist", cgroup.display())));
+    }
+    // The record first: a crash after the limit is set still leaves it to clear.
+    let dir = args.records.join(&args.claim);
+    let path = dir.join(format!("{}.json", state.id));
+    let record = Record {
+        gpu: args.gpu.clone(),
+        cgroup: cgroup.clone(),
+        bytes: args.bytes,
+    };
+    let tmp = path.with_extension("tmp");
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&tmp, serde_json::to_vec(&record).unwrap_or_default()))
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .map_err(|source| HookError::Record {
+            path: path.clone(),
+            source,
+        })?;
+    let backend = open(
+        args.nvml_library.as_deref(),
+        args.fake_topology
+            .as_deref()
+            .map(|t| (t, args.fake_state_dir.as_deref())),
+    )
+    .map_err(HookError::Open)?;
+    let failed = |source| HookError::Backend {
+        container: state.id.clone(),
+        gpu: args.gpu.clone(),
+        source,
+    };
+    let index = backend.index_of(&args.gpu).map_err(failed)?;
+    backend
+        .set_memory_limits(index, &cgroup, MemoryLimits::share(args.bytes))
+        .map_err(failed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_container_cgroup_is_its_v2_entry_under_the_root() {
+        let text = "4:memory:/kubepods/pod1/abc\n0::/kubepods/pod1/abc\n";
+        assert_eq!(
+            cgroup_dir(text, Path::new("/sys/fs/cgroup")).expect("found"),
+            Path::new("/sys/fs/cgroup/kubepods/pod1/abc")
+        );
+        assert!(cgroup_dir("4:memory:/x\n", Path::new("/sys/fs/cgroup")).is_err());
+        assert!(cgroup_dir("0::/\n", Path::new("/sys/fs/cgroup")).is_err());
+        let climbing = cgroup_dir("0::/kubepods/../../etc\n", Path::new("/sys/fs/cgroup"));
+        assert!(climbing.expect_err("refused").contains("plain path"));
+    }
+
+    #[test]
+    fn bad_hook_arguments_and_states_are_refused_with_the_reason() {
+        let args = |extra: &[&str]| -> Vec<String> {
+            [
+                "memory-limit",
+                "--gpu",
+                "GPU-1",
+                "--bytes",
+                "1073741824",
+                "--claim",
+                "uid-1",
+                "--records",
+                "/tmp/r",
+                "--cgroup-root",
+                "/sys/fs/cgroup",
+            ]
+            .iter()
+            .chain(extra)
+            .map(|s| (*s).to_owned())
+            .collect()
+        };
+        let never = |_: Option<&Path>,
+                     _: Option<(&Path, Option<&Path>)>|
+         -> Result<Box<dyn GpuBackend>, String> { Err("not reached".into()) };
+        let err = run_hook(
+            &args(&["--bogus", "1"]),
+            &b""[..],
+            Path::new("/proc"),
+            never,
+        )
+        .expect_err("unknown flag");
+        assert!(err.to_string().contains("--bogus"), "{err}");
+        let mut bad_claim = args(&[]);
+        bad_claim[6] = "../etc".into();
+        assert!(matches!(
+            run_hook(&bad_claim, &b""[..], Path::new("/proc"), never),
+            Err(HookError::Usage(_))
+        ));
+        let err = run_hook(
+            &args(&[]),
+            &b"{\"id\": \"../x\", \"pid\": 1}"[..],
+            Path::new("/proc"),
+            never,
+        )
+        .expect_err("bad id");
+        assert!(err.to_string().contains("../x"), "{err}");
+        let err = run_hook(
+            &args(&[]),
+            &b"{\"id\": \"c1\"}"[..],
+            Path::new("/proc"),
+            never,
+        )
+        .expect_err("no pid");
+        assert!(err.to_string().contains("no pid"), "{err}");
+    }
+}

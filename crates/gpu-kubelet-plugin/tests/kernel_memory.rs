@@ -1,0 +1,442 @@
+//! The `kernel` enforcement level's memory limits, end to end below the kubelet: the plugin's
+//! detection, the CDI hook in a share's spec, the installed `drust-cdi-hook` binary run as a
+//! container runtime runs it (OCI state on stdin) for a real process in a real cgroup v2
+//! directory, the limit reaching the GPU backend for that cgroup, and unprepare and start-up
+//! recovery clearing it. The GPU backend is the fake one (a driver r615 topology), so the limit
+//! lands in its state dir; `gpu-inventory/tests/mock_nvml.rs` carries the same call through
+//! the real NVML backend, and `tests/e2e` runs the hook from containerd on the real node.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use dra_kubelet::Driver;
+use gpu_inventory::{FakeBackend, GpuBackend, MemoryLimits, MigStrategy, discover};
+use gpu_kubelet_plugin::cdi::CdiWriter;
+use gpu_kubelet_plugin::checkpoint::CheckpointFile;
+use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig};
+use gpu_kubelet_plugin::config::{Backend, Config};
+use gpu_kubelet_plugin::hardware::{BackendHardware, node_devices};
+use gpu_kubelet_plugin::memory_limits::{KernelMemory, Unavailable};
+use gpu_kubelet_plugin::storage::RealFs;
+
+const SHARE: &str = "00000000-0000-4000-8000-0000000000";
+/// GPU 0 of the mock libnvidia-ml with `DRUST_MOCK_NVML_UUIDS=fixed`.
+const MOCK_GPU0: &str = "GPU-00000000-0000-4000-8000-000000000000";
+
+/// The cgroup v2 mount of this machine (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a
+/// hybrid cgroup v1 host such as CI's), from `/proc/self/mountinfo`.
+fn cgroup2_root() -> PathBuf {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    info.lines()
+        .find_map(|l| {
+            let (fields, rest) = l.split_once(" - ")?;
+            let mount = fields.split_whitespace().nth(4)?;
+            (rest.split_whitespace().next() == Some("cgroup2")).then(|| PathBuf::from(mount))
+        })
+        .expect("a cgroup v2 hierarchy is mounted (the machine's kind has one)")
+}
+
+/// A process in its own new cgroup under `root`, removed on drop.
+struct Contained {
+    child: Child,
+    cgroup: PathBuf,
+}
+
+impl Contained {
+    fn start(root: &Path, name: &str) -> Self {
+        let cgroup = root.join(format!("drust-test-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&cgroup).expect("create a cgroup (root)");
+        let child = Command::new("sleep").arg("300").spawn().expect("sleep");
+        std::fs::write(cgroup.join("cgroup.procs"), child.id().to_string())
+            .expect("move the process into its cgroup");
+        Self { child, cgroup }
+    }
+}
+
+impl Drop for Contained {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The cgroup empties once the process is reaped.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.cgroup).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The fake DGX H100 with a driver of the r615 branch, written under `dir`.
+fn r615_topology(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/topologies/dgx-h100.yaml"),
+    )
+    .expect("topology");
+    assert!(text.contains("driverVersion: \"570.124.06\""));
+    let path = dir.join("topology.yaml");
+    std::fs::write(
+        &path,
+        text.replace(
+            "driverVersion: \"570.124.06\"",
+            "driverVersion: \"615.20.01\"",
+        ),
+    )
+    .expect("write");
+    path
+}
+
+struct Node {
+    dir: tempfile::TempDir,
+    config: Config,
+    backend: Arc<FakeBackend>,
+}
+
+impl Node {
+    fn new(cgroup_root: &Path) -> Self {
+        let dir = tempfile::tempdir().expect("dir");
+        let topology = r615_topology(dir.path());
+        let state = dir.path().join("fake-state");
+        let mut config = Config::new(
+            DRIVER,
+            NODE,
+            Backend::Fake {
+                topology: topology.clone(),
+                state_dir: Some(state.clone()),
+            },
+        );
+        config.cgroup_root = cgroup_root.to_owned();
+        config.cdi_hook_binary = PathBuf::from(env!("CARGO_BIN_EXE_drust-cdi-hook"));
+        config.sockets.plugin_dir = dir.path().join("plugin");
+        // The device nodes prepare checks, as plain files.
+        std::fs::create_dir_all(dir.path().join("dev")).expect("dev");
+        for n in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
+            .into_iter()
+            .map(String::from)
+            .chain((0..8).map(|g| format!("nvidia{g}")))
+        {
+            std::fs::write(dir.path().join("dev").join(n), b"").expect("node");
+        }
+        let backend = Arc::new(
+            FakeBackend::from_file(&topology)
+                .expect("topology")
+                .with_state_dir(&state),
+        );
+        Self {
+            dir,
+            config,
+            backend,
+        }
+    }
+
+    async fn controller(
+        &self,
+        cluster: Shared,
+        kernel: Option<KernelMemory>,
+    ) -> ClaimController<Shared, BackendHardware> {
+        let root = self.dir.path();
+        let inventory = discover(self.backend.as_ref()).expect("discover");
+        ClaimController::start(
+            cluster,
+            Arc::new(BackendHardware::new(
+                Arc::clone(&self.backend) as Arc<dyn GpuBackend>,
+                root,
+                "/proc",
+            )),
+            ControllerConfig {
+                driver_name: DRIVER.into(),
+                node_name: NODE.into(),
+                timeout: Duration::from_secs(10),
+                boot_id: "boot-1".into(),
+                sharing: true,
+                mps: mps_control(&root.join("mps")),
+                driver_edits: Default::default(),
+                kernel_memory: kernel.map(Arc::new),
+            },
+            node_devices(&inventory, MigStrategy::Existing).into_values(),
+            CdiWriter::new(Arc::new(RealFs), root.join("cdi"), DRIVER),
+            CheckpointFile::new(Arc::new(RealFs), root.join("plugin/checkpoint.json")),
+        )
+        .await
+        .expect("controller")
+        .0
+    }
+
+    /// The hooks of the claim's first CDI device.
+    fn hooks(&self, uid: &str) -> Vec<serde_json::Value> {
+        let path = self
+            .dir
+            .path()
+            .join("cdi")
+            .join(format!("{DRIVER}-claim_{uid}.json"));
+        let spec: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("spec")).expect("JSON");
+        spec["devices"][0]["containerEdits"]["hooks"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+/// Runs `hook` (a CDI hook entry) as the runtime does: `path` with `args` (`args[0]` the
+/// program name) and the OCI state of container `id` with process `pid` on stdin.
+fn run_hook(hook: &serde_json::Value, id: &str, pid: u32) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let args: Vec<String> = hook["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("string").to_owned())
+        .collect();
+    let mut child = Command::new(hook["path"].as_str().expect("path"))
+        .arg0(&args[0])
+        .args(&args[1..])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the hook");
+    let state = serde_json::json!({"ociVersion": "1.2.0", "id": id, "status": "created",
+        "pid": pid, "bundle": "/run/containerd/bundle"});
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(state.to_string().as_bytes())
+        .expect("state");
+    child.wait_with_output().expect("hook output")
+}
+
+#[tokio::test]
+async fn a_share_container_gets_its_hard_limit_on_its_own_cgroup_until_unprepare() {
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true)
+        .expect("the kernel level on an r615 driver with cgroup v2");
+    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[0].clone();
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "a",
+        "ua",
+        &gpu.name,
+        &format!("{SHARE}01"),
+        "20Gi",
+    ));
+    let c = node.controller(cluster, Some(kernel)).await;
+    let r = c.prepare(vec![claim_ref("a", "ua")]).await;
+    assert!(r["ua"].is_ok(), "{:?}", r["ua"]);
+
+    let hooks = node.hooks("ua");
+    assert_eq!(hooks.len(), 1, "{hooks:?}");
+    let hook = &hooks[0];
+    assert_eq!(hook["hookName"], "createRuntime");
+    let installed = node.dir.path().join("plugin/bin/drust-cdi-hook");
+    assert_eq!(hook["path"], installed.display().to_string());
+    assert!(hook["timeout"].as_u64().is_some_and(|t| t > 0), "{hook}");
+
+    // The runtime creates the share's container: its cgroup gets the share's 20 GiB.
+    let container = Contained::start(&root, "a");
+    let out = run_hook(hook, "container-a", container.child.id());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let limits = node.backend.memory_limits();
+    assert_eq!(
+        limits.get(&(gpu.raw.uuid.clone(), container.cgroup.clone())),
+        Some(&MemoryLimits::share(20 << 30)),
+        "{limits:?}"
+    );
+    assert_eq!(limits.len(), 1);
+
+    // A process in the root cgroup is no container: refused, nothing set.
+    let out = run_hook(hook, "container-b", std::process::id());
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("root cgroup"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(node.backend.memory_limits().len(), 1);
+
+    // Unprepare clears the limit of the (still existing) cgroup and drops the records.
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    assert!(node.backend.memory_limits().is_empty());
+    assert!(!node.dir.path().join("plugin/memory-limits/ua").exists());
+}
+
+#[tokio::test]
+async fn start_up_clears_the_limits_of_claims_it_does_not_keep() {
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
+    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[1].clone();
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "kept",
+        "uk",
+        &gpu.name,
+        &format!("{SHARE}02"),
+        "10Gi",
+    ));
+    let c = node.controller(cluster.clone(), Some(kernel.clone())).await;
+    assert!(c.prepare(vec![claim_ref("kept", "uk")]).await["uk"].is_ok());
+    let hook = node.hooks("uk").remove(0);
+    let kept = Contained::start(&root, "kept");
+    assert!(run_hook(&hook, "kept", kept.child.id()).status.success());
+
+    // The same hook for a claim the plugin has no record of (prepared by a build that crashed
+    // before its checkpoint, say).
+    let mut orphan_hook = hook.clone();
+    let args = orphan_hook["args"].as_array_mut().expect("args");
+    let at = args.iter().position(|a| a == "--claim").expect("--claim") + 1;
+    args[at] = "gone".into();
+    let orphan = Contained::start(&root, "orphan");
+    assert!(
+        run_hook(&orphan_hook, "orphan", orphan.child.id())
+            .status
+            .success()
+    );
+    assert_eq!(node.backend.memory_limits().len(), 2);
+    c.quiesce().await;
+    drop(c);
+
+    let (_again, report) = {
+        let inventory = discover(node.backend.as_ref()).expect("discover");
+        let root_dir = node.dir.path();
+        ClaimController::start(
+            cluster,
+            Arc::new(BackendHardware::new(
+                Arc::clone(&node.backend) as Arc<dyn GpuBackend>,
+                node.dir.path(),
+                "/proc",
+            )),
+            ControllerConfig {
+                driver_name: DRIVER.into(),
+                node_name: NODE.into(),
+                timeout: Duration::from_secs(10),
+                boot_id: "boot-1".into(),
+                sharing: true,
+                mps: mps_control(&root_dir.join("mps")),
+                driver_edits: Default::default(),
+                kernel_memory: Some(Arc::new(kernel)),
+            },
+            node_devices(&inventory, MigStrategy::Existing).into_values(),
+            CdiWriter::new(Arc::new(RealFs), root_dir.join("cdi"), DRIVER),
+            CheckpointFile::new(Arc::new(RealFs), root_dir.join("plugin/checkpoint.json")),
+        )
+        .await
+        .expect("restart")
+    };
+    assert!(
+        report
+            .orphans_removed
+            .contains(&"memory limits of claim gone".to_owned()),
+        "{report:?}"
+    );
+    let limits = node.backend.memory_limits();
+    assert_eq!(
+        limits.keys().cloned().collect::<Vec<_>>(),
+        [(gpu.raw.uuid.clone(), kept.cgroup.clone())],
+        "the kept claim's limit stays, the orphan's is cleared"
+    );
+}
+
+#[test]
+fn the_kernel_level_needs_the_driver_and_cgroup_v2() {
+    let root = cgroup2_root();
+    // A driver before r615: no memory partitioning.
+    let node = Node::new(&root);
+    let old = FakeBackend::new(topology());
+    assert!(matches!(
+        KernelMemory::detect(&node.config, &old, false),
+        Err(Unavailable::Driver)
+    ));
+    // No cgroup v2 at the root (the hybrid host's /sys/fs/cgroup is a tmpfs of v1 hierarchies).
+    let mut config = node.config.clone();
+    config.cgroup_root = node.dir.path().to_owned();
+    let err = KernelMemory::detect(&config, node.backend.as_ref(), false).expect_err("no v2");
+    assert!(err.to_string().contains("cgroup v2"), "{err}");
+    // With NVML, the driver needs it at /sys/fs/cgroup, not elsewhere.
+    let elsewhere = node.dir.path().join("v2");
+    std::fs::create_dir_all(&elsewhere).expect("dir");
+    std::fs::write(elsewhere.join("cgroup.controllers"), "memory\n").expect("file");
+    config.cgroup_root = elsewhere;
+    config.backend = Backend::Nvml { library: None };
+    let err = KernelMemory::detect(&config, node.backend.as_ref(), false).expect_err("NVML");
+    assert!(err.to_string().contains("/sys/fs/cgroup"), "{err}");
+}
+
+/// The same hook binary with the plugin's NVML backend (`--nvml-library`, the mock
+/// libnvidia-ml on an r615 driver): the limit reaches `nvmlDeviceSetMemoryLimits_v1` for the
+/// GPU and the container's cgroup (the mock records the call).
+#[tokio::test]
+async fn the_hook_sets_the_limit_through_nvml() {
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
+    let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
+    let calls = node.dir.path().join("nvml-calls");
+    let mut hook =
+        serde_json::to_value(kernel.hook("un", "GPU-PLACEHOLDER", 5 << 30)).expect("json");
+    let args = hook["args"].as_array_mut().expect("args");
+    let fake_at = args
+        .iter()
+        .position(|a| a == "--fake-topology")
+        .expect("the fake backend's flags");
+    args.truncate(fake_at);
+    args.extend(["--nvml-library".into(), lib.display().to_string().into()]);
+    let container = Contained::start(&root, "nvml");
+    let args = hook["args"].as_array_mut().expect("args");
+    let gpu_at = args.iter().position(|a| a == "--gpu").expect("--gpu") + 1;
+    args[gpu_at] = MOCK_GPU0.into();
+    let out = {
+        use std::os::unix::process::CommandExt;
+        let args: Vec<String> = hook["args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .map(|a| a.as_str().expect("string").to_owned())
+            .collect();
+        let mut child = Command::new(hook["path"].as_str().expect("path"))
+            .arg0(&args[0])
+            .args(&args[1..])
+            .env("DRUST_MOCK_NVML_MACHINE", "dgxh100")
+            .env("DRUST_MOCK_NVML_DRIVER_VERSION", "615.20.01")
+            .env("DRUST_MOCK_NVML_UUIDS", "fixed")
+            .env("DRUST_MOCK_NVML_CALLS", &calls)
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("hook");
+        let state = serde_json::json!({"ociVersion": "1.2.0", "id": "c-nvml",
+            "status": "created", "pid": container.child.id(), "bundle": "/b"});
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(state.to_string().as_bytes())
+            .expect("write");
+        child.wait_with_output().expect("output")
+    };
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let recorded = std::fs::read_to_string(&calls).expect("calls");
+    assert_eq!(
+        recorded.trim(),
+        format!(
+            "nvmlDeviceSetMemoryLimits_v1 {MOCK_GPU0} {} 5368709120 5368709120",
+            container.cgroup.display()
+        )
+    );
+}
