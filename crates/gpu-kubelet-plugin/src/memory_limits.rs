@@ -144,7 +144,7 @@ impl KernelMemory {
         }
         Ok(Self {
             hook,
-            backend_args: backend_args(&config.backend),
+            backend_args: backend_args(config),
             cgroup_root: root.clone(),
             records: config.sockets.plugin_dir.join("memory-limits"),
         })
@@ -198,29 +198,54 @@ impl KernelMemory {
                 message: e.to_string(),
             },
         };
+        if !dir.is_dir() {
+            return Ok(0);
+        }
+        let _lock = lock_records(&self.records).map_err(|(path, e)| io(&path, e))?;
         let entries = match std::fs::read_dir(&dir) {
             Ok(entries) => entries,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
             Err(e) => return Err(io(&dir, e)),
         };
         let mut cleared = 0;
+        let mut pods = BTreeSet::new();
         for entry in entries {
             let path = entry.map_err(|e| io(&dir, e))?.path();
             // A record the hook was still writing (a crash) names nothing set yet.
             if let Some(record) = std::fs::read(&path)
                 .ok()
                 .and_then(|b| serde_json::from_slice::<Record>(&b).ok())
-                && record.cgroup.is_dir()
             {
-                hardware.set_memory_limits(&record.gpu, &record.cgroup, MemoryLimits::CLEARED)?;
-                cleared += 1;
+                if record.cgroup.is_dir() {
+                    hardware.set_memory_limits(
+                        &record.gpu,
+                        &record.cgroup,
+                        MemoryLimits::CLEARED,
+                    )?;
+                    cleared += 1;
+                }
+                if let Some(pod) = pod_cgroup(&record.cgroup) {
+                    pods.insert((record.gpu.clone(), pod.to_owned()));
+                }
             }
             std::fs::remove_file(&path).map_err(|e| io(&path, e))?;
         }
-        match std::fs::remove_dir(&dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir, e)),
-            _ => Ok(cleared),
+        if let Err(e) = std::fs::remove_dir(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            return Err(io(&dir, e));
         }
+        // What the pod still holds of other claims on the GPU, or nothing.
+        for (gpu, pod) in pods.into_iter().filter(|(_, pod)| pod.is_dir()) {
+            let total = pod_total(&self.records, &gpu, &pod);
+            let limits = if total == 0 {
+                MemoryLimits::CLEARED
+            } else {
+                MemoryLimits::share(total)
+            };
+            hardware.set_memory_limits(&gpu, &pod, limits)?;
+        }
+        Ok(cleared)
     }
 
     /// The claims (by UID) that have records, for recovery to clear those it does not keep.
@@ -229,6 +254,7 @@ impl KernelMemory {
             .into_iter()
             .flatten()
             .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .filter_map(|e| e.file_name().into_string().ok())
             .collect()
     }
@@ -237,13 +263,21 @@ impl KernelMemory {
 /// Where the driver requires cgroup v2 (and the default `--cgroup-root`).
 pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
-/// The hook arguments that open `backend` as the plugin does.
-fn backend_args(backend: &Backend) -> Vec<String> {
-    match backend {
+/// The hook arguments that open the plugin's backend on the host: NVML from the plugin's
+/// library, as a host path (a library under the driver root as the plugin reads it, e.g. the
+/// chart's `/driver-root/...`, is named under the driver root on the host), or the fake's files.
+fn backend_args(config: &Config) -> Vec<String> {
+    let root = &config.driver_root;
+    match &config.backend {
         Backend::Nvml { library: None } => Vec::new(),
         Backend::Nvml {
             library: Some(library),
-        } => vec!["--nvml-library".to_owned(), library.display().to_string()],
+        } => {
+            let host = library
+                .strip_prefix(&root.root)
+                .map_or_else(|_| library.clone(), |rest| root.host_root.join(rest));
+            vec!["--nvml-library".to_owned(), host.display().to_string()]
+        }
         Backend::Fake {
             topology,
             state_dir,
@@ -456,6 +490,21 @@ pub fn run_hook(
     if !cgroup.is_dir() {
         return Err(cgroup_err(format!("{} does not exist", cgroup.display())));
     }
+    let backend = open(
+        args.nvml_library.as_deref(),
+        args.fake_topology
+            .as_deref()
+            .map(|t| (t, args.fake_state_dir.as_deref())),
+    )
+    .map_err(HookError::Open)?;
+    let failed = |source| HookError::Backend {
+        container: state.id.clone(),
+        gpu: args.gpu.clone(),
+        source,
+    };
+    let index = backend.index_of(&args.gpu).map_err(failed)?;
+    let _lock =
+        lock_records(&args.records).map_err(|(path, source)| HookError::Record { path, source })?;
     // The record first: a crash after the limit is set still leaves it to clear.
     let dir = args.records.join(&args.claim);
     let path = dir.join(format!("{}.json", state.id));
@@ -472,27 +521,133 @@ pub fn run_hook(
             path: path.clone(),
             source,
         })?;
-    let backend = open(
-        args.nvml_library.as_deref(),
-        args.fake_topology
-            .as_deref()
-            .map(|t| (t, args.fake_state_dir.as_deref())),
-    )
-    .map_err(HookError::Open)?;
-    let failed = |source| HookError::Backend {
-        container: state.id.clone(),
-        gpu: args.gpu.clone(),
-        source,
-    };
-    let index = backend.index_of(&args.gpu).map_err(failed)?;
     backend
         .set_memory_limits(index, &cgroup, MemoryLimits::share(args.bytes))
-        .map_err(failed)
+        .map_err(failed)?;
+    // The pod's cgroup holds the sum of its claims' shares on the GPU, so that several
+    // containers of one claim in a pod share one limit.
+    if let Some(pod) = pod_cgroup(&cgroup) {
+        let total = pod_total(&args.records, &args.gpu, pod);
+        backend
+            .set_memory_limits(index, pod, MemoryLimits::share(total))
+            .map_err(failed)?;
+    }
+    Ok(())
+}
+
+/// Holds `<records>/.lock` (an exclusive `flock`), so that hooks and the plugin change records
+/// and the pod-level limits derived from them one at a time. Released on drop.
+fn lock_records(
+    records: &Path,
+) -> Result<nix::fcntl::Flock<std::fs::File>, (PathBuf, std::io::Error)> {
+    let path = records.join(".lock");
+    let file = std::fs::create_dir_all(records)
+        .and_then(|()| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+        })
+        .map_err(|e| (path.clone(), e))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, errno)| (path, std::io::Error::from(errno)))
+}
+
+/// The pod cgroup `container`'s cgroup is in, if its parent is named as the kubelet names pod
+/// cgroups: `pod<uid>` (cgroupfs driver) or `kubepods[-<qos>]-pod<uid>.slice` (systemd driver,
+/// `-` in the UID as `_`). Anything else (a runtime outside Kubernetes) gets no pod-level limit,
+/// so that a shared parent such as `system.slice` is never limited.
+fn pod_cgroup(container: &Path) -> Option<&Path> {
+    let parent = container.parent()?;
+    let name = parent.file_name()?.to_str()?;
+    let uid =
+        |s: &str, sep: u8| !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit() || b == sep);
+    let cgroupfs = name.strip_prefix("pod").is_some_and(|u| uid(u, b'-'));
+    let systemd = name
+        .strip_prefix("kubepods-")
+        .and_then(|n| n.strip_suffix(".slice"))
+        .and_then(|n| n.rsplit_once("pod"))
+        .is_some_and(|(qos, u)| matches!(qos, "" | "besteffort-" | "burstable-") && uid(u, b'_'));
+    (cgroupfs || systemd).then_some(parent)
+}
+
+/// The sum, over the claims with a record of a container in `pod` on `gpu`, of each claim's
+/// share: what the pod's cgroup may hold on the GPU together.
+fn pod_total(records: &Path, gpu: &str, pod: &Path) -> u64 {
+    let mut total = 0u64;
+    for claim in std::fs::read_dir(records).into_iter().flatten().flatten() {
+        let share = std::fs::read_dir(claim.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|f| std::fs::read(f.path()).ok())
+            .filter_map(|b| serde_json::from_slice::<Record>(&b).ok())
+            .filter(|r| r.gpu == gpu && r.cgroup.parent() == Some(pod))
+            .map(|r| r.bytes)
+            .max();
+        total = total.saturating_add(share.unwrap_or(0));
+    }
+    total
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_hook_loads_nvml_from_the_host_path_of_the_plugins_library() {
+        let mut config = Config::new(
+            "gpu.drust.dev",
+            "n",
+            Backend::Nvml {
+                library: Some("/driver-root/usr/lib64/libnvidia-ml.so.1".into()),
+            },
+        );
+        config.driver_root = crate::driver_files::DriverRoot {
+            root: "/driver-root".into(),
+            host_root: "/run/nvidia/driver".into(),
+            hook: None,
+        };
+        assert_eq!(
+            backend_args(&config),
+            [
+                "--nvml-library",
+                "/run/nvidia/driver/usr/lib64/libnvidia-ml.so.1"
+            ]
+        );
+        config.backend = Backend::Nvml { library: None };
+        assert!(backend_args(&config).is_empty());
+    }
+
+    #[test]
+    fn only_a_kubelet_pod_cgroup_gets_the_pod_level_limit() {
+        for (container, pod) in [
+            ("/sys/fs/cgroup/kubepods/burstable/pod1a2b-3c/abc", true),
+            ("/sys/fs/cgroup/kubepods/pod1a2b-3c/abc", true),
+            (
+                "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/\
+                 kubepods-burstable-pod1a2b_3c.slice/cri-containerd-abc.scope",
+                true,
+            ),
+            (
+                "/sys/fs/cgroup/kubepods.slice/kubepods-pod1a2b_3c.slice/x.scope",
+                true,
+            ),
+            ("/sys/fs/cgroup/system.slice/containerd.service", false),
+            ("/sys/fs/cgroup/kubepods/burstable/podcast/abc", false),
+            (
+                "/sys/fs/cgroup/kubepods.slice/kubepods-evil-pod12.slice/x.scope",
+                false,
+            ),
+        ] {
+            assert_eq!(
+                pod_cgroup(Path::new(container)).is_some(),
+                pod,
+                "{container}"
+            );
+        }
+    }
 
     #[test]
     fn the_container_cgroup_is_its_v2_entry_under_the_root() {

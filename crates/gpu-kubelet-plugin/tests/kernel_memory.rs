@@ -50,7 +50,10 @@ struct Contained {
 
 impl Contained {
     fn start(root: &Path, name: &str) -> Self {
-        let cgroup = root.join(format!("drust-test-{}-{name}", std::process::id()));
+        Self::start_in(root.join(format!("drust-test-{}-{name}", std::process::id())))
+    }
+
+    fn start_in(cgroup: PathBuf) -> Self {
         std::fs::create_dir_all(&cgroup).expect("create a cgroup (root)");
         let child = Command::new("sleep").arg("300").spawn().expect("sleep");
         std::fs::write(cgroup.join("cgroup.procs"), child.id().to_string())
@@ -70,6 +73,27 @@ impl Drop for Contained {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// A pod cgroup as the kubelet's cgroupfs driver names it, under a test cgroup of `root`.
+struct PodCgroup {
+    top: PathBuf,
+    pod: PathBuf,
+}
+
+impl PodCgroup {
+    fn new(root: &Path) -> Self {
+        let top = root.join(format!("drust-test-{}-pods", std::process::id()));
+        let pod = top.join("pod0a1b2c3d-0000-4000-8000-000000000001");
+        Self { top, pod }
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.pod);
+        let _ = std::fs::remove_dir(&self.top);
     }
 }
 
@@ -270,6 +294,74 @@ async fn a_share_container_gets_its_hard_limit_on_its_own_cgroup_until_unprepare
     assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
     assert!(node.backend.memory_limits().is_empty());
     assert!(!node.dir.path().join("plugin/memory-limits/ua").exists());
+}
+
+/// Two containers of one claim in a pod each get the share, and the pod's cgroup the share once:
+/// together they cannot hold twice the share. A second claim's share in the same pod on the
+/// same GPU adds to the pod's limit; unpreparing a claim takes its share off the pod.
+#[tokio::test]
+async fn containers_of_one_claim_share_one_limit_in_their_pod() {
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
+    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[2].clone();
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "a",
+        "ua",
+        &gpu.name,
+        &format!("{SHARE}05"),
+        "10Gi",
+    ));
+    cluster.put(share_claim(
+        "b",
+        "ub",
+        &gpu.name,
+        &format!("{SHARE}06"),
+        "5Gi",
+    ));
+    let c = node.controller(cluster, Some(kernel)).await;
+    let r = c
+        .prepare(vec![claim_ref("a", "ua"), claim_ref("b", "ub")])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    let (hook_a, hook_b) = (node.hooks("ua").remove(0), node.hooks("ub").remove(0));
+
+    let pod = PodCgroup::new(&root);
+    let first = Contained::start_in(pod.pod.join("first"));
+    let second = Contained::start_in(pod.pod.join("second"));
+    let other = Contained::start_in(pod.pod.join("other"));
+    for (hook, id, container) in [
+        (&hook_a, "first", &first),
+        (&hook_a, "second", &second),
+        (&hook_b, "other", &other),
+    ] {
+        let out = run_hook(hook, id, container.child.id());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let uuid = gpu.raw.uuid.clone();
+    let limit = |cgroup: &Path| {
+        node.backend
+            .memory_limits()
+            .get(&(uuid.clone(), cgroup.to_owned()))
+            .copied()
+    };
+    let gib = |n: u64| Some(MemoryLimits::share(n << 30));
+    assert_eq!(limit(&first.cgroup), gib(10));
+    assert_eq!(limit(&second.cgroup), gib(10));
+    assert_eq!(limit(&other.cgroup), gib(5));
+    assert_eq!(limit(&pod.pod), gib(15), "claim a once, plus claim b");
+
+    assert!(c.unprepare(vec![claim_ref("b", "ub")]).await["ub"].is_ok());
+    assert_eq!(limit(&other.cgroup), None);
+    assert_eq!(limit(&pod.pod), gib(10));
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    assert!(node.backend.memory_limits().is_empty());
+    drop((first, second, other));
 }
 
 #[tokio::test]

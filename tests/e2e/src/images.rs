@@ -165,7 +165,7 @@ pub fn sandbox() -> io::Result<Image> {
 pub const PLUGIN_TOPOLOGY: &str = "/etc/drust/topology.yaml";
 
 /// The node plugin's image as the chart runs it: `binary` at `/usr/bin/gpu-kubelet-plugin` (the
-/// entrypoint, as in `deploy/Dockerfile`), the shared libraries it links (from `ldd`, at the
+/// entrypoint, as in `deploy/Dockerfile`) and the `drust-cdi-hook` beside it, the shared libraries it links (from `ldd`, at the
 /// same paths, with the dynamic loader), `chroot` (which MPS daemon Pods run) and `sh` from
 /// busybox (the Dockerfile's Debian image has both), and `topology` at [`PLUGIN_TOPOLOGY`] for
 /// `--fake-topology`. `name` is the fully qualified image name with its tag.
@@ -225,6 +225,12 @@ pub fn plugin(name: &str, binary: &Path, topology: &Path) -> io::Result<Image> {
     entries.push(Entry::File {
         path: "usr/bin/gpu-kubelet-plugin".into(),
         source: binary.to_owned(),
+        mode: 0o755,
+    });
+    // Its CDI hook beside it, as in the Dockerfile (built with it by `plugin_binary`).
+    entries.push(Entry::File {
+        path: "usr/bin/drust-cdi-hook".into(),
+        source: binary.with_file_name("drust-cdi-hook"),
         mode: 0o755,
     });
     need_busybox()?;

@@ -1112,7 +1112,8 @@ spec:
 /// `shareEnforcement: kernel`, a claim selects on it, and containerd runs the plugin's CDI hook
 /// for the share's container: the limit (the share's 19 GiB of `20G`) lands on the container's
 /// own cgroup, which holds every process of the container, the one that dropped its whole
-/// environment included. Deleting the pod leaves no limit and no record.
+/// environment included, and on its pod's cgroup. Deleting the pod leaves no limit and no
+/// record.
 #[tokio::test]
 async fn a_kernel_level_share_gets_its_memory_limit_on_the_containers_own_cgroup()
 -> anyhow::Result<()> {
@@ -1197,12 +1198,33 @@ spec:
     let fake = || -> anyhow::Result<gpu_inventory::FakeBackend> {
         Ok(gpu_inventory::FakeBackend::from_file(&topology)?.with_state_dir(real.host.state_dir()))
     };
+    // Two limits of the share's 19 GiB: the container's cgroup, and its pod's (which bounds all
+    // of the pod's containers of the claim together).
     let limits = fake()?.memory_limits();
-    ensure!(limits.len() == 1, "memory limits set: {limits:?}");
-    let ((_, cgroup), set) = limits.iter().next().context("one limit")?;
     ensure!(
-        *set == gpu_inventory::MemoryLimits::share(19 << 30),
-        "the limit set: {set:?}"
+        limits.len() == 2
+            && limits
+                .values()
+                .all(|l| *l == gpu_inventory::MemoryLimits::share(19 << 30)),
+        "memory limits set: {limits:?}"
+    );
+    let cgroup = limits
+        .keys()
+        .map(|(_, c)| c)
+        .find(|c| {
+            limits
+                .keys()
+                .any(|(_, pod)| c.parent() == Some(pod.as_path()))
+        })
+        .context("a container cgroup inside the pod cgroup")?;
+    let pod_uid = pods.get("limited").await?.metadata.uid.context("pod UID")?;
+    ensure!(
+        cgroup
+            .parent()
+            .and_then(|p| p.file_name())
+            .is_some_and(|n| n.to_string_lossy() == format!("pod{pod_uid}")),
+        "the pod-level limit is on {}, not the pod's cgroup",
+        cgroup.display()
     );
     // Every process in that cgroup is the container's: the one with its environment, and the
     // one that dropped it (env -i), both under the one limit.
@@ -1229,7 +1251,10 @@ spec:
     pods.delete("limited", &DeleteParams::default()).await?;
     let records = real.host.plugin_dir().join("memory-limits");
     drust_e2e::wait::until("the share unprepared", TIMEOUT, || async {
-        let left = std::fs::read_dir(&records).map(|d| d.count()).unwrap_or(0);
+        // One directory per claim with records (beside the lock file).
+        let left = std::fs::read_dir(&records)
+            .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
+            .unwrap_or(0);
         Ok((left == 0).then_some(()))
     })
     .await?;
