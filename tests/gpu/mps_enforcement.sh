@@ -8,7 +8,9 @@
 # (2026-11-27): the first run on a lent GPU is its test; commit its output as a fixture.
 #
 #   tests/gpu/mps_enforcement.sh OUT_DIR      (env: DRIVER_ROOT, PROBE as for validate.sh;
-#                                             needs root, python3 with torch, GPU 0 idle)
+#                                             HOOK: a built drust-cdi-hook for the kernel
+#                                             level on r615+ drivers; needs root, python3 with
+#                                             torch, GPU 0 idle)
 set -uo pipefail
 out=${1:?OUT_DIR}
 mkdir -p "$out"
@@ -86,5 +88,32 @@ PY
     echo "non-root get_server_list: $(su nobody -s /bin/sh -c "echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$pipe $mpsctl" 2>&1 | head -n 1)"
     echo "non-root set_default_active_thread_percentage 10: $(su nobody -s /bin/sh -c "echo set_default_active_thread_percentage 10 | CUDA_MPS_PIPE_DIRECTORY=$pipe $mpsctl" 2>&1 | head -n 1)"
     echo "default thread percentage now: $(echo get_default_active_thread_percentage | CUDA_MPS_PIPE_DIRECTORY=$pipe "$mpsctl" 2>&1)"
+    # The kernel level (r615+ drivers, cgroup v2 at /sys/fs/cgroup): drust-cdi-hook (env HOOK)
+    # sets a 4 GiB limit on a container-like cgroup inside a pod-like one, as containerd runs it;
+    # every process in it, whatever its environment, is held to 4 GiB together.
+    major=$("$smi" --query-gpu=driver_version --format=csv,noheader | head -n 1 | cut -d. -f1)
+    if [ "${major:-0}" -lt 615 ] || [ ! -f /sys/fs/cgroup/cgroup.controllers ] || [ -z "${HOOK:-}" ]; then
+        echo "kernel level: not run (driver $major, cgroup v2 at /sys/fs/cgroup: $([ -f /sys/fs/cgroup/cgroup.controllers ] && echo yes || echo no), HOOK=${HOOK:-unset}); proven through the mock NVML only"
+    else
+        cg=/sys/fs/cgroup/drust-enforce-test/pod0a1b2c3d-0000-4000-8000-000000000001/c1
+        mkdir -p "$cg"
+        sleep 300 & holder=$!
+        echo "$holder" >"$cg/cgroup.procs"
+        uuid=$("$smi" -i 0 --query-gpu=uuid --format=csv,noheader)
+        printf '{"ociVersion":"1.2.0","id":"enforce-c1","status":"created","pid":%s,"bundle":"/"}' "$holder" |
+            "$HOOK" memory-limit --gpu "$uuid" --bytes $((4 << 30)) --claim enforce-test \
+                --records "$root/memory-limits" --cgroup-root /sys/fs/cgroup 2>&1 | sed 's/^/hook: /'
+        echo "hook exit: ${PIPESTATUS[1]}; limits: $("$smi" memory-limits 2>&1 | head -n 5 | tr '\n' ' ')"
+        inside() { (echo "$BASHPID" >"$cg/cgroup.procs" && client "$@"); }
+        inside "kernel 4G share, no MPS variables" -- 3
+        inside "kernel 4G share, raised MPS limit" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
+            CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M -- 6
+        inside "kernel 4G share, process 1 of 2" -- 3 &
+        sleep 5
+        inside "kernel 4G share, process 2 of 2" -- 3
+        wait
+        kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+        rmdir "$cg" "$(dirname "$cg")" /sys/fs/cgroup/drust-enforce-test 2>/dev/null
+    fi
 } | tee "$out/enforcement.txt"
 cat "$root/$key/log/control.log" "$root/$key/log/server.log" >"$out/enforcement-mps.log" 2>/dev/null
