@@ -46,11 +46,13 @@
 //!   partitionable placement, which unprepare must destroy.
 //! - Version 5 added `devices[].share` ([`RecordedShare`]): a share of a device allocated through
 //!   consumable capacity. A file recording a share is written with `minReaderVersion` 5, so an
-//!   older build does not read it as exclusive records. What a version-4 build then does (read
-//!   from its code, `claims/recovery.rs` before shares): it refuses the file as too new, moves
-//!   it aside, rebuilds its claims from the CDI specs and the API server, and, knowing no
-//!   shares, stops every MPS daemon not named after a claim, the GPUs' share daemons included,
-//!   under the shares' running containers. So a node running shares must be drained of them
+//!   older build does not read it as exclusive records. What a version-4 build then does (seen
+//!   by running the last version-4 release's binary, commit ab31ff0, on a real node with a
+//!   running share, 2026-11-27): it refuses the file as too new ("needs reader version 5 ...
+//!   this build reads up to 4"), moves it aside, rebuilds its claims from the CDI specs and the
+//!   API server, and, knowing no shares, stops every MPS daemon not named after a claim, the
+//!   GPUs' share daemons included, under the shares' running containers (it reports the GPU's
+//!   daemon directory among `orphans_removed`; the pod stays Running without its daemon). So a node running shares must be drained of them
 //!   before a downgrade below version 5 (README, "Upgrades and downgrades"). From version 5 on,
 //!   a build that finds a file too new for it rebuilds its claims the same way but takes
 //!   nothing for an orphan in that start (`claims/recovery.rs`): a reader never stops what it
