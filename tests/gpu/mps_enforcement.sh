@@ -76,6 +76,14 @@ PY
     # README says this does not hold at the mps level).
     client "raised to 40G by the tenant" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
         CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M -- 20
+    # The plugin's server-side ceiling (the largest share on the GPU, 8G here), on the daemon
+    # and on the running server: a tenant raising its variable is held to it.
+    server=$(echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=$pipe "$mpsctl" 2>&1 | head -n 1)
+    echo "ceiling: $(printf 'set_default_device_pinned_mem_limit 0 8192M\nset_device_pinned_mem_limit %s 0 8192M\n' "$server" | CUDA_MPS_PIPE_DIRECTORY=$pipe "$mpsctl" 2>&1 | tr '\n' ' ')"
+    client "raised to 40G under an 8G ceiling" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
+        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M -- 12
+    client "4G share under an 8G ceiling" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
+        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M -- 6
     # Two processes of one share at once: each gets the limit (per process).
     client "process 1 of a 4G share" CUDA_MPS_PIPE_DIRECTORY="$pipe" \
         CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M -- 3 &

@@ -433,8 +433,38 @@ impl MpsControl {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        // One client run sets every limit, another reads them all back (one answer line per
-        // `get_*` command, in order).
+        // Each device its own limit, by its ordinal among the visible devices; MPS takes whole
+        // MiB, rounded down so the limit is never exceeded.
+        let pinned: Vec<(usize, &str, u64)> = devices
+            .iter()
+            .enumerate()
+            .filter_map(|(ordinal, d)| {
+                let bytes = d.pinned_memory_limit_bytes?;
+                Some((ordinal, d.uuid.as_str(), (bytes >> 20).max(1)))
+            })
+            .collect();
+        self.set_defaults(pipe, active_thread_percentage, &pinned)
+            .await?;
+        info!(
+            claim = uid,
+            devices = visible_ids.len(),
+            elapsed_ms = started.elapsed().as_millis(),
+            "MPS control daemon started"
+        );
+        Ok(())
+    }
+
+    /// Sets the daemon's default limits, for servers it starts from now on, and reads them back:
+    /// the active thread percentage, and each `(ordinal, uuid, MiB)` pinned device memory limit
+    /// (`set_default_active_thread_percentage`, `set_default_device_pinned_mem_limit`). One
+    /// client run sets every limit, another reads them all back (one answer line per `get_*`
+    /// command, in order).
+    async fn set_defaults(
+        &self,
+        pipe: &Path,
+        active_thread_percentage: Option<u32>,
+        pinned: &[(usize, &str, u64)],
+    ) -> Result<(), MpsError> {
         let mut set = Vec::new();
         let mut wanted = Vec::new();
         if let Some(pct) = active_thread_percentage {
@@ -445,48 +475,84 @@ impl MpsControl {
                 Limit::Percentage(pct),
             ));
         }
-        // Each device its own limit, by its ordinal among the visible devices.
-        for (ordinal, device) in devices.iter().enumerate() {
-            if let Some(bytes) = device.pinned_memory_limit_bytes {
-                // MPS takes whole MiB; round down so the limit is never exceeded.
-                let mib = (bytes >> 20).max(1);
-                set.push(format!(
-                    "set_default_device_pinned_mem_limit {ordinal} {mib}M"
-                ));
-                wanted.push((
-                    format!("get_default_device_pinned_mem_limit {ordinal}"),
-                    format!("device {ordinal} ({}) pinned memory limit", device.uuid),
-                    Limit::MiB(mib),
-                ));
+        for (ordinal, uuid, mib) in pinned {
+            set.push(format!(
+                "set_default_device_pinned_mem_limit {ordinal} {mib}M"
+            ));
+            wanted.push((
+                format!("get_default_device_pinned_mem_limit {ordinal}"),
+                format!("device {ordinal} ({uuid}) pinned memory limit"),
+                Limit::MiB(*mib),
+            ));
+        }
+        if set.is_empty() {
+            return Ok(());
+        }
+        self.command(pipe, &set.join("\n")).await?;
+        let gets: Vec<&str> = wanted.iter().map(|(g, _, _)| g.as_str()).collect();
+        let answers = self.command(pipe, &gets.join("\n")).await?;
+        let mut lines = answers.lines().map(str::trim).filter(|l| !l.is_empty());
+        for (_, setting, limit) in &wanted {
+            let found = lines.next().unwrap_or_default();
+            let applied = match limit {
+                Limit::Percentage(p) => found.parse::<f64>().ok() == Some(f64::from(*p)),
+                Limit::MiB(m) => parse_mib(found) == Some(*m),
+            };
+            if !applied {
+                return Err(MpsError::LimitNotApplied {
+                    pipe_dir: pipe.to_owned(),
+                    setting: setting.clone(),
+                    wanted: limit.to_string(),
+                    found: found.to_owned(),
+                });
             }
         }
-        if !set.is_empty() {
-            self.command(pipe, &set.join("\n")).await?;
-            let gets: Vec<&str> = wanted.iter().map(|(g, _, _)| g.as_str()).collect();
-            let answers = self.command(pipe, &gets.join("\n")).await?;
-            let mut lines = answers.lines().map(str::trim).filter(|l| !l.is_empty());
-            for (_, setting, limit) in &wanted {
-                let found = lines.next().unwrap_or_default();
-                let applied = match limit {
-                    Limit::Percentage(p) => found.parse::<f64>().ok() == Some(f64::from(*p)),
-                    Limit::MiB(m) => parse_mib(found) == Some(*m),
-                };
-                if !applied {
-                    return Err(MpsError::LimitNotApplied {
-                        pipe_dir: pipe.to_owned(),
-                        setting: setting.clone(),
-                        wanted: limit.to_string(),
-                        found: found.to_owned(),
-                    });
-                }
+        Ok(())
+    }
+
+    /// Sets the server-side ceiling of the one-device daemon `uid` (a GPU's share daemon): the
+    /// default limits for servers started from now on, and the same limits on each running
+    /// server (`get_server_list`; `set_device_pinned_mem_limit <pid> 0 <MiB>M`,
+    /// `set_active_thread_percentage <pid> <pct>`), which hold for the clients that connect
+    /// from now on. A client's own `CUDA_MPS_*` variables can lower its limits below these but
+    /// not raise them above (NVIDIA's MPS guide; a 16G client held to the daemon's 10G default:
+    /// `tests/gpu/fixtures/h200-580.159.04/shares.txt`).
+    ///
+    /// # Errors
+    /// [`MpsError`] when a command fails or the defaults do not read back.
+    pub async fn set_ceiling(&self, uid: &str, ceiling: Ceiling) -> Result<(), MpsError> {
+        let pipe = self.pipe_dir(uid);
+        let pinned = [(0usize, uid, ceiling.pinned_mib.max(1))];
+        self.set_defaults(&pipe, Some(ceiling.active_thread_percentage), &pinned)
+            .await?;
+        let servers = self.command(&pipe, "get_server_list").await?;
+        let per_server: Vec<String> = servers
+            .split_whitespace()
+            .filter(|pid| pid.parse::<u32>().is_ok())
+            .flat_map(|pid| {
+                [
+                    format!(
+                        "set_device_pinned_mem_limit {pid} 0 {}M",
+                        ceiling.pinned_mib.max(1)
+                    ),
+                    format!(
+                        "set_active_thread_percentage {pid} {}",
+                        ceiling.active_thread_percentage
+                    ),
+                ]
+            })
+            .collect();
+        if !per_server.is_empty() {
+            let answer = self.command(&pipe, &per_server.join("\n")).await?;
+            if let Some(refused) = answer.lines().map(str::trim).find(|l| !l.is_empty()) {
+                return Err(MpsError::LimitNotApplied {
+                    pipe_dir: pipe,
+                    setting: "a running server's limits".to_owned(),
+                    wanted: ceiling.to_string(),
+                    found: refused.to_owned(),
+                });
             }
         }
-        info!(
-            claim = uid,
-            devices = visible_ids.len(),
-            elapsed_ms = started.elapsed().as_millis(),
-            "MPS control daemon started"
-        );
         Ok(())
     }
 
@@ -814,6 +880,26 @@ impl MpsControl {
 enum Limit {
     Percentage(u32),
     MiB(u64),
+}
+
+/// A one-device daemon's server-side limits ([`MpsControl::set_ceiling`]): no client of it
+/// gets more, whatever its own variables say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ceiling {
+    /// Pinned device memory, MiB.
+    pub pinned_mib: u64,
+    /// Active thread percentage, 1..=100.
+    pub active_thread_percentage: u32,
+}
+
+impl std::fmt::Display for Ceiling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}M pinned, {}% threads",
+            self.pinned_mib, self.active_thread_percentage
+        )
+    }
 }
 
 impl std::fmt::Display for Limit {

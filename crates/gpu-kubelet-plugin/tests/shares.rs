@@ -214,6 +214,101 @@ async fn a_restart_keeps_the_daemon_of_recorded_shares_and_stops_one_no_share_ne
     assert!(daemons(dir.path()).is_empty());
 }
 
+/// The GPU's daemon holds a server-side ceiling: the largest share's memory and thread
+/// percentage (100 once a share reserved none). Set before a share's containers start, on the
+/// running server too; lowered when the larger share goes. A client that raises its own
+/// variables gets the ceiling (the fake daemon logs what holds for each client).
+#[tokio::test]
+async fn the_gpus_daemon_caps_every_client_at_the_largest_share() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut quarter = share_claim("quarter", "uq", dev(0), &format!("{SHARE}01"), "20Gi");
+    if let Some(c) = results_mut(&mut quarter)[0].consumed_capacity.as_mut() {
+        c.insert(
+            "computePercent".into(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("25".into()),
+        );
+    }
+    let large = share_claim("large", "ul", dev(0), &format!("{SHARE}02"), "30Gi");
+    let c = controller(dir.path(), vec![quarter, large]).await;
+    assert!(c.prepare(vec![claim_ref("quarter", "uq")]).await["uq"].is_ok());
+    let key = gpus()[0].raw.uuid.to_ascii_lowercase();
+    let log = || {
+        std::fs::read_to_string(dir.path().join("mps").join(&key).join("log/control.log")).unwrap()
+    };
+    for want in [
+        "cmd set_default_device_pinned_mem_limit 0 20480M",
+        "cmd set_default_active_thread_percentage 25",
+    ] {
+        assert!(log().contains(want), "{want} in {}", log());
+    }
+    // A client of the quarter share starts the server.
+    let attach = |raised: Option<&str>| {
+        let mut client = std::process::Command::new(drust_fakes::mps_control());
+        client
+            .env(
+                "CUDA_MPS_PIPE_DIRECTORY",
+                dir.path().join("mps").join(&key).join("pipe"),
+            )
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null());
+        if let Some(limit) = raised {
+            client.env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limit);
+        }
+        let mut child = client.spawn().unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"fake_client_attach\n")
+            .unwrap();
+        child
+    };
+    let wait_for = |want: &str| {
+        for _ in 0..250 {
+            if log().contains(want) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        panic!("{want} not in {}", log());
+    };
+    let mut first = attach(None);
+    wait_for("ceiling pinned=0=20480M threads=25.0");
+    // A larger share without a compute reservation raises the ceiling on the running server.
+    assert!(c.prepare(vec![claim_ref("large", "ul")]).await["ul"].is_ok());
+    let pid = log()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("start ")
+                .and_then(|l| l.split("pid=").nth(1))
+        })
+        .unwrap()
+        .trim()
+        .to_owned();
+    for want in [
+        format!("cmd set_device_pinned_mem_limit {pid} 0 30720M"),
+        format!("cmd set_active_thread_percentage {pid} 100"),
+    ] {
+        assert!(log().contains(&want), "{want} in {}", log());
+    }
+    // A tenant that raises its own limit to the whole GPU gets the ceiling.
+    let mut raised = attach(Some("0=81920M"));
+    wait_for("client attached pinned=0=81920M threads=- ceiling pinned=0=30720M threads=100.0");
+    // The larger share goes: the ceiling comes back down for clients connecting from now on.
+    assert!(c.unprepare(vec![claim_ref("large", "ul")]).await["ul"].is_ok());
+    assert!(
+        log().contains(&format!("cmd set_device_pinned_mem_limit {pid} 0 20480M")),
+        "{}",
+        log()
+    );
+    for child in [&mut first, &mut raised] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    assert!(c.unprepare(vec![claim_ref("quarter", "uq")]).await["uq"].is_ok());
+}
+
 #[tokio::test]
 async fn the_last_two_shares_unprepared_at_once_stop_the_daemon() {
     for round in 0..20 {

@@ -23,6 +23,14 @@
 //! (`pinned=<CUDA_MPS_PINNED_DEVICE_MEM_LIMIT> threads=<CUDA_MPS_ACTIVE_THREAD_PERCENTAGE>`,
 //! `-` when unset), and the daemon logs them: `client attached pinned=0=20480M threads=25`.
 //!
+//! Servers: the first attached client starts the one MPS server (as root's, with the daemon's
+//! pid) with the defaults of that moment; `get_server_list` lists it once it exists, and
+//! `set_device_pinned_mem_limit PID DEV LIMIT` / `set_active_thread_percentage PID N` change its
+//! limits for clients attaching later (an unknown PID answers `invalid server`). A client's
+//! limits are ceilings it cannot raise (NVIDIA's MPS guide: a client's variables only lower the
+//! server's), so the daemon also logs what holds for it: `... ceiling pinned=<DEV=LIMIT or ->
+//! threads=<N>` from its server.
+//!
 //! The daemon records `CUDA_VISIBLE_DEVICES`, its pid and every command in
 //! `$CUDA_MPS_LOG_DIRECTORY/control.log`. Test knobs: `FAKE_MPS_START_DELAY_SECONDS` delays
 //! listening; `FAKE_MPS_FAIL_START=1` makes the daemon fail at start.
@@ -97,6 +105,8 @@ struct Daemon {
     log: Mutex<std::fs::File>,
     percentage: Mutex<String>,
     limits: Mutex<BTreeMap<String, String>>,
+    /// The server, once a client started it: its thread percentage and pinned limits by device.
+    server: Mutex<Option<(String, BTreeMap<String, String>)>>,
     control: PathBuf,
 }
 
@@ -120,6 +130,7 @@ fn foreground() -> Result<(), String> {
         log: Mutex::new(log),
         percentage: Mutex::new("100.0".into()),
         limits: Mutex::new(BTreeMap::new()),
+        server: Mutex::new(None),
         control: control.clone(),
     });
     daemon.log(&format!(
@@ -161,7 +172,27 @@ fn serve(daemon: &Daemon, mut conn: UnixStream) {
         };
         daemon.log(&format!("cmd {line}"));
         match (command, args) {
-            ("get_server_list", []) => {}
+            ("get_server_list", []) => {
+                if daemon.server.lock().unwrap().is_some() {
+                    out.push(std::process::id().to_string());
+                }
+            }
+            ("set_device_pinned_mem_limit", [pid, device, limit]) => {
+                match daemon.server.lock().unwrap().as_mut() {
+                    Some((_, limits)) if *pid == std::process::id().to_string() => {
+                        limits.insert((*device).to_owned(), (*limit).to_owned());
+                    }
+                    _ => out.push(format!("invalid server: {pid}")),
+                }
+            }
+            ("set_active_thread_percentage", [pid, pct]) => {
+                match (daemon.server.lock().unwrap().as_mut(), pct.parse::<f64>()) {
+                    (Some((threads, _)), Ok(p)) if *pid == std::process::id().to_string() => {
+                        *threads = format!("{p:.1}");
+                    }
+                    _ => out.push(format!("invalid server or percentage: {pid} {pct}")),
+                }
+            }
             ("set_default_active_thread_percentage", [pct]) => match pct.parse::<f64>() {
                 Ok(p) => *daemon.percentage.lock().unwrap() = format!("{p:.1}"),
                 Err(_) => out.push(format!("invalid percentage: {pct}")),
@@ -200,7 +231,25 @@ fn serve(daemon: &Daemon, mut conn: UnixStream) {
 
 /// A connected client: a line every 200 ms until it goes away.
 fn attached(daemon: &Daemon, mut conn: UnixStream, limits: &str) {
-    daemon.log(&format!("client attached {limits}").trim_end().to_owned());
+    let ceiling = {
+        let mut server = daemon.server.lock().unwrap();
+        let (threads, pinned) = server.get_or_insert_with(|| {
+            (
+                daemon.percentage.lock().unwrap().clone(),
+                daemon.limits.lock().unwrap().clone(),
+            )
+        });
+        let pinned = pinned
+            .iter()
+            .map(|(d, l)| format!("{d}={l}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        format!(
+            "ceiling pinned={} threads={threads}",
+            if pinned.is_empty() { "-" } else { &pinned }
+        )
+    };
+    daemon.log(&format!("client attached {limits} {ceiling}"));
     for n in 0u64.. {
         let line = format!("attached {} {n}\n", std::process::id());
         if conn.write_all(line.as_bytes()).is_err() {

@@ -4,7 +4,7 @@
 //!
 //! - The daemon of a device is keyed by its UUID, lower-cased ([`daemon_key`]): its directories
 //!   are `<mps root>/<key>/{pipe,log,shm}` and, with daemon Pods, its Pod is
-//!   `mps-control-daemon-<key>`. It runs without default limits.
+//!   `mps-control-daemon-<key>`. It starts without default limits; its ceiling follows.
 //! - It is started by the first share's prepare and stopped by the last share's unprepare, both
 //!   under the GPU's lock, deciding from the checkpoint (which holds every claim being prepared
 //!   or prepared): a share being prepared while the last other one is unprepared either finds
@@ -13,6 +13,12 @@
 //! - Each share's containers get their own limits through their CDI device's edits
 //!   ([`crate::mps::MpsControl::share_edits`]): the pinned device memory limit from
 //!   `consumedCapacity.memory` and the active thread percentage from `computePercent`.
+//! - The daemon holds a server-side ceiling no client can raise ([`ceiling`],
+//!   [`crate::mps::MpsControl::set_ceiling`]): the largest share's memory and the largest
+//!   thread percentage among the device's shares (100 when one reserved none), set at every
+//!   share's prepare before its containers start and lowered when a share goes. Legacy MPS runs
+//!   one server for all shares of a GPU, so this is the strongest server-side limit it allows:
+//!   a tenant that raises its own variables gets at most the largest share, not the GPU.
 //! - A share holding the whole device (a request without capacity) runs without MPS.
 //! - Start-up keeps the daemons of recorded shares (and starts a lost one again); a daemon no
 //!   share needs is stopped as an orphan.
@@ -52,6 +58,48 @@ pub(crate) fn needed_daemons(checkpoint: &Checkpoint, except: Option<&str>) -> B
         .iter()
         .filter(|(uid, r)| Some(uid.as_str()) != except && r.state != ClaimState::UnprepareStarted)
         .flat_map(|(_, r)| mps_shares(&r.devices).map(|d| daemon_key(&d.uuid)))
+        .collect()
+}
+
+/// The server-side ceiling of daemon `key` for `shares` (the shares recorded on its device):
+/// the largest memory in MiB (rounded down) and the largest thread percentage, 100 when a share
+/// reserved none (it runs uncapped). `None` without shares.
+pub(crate) fn ceiling<'r>(
+    shares: impl IntoIterator<Item = &'r RecordedShare>,
+) -> Option<crate::mps::Ceiling> {
+    let mut found: Option<crate::mps::Ceiling> = None;
+    for s in shares {
+        let threads = if s.compute_percent == 0 {
+            100
+        } else {
+            s.compute_percent.min(100)
+        };
+        let c = found.get_or_insert(crate::mps::Ceiling {
+            pinned_mib: 0,
+            active_thread_percentage: 0,
+        });
+        c.pinned_mib = c.pinned_mib.max(s.memory_bytes >> 20);
+        c.active_thread_percentage = c.active_thread_percentage.max(threads);
+    }
+    found
+}
+
+/// The shares recorded in `checkpoint` under daemon `key` (leaving out claim `except` and
+/// claims being unprepared), with `extra` (a claim's own, perhaps not yet recorded).
+fn shares_of<'r>(
+    checkpoint: &'r Checkpoint,
+    key: &str,
+    except: &str,
+    extra: Option<&'r RecordedShare>,
+) -> Vec<&'r RecordedShare> {
+    checkpoint
+        .claims
+        .iter()
+        .filter(|(uid, r)| uid.as_str() != except && r.state != ClaimState::UnprepareStarted)
+        .flat_map(|(_, r)| mps_shares(&r.devices))
+        .filter(|d| daemon_key(&d.uuid) == key)
+        .filter_map(|d| d.share.as_ref())
+        .chain(extra)
         .collect()
 }
 
@@ -121,7 +169,8 @@ pub(crate) fn check(
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// Makes sure the MPS daemon of every device `devices` hold a share of is running: started
-    /// (without default limits) when confirmed dead, under each device's GPU lock. One whose
+    /// (without default limits) when confirmed dead, under each device's GPU lock, and sets its
+    /// ceiling for the shares it now serves ([`ceiling`]). One whose
     /// state cannot be told (a slow answer) is left alone and fails the call, to be retried:
     /// quitting it would cut every running share of the GPU off its daemon. Returns whether one
     /// was started.
@@ -140,7 +189,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 source,
             };
             match mps.liveness(&key).await {
-                Liveness::Answering => continue,
+                Liveness::Answering => {
+                    self.set_ceiling(claim, &key, d.share.as_ref(), None)
+                        .await?;
+                    continue;
+                }
                 Liveness::Dead => {}
                 Liveness::Unknown(problem) => {
                     return Err(mps_error(crate::mps::MpsError::Unresponsive {
@@ -169,6 +222,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             started = true;
             info!(claim = %claim, device = %d.device_name, daemon = %key,
                 "started the device's MPS daemon");
+            self.set_ceiling(claim, &key, d.share.as_ref(), None)
+                .await?;
         }
         Ok(started)
     }
@@ -185,6 +240,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let _guard = self.share_lock(&d.device_name).await;
             let needed = needed_daemons(&*self.inner.checkpoint.lock().await, Some(&claim.uid));
             if needed.contains(&key) {
+                // The others' ceiling, for clients connecting from now on; the share going
+                // needs none, so a failure only leaves the higher ceiling.
+                if let Err(e) = self.set_ceiling(claim, &key, None, Some(&claim.uid)).await {
+                    tracing::warn!(claim = %claim, daemon = %key, error = %e,
+                        "lowering the daemon's ceiling after a share left failed");
+                }
                 continue;
             }
             // The mode first: a crash before the stop leaves the daemon, an orphan at start-up.
@@ -202,6 +263,35 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             info!(claim = %claim, device = %d.device_name, daemon = %key,
                 "stopped the device's MPS daemon with its last share");
         }
+        Ok(())
+    }
+
+    /// Sets daemon `key`'s ceiling ([`ceiling`]) for the shares recorded on it, leaving out
+    /// claim `except` and adding `extra`; under the GPU's lock (the caller's).
+    async fn set_ceiling(
+        &self,
+        claim: &ClaimRef,
+        key: &str,
+        extra: Option<&RecordedShare>,
+        except: Option<&str>,
+    ) -> Result<(), ClaimError> {
+        let ceiling = {
+            let checkpoint = self.inner.checkpoint.lock().await;
+            ceiling(shares_of(&checkpoint, key, except.unwrap_or(""), extra))
+        };
+        let Some(ceiling) = ceiling else {
+            return Ok(());
+        };
+        self.inner
+            .config
+            .mps
+            .set_ceiling(key, ceiling)
+            .await
+            .map_err(|source| ClaimError::Mps {
+                claim: claim.clone(),
+                source,
+            })?;
+        info!(claim = %claim, daemon = %key, %ceiling, "set the device's MPS ceiling");
         Ok(())
     }
 
