@@ -939,7 +939,8 @@ async fn claims_written_for_nvidias_driver_run_on_the_real_node() -> anyhow::Res
 /// `--consumable-capacity`; two pods with their own claims, a quarter share (20 GB, 25% compute)
 /// and a plain 20 GB share, land on one GPU. Each container sees its own limits in its
 /// environment and connects to the GPU's one MPS daemon (the fake tool from the driver root
-/// stands for a CUDA client), whose log shows each client with its own limits.
+/// stands for a CUDA client), whose log shows each client with its own limits. A third share's
+/// client that raises its own memory limit to the whole GPU is held to the daemon's ceiling.
 #[tokio::test]
 async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> anyhow::Result<()> {
     const VERSION: &str = "570.124.06";
@@ -970,7 +971,7 @@ async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> a
     .await?;
     let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
     // What the container sees, then a client connected to the daemon; `stay` keeps it running.
-    let pod = |name: &str, compute: Option<&str>, stay: bool| {
+    let pod = |name: &str, compute: Option<&str>, stay: bool, client_env: &str| {
         let mut requests = serde_json::json!({"memory": "20G"});
         if let Some(c) = compute {
             requests["computePercent"] = c.into();
@@ -979,7 +980,7 @@ async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> a
             "{{ env | grep -E '^(CUDA_MPS|DRUST)_' | sort | sed 's/^/env /'; }} > \
              /dev/termination-log; [ -e /usr/bin/nvidia-cuda-mps-control ] && echo 'env \
              MPS_TOOL=mounted' >> /dev/termination-log; (echo fake_client_attach | \
-             /usr/local/bin/fake-cuda-client) \
+             {client_env} /usr/local/bin/fake-cuda-client) \
              & sleep {}; exit 0",
             if stay { 600 } else { 2 }
         );
@@ -1017,14 +1018,14 @@ spec:
     };
     apply_yaml(
         &real.client,
-        &pod("quarter", Some("25"), true),
+        &pod("quarter", Some("25"), true, ""),
         &real.host.root().join("quarter.yaml"),
     )
     .await?;
     wait_running(&pods, "quarter", &real.node).await?;
     apply_yaml(
         &real.client,
-        &pod("plain", None, false),
+        &pod("plain", None, false, ""),
         &real.host.root().join("plain.yaml"),
     )
     .await?;
@@ -1091,6 +1092,30 @@ spec:
     ensure!(
         real.host.root().join("mps").join(&gpu).exists(),
         "the daemon stopped while the quarter share runs"
+    );
+    // A tenant that raises its own limit to the whole GPU is held to the daemon's ceiling, the
+    // largest share on the GPU (the fake daemon logs what holds for each client).
+    apply_yaml(
+        &real.client,
+        &pod(
+            "greedy",
+            None,
+            false,
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=81920M",
+        ),
+        &real.host.root().join("greedy.yaml"),
+    )
+    .await?;
+    let done = wait_pod_done(&pods, "greedy", &real.node).await?;
+    ensure!(succeeded(&done), "greedy failed: {:?}", done.status);
+    let mut logs = String::new();
+    for daemon in std::fs::read_dir(real.host.root().join("mps"))?.flatten() {
+        logs += &std::fs::read_to_string(daemon.path().join("log/control.log")).unwrap_or_default();
+    }
+    let want = "client attached pinned=0=81920M threads=- ceiling pinned=0=19456M threads=100.0";
+    ensure!(
+        logs.contains(want),
+        "the daemons' logs lack {want:?}:\n{logs}"
     );
     pods.delete("quarter", &DeleteParams::default()).await?;
     drust_e2e::wait::until("the last share's daemon stopped", TIMEOUT, || async {
