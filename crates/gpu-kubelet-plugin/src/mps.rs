@@ -510,6 +510,28 @@ impl MpsControl {
         Ok(())
     }
 
+    /// Starts the MPS server of Linux user `server_uid` under daemon `uid` now
+    /// (`start_server -uid <server_uid>`) rather than at its first client's connection: on a GPU
+    /// in `EXCLUSIVE_PROCESS` the server then holds the GPU's one context from the start, so a
+    /// process that bypasses MPS finds no context free even before any share's client came.
+    ///
+    /// # Errors
+    /// [`MpsError`] when the control tool fails.
+    pub async fn start_server(&self, uid: &str, server_uid: u32) -> Result<(), MpsError> {
+        let pipe = self.pipe_dir(uid);
+        let answer = self
+            .command(&pipe, &format!("start_server -uid {server_uid}"))
+            .await?;
+        // NVIDIA documents no answer text; what the tool said is kept in the log.
+        info!(
+            daemon = uid,
+            server_uid,
+            answer = answer.trim(),
+            "started the MPS server"
+        );
+        Ok(())
+    }
+
     /// Sets the server-side ceiling of the one-device daemon `uid` (a GPU's share daemon): the
     /// default limits for servers started from now on, and the same limits on each running
     /// server (`get_server_list`; `set_device_pinned_mem_limit <pid> 0 <MiB>M`,

@@ -238,10 +238,17 @@ async fn the_gpus_daemon_caps_every_client_at_the_largest_share() {
     for want in [
         "cmd set_default_device_pinned_mem_limit 0 20480M",
         "cmd set_default_active_thread_percentage 25",
+        // Root's server at once, after the ceiling, to hold the GPU before any client.
+        "cmd start_server -uid 0",
     ] {
         assert!(log().contains(want), "{want} in {}", log());
     }
-    // A client of the quarter share starts the server.
+    assert!(
+        log().find("cmd set_default_device_pinned_mem_limit") < log().find("cmd start_server"),
+        "the server starts with the ceiling as its defaults: {}",
+        log()
+    );
+    // A client of the quarter share, served by the server the plugin started.
     let attach = |raised: Option<&str>| {
         let mut client = std::process::Command::new(drust_fakes::mps_control());
         client

@@ -23,7 +23,7 @@
 //! (`pinned=<CUDA_MPS_PINNED_DEVICE_MEM_LIMIT> threads=<CUDA_MPS_ACTIVE_THREAD_PERCENTAGE>`,
 //! `-` when unset), and the daemon logs them: `client attached pinned=0=20480M threads=25`.
 //!
-//! Servers: the first attached client starts the one MPS server (as root's, with the daemon's
+//! Servers: `start_server -uid N`, or else the first attached client, starts the one MPS server (as root's, with the daemon's
 //! pid) with the defaults of that moment; `get_server_list` lists it once it exists, and
 //! `set_device_pinned_mem_limit PID DEV LIMIT` / `set_active_thread_percentage PID N` change its
 //! limits for clients attaching later (an unknown PID answers `invalid server`). A client's
@@ -172,6 +172,14 @@ fn serve(daemon: &Daemon, mut conn: UnixStream) {
         };
         daemon.log(&format!("cmd {line}"));
         match (command, args) {
+            ("start_server", ["-uid", _uid]) => {
+                daemon.server.lock().unwrap().get_or_insert_with(|| {
+                    (
+                        daemon.percentage.lock().unwrap().clone(),
+                        daemon.limits.lock().unwrap().clone(),
+                    )
+                });
+            }
             ("get_server_list", []) => {
                 if daemon.server.lock().unwrap().is_some() {
                     out.push(std::process::id().to_string());

@@ -13,6 +13,8 @@
 //! - Each share's containers get their own limits through their CDI device's edits
 //!   ([`crate::mps::MpsControl::share_edits`]): the pinned device memory limit from
 //!   `consumedCapacity.memory` and the active thread percentage from `computePercent`.
+//! - The daemon starts root's MPS server at once (`start_server -uid 0`), so that on the GPU in
+//!   `EXCLUSIVE_PROCESS` the server holds the one context before any client connects.
 //! - The daemon holds a server-side ceiling no client can raise ([`ceiling`],
 //!   [`crate::mps::MpsControl::set_ceiling`]): the largest share's memory and the largest
 //!   thread percentage among the device's shares (100 when one reserved none), set at every
@@ -224,6 +226,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 "started the device's MPS daemon");
             self.set_ceiling(claim, &key, d.share.as_ref(), None)
                 .await?;
+            // Root's server at once, with the ceiling as its defaults, so that it holds the
+            // GPU's one context before any client comes. Best effort: without it MPS starts
+            // the server at the first client's connection, as it always did.
+            if let Err(e) = mps.start_server(&key, 0).await {
+                tracing::warn!(claim = %claim, daemon = %key, error = %e,
+                    "starting the device's MPS server ahead of its clients failed; a process \
+                     that bypasses MPS may take the GPU until the first client connects");
+            }
         }
         Ok(started)
     }
