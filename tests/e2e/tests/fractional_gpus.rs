@@ -301,9 +301,17 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     );
     let daemon = running.into_iter().next().unwrap_or_default();
     let log = std::fs::read_to_string(mps_root.join(&daemon).join("log/control.log"))?;
+    // Each share brings its own limits; the daemon's defaults are only the ceiling, the
+    // largest share on the GPU (19 GiB, no compute reserved: 100%), so a client that raises
+    // its own variables gets no more than that.
     ensure!(
-        !log.contains("set_default"),
-        "the GPU's daemon runs without default limits (each share brings its own): {log}"
+        log.contains("set_default_device_pinned_mem_limit 0 19456M")
+            && log.contains("set_default_active_thread_percentage 100")
+            && !log
+                .lines()
+                .any(|l| l.starts_with("cmd set_default_device_pinned_mem_limit")
+                    && !l.ends_with(" 19456M")),
+        "the GPU's daemon holds the largest share as its ceiling, nothing else: {log}"
     );
 
     // A fifth goes to another GPU.
