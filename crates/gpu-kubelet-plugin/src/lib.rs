@@ -183,9 +183,10 @@ pub struct Publishing {
     /// Whether devices are published for consumable capacity (fractional GPUs): the flag, and
     /// the MPS control tool found to enforce the shares.
     pub shares: bool,
-    /// How full GPUs' shares are enforced: [`ShareEnforcement::Kernel`] where the node has
-    /// the `kernel` level ([`memory_limits::KernelMemory::detect`]), else
-    /// [`ShareEnforcement::Mps`].
+    /// How full GPUs' shares are enforced:
+    /// [`gpu_inventory::shares::ShareEnforcement::Kernel`] where the node has the `kernel`
+    /// level ([`memory_limits::KernelMemory::detect`]), else
+    /// [`gpu_inventory::shares::ShareEnforcement::Mps`].
     pub enforcement: gpu_inventory::shares::ShareEnforcement,
 }
 

@@ -4,16 +4,18 @@
 //! [`NvmlBackend::load`], which fails with [`BackendError::LoadNvml`] on machines without the
 //! NVIDIA driver, so one binary serves GPU nodes and tests alike.
 //!
-//! Four NVML calls go through [`ffi`] instead of `nvml-wrapper` 0.13, which lacks them or gets
-//! them wrong: `nvmlDeviceGetNvLinkRemoteDeviceType` (the wrapper returns `Unknown` always),
+//! Some NVML calls go through the private module `ffi` instead of `nvml-wrapper` 0.13, which
+//! lacks them or gets them wrong: `nvmlDeviceGetNvLinkRemoteDeviceType` (the wrapper returns `Unknown` always),
 //! `nvmlDeviceGetGpuInstancePossiblePlacements_v2` (the wrapper returns an empty list),
 //! `nvmlDeviceGetGpuInstanceId` + `nvmlDeviceGetGpuInstanceById` + `nvmlGpuInstanceGetInfo`
 //! (not wrapped), `nvmlDeviceGetGpuFabricInfoV` (not wrapped), and MIG creation and
 //! destruction (`nvmlDeviceCreateGpuInstanceWithPlacement`,
 //! `nvmlGpuInstanceGetComputeInstanceProfileInfo`, `nvmlGpuInstanceCreateComputeInstance`,
 //! `nvmlDeviceGetGpuInstanceById`, `nvmlGpuInstanceGetComputeInstanceById`,
-//! `nvmlComputeInstanceDestroy`, `nvmlGpuInstanceDestroy`; not wrapped). Health events use raw event
-//! sets too ([`ffi::EventWatch`]): nvml-wrapper's `EventSet` borrows the `Nvml` it came from and
+//! `nvmlComputeInstanceDestroy`, `nvmlGpuInstanceDestroy`; not wrapped), and per-cgroup memory
+//! limits (`nvmlDeviceSetMemoryLimits_v1`, r615+, newer than nvml-wrapper-sys 0.10's function
+//! table, looked up with `libloading` in the library NVML was loaded from). Health events use
+//! raw event sets too (`ffi::EventWatch`): nvml-wrapper's `EventSet` borrows the `Nvml` it came from and
 //! so cannot be kept beside it.
 //!
 //! # Health events

@@ -53,7 +53,7 @@ pub struct RecoveryReport {
     /// instance ids, profile and placement).
     pub mig_orphans_destroyed: Vec<String>,
     /// GPUs (by name) put back in the default compute mode: no recorded claim runs MPS on them
-    /// ([`super::exclusive`]).
+    /// (`claims/exclusive.rs`).
     pub compute_modes_restored: Vec<String>,
     /// Claims whose recovery step failed, with the error; retried in the background.
     pub failed: Vec<(String, String)>,
