@@ -532,3 +532,57 @@ async fn the_hook_sets_the_limit_through_nvml() {
         )
     );
 }
+
+/// Recovery at the `kernel` level with the API server down: a damaged checkpoint is rebuilt
+/// from the CDI specs alone, and the limit of a share whose container may still run stays (its
+/// claim is kept, so its records are not orphans). Once the API server answers and the kubelet
+/// unprepares, the limit goes.
+#[tokio::test]
+async fn a_rebuild_while_the_api_server_is_down_keeps_the_limits_of_running_shares() {
+    use std::sync::atomic::Ordering;
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
+    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[3].clone();
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "a",
+        "ua",
+        &gpu.name,
+        &format!("{SHARE}07"),
+        "8Gi",
+    ));
+    let c = node.controller(cluster.clone(), Some(kernel.clone())).await;
+    assert!(c.prepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    let container = Contained::start(&root, "rebuilt");
+    let hook = node.hooks("ua").remove(0);
+    assert!(
+        run_hook(&hook, "rebuilt", container.child.id())
+            .status
+            .success()
+    );
+    c.quiesce().await;
+    drop(c);
+    for slot in ["checkpoint.json", "checkpoint.b.json"] {
+        let path = node.dir.path().join("plugin").join(slot);
+        if path.exists() {
+            std::fs::write(path, b"{damaged").expect("damage");
+        }
+    }
+
+    cluster.unreachable.store(true, Ordering::SeqCst);
+    let c = node.controller(cluster.clone(), Some(kernel)).await;
+    assert_eq!(c.prepared_claims().await, ["ua"]);
+    let key = (gpu.raw.uuid.clone(), container.cgroup.clone());
+    assert_eq!(
+        node.backend.memory_limits().get(&key),
+        Some(&MemoryLimits::share(8 << 30)),
+        "the running share's limit was cleared"
+    );
+
+    cluster.unreachable.store(false, Ordering::SeqCst);
+    assert!(c.unprepare_stale().await.is_empty());
+    assert!(node.backend.memory_limits().contains_key(&key));
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    assert!(node.backend.memory_limits().is_empty());
+}
