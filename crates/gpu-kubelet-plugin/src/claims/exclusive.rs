@@ -108,7 +108,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// logged; the next start tries again. Returns the GPUs restored.
     pub(super) async fn restore_compute_modes(&self, node: &ClaimRef) -> Vec<String> {
         let catalogue = self.catalogue();
-        let needed = gpus_under_mps(&*self.inner.checkpoint.lock().await, &catalogue);
+        let needed = gpus_under_mps(&*self.inner.journal.records().await, &catalogue);
         let gpus: Vec<NodeDevice> = catalogue
             .devices
             .values()

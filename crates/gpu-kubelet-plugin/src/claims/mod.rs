@@ -46,6 +46,7 @@
 mod cluster;
 mod error;
 mod exclusive;
+mod journal;
 mod plan;
 mod recovery;
 mod shares;
@@ -147,11 +148,8 @@ struct Inner<C, H> {
     gpu_locks: std::sync::Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
     claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
     cdi: CdiWriter,
-    checkpoint_file: CheckpointFile,
-    /// The checkpoint as staged: durable plus changes waiting for the next group commit.
-    checkpoint: Mutex<Checkpoint>,
-    commit: std::sync::Mutex<Commit>,
-    committed: tokio::sync::Notify,
+    /// The claims' records: staged in memory, made durable by group commit ([`journal`]).
+    journal: Arc<journal::Journal>,
     /// Work that outlives the kubelet's call (rollbacks, unprepares); see [`ClaimController::quiesce`].
     background: TaskTracker,
     /// Claims whose start-up recovery failed, retried in the background.
@@ -169,21 +167,6 @@ struct RecoveryRetries {
     /// Claims rebuilt from their CDI spec alone (the API server did not answer at start), by
     /// UID: their records are settled by the next stale-claim check that reaches it.
     unverified: std::sync::Mutex<BTreeSet<String>>,
-}
-
-/// Group-commit bookkeeping: changes are numbered (epochs) as they are staged.
-#[derive(Default)]
-struct Commit {
-    /// Epoch of the last staged change.
-    staged: u64,
-    /// Every change up to this epoch is durable.
-    durable: u64,
-    /// The checkpoint as last stored.
-    durable_state: Checkpoint,
-    /// A store is in flight.
-    writing: bool,
-    /// Epoch ranges `(after, through]` whose store failed, with the error.
-    failed: Vec<(u64, u64, String)>,
 }
 
 /// A poisoned lock only means a panicking thread held it; the bookkeeping is still consistent
@@ -207,6 +190,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         cdi: CdiWriter,
         checkpoint_file: CheckpointFile,
     ) -> Result<(Self, RecoveryReport), ClaimError> {
+        let background = TaskTracker::new();
         let controller = Self {
             inner: Arc::new(Inner {
                 cluster,
@@ -216,11 +200,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 gpu_locks: std::sync::Mutex::default(),
                 claim_locks: std::sync::Mutex::default(),
                 cdi,
-                checkpoint_file,
-                checkpoint: Mutex::new(Checkpoint::default()),
-                commit: std::sync::Mutex::default(),
-                committed: tokio::sync::Notify::new(),
-                background: TaskTracker::new(),
+                journal: Arc::new(journal::Journal::new(checkpoint_file, background.clone())),
+                background,
                 recovery: RecoveryRetries {
                     failing: std::sync::Mutex::default(),
                     unverified: std::sync::Mutex::default(),
@@ -315,8 +296,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// The UIDs of the claims whose prepare completed.
     pub async fn prepared_claims(&self) -> Vec<String> {
         self.inner
-            .checkpoint
-            .lock()
+            .journal
+            .records()
             .await
             .claims
             .iter()
@@ -327,7 +308,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
     /// `(claims, devices)`: how many claims are prepared and how many devices they hold.
     pub async fn prepared_summary(&self) -> (usize, usize) {
-        let checkpoint = self.inner.checkpoint.lock().await;
+        let checkpoint = self.inner.journal.records().await;
         checkpoint
             .claims
             .values()
@@ -357,137 +338,22 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
     /// Applies `change` to the checkpoint and returns once the result is durable.
     ///
-    /// Group commit: changes of concurrent claims are staged on the in-memory checkpoint; the
-    /// first caller to find no write in flight starts one store of everything staged so far
-    /// ([`Self::spawn_commit`]), the others wait for it. A failed store fails every change it
-    /// carried (and any staged on top of them) and puts the in-memory checkpoint back to the
-    /// durable one.
-    ///
-    /// Cancel-safe: the store runs as its own task on the blocking pool (an fsync on a slow disk
-    /// never holds an async worker), so a caller dropped while waiting leaves nothing half
-    /// done: the store finishes, the next waiters are woken, and the change it staged is
-    /// durable or failed like any other.
+    /// Applies `change` to the claims' records and returns once it is durable
+    /// ([`journal::Journal::update`]).
     async fn update<R>(
         &self,
         claim: &ClaimRef,
         change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
     ) -> Result<R, ClaimError> {
-        let (r, epoch) = self.stage(change).await?;
-        self.durable(claim, epoch).await?;
-        Ok(r)
+        self.inner.journal.update(claim, change).await
     }
 
-    /// Applies `change` to the in-memory checkpoint only: it becomes durable with the next
-    /// store, whoever starts it. Other claims see it at once (device conflicts). Returns the
-    /// change's epoch for [`Self::durable`].
+    /// Stages `change` for the next group commit ([`journal::Journal::stage`]).
     async fn stage<R>(
         &self,
         change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
     ) -> Result<(R, u64), ClaimError> {
-        let inner = &self.inner;
-        let mut pending = inner.checkpoint.lock().await;
-        let mut next = pending.clone();
-        let r = change(&mut next)?;
-        let mut c = lock(&inner.commit);
-        if next != *pending {
-            *pending = next;
-            c.staged += 1;
-        }
-        // An unchanged checkpoint still waits for what is staged before it: the caller may
-        // rely on state that another claim staged.
-        Ok((r, c.staged))
-    }
-
-    /// Returns once every change up to `epoch` is durable (starting the store if none is in
-    /// flight), or with the error of the store that failed it.
-    async fn durable(&self, claim: &ClaimRef, epoch: u64) -> Result<(), ClaimError> {
-        let inner = &self.inner;
-        loop {
-            let committed = inner.committed.notified();
-            tokio::pin!(committed);
-            committed.as_mut().enable();
-            enum Next {
-                Failed(String),
-                Done,
-                Wait,
-            }
-            let next = {
-                let mut c = lock(&inner.commit);
-                if let Some((_, _, message)) = c
-                    .failed
-                    .iter()
-                    .find(|(lo, hi, _)| *lo < epoch && epoch <= *hi)
-                {
-                    Next::Failed(message.clone())
-                } else if c.durable >= epoch {
-                    Next::Done
-                } else {
-                    if !c.writing {
-                        c.writing = true;
-                        self.spawn_commit();
-                    }
-                    Next::Wait
-                }
-            };
-            match next {
-                Next::Failed(message) => {
-                    return Err(ClaimError::Checkpoint {
-                        claim: claim.clone(),
-                        source: crate::checkpoint::CheckpointError::Write {
-                            path: inner.checkpoint_file.path().to_owned(),
-                            source: std::io::Error::other(message),
-                        },
-                    });
-                }
-                Next::Done => return Ok(()),
-                // Enabled before the check: the commit's wake-up cannot be missed.
-                Next::Wait => committed.await,
-            }
-        }
-    }
-
-    /// One group-commit store of everything staged, as a task of its own on the blocking pool
-    /// (tracked, so [`Self::quiesce`] waits for it); the caller has set `writing`. Ends with
-    /// `writing` cleared and the waiters woken, whatever happens to whoever started it. One
-    /// thread does it all, snapshot, store and bookkeeping: each hop between an async task and
-    /// the blocking pool costs a wake-up, which on a busy node is where the latency tail comes
-    /// from. Claims that stage while the thread starts go to disk with this store or the next.
-    fn spawn_commit(&self) {
-        let this = self.clone();
-        self.inner.background.spawn_blocking(move || {
-            let inner = &this.inner;
-            let (snapshot, target) = {
-                let pending = inner.checkpoint.blocking_lock();
-                let target = lock(&inner.commit).staged;
-                (pending.clone(), target)
-            };
-            // A panicking store fails the changes it carried, like an error.
-            let stored = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                inner.checkpoint_file.store(&snapshot)
-            }));
-            let outcome = match stored {
-                Ok(Ok(())) => Ok(snapshot),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err("the checkpoint store panicked".to_owned()),
-            };
-            match outcome {
-                Ok(snapshot) => {
-                    let mut c = lock(&inner.commit);
-                    c.durable = target;
-                    c.durable_state = snapshot;
-                    c.writing = false;
-                }
-                Err(e) => {
-                    let mut pending = inner.checkpoint.blocking_lock();
-                    let mut c = lock(&inner.commit);
-                    *pending = c.durable_state.clone();
-                    let range = (c.durable, c.staged, e);
-                    c.failed.push(range);
-                    c.writing = false;
-                }
-            }
-            inner.committed.notify_waiters();
-        });
+        self.inner.journal.stage(change).await
     }
 
     /// Runs blocking CDI file work (write, remove: fsyncs on a slow disk) on the blocking
@@ -908,8 +774,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
         let existing = self
             .inner
-            .checkpoint
-            .lock()
+            .journal
+            .records()
             .await
             .claims
             .get(&claim.uid)
@@ -1116,8 +982,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// The records of completed claims as staged, by UID.
     async fn completed_records(&self) -> Vec<(String, ClaimRecord)> {
         self.inner
-            .checkpoint
-            .lock()
+            .journal
+            .records()
             .await
             .claims
             .iter()
@@ -1128,7 +994,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
     /// The claim's record as staged, if any.
     async fn record(&self, uid: &str) -> Option<ClaimRecord> {
-        self.inner.checkpoint.lock().await.claims.get(uid).cloned()
+        self.inner.journal.records().await.claims.get(uid).cloned()
     }
 
     /// Unprepares or rolls back `claim` from whatever state it is in. Caller holds its lock.

@@ -81,7 +81,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         let mut report = RecoveryReport::default();
         let mut newer_checkpoint = false;
-        let file = inner.checkpoint_file.clone();
+        let file = inner.journal.file().clone();
         let loaded = tokio::task::spawn_blocking(move || file.load())
             .await
             .map_err(|join| ClaimError::TaskFailed {
@@ -94,7 +94,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Err(e) => {
                 newer_checkpoint = matches!(e, crate::checkpoint::CheckpointError::TooNew { .. });
                 let aside = inner
-                    .checkpoint_file
+                    .journal
+                    .file()
                     .quarantine()
                     .map(|moved| {
                         moved
@@ -115,8 +116,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         };
         // Publish the loaded state so release_locked sees the records.
-        *inner.checkpoint.lock().await = loaded.clone();
-        super::lock(&inner.commit).durable_state = loaded.clone();
+        inner.journal.reset(loaded.clone()).await;
 
         let previous_boot = !loaded.boot_id.is_empty() && loaded.boot_id != inner.config.boot_id;
         for (uid, record) in &loaded.claims {
@@ -187,7 +187,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         report.mig_orphans_destroyed = self.destroy_mig_orphans().await;
 
         let (kept, share_daemons) = {
-            let checkpoint = inner.checkpoint.lock().await;
+            let checkpoint = inner.journal.records().await;
             let kept: Vec<String> = checkpoint.claims.keys().cloned().collect();
             let mut daemons = super::shares::needed_daemons(&checkpoint, None);
             // And every daemon a kept claim's CDI spec mounts: its containers may use it.
@@ -411,8 +411,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     async fn destroy_mig_orphans(&self) -> Vec<String> {
         let inner = &self.inner;
         let owned: BTreeSet<String> = inner
-            .checkpoint
-            .lock()
+            .journal
+            .records()
             .await
             .claims
             .values()

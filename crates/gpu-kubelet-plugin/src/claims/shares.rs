@@ -248,7 +248,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         for d in mps_shares(devices) {
             let key = daemon_key(&d.uuid);
             let _guard = self.share_lock(&d.device_name).await;
-            let needed = needed_daemons(&*self.inner.checkpoint.lock().await, Some(&claim.uid));
+            let needed = needed_daemons(&*self.inner.journal.records().await, Some(&claim.uid));
             if needed.contains(&key) {
                 // The others' ceiling, for clients connecting from now on; the share going
                 // needs none, so a failure only leaves the higher ceiling.
@@ -286,7 +286,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         except: Option<&str>,
     ) -> Result<(), ClaimError> {
         let ceiling = {
-            let checkpoint = self.inner.checkpoint.lock().await;
+            let checkpoint = self.inner.journal.records().await;
             ceiling(shares_of(&checkpoint, key, except.unwrap_or(""), extra))
         };
         let Some(ceiling) = ceiling else {
