@@ -338,6 +338,17 @@ pub enum HardwareError {
         /// The cause.
         source: gpu_inventory::BackendError,
     },
+    /// A memory-limit record of the `kernel` level could not be read or removed
+    /// ([`crate::memory_limits`]).
+    #[error("claim {claim}: memory-limit record {path}: {source}")]
+    LimitRecord {
+        /// The claim's UID.
+        claim: String,
+        /// The record or its directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// A fault injected by a test.
     #[error("device {device}: {message}")]
     Injected {

@@ -190,13 +190,10 @@ impl KernelMemory {
         claim_uid: &str,
     ) -> Result<usize, HardwareError> {
         let dir = self.records.join(claim_uid);
-        let io = |path: &Path, e: std::io::Error| HardwareError::Setting {
-            device: claim_uid.to_owned(),
-            action: "removing a memory-limit record",
-            source: gpu_inventory::BackendError::FakeState {
-                path: path.to_owned(),
-                message: e.to_string(),
-            },
+        let io = |path: &Path, source: std::io::Error| HardwareError::LimitRecord {
+            claim: claim_uid.to_owned(),
+            path: path.to_owned(),
+            source,
         };
         if !dir.is_dir() {
             return Ok(0);

@@ -19,7 +19,7 @@ use dra_kubelet::Driver;
 use gpu_inventory::{FakeBackend, GpuBackend, MemoryLimits, MigStrategy, discover};
 use gpu_kubelet_plugin::cdi::CdiWriter;
 use gpu_kubelet_plugin::checkpoint::CheckpointFile;
-use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig};
+use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig, RecoveryReport};
 use gpu_kubelet_plugin::config::{Backend, Config};
 use gpu_kubelet_plugin::hardware::{BackendHardware, node_devices};
 use gpu_kubelet_plugin::memory_limits::{KernelMemory, Unavailable};
@@ -164,6 +164,15 @@ impl Node {
         cluster: Shared,
         kernel: Option<KernelMemory>,
     ) -> ClaimController<Shared, BackendHardware> {
+        self.start(cluster, kernel).await.0
+    }
+
+    /// A claim controller on this node, and its start-up recovery's report.
+    async fn start(
+        &self,
+        cluster: Shared,
+        kernel: Option<KernelMemory>,
+    ) -> (ClaimController<Shared, BackendHardware>, RecoveryReport) {
         let root = self.dir.path();
         let inventory = discover(self.backend.as_ref()).expect("discover");
         ClaimController::start(
@@ -189,7 +198,6 @@ impl Node {
         )
         .await
         .expect("controller")
-        .0
     }
 
     /// The hooks of the claim's first CDI device.
@@ -400,33 +408,7 @@ async fn start_up_clears_the_limits_of_claims_it_does_not_keep() {
     c.quiesce().await;
     drop(c);
 
-    let (_again, report) = {
-        let inventory = discover(node.backend.as_ref()).expect("discover");
-        let root_dir = node.dir.path();
-        ClaimController::start(
-            cluster,
-            Arc::new(BackendHardware::new(
-                Arc::clone(&node.backend) as Arc<dyn GpuBackend>,
-                node.dir.path(),
-                "/proc",
-            )),
-            ControllerConfig {
-                driver_name: DRIVER.into(),
-                node_name: NODE.into(),
-                timeout: Duration::from_secs(10),
-                boot_id: "boot-1".into(),
-                sharing: true,
-                mps: mps_control(&root_dir.join("mps")),
-                driver_edits: Default::default(),
-                kernel_memory: Some(Arc::new(kernel)),
-            },
-            node_devices(&inventory, MigStrategy::Existing).into_values(),
-            CdiWriter::new(Arc::new(RealFs), root_dir.join("cdi"), DRIVER),
-            CheckpointFile::new(Arc::new(RealFs), root_dir.join("plugin/checkpoint.json")),
-        )
-        .await
-        .expect("restart")
-    };
+    let (_again, report) = node.start(cluster, Some(kernel)).await;
     assert!(
         report
             .orphans_removed
