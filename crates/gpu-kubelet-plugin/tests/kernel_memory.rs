@@ -200,6 +200,17 @@ impl Node {
         .expect("controller")
     }
 
+    /// The `kernel` level on this node (driver r615, cgroup v2), its hook installed.
+    fn kernel(&self) -> KernelMemory {
+        KernelMemory::detect(&self.config, self.backend.as_ref(), true)
+            .expect("the kernel level on an r615 driver with cgroup v2")
+    }
+
+    /// The GPU at NVML index `index`.
+    fn gpu(&self, index: usize) -> gpu_inventory::Gpu {
+        discover(self.backend.as_ref()).expect("gpus").gpus[index].clone()
+    }
+
     /// The hooks of the claim's first CDI device.
     fn hooks(&self, uid: &str) -> Vec<serde_json::Value> {
         let path = self
@@ -249,9 +260,8 @@ fn run_hook(hook: &serde_json::Value, id: &str, pid: u32) -> std::process::Outpu
 async fn a_share_container_gets_its_hard_limit_on_its_own_cgroup_until_unprepare() {
     let root = cgroup2_root();
     let node = Node::new(&root);
-    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true)
-        .expect("the kernel level on an r615 driver with cgroup v2");
-    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[0].clone();
+    let kernel = node.kernel();
+    let gpu = node.gpu(0);
     let cluster = Shared::default();
     cluster.put(share_claim(
         "a",
@@ -311,8 +321,8 @@ async fn a_share_container_gets_its_hard_limit_on_its_own_cgroup_until_unprepare
 async fn containers_of_one_claim_share_one_limit_in_their_pod() {
     let root = cgroup2_root();
     let node = Node::new(&root);
-    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
-    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[2].clone();
+    let kernel = node.kernel();
+    let gpu = node.gpu(2);
     let cluster = Shared::default();
     cluster.put(share_claim(
         "a",
@@ -376,8 +386,8 @@ async fn containers_of_one_claim_share_one_limit_in_their_pod() {
 async fn start_up_clears_the_limits_of_claims_it_does_not_keep() {
     let root = cgroup2_root();
     let node = Node::new(&root);
-    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
-    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[1].clone();
+    let kernel = node.kernel();
+    let gpu = node.gpu(1);
     let cluster = Shared::default();
     cluster.put(share_claim(
         "kept",
@@ -455,7 +465,7 @@ fn the_kernel_level_needs_the_driver_and_cgroup_v2() {
 async fn the_hook_sets_the_limit_through_nvml() {
     let root = cgroup2_root();
     let node = Node::new(&root);
-    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
+    let kernel = node.kernel();
     let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
     let calls = node.dir.path().join("nvml-calls");
     let mut hook =
@@ -524,8 +534,8 @@ async fn a_rebuild_while_the_api_server_is_down_keeps_the_limits_of_running_shar
     use std::sync::atomic::Ordering;
     let root = cgroup2_root();
     let node = Node::new(&root);
-    let kernel = KernelMemory::detect(&node.config, node.backend.as_ref(), true).expect("kernel");
-    let gpu = discover(node.backend.as_ref()).expect("gpus").gpus[3].clone();
+    let kernel = node.kernel();
+    let gpu = node.gpu(3);
     let cluster = Shared::default();
     cluster.put(share_claim(
         "a",
