@@ -123,5 +123,42 @@ PY
         kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
         rmdir "$cg" "$(dirname "$cg")" /sys/fs/cgroup/drust-enforce-test 2>/dev/null
     fi
+    # The kernel level's compute (r615+): the share daemon on MPS v3 as the plugin starts it
+    # (gpu_probe mps-start-v3: `-p 3 -m`, server drust), a namespace per share as the plugin
+    # makes it. Checks what the README says is not yet seen on a GPU: a namespace's limits hold
+    # for a client that raises its variables, a client of another UID reaches its namespace,
+    # and the namespace directory a container has mounted survives the daemon's restart.
+    if [ "${major:-0}" -lt 615 ]; then
+        echo "MPS v3 namespaces: not run (driver $major); proven through the fake control tool only"
+    else
+        "$PROBE" mps-stop --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$key" >>"$out/enforcement.log" 2>&1
+        v3=gpu-enforcement-v3
+        "$PROBE" mps-start-v3 --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$v3" \
+            >"$out/enforcement-v3-start.json" 2>>"$out/enforcement.log" || echo "mps-start-v3 failed: $(tail -n 3 "$out/enforcement.log")"
+        chmod 0755 "$root/$v3"
+        for share in "0a000000-0000-4000-8000-000000000001 4096 25" "0b000000-0000-4000-8000-000000000002 8192"; do
+            set -- $share
+            "$PROBE" mps-namespace --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$v3" \
+                --claim "$1" --pinned-mib "$2" ${3:+--threads $3} >>"$out/enforcement-v3-namespaces.json" 2>>"$out/enforcement.log" ||
+                echo "mps-namespace $1 failed: $(tail -n 3 "$out/enforcement.log")"
+        done
+        ns_a=$(python3 -c 'import json,sys; print(json.loads(sys.stdin.read().split("\n}\n")[0] + "}")["directory"])' <"$out/enforcement-v3-namespaces.json")
+        echo "namespace dir a: $(ls -la "$ns_a" 2>&1 | tr '\n' ' ')"
+        client "v3 4G namespace, no variables" CUDA_MPS_PIPE_DIRECTORY="$ns_a" -- 6
+        client "v3 4G namespace, raised to 40G" CUDA_MPS_PIPE_DIRECTORY="$ns_a" \
+            CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M -- 6
+        client "v3 4G namespace, 3G" CUDA_MPS_PIPE_DIRECTORY="$ns_a" -- 3
+        echo "v3 namespace as nobody: $(su nobody -s /bin/sh -c "env -i PATH=$PATH CUDA_MPS_PIPE_DIRECTORY=$ns_a python3 -c 'import torch; torch.empty(1 << 30, dtype=torch.uint8, device=\"cuda\"); print(\"1 GiB allowed\")'" 2>&1 | tail -n 1)"
+        echo "v3 clients: $(CUDA_MPS_PIPE_DIRECTORY=$root/$v3/pipe "$mpsctl" client list --all --format=csv,noheader 2>&1 | tr '\n' ' ')"
+        before_ino=$(stat -c %i "$ns_a")
+        pkill -9 -f "nvidia-cuda-mps-control -d -p 3" ; sleep 2
+        "$PROBE" mps-start-v3 --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$v3" >>"$out/enforcement-v3-start.json" 2>>"$out/enforcement.log"
+        "$PROBE" mps-namespace --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$v3" \
+            --claim 0a000000-0000-4000-8000-000000000001 --pinned-mib 4096 --threads 25 >>"$out/enforcement-v3-namespaces.json" 2>>"$out/enforcement.log"
+        echo "namespace dir inode before/after a daemon restart: $before_ino $(stat -c %i "$ns_a" 2>&1)"
+        client "v3 4G namespace after the restart, raised to 40G" CUDA_MPS_PIPE_DIRECTORY="$ns_a" \
+            CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M -- 6
+        "$PROBE" mps-stop --driver-root "$DRIVER_ROOT" --mps-root "$root" --uid "$v3" >>"$out/enforcement.log" 2>&1
+    fi
 } | tee "$out/enforcement.txt"
 cat "$root/$key/log/control.log" "$root/$key/log/server.log" >"$out/enforcement-mps.log" 2>/dev/null

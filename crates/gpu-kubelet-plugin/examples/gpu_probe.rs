@@ -7,6 +7,9 @@
 //!                                                  # health-event wait, the driver files found
 //! gpu_probe mps-start --driver-root DIR --mps-root DIR --uid UID [--threads N] [--pinned-mib M]
 //! gpu_probe mps-stop  --driver-root DIR --mps-root DIR --uid UID
+//! gpu_probe mps-start-v3 --driver-root DIR --mps-root DIR --uid KEY
+//! gpu_probe mps-namespace --driver-root DIR --mps-root DIR --uid KEY --claim UID --pinned-mib M [--threads N]
+//! gpu_probe mps-namespace-delete --driver-root DIR --mps-root DIR --uid KEY --claim UID
 //! gpu_probe mig       --driver-root DIR            # create and destroy one MIG device
 //! ```
 //!
@@ -23,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use gpu_inventory::{GpuBackend, NvmlBackend};
 use gpu_kubelet_plugin::driver_files::{BINARY_DIRS, DriverRoot, find_library};
-use gpu_kubelet_plugin::mps::{MpsControl, MpsDevice};
+use gpu_kubelet_plugin::mps::{MpsControl, MpsDevice, NamespaceLimits, namespace_name};
 use serde_json::json;
 
 struct Args {
@@ -33,6 +36,7 @@ struct Args {
     uid: String,
     threads: Option<u32>,
     pinned_mib: Option<u64>,
+    claim: String,
 }
 
 fn args() -> anyhow::Result<Args> {
@@ -47,6 +51,7 @@ fn args() -> anyhow::Result<Args> {
         uid: "4d7a2b5e-9c1f-4e0a-8b3d-2f6e1a7c9d10".to_owned(),
         threads: None,
         pinned_mib: None,
+        claim: String::new(),
     };
     while let Some(flag) = it.next() {
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -56,6 +61,7 @@ fn args() -> anyhow::Result<Args> {
             "--uid" => a.uid = value,
             "--threads" => a.threads = Some(value.parse().context("--threads")?),
             "--pinned-mib" => a.pinned_mib = Some(value.parse().context("--pinned-mib")?),
+            "--claim" => a.claim = value,
             other => bail!("unknown flag {other}"),
         }
     }
@@ -206,6 +212,37 @@ async fn mps(a: &Args) -> anyhow::Result<serde_json::Value> {
         control.stop(&a.uid).await?;
         return Ok(json!({"stopped": true, "millis": started.elapsed().as_millis()}));
     }
+    // The `kernel` level's share daemon (MPS v3) of GPU 0 and a share's namespace on it, as
+    // the plugin makes them.
+    match a.command.as_str() {
+        "mps-start-v3" => {
+            let uuid = nvml(&a.driver_root)?.gpu_state(0)?.uuid;
+            control.start_v3(&a.uid, &uuid).await?;
+            return Ok(
+                json!({"started": true, "millis": started.elapsed().as_millis(),
+                "device": uuid, "pipeDirectory": control.pipe_dir(&a.uid),
+                "running": control.is_running(&a.uid).await}),
+            );
+        }
+        "mps-namespace" | "mps-namespace-delete" => {
+            let name = namespace_name(&a.claim);
+            if a.command == "mps-namespace-delete" {
+                control.delete_namespace(&a.uid, &name).await?;
+            } else {
+                let limits = NamespaceLimits {
+                    pinned_mib: a.pinned_mib.context("--pinned-mib")?,
+                    active_thread_percentage: a.threads,
+                };
+                control.set_namespace(&a.uid, &name, limits).await?;
+            }
+            return Ok(
+                json!({"namespace": name, "millis": started.elapsed().as_millis(),
+                "directory": control.namespace_dir(&a.uid, &name),
+                "namespaces": control.namespaces(&a.uid).await?}),
+            );
+        }
+        _ => {}
+    }
     let backend = nvml(&a.driver_root)?;
     let mut devices = Vec::new();
     for index in 0..backend.device_count()? {
@@ -233,8 +270,13 @@ fn main() -> anyhow::Result<()> {
     let out = match a.command.as_str() {
         "nvml" => probe_nvml(&a.driver_root)?,
         "mig" => probe_mig(&a.driver_root)?,
-        "mps-start" | "mps-stop" => tokio::runtime::Runtime::new()?.block_on(mps(&a))?,
-        other => bail!("unknown command {other}: nvml, mig, mps-start or mps-stop"),
+        "mps-start" | "mps-stop" | "mps-start-v3" | "mps-namespace" | "mps-namespace-delete" => {
+            tokio::runtime::Runtime::new()?.block_on(mps(&a))?
+        }
+        other => bail!(
+            "unknown command {other}: nvml, mig, mps-start, mps-stop, mps-start-v3, \
+             mps-namespace or mps-namespace-delete"
+        ),
     };
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())

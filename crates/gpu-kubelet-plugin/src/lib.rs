@@ -252,7 +252,8 @@ impl Publishing {
         match detected {
             Ok(Ok(kernel)) => {
                 info!(cgroup_root = %config.cgroup_root.display(),
-                    "shares of full GPUs are enforced at the kernel level: each share                      container's cgroup gets a hard GPU memory limit");
+                    "shares of full GPUs are enforced at the kernel level: each share container's cgroup \
+                     gets a hard GPU memory limit, each share its own MPS v3 namespace");
                 self.enforcement = gpu_inventory::shares::ShareEnforcement::Kernel;
                 Some(Arc::new(kernel))
             }

@@ -90,6 +90,10 @@ pub enum Unavailable {
         /// What else is required.
         hint: &'static str,
     },
+    /// The share daemons' MPS v3 namespace sockets would not fit a Unix socket path
+    /// ([`crate::mps::namespace_sockets_fit`]).
+    #[error("{0}")]
+    MpsSockets(String),
     /// The hook binary could not be installed.
     #[error("installing the CDI hook {from} as {to}: {source}")]
     Hook {
@@ -104,8 +108,9 @@ pub enum Unavailable {
 
 impl KernelMemory {
     /// The `kernel` level for `config` with `backend`, or why not: memory partitioning in the
-    /// driver, cgroup v2 at `config.cgroup_root` (with NVML, exactly `/sys/fs/cgroup`, the
-    /// driver's requirement), and, with `install`, the hook `config.cdi_hook_binary` copied to
+    /// driver (r615 and later, which also bring MPS v3), cgroup v2 at `config.cgroup_root`
+    /// (with NVML, exactly `/sys/fs/cgroup`, the driver's requirement), MPS v3 namespace sockets
+    /// that fit under `config.mps_root`, and, with `install`, the hook `config.cdi_hook_binary` copied to
     /// `<plugin dir>/bin/` (replaced atomically, mode 0755; `--dry-run` writes nothing).
     /// Blocking (NVML, file copies).
     ///
@@ -133,6 +138,9 @@ impl KernelMemory {
                 },
             });
         }
+        // The level's compute: the GPUs' share daemons on MPS v3, a namespace socket per share.
+        crate::mps::namespace_sockets_fit(&config.mps_root, config.mps_daemon_pods.is_some())
+            .map_err(Unavailable::MpsSockets)?;
         let dir = config.sockets.plugin_dir.join("bin");
         let hook = dir.join(HOOK_BINARY);
         if install_hook {

@@ -1,4 +1,6 @@
-//! The `kernel` enforcement level's memory limits, end to end below the kubelet: the plugin's
+//! The `kernel` enforcement level, end to end below the kubelet. Compute: each share gets its
+//! own MPS v3 namespace on its GPU's daemon, the only socket its containers reach (through the
+//! fake control tool, which speaks v3 as NVIDIA documents it). Memory: the plugin's
 //! detection, the CDI hook in a share's spec, the installed `drust-cdi-hook` binary run as a
 //! container runtime runs it (OCI state on stdin) for a real process in a real cgroup v2
 //! directory, the limit reaching the GPU backend for that cgroup, and unprepare and start-up
@@ -23,6 +25,7 @@ use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig, RecoveryRepo
 use gpu_kubelet_plugin::config::{Backend, Config};
 use gpu_kubelet_plugin::hardware::{BackendHardware, node_devices};
 use gpu_kubelet_plugin::memory_limits::{KernelMemory, Unavailable};
+use gpu_kubelet_plugin::mps::namespace_name;
 use gpu_kubelet_plugin::storage::RealFs;
 
 const SHARE: &str = "00000000-0000-4000-8000-0000000000";
@@ -456,6 +459,11 @@ fn the_kernel_level_needs_the_driver_and_cgroup_v2() {
     config.backend = Backend::Nvml { library: None };
     let err = KernelMemory::detect(&config, node.backend.as_ref(), false).expect_err("NVML");
     assert!(err.to_string().contains("/sys/fs/cgroup"), "{err}");
+    // MPS v3 namespace sockets that a daemon outside a Pod could not bind under a long root.
+    let mut config = node.config.clone();
+    config.mps_root = PathBuf::from("/var/lib/kubelet/plugins/gpu.drust.dev/mps-daemons");
+    let err = KernelMemory::detect(&config, node.backend.as_ref(), false).expect_err("long");
+    assert!(matches!(err, Unavailable::MpsSockets(_)), "{err}");
 }
 
 /// The same hook binary with the plugin's NVML backend (`--nvml-library`, the mock
@@ -577,4 +585,265 @@ async fn a_rebuild_while_the_api_server_is_down_keeps_the_limits_of_running_shar
     assert!(node.backend.memory_limits().contains_key(&key));
     assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
     assert!(node.backend.memory_limits().is_empty());
+}
+
+/// The share's container edits in the claim's CDI spec: its pipe directory mount and
+/// environment.
+fn share_edits(node: &Node, uid: &str) -> (String, Vec<String>) {
+    let path = node
+        .dir
+        .path()
+        .join("cdi")
+        .join(format!("{DRIVER}-claim_{uid}.json"));
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("spec")).expect("JSON");
+    let edits = &spec["devices"][0]["containerEdits"];
+    let pipe = edits["mounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .find(|m| m["containerPath"] == "/run/nvidia-mps")
+        .and_then(|m| m["hostPath"].as_str())
+        .expect("a pipe directory mount")
+        .to_owned();
+    let env = edits["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .filter_map(|e| e.as_str().map(str::to_owned))
+        .collect();
+    (pipe, env)
+}
+
+/// A fake CUDA client through pipe directory `pipe` with `env`: the line its namespace's
+/// daemon logs for it.
+fn attach(log: &Path, pipe: &str, env: &[(&str, &str)]) -> String {
+    use std::io::BufRead;
+    let before = std::fs::read_to_string(log).unwrap_or_default().len();
+    let mut client = Command::new(drust_fakes::mps_control())
+        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("client");
+    let mut stdin = client.stdin.take().expect("stdin");
+    stdin.write_all(b"fake_client_attach\n").expect("attach");
+    drop(stdin);
+    let mut line = String::new();
+    std::io::BufReader::new(client.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("read");
+    let _ = client.kill();
+    let _ = client.wait();
+    assert!(
+        line.starts_with("attached"),
+        "the client attached: {line:?}"
+    );
+    let text = std::fs::read_to_string(log).expect("log");
+    text[before..]
+        .lines()
+        .find(|l| l.starts_with("client attached"))
+        .expect("the daemon logged the client")
+        .to_owned()
+}
+
+/// At the `kernel` level each share on a GPU gets its own MPS v3 namespace with its limits,
+/// and its containers reach that namespace's socket alone: a client that raises its own
+/// variables is held to its share, and no tenant sees the daemon's control socket or another
+/// share's. A daemon killed under running shares is started again with every share's namespace
+/// in the directory the containers have mounted; a share's unprepare deletes its namespace, the
+/// last one stops the daemon.
+#[tokio::test]
+async fn shares_at_the_kernel_level_each_get_their_own_mps_namespace() {
+    use std::os::unix::fs::MetadataExt;
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let gpu = node.gpu(3);
+    let cluster = Shared::default();
+    let mut a = share_claim("a", "ua", &gpu.name, &format!("{SHARE}01"), "20Gi");
+    results_mut(&mut a)[0]
+        .consumed_capacity
+        .as_mut()
+        .expect("capacity")
+        .insert(
+            "computePercent".to_owned(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("30".into()),
+        );
+    cluster.put(a);
+    cluster.put(share_claim(
+        "b",
+        "ub",
+        &gpu.name,
+        &format!("{SHARE}02"),
+        "8Gi",
+    ));
+    let c = node.controller(cluster, Some(node.kernel())).await;
+    let r = c
+        .prepare(vec![claim_ref("a", "ua"), claim_ref("b", "ub")])
+        .await;
+    assert!(r["ua"].is_ok() && r["ub"].is_ok(), "{r:?}");
+
+    let mps = mps_control(&node.dir.path().join("mps"));
+    let key = gpu.raw.uuid.to_ascii_lowercase();
+    let log = node
+        .dir
+        .path()
+        .join("mps")
+        .join(&key)
+        .join("log/control.log");
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(text.contains("protocol=3 multiuser=true"), "{text}");
+    let (na, nb) = (namespace_name("ua"), namespace_name("ub"));
+    let rows = mps.namespaces(&key).await.expect("namespaces");
+    let row = |name: &str| {
+        rows.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, r)| r.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert!(
+        row(&na).starts_with(&format!("{na},drust,Ready,20480M,30,")),
+        "{rows:?}"
+    );
+    assert!(
+        row(&nb).starts_with(&format!("{nb},drust,Ready,8192M,-,")),
+        "{rows:?}"
+    );
+
+    // Each share's containers get their namespace's directory, holding one socket.
+    let (pipe_a, env_a) = share_edits(&node, "ua");
+    let (pipe_b, _) = share_edits(&node, "ub");
+    assert_eq!(pipe_a, mps.namespace_dir(&key, &na).display().to_string());
+    assert_eq!(pipe_b, mps.namespace_dir(&key, &nb).display().to_string());
+    assert!(env_a.contains(&"CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps".to_owned()));
+    for pipe in [&pipe_a, &pipe_b] {
+        let entries: Vec<String> = std::fs::read_dir(pipe)
+            .expect("namespace dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            entries,
+            ["control"],
+            "only the namespace's socket in {pipe}"
+        );
+    }
+    // A tenant that raises its variables gets its share's limits all the same.
+    let line = attach(
+        &log,
+        &pipe_a,
+        &[
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=81920M"),
+        ],
+    );
+    assert_eq!(
+        line,
+        format!(
+            "client attached namespace={na} pinned=0=81920M threads=100 ceiling pinned=20480M threads=30"
+        )
+    );
+    let line = attach(&log, &pipe_b, &[]);
+    assert!(
+        line.contains(&format!("namespace={nb}"))
+            && line.ends_with("ceiling pinned=8192M threads=100"),
+        "{line}"
+    );
+
+    // The daemon dies under both shares: the periodic check starts it again, with both
+    // namespaces, in the very directories the containers have mounted.
+    let inode = |p: &str| std::fs::metadata(p).expect("dir").ino();
+    let (ino_a, ino_b) = (inode(&pipe_a), inode(&pipe_b));
+    let pid = text
+        .lines()
+        .find_map(|l| l.split("pid=").nth(1)?.split_whitespace().next())
+        .expect("the daemon's pid")
+        .to_owned();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pid])
+            .status()
+            .expect("kill")
+            .success()
+    );
+    for _ in 0..100 {
+        if mps.liveness(&key).await != gpu_kubelet_plugin::mps::Liveness::Answering {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let restarted = c.restart_dead_daemons().await;
+    assert!(!restarted.is_empty(), "the dead daemon was started again");
+    assert_eq!(mps.namespaces(&key).await.expect("namespaces").len(), 2);
+    assert_eq!((inode(&pipe_a), inode(&pipe_b)), (ino_a, ino_b));
+    let line = attach(&log, &pipe_a, &[]);
+    assert!(line.ends_with("ceiling pinned=20480M threads=30"), "{line}");
+
+    // Unprepare a: its namespace and directory go; b's daemon stays.
+    assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
+    let names: Vec<String> = mps
+        .namespaces(&key)
+        .await
+        .expect("namespaces")
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, std::slice::from_ref(&nb));
+    assert!(!Path::new(&pipe_a).exists());
+    let line = attach(&log, &pipe_b, &[]);
+    assert!(line.contains(&format!("namespace={nb}")), "{line}");
+    // The last share stops the daemon.
+    assert!(c.unprepare(vec![claim_ref("b", "ub")]).await["ub"].is_ok());
+    assert!(!node.dir.path().join("mps").join(&key).exists());
+}
+
+/// Start-up deletes the MPS v3 namespaces of claims it does not keep (a share whose record went
+/// while its namespace stayed) and keeps the kept claims'.
+#[tokio::test]
+async fn start_up_deletes_the_namespaces_of_claims_it_does_not_keep() {
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let gpu = node.gpu(4);
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "kept",
+        "uk",
+        &gpu.name,
+        &format!("{SHARE}03"),
+        "10Gi",
+    ));
+    let c = node.controller(cluster.clone(), Some(node.kernel())).await;
+    assert!(c.prepare(vec![claim_ref("kept", "uk")]).await["uk"].is_ok());
+    let mps = mps_control(&node.dir.path().join("mps"));
+    let key = gpu.raw.uuid.to_ascii_lowercase();
+    mps.set_namespace(
+        &key,
+        &namespace_name("gone"),
+        gpu_kubelet_plugin::mps::NamespaceLimits {
+            pinned_mib: 1024,
+            active_thread_percentage: None,
+        },
+    )
+    .await
+    .expect("an orphan's namespace");
+    c.quiesce().await;
+    drop(c);
+
+    let (_again, report) = node.start(cluster, Some(node.kernel())).await;
+    assert!(
+        report
+            .orphans_removed
+            .contains(&format!("{key}/{}", namespace_name("gone"))),
+        "{report:?}"
+    );
+    let names: Vec<String> = mps
+        .namespaces(&key)
+        .await
+        .expect("namespaces")
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, [namespace_name("uk")]);
+    assert!(!mps.namespace_dir(&key, &namespace_name("gone")).exists());
 }

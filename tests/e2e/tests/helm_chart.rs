@@ -16,7 +16,7 @@ use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
-use gpu_kubelet_plugin::mps::{DaemonPods, DaemonSetOwner, MpsControl};
+use gpu_kubelet_plugin::mps::{DaemonPods, DaemonSetOwner, MpsControl, Protocol};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
@@ -734,7 +734,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         ..Default::default()
     };
     let own = mps("gpu-node-a", IMAGE)?
-        .daemon_pod(uid, "GPU-0")
+        .daemon_pod(uid, "GPU-0", Protocol::Legacy)
         .await?
         .context("a pod")?;
     ensure!(
@@ -751,13 +751,22 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         .create(&dry, &own)
         .await
         .context("the plugin may create its MPS daemon Pod on its own node")?;
+    // The `kernel` level's share daemons run on MPS v3: the same Pod with `-p 3 -m`.
+    let v3 = mps("gpu-node-a", IMAGE)?
+        .daemon_pod(uid, "GPU-0", Protocol::V3)
+        .await?
+        .context("a pod")?;
+    daemon_pods
+        .create(&dry, &v3)
+        .await
+        .context("the plugin may create its MPS v3 daemon Pod on its own node")?;
     denied(
         "create an MPS daemon Pod on gpu-node-b",
         daemon_pods
             .create(
                 &dry,
                 &mps("gpu-node-b", IMAGE)?
-                    .daemon_pod(uid, "GPU-0")
+                    .daemon_pod(uid, "GPU-0", Protocol::Legacy)
                     .await?
                     .context("a pod")?,
             )
@@ -773,7 +782,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             .create(
                 &dry,
                 &mps("gpu-node-a", "busybox")?
-                    .daemon_pod(uid, "GPU-0")
+                    .daemon_pod(uid, "GPU-0", Protocol::Legacy)
                     .await?
                     .context("a pod")?,
             )
@@ -782,7 +791,16 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     )?;
     // Each escalation the issue names, as a change to the plugin's own Pod.
     type Change = fn(&mut Value);
-    let escalations: [(&str, Change, &str); 14] = [
+    let escalations: [(&str, Change, &str); 15] = [
+        (
+            "run the daemon with flags of its own choosing",
+            |p| {
+                if let Some(c) = p["spec"]["containers"][0]["command"].as_array_mut() {
+                    c.push(json!("-S"));
+                }
+            },
+            "runs exactly",
+        ),
         (
             "run as the plugin's ServiceAccount",
             |p| p["spec"]["serviceAccountName"] = json!(SERVICE_ACCOUNT),

@@ -1164,7 +1164,9 @@ async fn a_kernel_level_share_gets_its_memory_limit_on_the_containers_own_cgroup
     )?;
     let real = RealNode::start_as(
         topology.to_str().context("utf-8 path")?,
-        "drust-real-node-kernel-",
+        // Short: the daemon (outside a Pod here) binds the namespace sockets under the host
+        // root, and a socket path has at most 107 bytes.
+        "drust-k-",
         None,
         DRIVER,
         &[
@@ -1182,7 +1184,11 @@ async fn a_kernel_level_share_gets_its_memory_limit_on_the_containers_own_cgroup
         &repo_path("deploy/deviceclasses/gpu-share.yaml"),
     )
     .await?;
-    let script = "(env -i /bin/sleep 601) & exec /bin/sleep 600";
+    // A CUDA client (the fake tool) that raises its own limits, through the pipe directory the
+    // share was given; then the processes the cgroup check looks for.
+    let script = "(echo fake_client_attach | CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 \
+        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=81920M /usr/local/bin/fake-cuda-client > /tmp/attached &); \
+        (env -i /bin/sleep 601) & exec /bin/sleep 600";
     let yaml = format!(
         r#"apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate
@@ -1271,6 +1277,47 @@ spec:
         marked >= 1 && bare == 1,
         "cgroup {} holds {procs:?}: {marked} with the container's environment, {bare} without any",
         cgroup.display()
+    );
+    // Compute: the GPU's daemon runs on MPS v3 and the share has its own namespace, the only
+    // socket in the container's pipe directory; the client that raised its variables is held
+    // to the namespace's limits.
+    let claim_uid = claim_uid_of(
+        &pods.get("limited").await?,
+        &Api::<ResourceClaim>::namespaced(real.client.clone(), "default"),
+    )
+    .await?;
+    let namespace = gpu_kubelet_plugin::mps::namespace_name(&claim_uid);
+    let pid = procs
+        .split_whitespace()
+        .next()
+        .context("a process of the container")?;
+    let seen: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root/run/nvidia-mps"))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    ensure!(
+        seen == ["control"],
+        "the container's pipe directory holds {seen:?}, not its namespace's socket alone"
+    );
+    let daemon_log = drust_e2e::wait::until("the client attached", TIMEOUT, || async {
+        let mut logs = String::new();
+        for daemon in std::fs::read_dir(real.host.root().join("mps"))
+            .map_err(|e| e.to_string())?
+            .flatten()
+        {
+            logs +=
+                &std::fs::read_to_string(daemon.path().join("log/control.log")).unwrap_or_default();
+        }
+        Ok(logs.contains("client attached").then_some(logs))
+    })
+    .await?;
+    let want = format!(
+        "client attached namespace={namespace} pinned=0=81920M threads=100 \
+         ceiling pinned=19456M threads=100"
+    );
+    ensure!(
+        daemon_log.contains("options protocol=3 multiuser=true") && daemon_log.contains(&want),
+        "the daemon's log lacks v3 and {want:?}:\n{daemon_log}"
     );
 
     pods.delete("limited", &DeleteParams::default()).await?;

@@ -326,7 +326,14 @@ pub(crate) fn spec(
             })?;
         let mut edits = match mps.shares.get(d.name()) {
             Some((key, memory, compute)) => {
-                let mut edits = mps.control.share_edits(key, *memory, *compute);
+                // The `kernel` level runs the device's daemon on MPS v3: the share's own
+                // namespace socket, nothing else of the daemon's.
+                let mut edits = match mps.kernel {
+                    Some(_) => mps
+                        .control
+                        .namespace_edits(key, &claim.uid, *memory, *compute),
+                    None => mps.control.share_edits(key, *memory, *compute),
+                };
                 // NVML refuses MIG handles; a MIG device's partition bounds its shares.
                 if let Some(kernel) = mps.kernel.filter(|_| !d.is_mig()) {
                     edits.hooks.push(kernel.hook(&claim.uid, uuid, *memory));

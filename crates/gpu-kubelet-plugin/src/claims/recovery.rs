@@ -278,6 +278,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
+        // MPS v3 namespaces of claims not kept, on the daemons kept.
+        if inner.config.kernel_memory.is_some() {
+            let removed = self.remove_orphan_namespaces(&share_daemons, &kept).await;
+            report.orphans_removed.extend(removed);
+        }
+
         report.compute_modes_restored = self.restore_compute_modes(node).await;
     }
 
@@ -566,7 +572,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 let (mut sharing, mut share) = (None, None);
                 if daemon.as_deref() == Some(mps.pipe_dir(&claim.uid).as_path()) {
                     sharing = Some(Sharing::Mps(crate::claim_config::MpsLimits::default()));
-                } else if daemon.as_deref() == Some(mps.pipe_dir(&share_key).as_path()) {
+                } else if daemon
+                    .as_deref()
+                    .is_some_and(|p| p.starts_with(mps.pipe_dir(&share_key)))
+                {
+                    // The daemon's pipe directory, or (MPS v3) the share's namespace in it.
                     share = Some(crate::checkpoint::RecordedShare {
                         id: String::new(),
                         memory_bytes: env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")

@@ -21,6 +21,12 @@
 //!   share's prepare before its containers start and lowered when a share goes. Legacy MPS runs
 //!   one server for all shares of a GPU, so this is the strongest server-side limit it allows:
 //!   a tenant that raises its own variables gets at most the largest share, not the GPU.
+//! - At the `kernel` level (the controller has [`crate::memory_limits::KernelMemory`]) the
+//!   daemon runs on MPS v3 instead: no ceiling and no `start_server`; each share gets its own
+//!   namespace with its limits (set at its prepare, deleted at its unprepare; all recorded
+//!   shares' namespaces set again when a dead daemon is started again), and its containers
+//!   reach only that namespace's socket ([`crate::mps::MpsControl::namespace_edits`]).
+//!   Start-up deletes the namespaces of claims it does not keep.
 //! - A share holding the whole device (a request without capacity) runs without MPS.
 //! - Start-up keeps the daemons of recorded shares (and starts a lost one again); a daemon no
 //!   share needs is stopped as an orphan.
@@ -94,15 +100,38 @@ fn shares_of<'r>(
     except: &str,
     extra: Option<&'r RecordedShare>,
 ) -> Vec<&'r RecordedShare> {
+    claims_on(checkpoint, key, except)
+        .into_iter()
+        .map(|(_, s)| s)
+        .chain(extra)
+        .collect()
+}
+
+/// The claims with a share recorded in `checkpoint` under daemon `key` (leaving out claim
+/// `except` and claims being unprepared): UID and share.
+fn claims_on<'r>(
+    checkpoint: &'r Checkpoint,
+    key: &str,
+    except: &str,
+) -> Vec<(&'r str, &'r RecordedShare)> {
     checkpoint
         .claims
         .iter()
         .filter(|(uid, r)| uid.as_str() != except && r.state != ClaimState::UnprepareStarted)
-        .flat_map(|(_, r)| mps_shares(&r.devices))
-        .filter(|d| daemon_key(&d.uuid) == key)
-        .filter_map(|d| d.share.as_ref())
-        .chain(extra)
+        .flat_map(|(uid, r)| mps_shares(&r.devices).map(move |d| (uid.as_str(), d)))
+        .filter(|(_, d)| daemon_key(&d.uuid) == key)
+        .filter_map(|(uid, d)| Some((uid, d.share.as_ref()?)))
         .collect()
+}
+
+/// A share's MPS v3 namespace limits: its memory (whole MiB, rounded down) and its thread
+/// percentage (none when it reserved no compute).
+fn namespace_limits(share: &RecordedShare) -> crate::mps::NamespaceLimits {
+    crate::mps::NamespaceLimits {
+        pinned_mib: (share.memory_bytes >> 20).max(1),
+        active_thread_percentage: (share.compute_percent > 0)
+            .then(|| share.compute_percent.min(100)),
+    }
 }
 
 /// Refuses the shares among a claim's planned `devices` (with their sharing resolved; the index
@@ -190,7 +219,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 claim: claim.clone(),
                 source,
             };
+            let v3 = self.inner.config.kernel_memory.is_some();
             match mps.liveness(&key).await {
+                Liveness::Answering if v3 => {
+                    if let Some(share) = &d.share {
+                        self.set_namespace(claim, &key, &claim.uid, share).await?;
+                    }
+                    continue;
+                }
                 Liveness::Answering => {
                     self.set_ceiling(claim, &key, d.share.as_ref(), None)
                         .await?;
@@ -211,7 +247,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             // No CUDA process may bypass the daemon ([`super::exclusive`]).
             self.compute_mode_locked(claim, &d.device_name, ComputeMode::ExclusiveProcess)
                 .await?;
-            if let Err(e) = mps.start(&key, &served, None).await {
+            let start = if v3 {
+                mps.start_v3(&key, &d.uuid).await
+            } else {
+                mps.start(&key, &served, None).await
+            };
+            if let Err(e) = start {
                 if let Err(e) = self
                     .compute_mode_locked(claim, &d.device_name, ComputeMode::Default)
                     .await
@@ -222,8 +263,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 return Err(mps_error(e));
             }
             started = true;
-            info!(claim = %claim, device = %d.device_name, daemon = %key,
+            info!(claim = %claim, device = %d.device_name, daemon = %key, v3,
                 "started the device's MPS daemon");
+            if v3 {
+                self.set_all_namespaces(claim, &key, d.share.as_ref())
+                    .await?;
+                continue;
+            }
             self.set_ceiling(claim, &key, d.share.as_ref(), None)
                 .await?;
             // Root's server at once, with the ceiling as its defaults, so that it holds the
@@ -249,6 +295,22 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let key = daemon_key(&d.uuid);
             let _guard = self.share_lock(&d.device_name).await;
             let needed = needed_daemons(&*self.inner.journal.records().await, Some(&claim.uid));
+            if needed.contains(&key) && self.inner.config.kernel_memory.is_some() {
+                // The share's namespace goes with it; the daemon serves the others.
+                let name = crate::mps::namespace_name(&claim.uid);
+                self.inner
+                    .config
+                    .mps
+                    .delete_namespace(&key, &name)
+                    .await
+                    .map_err(|source| ClaimError::Mps {
+                        claim: claim.clone(),
+                        source,
+                    })?;
+                info!(claim = %claim, daemon = %key, namespace = %name,
+                    "deleted the share's MPS namespace");
+                continue;
+            }
             if needed.contains(&key) {
                 // The others' ceiling, for clients connecting from now on; the share going
                 // needs none, so a failure only leaves the higher ceiling.
@@ -303,6 +365,121 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             })?;
         info!(claim = %claim, daemon = %key, %ceiling, "set the device's MPS ceiling");
         Ok(())
+    }
+
+    /// Makes the MPS v3 namespace of claim `uid`'s `share` on daemon `key` hold the share's
+    /// limits ([`crate::mps::MpsControl::set_namespace`]); under the GPU's lock (the caller's).
+    async fn set_namespace(
+        &self,
+        claim: &ClaimRef,
+        key: &str,
+        uid: &str,
+        share: &RecordedShare,
+    ) -> Result<(), ClaimError> {
+        let mps_error = |source| ClaimError::Mps {
+            claim: claim.clone(),
+            source,
+        };
+        let name = crate::mps::namespace_name(uid);
+        let limits = namespace_limits(share);
+        self.inner
+            .config
+            .mps
+            .set_namespace(key, &name, limits)
+            .await
+            .map_err(mps_error)?;
+        info!(claim = %claim, daemon = %key, namespace = %name, ?limits,
+            "set the share's MPS namespace");
+        Ok(())
+    }
+
+    /// After daemon `key` started (again): the namespaces of every share recorded on it and of
+    /// `claim`'s own `share`, so that the running shares' containers find theirs again where
+    /// they have it mounted. Another claim's failure is logged (its own revival retries it);
+    /// `claim`'s fails the call.
+    async fn set_all_namespaces(
+        &self,
+        claim: &ClaimRef,
+        key: &str,
+        share: Option<&RecordedShare>,
+    ) -> Result<(), ClaimError> {
+        let others: Vec<(String, RecordedShare)> = {
+            let checkpoint = self.inner.journal.records().await;
+            claims_on(&checkpoint, key, &claim.uid)
+                .into_iter()
+                .map(|(uid, s)| (uid.to_owned(), s.clone()))
+                .collect()
+        };
+        for (uid, s) in &others {
+            if let Err(e) = self.set_namespace(claim, key, uid, s).await {
+                tracing::warn!(claim = %uid, daemon = %key, error = %e,
+                    "restoring a share's MPS namespace after its daemon started failed; \
+                     retried when that claim's daemon is checked");
+            }
+        }
+        match share {
+            Some(s) => self.set_namespace(claim, key, &claim.uid, s).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Deletes the MPS v3 namespaces on the share daemons `keys` that no claim in `kept` owns
+    /// (a claim unprepared while the plugin was down). Returns what was deleted, as
+    /// `<daemon>/<namespace>`; failures are logged and retried at the next start.
+    pub(super) async fn remove_orphan_namespaces(
+        &self,
+        keys: &BTreeSet<String>,
+        kept: &[String],
+    ) -> Vec<String> {
+        let mps = &self.inner.config.mps;
+        let owned: BTreeSet<String> = kept
+            .iter()
+            .map(|uid| crate::mps::namespace_name(uid))
+            .collect();
+        let mut removed = Vec::new();
+        for key in keys {
+            if mps.liveness(key).await != Liveness::Answering {
+                continue;
+            }
+            let names = match mps.namespaces(key).await {
+                Ok(names) => names,
+                Err(e) => {
+                    tracing::warn!(daemon = %key, error = %e,
+                        "listing a share daemon's MPS namespaces failed; retried at the next start");
+                    continue;
+                }
+            };
+            let device = {
+                let catalogue = self.catalogue();
+                catalogue
+                    .devices
+                    .iter()
+                    .chain(&catalogue.retired)
+                    .find(|(_, d)| daemon_key(d.visible_id()) == *key)
+                    .map_or_else(|| key.clone(), |(name, _)| name.clone())
+            };
+            for (name, _) in names.into_iter().filter(|(n, _)| !owned.contains(n)) {
+                let _guard = self.share_lock(&device).await;
+                // Re-checked under the lock: a claim prepared meanwhile owns its namespace.
+                let owner = self
+                    .inner
+                    .journal
+                    .records()
+                    .await
+                    .claims
+                    .keys()
+                    .any(|uid| crate::mps::namespace_name(uid) == name);
+                if owner {
+                    continue;
+                }
+                match mps.delete_namespace(key, &name).await {
+                    Ok(()) => removed.push(format!("{key}/{name}")),
+                    Err(e) => tracing::warn!(daemon = %key, namespace = %name, error = %e,
+                        "deleting an orphaned MPS namespace failed; retried at the next start"),
+                }
+            }
+        }
+        removed
     }
 
     /// The lock of the GPU behind device `name` (the device itself when unknown), taken before

@@ -38,22 +38,35 @@
 //!
 //! Without [`DaemonPods`] (plugins run outside Kubernetes, tests), the daemon is started with
 //! `-d` in the plugin's process tree and dies with the plugin's container.
+//!
+//! # Protocols
+//!
+//! Per-claim daemons and the `mps` level's share daemons speak legacy MPS ([`Protocol`]). At the
+//! `kernel` level a GPU's share daemon runs on MPS v3 ([`MpsControl::start_v3`], the daemon Pod's
+//! command gains `-p 3 -m`), and each share gets its own namespace (`v3.rs`'s module docs). The
+//! daemon's protocol is recorded in its directory, so every later call speaks it.
+//!
+//! The Pod ([`DaemonPods`], `pod.rs`) and the v3 namespaces (`v3.rs`) live in their own files.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::PostParams;
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use tracing::{info, warn};
 
 use crate::cdi::{ContainerEdits, Mount};
+
+mod pod;
+mod v3;
+
+pub use pod::{DaemonPods, DaemonSetOwner};
+pub use v3::{NamespaceLimits, V3_SERVER, namespace_name, namespace_sockets_fit};
 
 /// Where containers see the claim's MPS pipe directory.
 pub const CONTAINER_PIPE_DIR: &str = "/run/nvidia-mps";
@@ -68,6 +81,21 @@ pub struct MpsDevice {
     pub pinned_memory_limit_bytes: Option<u64>,
 }
 
+/// The control protocol a daemon speaks (NVIDIA's MPS guide, "MPS v3 Interface"). Recorded in
+/// the daemon's directory (`protocol`, holding `3` for v3) before it starts, so that whoever
+/// finds the daemon later (a restarted plugin, the next instance of a rolling update) speaks
+/// to it in its own protocol, whatever the node's level is by then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// Legacy MPS (v2): commands on the tool's stdin; one server per Linux user; limits as
+    /// daemon defaults and per server.
+    Legacy,
+    /// MPS v3 (driver r615 and later): `module verb` commands as the tool's arguments, named
+    /// servers with namespaces, each namespace its own socket and limits. The daemon runs with
+    /// `-p 3 -m` (multiuser: one root-owned server serves clients of every user).
+    V3,
+}
+
 /// How MPS daemons are run on this node.
 #[derive(Debug, Clone)]
 pub struct MpsControl {
@@ -80,61 +108,6 @@ pub struct MpsControl {
     pub start_timeout: Duration,
     /// Run each daemon in its own Pod (survives plugin restarts); `None`: as a child process.
     pub pods: Option<DaemonPods>,
-}
-
-/// Where and how daemon Pods run.
-#[derive(Clone)]
-pub struct DaemonPods {
-    /// The API server.
-    pub client: kube::Client,
-    /// Namespace of the daemon Pods (the plugin's own).
-    pub namespace: String,
-    /// This node: the Pods' `spec.nodeName`.
-    pub node_name: String,
-    /// Image with `chroot` (the plugin's own image).
-    pub image: String,
-    /// `imagePullPolicy` of that image.
-    pub pull_policy: String,
-    /// `priorityClassName` of the Pods, if any.
-    pub priority_class: Option<String>,
-    /// The driver root on the host (mounted at `/driver-root`, the daemon's root).
-    pub host_driver_root: PathBuf,
-    /// `nvidia-cuda-mps-control` inside the driver root.
-    pub daemon_binary: PathBuf,
-    /// The DaemonSet of the plugin (in `namespace`), named in each Pod's `ownerReferences` so
-    /// that deleting it (`helm uninstall`) deletes the daemons too (garbage collection); `None`:
-    /// no owner (plugins run outside the chart).
-    pub owner: Option<DaemonSetOwner>,
-}
-
-/// The plugin's DaemonSet as the owner of daemon Pods: its name, and its UID once looked up
-/// (`GET`, at the first daemon Pod; the chart's RBAC allows exactly that one object).
-#[derive(Debug, Clone)]
-pub struct DaemonSetOwner {
-    name: String,
-    uid: Arc<tokio::sync::OnceCell<String>>,
-}
-
-impl DaemonSetOwner {
-    /// The DaemonSet `name`.
-    pub fn new(name: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            uid: Arc::default(),
-        }
-    }
-}
-
-impl std::fmt::Debug for DaemonPods {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DaemonPods")
-            .field("namespace", &self.namespace)
-            .field("node_name", &self.node_name)
-            .field("image", &self.image)
-            .field("host_driver_root", &self.host_driver_root)
-            .field("owner", &self.owner)
-            .finish_non_exhaustive()
-    }
 }
 
 /// Label on every daemon Pod naming the claim it serves (for a GPU's share daemon: the GPU's
@@ -264,6 +237,29 @@ impl MpsControl {
         self.claim_dir(uid).join("shm")
     }
 
+    /// `<root>/<uid>/protocol`: `3` for a v3 daemon; absent for a legacy one ([`Protocol`]).
+    fn protocol_file(&self, uid: &str) -> PathBuf {
+        self.claim_dir(uid).join("protocol")
+    }
+
+    /// Whether daemon `uid`'s directory exists, and the protocol recorded there. Blocking work
+    /// off the async workers.
+    async fn recorded(&self, uid: &str) -> Result<Option<Protocol>, MpsError> {
+        let (dir, file) = (self.claim_dir(uid), self.protocol_file(uid));
+        off_workers(&dir.clone(), move || {
+            if !dir.exists() {
+                return Ok(None);
+            }
+            match std::fs::read_to_string(&file) {
+                Ok(text) if text.trim() == "3" => Ok(Some(Protocol::V3)),
+                Ok(_) => Ok(Some(Protocol::Legacy)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Some(Protocol::Legacy)),
+                Err(source) => Err(MpsError::Dir { path: file, source }),
+            }
+        })
+        .await
+    }
+
     /// The name of the Pod running the daemon of claim `uid`.
     pub fn pod_name(uid: &str) -> String {
         format!("mps-control-daemon-{uid}")
@@ -271,11 +267,17 @@ impl MpsControl {
 
     /// The CDI edits that connect a container to the claim's daemon.
     pub fn container_edits(&self, uid: &str) -> ContainerEdits {
+        self.client_edits(uid, &self.pipe_dir(uid))
+    }
+
+    /// The CDI edits that connect a container to daemon `uid` through the socket directory
+    /// `pipe` (its pipe directory, or one namespace's), with the daemon's shared memory.
+    fn client_edits(&self, uid: &str, pipe: &Path) -> ContainerEdits {
         ContainerEdits {
             env: vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")],
             mounts: vec![
                 Mount {
-                    host_path: self.pipe_dir(uid).display().to_string(),
+                    host_path: pipe.display().to_string(),
                     container_path: CONTAINER_PIPE_DIR.to_owned(),
                     options: vec!["rbind".into(), "rw".into()],
                 },
@@ -301,7 +303,15 @@ impl MpsControl {
         memory_bytes: u64,
         compute_percent: u32,
     ) -> ContainerEdits {
-        let mut edits = self.container_edits(key);
+        Self::with_share_env(self.container_edits(key), memory_bytes, compute_percent)
+    }
+
+    /// `edits` with a share's client limits in the environment ([`Self::share_edits`]).
+    fn with_share_env(
+        mut edits: ContainerEdits,
+        memory_bytes: u64,
+        compute_percent: u32,
+    ) -> ContainerEdits {
         edits.env.push(format!(
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
             (memory_bytes >> 20).max(1)
@@ -332,6 +342,32 @@ impl MpsControl {
         devices: &[MpsDevice],
         active_thread_percentage: Option<u32>,
     ) -> Result<(), MpsError> {
+        self.start_daemon(uid, devices, active_thread_percentage, Protocol::Legacy)
+            .await
+    }
+
+    /// Starts daemon `uid` for the one device `uuid` on MPS v3 ([`Protocol::V3`]) and creates
+    /// its server, [`V3_SERVER`], owned by root and allowed that device only; the device's
+    /// shares then get namespaces ([`Self::set_namespace`]). As [`Self::start`] otherwise:
+    /// directories are never removed or recreated here.
+    ///
+    /// # Errors
+    /// As [`Self::start`], and [`MpsError::Failed`] when the server cannot be created.
+    pub async fn start_v3(&self, uid: &str, uuid: &str) -> Result<(), MpsError> {
+        let device = MpsDevice {
+            uuid: uuid.to_owned(),
+            pinned_memory_limit_bytes: None,
+        };
+        self.start_daemon(uid, &[device], None, Protocol::V3).await
+    }
+
+    async fn start_daemon(
+        &self,
+        uid: &str,
+        devices: &[MpsDevice],
+        active_thread_percentage: Option<u32>,
+        protocol: Protocol,
+    ) -> Result<(), MpsError> {
         match self.liveness(uid).await {
             Liveness::Answering => self.halt(uid, true).await?,
             Liveness::Dead => self.halt(uid, false).await?,
@@ -352,6 +388,7 @@ impl MpsControl {
             (log.clone(), 0o755),
             (self.shm_dir(uid), 0o1777),
         ];
+        let protocol_file = self.protocol_file(uid);
         // Directory work blocks on a slow disk: off the async workers.
         let created = off_workers(&self.claim_dir(uid), move || {
             let created = !dirs[0].0.exists();
@@ -362,11 +399,29 @@ impl MpsControl {
                     })
                     .map_err(|source| MpsError::Dir { path: dir, source })?;
             }
+            let recorded = match protocol {
+                Protocol::V3 => std::fs::write(&protocol_file, "3\n"),
+                Protocol::Legacy => match std::fs::remove_file(&protocol_file) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                    other => other,
+                },
+            };
+            recorded.map_err(|source| MpsError::Dir {
+                path: protocol_file,
+                source,
+            })?;
             Ok(created)
         })
         .await?;
         let result = self
-            .start_in(uid, &pipe, &log, devices, active_thread_percentage)
+            .start_in(
+                uid,
+                &pipe,
+                &log,
+                devices,
+                active_thread_percentage,
+                protocol,
+            )
             .await;
         if result.is_err() {
             let cleanup = if created {
@@ -388,12 +443,13 @@ impl MpsControl {
         log: &Path,
         devices: &[MpsDevice],
         active_thread_percentage: Option<u32>,
+        protocol: Protocol,
     ) -> Result<(), MpsError> {
         let started = tokio::time::Instant::now();
         let visible_ids: Vec<&str> = devices.iter().map(|d| d.uuid.as_str()).collect();
         if let Some(pods) = &self.pods {
             let owner = self.owner_uid(pods, uid).await?;
-            let pod = self.build_daemon_pod(pods, uid, &visible_ids.join(","), owner)?;
+            let pod = self.build_daemon_pod(pods, uid, &visible_ids.join(","), owner, protocol)?;
             self.pod_call(pods, uid, "create", async {
                 Api::<Pod>::namespaced(pods.client.clone(), &pods.namespace)
                     .create(&PostParams::default(), &pod)
@@ -406,8 +462,9 @@ impl MpsControl {
             let mut daemon = Command::new("sh");
             daemon
                 .arg("-c")
-                .arg("umask 022 && exec \"$0\" -d")
+                .arg("umask 022 && exec \"$0\" -d \"$@\"")
                 .arg(&self.binary)
+                .args(protocol.daemon_args())
                 .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
                 .env("CUDA_MPS_LOG_DIRECTORY", log)
                 .env("CUDA_VISIBLE_DEVICES", visible_ids.join(","));
@@ -416,7 +473,7 @@ impl MpsControl {
         // Bounded start: poll until the daemon answers.
         let deadline = started + self.start_timeout;
         loop {
-            if self.command(pipe, "get_server_list").await.is_ok() {
+            if self.probe(pipe, protocol).await.is_ok() {
                 break;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -432,6 +489,15 @@ impl MpsControl {
                 });
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if protocol == Protocol::V3 {
+            self.create_server(pipe, &visible_ids.join(",")).await?;
+            info!(
+                claim = uid,
+                elapsed_ms = started.elapsed().as_millis(),
+                "MPS control daemon (v3) started"
+            );
+            return Ok(());
         }
         // Each device its own limit, by its ordinal among the visible devices; MPS takes whole
         // MiB, rounded down so the limit is never exceeded.
@@ -583,15 +649,15 @@ impl MpsControl {
         self.liveness(uid).await == Liveness::Answering
     }
 
-    /// Whether the daemon of claim `uid` is alive ([`Liveness`]): one `get_server_list`.
+    /// Whether the daemon of claim `uid` is alive ([`Liveness`]): one `get_server_list`
+    /// (`server list` on v3).
     pub async fn liveness(&self, uid: &str) -> Liveness {
-        let dir = self.claim_dir(uid);
-        match off_workers(&dir.clone(), move || Ok(dir.exists())).await {
-            Ok(false) => return Liveness::Dead,
-            Ok(true) => {}
+        let protocol = match self.recorded(uid).await {
+            Ok(None) => return Liveness::Dead,
+            Ok(Some(p)) => p,
             Err(e) => return Liveness::Unknown(e.to_string()),
-        }
-        match self.command(&self.pipe_dir(uid), "get_server_list").await {
+        };
+        match self.probe(&self.pipe_dir(uid), protocol).await {
             Ok(_) => Liveness::Answering,
             // The tool ran and said no daemon answers.
             Err(MpsError::Failed { .. }) => Liveness::Dead,
@@ -627,11 +693,15 @@ impl MpsControl {
     /// its Pod, keeping its directories.
     async fn halt(&self, uid: &str, quit: bool) -> Result<(), MpsError> {
         let pipe = self.pipe_dir(uid);
-        if quit && self.command(&pipe, "get_server_list").await.is_ok() {
+        let protocol = self.recorded(uid).await?.unwrap_or(Protocol::Legacy);
+        if quit && self.probe(&pipe, protocol).await.is_ok() {
             // The answer to quit may never come: the daemon exits.
-            let _ = self.command(&pipe, "quit").await;
+            let _ = match protocol {
+                Protocol::Legacy => self.command(&pipe, "quit").await,
+                Protocol::V3 => self.v3_command(&pipe, &["-q"]).await,
+            };
             let deadline = tokio::time::Instant::now() + self.start_timeout;
-            while self.command(&pipe, "get_server_list").await.is_ok() {
+            while self.probe(&pipe, protocol).await.is_ok() {
                 if tokio::time::Instant::now() >= deadline {
                     return Err(MpsError::Timeout {
                         pipe_dir: pipe,
@@ -646,204 +716,33 @@ impl MpsControl {
         self.delete_pod(uid).await
     }
 
-    /// The Pod that runs the daemon of claim `uid` for `visible_ids` (comma-separated GPU or
-    /// MIG UUIDs), as [`Self::start`] creates it (see the module docs; its owner looked up as
-    /// there); `None` without [`DaemonPods`].
-    ///
-    /// # Errors
-    /// [`MpsError::Pod`] if the owner cannot be looked up or the Pod cannot be built (a bug).
-    pub async fn daemon_pod(&self, uid: &str, visible_ids: &str) -> Result<Option<Pod>, MpsError> {
-        match &self.pods {
-            Some(pods) => {
-                let owner = self.owner_uid(pods, uid).await?;
-                self.build_daemon_pod(pods, uid, visible_ids, owner)
-                    .map(Some)
-            }
-            None => Ok(None),
-        }
-    }
-
-    /// The UID of the owning DaemonSet ([`DaemonPods::owner`]), looked up once.
-    async fn owner_uid<'p>(
-        &self,
-        pods: &'p DaemonPods,
-        uid: &str,
-    ) -> Result<Option<(&'p str, &'p str)>, MpsError> {
-        let Some(owner) = &pods.owner else {
-            return Ok(None);
-        };
-        let found = owner
-            .uid
-            .get_or_try_init(|| async {
-                let api = Api::<DaemonSet>::namespaced(pods.client.clone(), &pods.namespace);
-                let problem =
-                    match tokio::time::timeout(self.start_timeout, api.get(&owner.name)).await {
-                        Ok(Ok(ds)) => match ds.metadata.uid {
-                            Some(uid) => return Ok(uid),
-                            None => "the DaemonSet has no UID".to_owned(),
-                        },
-                        Ok(Err(e)) => e.to_string(),
-                        Err(_) => format!("no answer within {} ms", self.start_timeout.as_millis()),
-                    };
-                Err(MpsError::Pod {
-                    namespace: pods.namespace.clone(),
-                    name: Self::pod_name(uid),
-                    what: "look up its owner, DaemonSet",
-                    problem: format!("{}: {problem}", owner.name),
-                })
-            })
-            .await?;
-        Ok(Some((owner.name.as_str(), found.as_str())))
-    }
-
-    fn build_daemon_pod(
-        &self,
-        pods: &DaemonPods,
-        uid: &str,
-        visible_ids: &str,
-        owner: Option<(&str, &str)>,
-    ) -> Result<Pod, MpsError> {
-        let binary = Path::new("/").join(&pods.daemon_binary);
-        // Not the controller: the DaemonSet controller would release (or count) a Pod it
-        // controls that its selector does not match. An owner is enough for the collector.
-        let owners = owner.map(|(name, owner_uid)| {
-            [
-                serde_json::json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
-                                "name": name, "uid": owner_uid}),
-            ]
-        });
-        let pod = serde_json::json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": Self::pod_name(uid),
-                "namespace": pods.namespace,
-                "labels": {
-                    "app.kubernetes.io/name": "mps-control-daemon",
-                    "app.kubernetes.io/managed-by": "gpu-kubelet-plugin",
-                    CLAIM_UID_LABEL: uid,
-                },
-                "ownerReferences": owners,
-            },
-            "spec": {
-                "nodeName": pods.node_name,
-                // The plugin starts a lost daemon again, with the claim's limits.
-                "restartPolicy": "Never",
-                // The namespace's default account, with no token: the daemon calls no API.
-                "serviceAccountName": "default",
-                "automountServiceAccountToken": false,
-                "enableServiceLinks": false,
-                "terminationGracePeriodSeconds": 5,
-                "priorityClassName": pods.priority_class,
-                // It serves a claim already running here: no taint may keep it off the node.
-                "tolerations": [{"operator": "Exists"}],
-                "containers": [{
-                    "name": "mps-control-daemon",
-                    "image": pods.image,
-                    "imagePullPolicy": pods.pull_policy,
-                    "command": ["chroot", "/driver-root", binary, "-f"],
-                    "env": [
-                        {"name": "CUDA_VISIBLE_DEVICES", "value": visible_ids},
-                        {"name": "CUDA_MPS_PIPE_DIRECTORY", "value": "/tmp/pipe"},
-                        {"name": "CUDA_MPS_LOG_DIRECTORY", "value": "/tmp/log"},
-                    ],
-                    // The daemon and its servers open the GPUs' device nodes.
-                    "securityContext": {"privileged": true},
-                    "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
-                    "volumeMounts": [
-                        // Read-only: the daemon writes only its pipes, log and shared memory.
-                        {"name": "driver-root", "mountPath": "/driver-root", "readOnly": true,
-                         "mountPropagation": "HostToContainer"},
-                        {"name": "claim", "mountPath": "/driver-root/tmp"},
-                        {"name": "shm", "mountPath": "/driver-root/dev/shm"},
-                    ],
-                }],
-                "volumes": [
-                    {"name": "driver-root",
-                     "hostPath": {"path": pods.host_driver_root, "type": "Directory"}},
-                    {"name": "claim",
-                     "hostPath": {"path": self.claim_dir(uid), "type": "Directory"}},
-                    {"name": "shm",
-                     "hostPath": {"path": self.shm_dir(uid), "type": "Directory"}},
-                ],
-            },
-        });
-        serde_json::from_value(pod).map_err(|e| MpsError::Pod {
-            namespace: pods.namespace.clone(),
-            name: Self::pod_name(uid),
-            what: "build",
-            problem: e.to_string(),
-        })
-    }
-
-    /// Deletes the daemon Pod of claim `uid` at once (its daemon has quit or is lost), if any.
-    async fn delete_pod(&self, uid: &str) -> Result<(), MpsError> {
-        let Some(pods) = &self.pods else {
-            return Ok(());
-        };
-        self.pod_call(pods, uid, "delete", async {
-            match Api::<Pod>::namespaced(pods.client.clone(), &pods.namespace)
-                .delete(
-                    &Self::pod_name(uid),
-                    &DeleteParams::default().grace_period(0),
-                )
-                .await
-            {
-                Ok(_) => Ok(()),
-                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-                Err(e) => Err(e),
-            }
-        })
-        .await
-    }
-
-    /// One API call about the daemon Pod of `uid`, bounded by the start timeout.
-    async fn pod_call(
-        &self,
-        pods: &DaemonPods,
-        uid: &str,
-        what: &'static str,
-        call: impl std::future::Future<Output = Result<(), kube::Error>>,
-    ) -> Result<(), MpsError> {
-        let problem = match tokio::time::timeout(self.start_timeout, call).await {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {} ms", self.start_timeout.as_millis()),
-        };
-        Err(MpsError::Pod {
-            namespace: pods.namespace.clone(),
-            name: Self::pod_name(uid),
-            what,
-            problem,
-        })
-    }
-
-    /// The phase and container state of the daemon Pod of `uid`, for error messages.
-    async fn pod_state(&self, pods: &DaemonPods, uid: &str) -> String {
-        let api = Api::<Pod>::namespaced(pods.client.clone(), &pods.namespace);
-        match tokio::time::timeout(self.start_timeout, api.get_opt(&Self::pod_name(uid))).await {
-            Ok(Ok(Some(pod))) => {
-                let status = pod.status.unwrap_or_default();
-                let containers = status
-                    .container_statuses
-                    .unwrap_or_default()
-                    .into_iter()
-                    .map(|c| format!("{:?}", c.state))
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                format!("phase {:?}, {containers}", status.phase)
-            }
-            Ok(Ok(None)) => "not found".to_owned(),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => "no answer".to_owned(),
-        }
-    }
-
-    /// Sends one control command to the daemon of `pipe`; its answer.
+    /// Sends one control command to the legacy daemon of `pipe`; its answer.
     async fn command(&self, pipe: &Path, command: &str) -> Result<String, MpsError> {
         let mut client = Command::new(&self.binary);
         client.env("CUDA_MPS_PIPE_DIRECTORY", pipe);
         self.run(client, command, Some(command)).await
+    }
+
+    /// Runs one v3 command (`module verb ...` as the tool's arguments) against the daemon of
+    /// `pipe`; its output.
+    async fn v3_command(&self, pipe: &Path, args: &[&str]) -> Result<String, MpsError> {
+        let mut client = Command::new(&self.binary);
+        client
+            .args(args)
+            .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+            .env("CUDA_MPS_PROTOCOL_VERSION", "3");
+        self.run(client, &args.join(" "), None).await
+    }
+
+    /// Asks the daemon of `pipe` for its servers, in its protocol: whether it answers.
+    async fn probe(&self, pipe: &Path, protocol: Protocol) -> Result<String, MpsError> {
+        match protocol {
+            Protocol::Legacy => self.command(pipe, "get_server_list").await,
+            Protocol::V3 => {
+                self.v3_command(pipe, &["server", "list", "--format=csv,noheader"])
+                    .await
+            }
+        }
     }
 
     async fn run(
@@ -895,6 +794,16 @@ impl MpsControl {
             });
         }
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+}
+
+impl Protocol {
+    /// The daemon's options after `-d` or `-f`.
+    fn daemon_args(self) -> &'static [&'static str] {
+        match self {
+            Self::Legacy => &[],
+            Self::V3 => &["-p", "3", "-m"],
+        }
     }
 }
 
@@ -1061,6 +970,114 @@ exec sleep 3600
             .expect_err("no binary");
         assert!(err.to_string().contains("missing-binary"), "{err}");
         assert!(!tmp.path().join("uid-2").exists());
+    }
+
+    /// A v3 daemon: started with its server, one namespace per share with the share's limits
+    /// read back, a client on a namespace's socket held to that namespace, the namespace
+    /// deleted with its directory, the daemon quit in its own protocol.
+    #[tokio::test]
+    async fn a_v3_daemon_serves_each_share_in_its_own_namespace() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mps = control(tmp.path());
+        let key = "gpu-aaaa";
+        mps.start_v3(key, "GPU-AAAA").await.expect("start");
+        assert_eq!(mps.liveness(key).await, Liveness::Answering);
+        let log = || std::fs::read_to_string(tmp.path().join(key).join("log/control.log"));
+        let text = log().expect("log");
+        assert!(text.contains("protocol=3 multiuser=true"), "{text}");
+        assert!(
+            text.contains("cmd server create drust --uid=0 --allowed-devices=GPU-AAAA"),
+            "{text}"
+        );
+        let (a, b) = (namespace_name("0a-1"), namespace_name("0b-2"));
+        assert!(a.starts_with("c_") && a.len() == 18, "{a}");
+        let limits = |mib, pct| NamespaceLimits {
+            pinned_mib: mib,
+            active_thread_percentage: pct,
+        };
+        mps.set_namespace(key, &a, limits(10240, Some(25)))
+            .await
+            .expect("namespace a");
+        mps.set_namespace(key, &b, limits(4096, None))
+            .await
+            .expect("namespace b");
+        // Idempotent: a prepare retried, or a daemon started again, sets it once more.
+        mps.set_namespace(key, &a, limits(10240, Some(25)))
+            .await
+            .expect("namespace a again");
+        let names: Vec<String> = mps
+            .namespaces(key)
+            .await
+            .expect("list")
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let mut want = [a.clone(), b.clone()];
+        want.sort();
+        assert_eq!(names, want);
+        // A client of share a, raising its own thread percentage, gets a's limits.
+        let edits = mps.namespace_edits(key, "0a-1", 10 << 30, 25);
+        let pipe = &edits.mounts[0].host_path;
+        assert_eq!(pipe, &mps.namespace_dir(key, &a).display().to_string());
+        let mut client = std::process::Command::new(drust_fakes::mps_control())
+            .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
+            .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("client");
+        {
+            use std::io::{BufRead, Write};
+            let mut stdin = client.stdin.take().expect("stdin");
+            stdin.write_all(b"fake_client_attach\n").expect("attach");
+            drop(stdin);
+            let mut line = String::new();
+            std::io::BufReader::new(client.stdout.take().expect("stdout"))
+                .read_line(&mut line)
+                .expect("attached");
+            assert!(line.starts_with("attached"), "{line}");
+        }
+        let _ = client.kill();
+        let _ = client.wait();
+        let text = log().expect("log");
+        assert!(
+            text.contains(&format!(
+                "client attached namespace={a} pinned=- threads=100 ceiling pinned=10240M threads=25"
+            )),
+            "{text}"
+        );
+        // The legacy commands are not this daemon's: nothing here may send them.
+        assert!(!text.contains("refused"), "{text}");
+        mps.delete_namespace(key, &a).await.expect("delete a");
+        assert!(!mps.namespace_dir(key, &a).exists());
+        mps.delete_namespace(key, &a)
+            .await
+            .expect("deleting twice is fine");
+        assert_eq!(mps.namespaces(key).await.expect("list").len(), 1);
+        mps.stop(key).await.expect("stop");
+        assert_eq!(mps.liveness(key).await, Liveness::Dead);
+        assert!(!tmp.path().join(key).exists());
+        // With the daemon gone, so are its namespaces: nothing to delete.
+        mps.delete_namespace(key, &b).await.expect("dead daemon");
+    }
+
+    #[test]
+    fn namespace_names_are_short_and_fit_the_socket_path() {
+        let name = namespace_name("5f0c2a8e-0d7b-4a43-9f0e-3d1f2b6c7a90");
+        assert!(
+            name.len() <= 64
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+            "{name}"
+        );
+        assert_ne!(name, namespace_name("5f0c2a8e-0d7b-4a43-9f0e-3d1f2b6c7a91"));
+        // The default root, and any root in a daemon Pod, fit; a long host root does not.
+        assert!(namespace_sockets_fit(Path::new("/run/drust/mps"), false).is_ok());
+        let long = Path::new("/var/lib/kubelet/plugins/gpu.drust.dev/mps-daemons");
+        assert!(namespace_sockets_fit(long, true).is_ok());
+        let err = namespace_sockets_fit(long, false).expect_err("too long");
+        assert!(err.contains("--mps-root"), "{err}");
     }
 
     #[test]
