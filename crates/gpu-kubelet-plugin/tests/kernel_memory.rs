@@ -579,10 +579,32 @@ async fn a_rebuild_while_the_api_server_is_down_keeps_the_limits_of_running_shar
         Some(&MemoryLimits::share(8 << 30)),
         "the running share's limit was cleared"
     );
+    // Its MPS v3 namespace, with its limits, stays too: the rebuilt claim owns it.
+    let mps = mps_control(&node.dir.path().join("mps"));
+    let daemon = gpu.raw.uuid.to_ascii_lowercase();
+    let namespace = |mps: &gpu_kubelet_plugin::mps::MpsControl| {
+        let daemon = daemon.clone();
+        let mps = mps.clone();
+        async move {
+            mps.namespaces(&daemon)
+                .await
+                .expect("namespaces")
+                .into_iter()
+                .map(|(_, row)| row)
+                .collect::<Vec<_>>()
+        }
+    };
+    let rows = namespace(&mps).await;
+    assert!(
+        rows.len() == 1
+            && rows[0].starts_with(&format!("{},drust,Ready,8192M,", namespace_name("ua"))),
+        "{rows:?}"
+    );
 
     cluster.unreachable.store(false, Ordering::SeqCst);
     assert!(c.unprepare_stale().await.is_empty());
     assert!(node.backend.memory_limits().contains_key(&key));
+    assert_eq!(namespace(&mps).await.len(), 1);
     assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
     assert!(node.backend.memory_limits().is_empty());
 }
