@@ -59,18 +59,15 @@
 //!   does not understand. A file without shares keeps `minReaderVersion` 4.
 
 use std::collections::BTreeMap;
-use std::io;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::path::PathBuf;
 
 use dra_kubelet::PreparedDevice;
 use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
-use sha2::{Digest, Sha256};
 
 use crate::cdi::Spec;
 use crate::hardware::CreatedMig;
-use crate::storage::{Fs, write_atomic};
+
+pub use dra_plugin::checkpoint::{CheckpointError, SLOT_BLOCK, slot_paths};
 
 /// The checkpoint format version this build writes.
 pub const VERSION: u32 = 5;
@@ -79,8 +76,6 @@ pub const VERSION: u32 = 5;
 pub const MIN_READER_VERSION: u32 = 4;
 /// The oldest reader of a file that records a share ([`RecordedShare`]).
 pub const MIN_READER_VERSION_SHARES: u32 = 5;
-/// Slot files are written in multiples of this many bytes (a page), padded with spaces.
-pub const SLOT_BLOCK: usize = 4096;
 
 /// How far prepare got for a claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -193,59 +188,9 @@ pub struct Checkpoint {
     pub claims: BTreeMap<String, ClaimRecord>,
 }
 
-/// Reading or writing the checkpoint failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    /// The file exists but could not be read.
-    #[error("reading checkpoint {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: io::Error,
-    },
-    /// The file is damaged or not a checkpoint.
-    #[error("checkpoint {path} is corrupt: {problem}")]
-    Corrupt {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        problem: String,
-    },
-    /// The file needs a newer reader.
-    #[error(
-        "checkpoint {path} needs reader version {needed} (written by format version {written}); \
-         this build reads up to {VERSION}"
-    )]
-    TooNew {
-        /// The file.
-        path: PathBuf,
-        /// Its `minReaderVersion`.
-        needed: u32,
-        /// Its `version`.
-        written: u32,
-    },
-    /// The file could not be written.
-    #[error("writing checkpoint {path}: {source}")]
-    Write {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: io::Error,
-    },
-}
-
+/// The file of a version without an envelope (version 1): its claims at the top level.
 #[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Envelope<'a> {
-    version: u32,
-    #[serde(default)]
-    min_reader_version: Option<u32>,
-    #[serde(default)]
-    checksum: Option<String>,
-    #[serde(borrow, default)]
-    data: Option<&'a RawValue>,
-    /// Version 1 kept its claims at the top level.
+struct V1File {
     #[serde(default)]
     claims: Option<BTreeMap<String, V1Claim>>,
 }
@@ -268,408 +213,50 @@ struct V1Device {
     cdi_device_ids: Vec<String>,
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+/// The GPU driver's checkpoint format ([`dra_plugin::checkpoint::Format`]): [`Checkpoint`],
+/// versions 1 to [`VERSION`] (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub struct GpuFormat;
 
-/// The two slot files of the checkpoint at `path`: `path` itself and `<stem>.b.<ext>` beside it
-/// (`checkpoint.json`, `checkpoint.b.json`).
-pub fn slot_paths(path: &Path) -> [PathBuf; 2] {
-    let other = match (path.file_stem(), path.extension()) {
-        (Some(stem), Some(ext)) => {
-            format!("{}.b.{}", stem.to_string_lossy(), ext.to_string_lossy())
-        }
-        _ => format!(
-            "{}.b",
-            path.file_name().unwrap_or_default().to_string_lossy()
-        ),
-    };
-    [path.to_owned(), path.with_file_name(other)]
-}
+impl dra_plugin::checkpoint::Format for GpuFormat {
+    type Data = Checkpoint;
+    const VERSION: u32 = VERSION;
 
-/// What this process knows of the two slots since it last read or wrote them.
-#[derive(Debug, Clone, Copy, Default)]
-struct Slots {
-    /// The slot holding the newest durable generation; `None` when neither holds one.
-    newest: Option<usize>,
-    /// The highest generation seen in a valid slot (0 when none; a file written before
-    /// version 4 counts as 0): the next store writes one more.
-    generation: u64,
-    /// The newest slot is a file of an older format (slot 0, `checkpoint.json`): the next
-    /// store replaces it atomically instead of writing the other slot, so that an older
-    /// build never finds a readable `checkpoint.json` a generation behind.
-    legacy: bool,
-    /// Each slot file's length, where it exists and was written whole: a store overwrites it
-    /// in place. `None`: absent or unknown, so a store (re)creates it and syncs the directory.
-    len: [Option<usize>; 2],
-}
-
-/// A slot as read.
-enum SlotRead {
-    Absent,
-    Valid {
-        generation: u64,
-        checkpoint: Checkpoint,
-        len: usize,
-        /// Written before version 4 (by an older build).
-        legacy: bool,
-    },
-    Invalid {
-        error: CheckpointError,
-        len: usize,
-    },
-}
-
-/// `data` as stored: the generation beside the checkpoint's own fields.
-#[derive(Serialize)]
-struct StoredRef<'a> {
-    generation: u64,
-    #[serde(flatten)]
-    checkpoint: &'a Checkpoint,
-}
-
-#[derive(Deserialize)]
-struct Stored {
-    #[serde(default)]
-    generation: u64,
-    #[serde(flatten)]
-    checkpoint: Checkpoint,
-}
-
-/// The checkpoint on a filesystem: two slot files (see the module docs). Clones share what they
-/// know of the slots, and stores through any of them are serialized.
-#[derive(Debug, Clone)]
-pub struct CheckpointFile {
-    fs: Arc<dyn Fs>,
-    paths: [PathBuf; 2],
-    slots: Arc<Mutex<Option<Slots>>>,
-}
-
-impl CheckpointFile {
-    /// The checkpoint at `path` (its first slot; the second is beside it, see [`slot_paths`])
-    /// on `fs`.
-    pub fn new(fs: Arc<dyn Fs>, path: impl Into<PathBuf>) -> Self {
-        Self {
-            fs,
-            paths: slot_paths(&path.into()),
-            slots: Arc::default(),
-        }
-    }
-
-    /// Its path (the first slot).
-    pub fn path(&self) -> &Path {
-        &self.paths[0]
-    }
-
-    /// Both slot files.
-    pub fn slot_paths(&self) -> &[PathBuf; 2] {
-        &self.paths
-    }
-
-    fn read_slot(&self, slot: usize) -> Result<SlotRead, CheckpointError> {
-        let path = &self.paths[slot];
-        match self.fs.read(path) {
-            Ok(bytes) => Ok(match decode(path, &bytes) {
-                Ok((generation, checkpoint, legacy)) => SlotRead::Valid {
-                    generation,
-                    checkpoint,
-                    len: bytes.len(),
-                    legacy,
-                },
-                Err(error) => SlotRead::Invalid {
-                    error,
-                    len: bytes.len(),
-                },
-            }),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(SlotRead::Absent),
-            Err(source) => Err(CheckpointError::Read {
-                path: path.clone(),
-                source,
-            }),
-        }
-    }
-
-    /// Reads the checkpoint: the valid slot with the higher generation; `Ok(None)` when
-    /// neither slot exists. A slot that is damaged while the other is valid is reported in a
-    /// warning (a store torn by a crash leaves exactly that) and the other is used.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Read`] when a slot exists but cannot be read;
-    /// [`CheckpointError::TooNew`] when either slot needs a newer reader;
-    /// [`CheckpointError::Corrupt`] (bad JSON, checksum mismatch, missing fields) when no slot
-    /// is valid.
-    pub fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
-        let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        let (slots, checkpoint) = self.read_slots()?;
-        *guard = Some(slots);
-        Ok(checkpoint)
-    }
-
-    /// Both slots read and decided between (see [`CheckpointFile::load`]): what the next
-    /// store needs to know of them, and the newest checkpoint.
-    fn read_slots(&self) -> Result<(Slots, Option<Checkpoint>), CheckpointError> {
-        let mut reads = [self.read_slot(0)?, self.read_slot(1)?];
-        // This build writes slot 0 first and moves both aside together, so slot 1 alone means
-        // an older build moved `checkpoint.json` aside (it refuses version 4) and may have
-        // prepared and unprepared claims since: slot 1 may be stale.
-        if matches!(reads[0], SlotRead::Absent) && matches!(reads[1], SlotRead::Valid { .. }) {
-            return Err(CheckpointError::Corrupt {
-                path: self.paths[1].clone(),
-                problem: format!(
-                    "{} is missing (an older drust build moves it aside after a downgrade), \
-                     so this slot may be stale",
-                    self.paths[0].display()
-                ),
-            });
-        }
-        // An older-format slot 0 beside a valid slot 1 was written by an older build after
-        // slot 1 (this build replaces an older-format file before it writes slot 1 again):
-        // slot 0 is the newer one, whatever the generations say.
-        let mut stale: Option<(u64, usize)> = None;
-        if let (
-            SlotRead::Valid { legacy: true, .. },
-            SlotRead::Valid {
-                generation, len, ..
-            },
-        ) = (&reads[0], &reads[1])
+    fn min_reader_version(checkpoint: &Checkpoint) -> u32 {
+        if checkpoint
+            .claims
+            .values()
+            .any(|r| r.devices.iter().any(|d| d.share.is_some()))
         {
-            stale = Some((*generation, *len));
-            tracing::warn!(
-                stale = %self.paths[1].display(),
-                using = %self.paths[0].display(),
-                "an older drust build wrote the checkpoint after this build's last write; \
-                 using what it wrote"
-            );
-            reads[1] = SlotRead::Absent;
-        }
-        let mut slots = Slots::default();
-        let mut newest: Option<(usize, Checkpoint)> = None;
-        let mut invalid: Option<CheckpointError> = None;
-        for (i, read) in reads.into_iter().enumerate() {
-            match read {
-                SlotRead::Absent => {}
-                SlotRead::Valid {
-                    generation,
-                    checkpoint,
-                    len,
-                    legacy,
-                } => {
-                    slots.len[i] = Some(len);
-                    if newest.is_none() || generation > slots.generation {
-                        slots.generation = generation;
-                        slots.newest = Some(i);
-                        slots.legacy = legacy;
-                        newest = Some((i, checkpoint));
-                    }
-                }
-                SlotRead::Invalid {
-                    error: error @ CheckpointError::TooNew { .. },
-                    ..
-                } => return Err(error),
-                SlotRead::Invalid { error, len } => {
-                    // The next store overwrites it in place.
-                    slots.len[i] = Some(len);
-                    invalid = Some(error);
-                }
-            }
-        }
-        if let Some((generation, len)) = stale {
-            // The next store overwrites the stale slot, with a generation that beats it.
-            slots.len[1] = Some(len);
-            slots.generation = slots.generation.max(generation);
-        }
-        match (newest, invalid) {
-            (None, Some(e)) => Err(e),
-            (newest, invalid) => {
-                if let (Some((i, _)), Some(e)) = (&newest, &invalid) {
-                    tracing::warn!(
-                        error = %e,
-                        using = %self.paths[*i].display(),
-                        generation = slots.generation,
-                        "one checkpoint slot is damaged (a store torn by a crash, or later \
-                         damage); using the other"
-                    );
-                }
-                Ok((slots, newest.map(|(_, c)| c)))
-            }
+            MIN_READER_VERSION_SHARES
+        } else {
+            MIN_READER_VERSION
         }
     }
 
-    /// Writes `checkpoint` durably as the next generation, into the slot not holding the
-    /// newest one: in place and one `fdatasync` where the slot exists, else created, synced
-    /// and its directory synced.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Write`]; the newest durable generation is then unchanged and the
-    /// next store writes the same slot again. Before any load or quarantine in this process,
-    /// the slots are read first, and what [`CheckpointFile::load`] would return for them is
-    /// returned instead of guessing where to write.
-    pub fn store(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
-        let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut slots = match *guard {
-            Some(s) => s,
-            None => self.read_slots()?.0,
-        };
-        // An older-format newest slot (slot 0) is replaced where it is, atomically.
-        let target = match slots.newest {
-            Some(i) if slots.legacy => i,
-            Some(i) => 1 - i,
-            None => 0,
-        };
-        let path = &self.paths[target];
-        let write_err = |source| CheckpointError::Write {
-            path: path.clone(),
-            source,
-        };
-        let generation = slots.generation + 1;
-        let bytes = encode(checkpoint, generation).map_err(write_err)?;
-        let needed = bytes.len().div_ceil(SLOT_BLOCK) * SLOT_BLOCK;
-        // In place when the slot is big enough and not far larger than needed; else the slot is
-        // rewritten (created or truncated, then its directory synced too).
-        let in_place = slots.len[target].filter(|&len| len >= needed && len <= 4 * needed);
-        let mut padded = bytes;
-        padded.resize(in_place.unwrap_or(needed), b' ');
-        let result = match in_place {
-            _ if slots.legacy => write_atomic(self.fs.as_ref(), path, &padded),
-            Some(_) => self
-                .fs
-                .overwrite(path, &padded)
-                .and_then(|()| self.fs.sync_file(path)),
-            None => {
-                let dir = path.parent().unwrap_or(Path::new("."));
-                self.fs
-                    .create_dir_all(dir)
-                    .and_then(|()| self.fs.write(path, &padded))
-                    .and_then(|()| self.fs.sync_file(path))
-                    .and_then(|()| self.fs.sync_dir(dir))
-            }
-        };
-        match result {
-            Ok(()) => {
-                slots.newest = Some(target);
-                slots.generation = generation;
-                slots.legacy = false;
-                slots.len[target] = Some(padded.len());
-                *guard = Some(slots);
-                Ok(())
-            }
-            Err(e) => {
-                // The slot may be torn or half created: recreate it next time.
-                slots.len[target] = None;
-                *guard = Some(slots);
-                Err(write_err(e))
-            }
-        }
+    /// Versions 1 to 3 kept one file.
+    fn single_slot(version: u32) -> bool {
+        version < 4
     }
 
-    /// Moves damaged slots aside (`<name>.corrupt`), keeping them for inspection; returns
-    /// where each went. The next store starts over at slot 0.
-    ///
-    /// # Errors
-    /// [`CheckpointError::Write`].
-    pub fn quarantine(&self) -> Result<Vec<PathBuf>, CheckpointError> {
-        let mut guard = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut moved = Vec::new();
-        for path in &self.paths {
-            let mut aside = path.clone().into_os_string();
-            aside.push(".corrupt");
-            let aside = PathBuf::from(aside);
-            match self.fs.rename(path, &aside) {
-                Ok(()) => moved.push(aside),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(source) => {
-                    return Err(CheckpointError::Write {
-                        path: path.clone(),
-                        source,
-                    });
-                }
-            }
+    fn unenveloped(version: u32, file: &[u8]) -> Option<Result<Checkpoint, String>> {
+        if version != 1 {
+            return None;
         }
-        if let Some(dir) = self.paths[0].parent() {
-            self.fs
-                .sync_dir(dir)
-                .map_err(|source| CheckpointError::Write {
-                    path: self.paths[0].clone(),
-                    source,
-                })?;
-        }
-        *guard = Some(Slots::default());
-        Ok(moved)
+        Some(
+            serde_json::from_slice::<V1File>(file)
+                .map_err(|e| e.to_string())
+                .and_then(|f| {
+                    f.claims
+                        .map(upgrade_v1)
+                        .ok_or_else(|| "version 1 without field `claims`".to_owned())
+                }),
+        )
     }
 }
 
-/// The bytes of one slot (before padding): the envelope around `data`.
-fn encode(checkpoint: &Checkpoint, generation: u64) -> io::Result<Vec<u8>> {
-    let data = serde_json::to_vec(&StoredRef {
-        generation,
-        checkpoint,
-    })?;
-    let min_reader = if checkpoint
-        .claims
-        .values()
-        .any(|r| r.devices.iter().any(|d| d.share.is_some()))
-    {
-        MIN_READER_VERSION_SHARES
-    } else {
-        MIN_READER_VERSION
-    };
-    let mut bytes = format!(
-        "{{\"version\":{VERSION},\"minReaderVersion\":{min_reader},\
-         \"checksum\":\"sha256:{}\",\"data\":",
-        sha256_hex(&data)
-    )
-    .into_bytes();
-    bytes.extend_from_slice(&data);
-    bytes.extend_from_slice(b"}\n");
-    Ok(bytes)
-}
-
-/// One slot's content: its generation (0 before version 4), checkpoint, and whether it was
-/// written before version 4.
-fn decode(path: &Path, bytes: &[u8]) -> Result<(u64, Checkpoint, bool), CheckpointError> {
-    let corrupt = |problem: String| CheckpointError::Corrupt {
-        path: path.to_owned(),
-        problem,
-    };
-    let env: Envelope<'_> = serde_json::from_slice(bytes).map_err(|e| corrupt(e.to_string()))?;
-    match env.version {
-        0 => Err(corrupt("field `version` must be at least 1".into())),
-        1 => {
-            let claims = env
-                .claims
-                .ok_or_else(|| corrupt("version 1 without field `claims`".into()))?;
-            Ok((0, upgrade_v1(claims), true))
-        }
-        written => {
-            let needed = env.min_reader_version.unwrap_or(written);
-            if needed > VERSION {
-                return Err(CheckpointError::TooNew {
-                    path: path.to_owned(),
-                    needed,
-                    written,
-                });
-            }
-            let data = env
-                .data
-                .ok_or_else(|| corrupt("field `data` is missing".into()))?;
-            let checksum = env
-                .checksum
-                .ok_or_else(|| corrupt("field `checksum` is missing".into()))?;
-            let actual = format!("sha256:{}", sha256_hex(data.get().as_bytes()));
-            if checksum != actual {
-                return Err(corrupt(format!(
-                    "field `checksum` is {checksum} but `data` hashes to {actual}"
-                )));
-            }
-            let stored: Stored = serde_json::from_str(data.get())
-                .map_err(|e| corrupt(format!("field `data`: {e}")))?;
-            Ok((stored.generation, stored.checkpoint, written < 4))
-        }
-    }
-}
+/// The checkpoint on a filesystem: two slot files ([`dra_plugin::checkpoint::SlotFile`]).
+pub type CheckpointFile = dra_plugin::checkpoint::SlotFile<GpuFormat>;
 
 fn upgrade_v1(claims: BTreeMap<String, V1Claim>) -> Checkpoint {
     let claims = claims
@@ -710,7 +297,19 @@ fn upgrade_v1(claims: BTreeMap<String, V1Claim>) -> Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::RealFs;
+    use crate::storage::{Fs, RealFs};
+    use std::io;
+    use std::path::Path;
+    use std::sync::{Arc, Mutex};
+
+    /// The checksum of `bytes` as the envelope writes it.
+    fn sha256_hex(bytes: &[u8]) -> String {
+        use sha2::{Digest, Sha256};
+        Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
 
     fn file(dir: &Path) -> CheckpointFile {
         CheckpointFile::new(Arc::new(RealFs), dir.join("state/checkpoint.json"))

@@ -24,7 +24,7 @@ pub mod memory_limits;
 pub mod metrics;
 pub mod mps;
 pub mod publisher;
-pub mod storage;
+pub use dra_plugin::storage;
 
 use std::future::Future;
 use std::io::Write;

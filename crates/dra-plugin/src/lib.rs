@@ -1,0 +1,14 @@
+//! The driver-agnostic side of a Kubernetes DRA kubelet plugin (issue 31, in progress): what a
+//! driver needs to keep claim state across crashes, power cuts, restarts and upgrades, with no
+//! knowledge of the devices it prepares.
+//!
+//! - [`storage`]: the filesystem seam ([`storage::Fs`]) every durable write goes through, so a
+//!   test can cut the power at any operation; [`storage::RealFs`] is `std::fs`.
+//! - [`checkpoint`]: the two-slot checkpoint file ([`checkpoint::SlotFile`]), generic over the
+//!   driver's records and their format history ([`checkpoint::Format`]).
+//!
+//! The workspace's device driver is its first user. A test over this
+//! crate's sources keeps it free of any device's concepts (`tests/driver_agnostic.rs`).
+
+pub mod checkpoint;
+pub mod storage;
