@@ -6,9 +6,12 @@
 //!   test can cut the power at any operation; [`storage::RealFs`] is `std::fs`.
 //! - [`checkpoint`]: the two-slot checkpoint file ([`checkpoint::SlotFile`]), generic over the
 //!   driver's records and their format history ([`checkpoint::Format`]).
+//! - [`journal`]: the records as staged in memory and the group commit that makes concurrent
+//!   claims' changes durable with one store ([`journal::Journal`]).
 //!
 //! The workspace's device driver is its first user. A test over this
 //! crate's sources keeps it free of any device's concepts (`tests/driver_agnostic.rs`).
 
 pub mod checkpoint;
+pub mod journal;
 pub mod storage;

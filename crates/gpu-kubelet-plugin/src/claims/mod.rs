@@ -46,7 +46,6 @@
 mod cluster;
 mod error;
 mod exclusive;
-mod journal;
 mod plan;
 mod recovery;
 mod shares;
@@ -67,11 +66,14 @@ pub use plan::{DEVICE_ENV_PREFIX, device_env};
 pub use recovery::RecoveryReport;
 
 use crate::cdi::CdiWriter;
-use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, ClaimState, RecordedDevice};
+use crate::checkpoint::{
+    Checkpoint, CheckpointFile, ClaimRecord, ClaimState, GpuFormat, RecordedDevice,
+};
 use crate::claim_config::{Sharing, TimeSlice};
 use crate::failpoint;
 use crate::hardware::{CreatedMig, Hardware, NodeDevice};
 use crate::mps::MpsControl;
+use dra_plugin::journal::{Journal, UpdateError};
 
 /// A hardware action on one device, run on a blocking thread.
 type DeviceAction<H, T> =
@@ -148,8 +150,9 @@ struct Inner<C, H> {
     gpu_locks: std::sync::Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
     claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
     cdi: CdiWriter,
-    /// The claims' records: staged in memory, made durable by group commit ([`journal`]).
-    journal: Arc<journal::Journal>,
+    /// The claims' records: staged in memory, made durable by group commit
+    /// ([`dra_plugin::journal`]).
+    journal: Arc<Journal<GpuFormat>>,
     /// Work that outlives the kubelet's call (rollbacks, unprepares); see [`ClaimController::quiesce`].
     background: TaskTracker,
     /// Claims whose start-up recovery failed, retried in the background.
@@ -200,7 +203,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 gpu_locks: std::sync::Mutex::default(),
                 claim_locks: std::sync::Mutex::default(),
                 cdi,
-                journal: Arc::new(journal::Journal::new(checkpoint_file, background.clone())),
+                journal: Arc::new(Journal::new(checkpoint_file, background.clone())),
                 background,
                 recovery: RecoveryRetries {
                     failing: std::sync::Mutex::default(),
@@ -336,19 +339,27 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         Arc::clone(locks.entry(uid.to_owned()).or_default())
     }
 
-    /// Applies `change` to the checkpoint and returns once the result is durable.
-    ///
     /// Applies `change` to the claims' records and returns once it is durable
-    /// ([`journal::Journal::update`]).
+    /// ([`Journal::update`]); a failed store is an error about `claim`.
     async fn update<R>(
         &self,
         claim: &ClaimRef,
         change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
     ) -> Result<R, ClaimError> {
-        self.inner.journal.update(claim, change).await
+        self.inner
+            .journal
+            .update(change)
+            .await
+            .map_err(|e| match e {
+                UpdateError::Change(e) => e,
+                UpdateError::Commit(source) => ClaimError::Checkpoint {
+                    claim: claim.clone(),
+                    source,
+                },
+            })
     }
 
-    /// Stages `change` for the next group commit ([`journal::Journal::stage`]).
+    /// Stages `change` for the next group commit ([`Journal::stage`]).
     async fn stage<R>(
         &self,
         change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,

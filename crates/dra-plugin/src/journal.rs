@@ -1,100 +1,132 @@
-//! The claims' journal: their records as staged in memory, and the group commit that makes them
-//! durable in the checkpoint file ([`crate::checkpoint`]). Nothing else in the claim controller
-//! writes claim state to disk. GPU-agnostic: it stores [`Checkpoint`]s without looking into
-//! them (the first piece of the lifecycle that issue 31's `dra-plugin` crate is to hold).
+//! The claims' journal: a driver's records as staged in memory, and the group commit that makes
+//! them durable in its checkpoint file ([`crate::checkpoint`]). A driver that changes its claim
+//! records only through [`Journal::update`] and [`Journal::stage`] has one writer of claim
+//! state on disk. It stores the driver's [`Format::Data`] without looking into it.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
-use dra_kubelet::ClaimRef;
 use tokio::sync::{Mutex, MutexGuard};
 use tokio_util::task::TaskTracker;
 
-use super::error::ClaimError;
-use super::lock;
-use crate::checkpoint::{Checkpoint, CheckpointFile};
+use crate::checkpoint::{CheckpointError, Format, SlotFile};
+
+/// A poisoned lock only means a panicking thread held it; the bookkeeping is still consistent
+/// because every critical section is panic-free.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// [`Journal::update`] failed: the change itself, or the store that was to make it durable.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError<E> {
+    /// The change refused (nothing was staged).
+    #[error(transparent)]
+    Change(E),
+    /// The store carrying the change failed: the change is undone in memory.
+    #[error(transparent)]
+    Commit(CheckpointError),
+}
 
 /// Group-commit bookkeeping: changes are numbered (epochs) as they are staged.
-#[derive(Default)]
-struct Commit {
+struct Commit<D> {
     /// Epoch of the last staged change.
     staged: u64,
     /// Every change up to this epoch is durable.
     durable: u64,
-    /// The checkpoint as last stored.
-    durable_state: Checkpoint,
+    /// The records as last stored.
+    durable_state: D,
     /// A store is in flight.
     writing: bool,
     /// Epoch ranges `(after, through]` whose store failed, with the error.
     failed: Vec<(u64, u64, String)>,
 }
 
-/// The journal of one claim controller.
-pub(super) struct Journal {
-    file: CheckpointFile,
-    /// The checkpoint as staged: durable plus changes waiting for the next group commit.
-    staged: Mutex<Checkpoint>,
-    commit: std::sync::Mutex<Commit>,
+/// The journal of one driver's claims, in format `F`.
+pub struct Journal<F: Format> {
+    file: SlotFile<F>,
+    /// The records as staged: durable plus changes waiting for the next group commit.
+    staged: Mutex<F::Data>,
+    commit: std::sync::Mutex<Commit<F::Data>>,
     committed: tokio::sync::Notify,
     /// Where stores run (the controller's background work, so that quiescing waits for them).
     background: TaskTracker,
 }
 
-impl Journal {
-    /// An empty journal over `file`, storing on `background`.
-    pub(super) fn new(file: CheckpointFile, background: TaskTracker) -> Self {
+impl<F> Journal<F>
+where
+    F: Format + 'static,
+    F::Data: Clone + PartialEq + Default + Send + Sync + 'static,
+{
+    /// An empty journal over `file`, storing on `background` (a tracker the driver waits on
+    /// before it exits, so that no store is cut short by a shutdown).
+    pub fn new(file: SlotFile<F>, background: TaskTracker) -> Self {
         Self {
             file,
-            staged: Mutex::new(Checkpoint::default()),
-            commit: std::sync::Mutex::default(),
+            staged: Mutex::new(F::Data::default()),
+            commit: std::sync::Mutex::new(Commit {
+                staged: 0,
+                durable: 0,
+                durable_state: F::Data::default(),
+                writing: false,
+                failed: Vec::new(),
+            }),
             committed: tokio::sync::Notify::new(),
             background,
         }
     }
 
     /// The checkpoint file.
-    pub(super) fn file(&self) -> &CheckpointFile {
+    pub fn file(&self) -> &SlotFile<F> {
         &self.file
     }
 
     /// The records as staged, locked: other claims' changes wait while it is held.
-    pub(super) async fn records(&self) -> MutexGuard<'_, Checkpoint> {
+    pub async fn records(&self) -> MutexGuard<'_, F::Data> {
         self.staged.lock().await
     }
 
-    /// Starts from `loaded`, the checkpoint start-up recovery found on disk (or rebuilt), as
-    /// both the staged and the durable state.
-    pub(super) async fn reset(&self, loaded: Checkpoint) {
+    /// Starts from `loaded`, the records start-up recovery found on disk (or rebuilt), as both
+    /// the staged and the durable state.
+    pub async fn reset(&self, loaded: F::Data) {
         *self.staged.lock().await = loaded.clone();
         lock(&self.commit).durable_state = loaded;
     }
 
-    /// Group commit: changes of concurrent claims are staged on the in-memory checkpoint; the
+    /// Applies `change` to the records and returns once it is durable.
+    ///
+    /// Group commit: changes of concurrent claims are staged on the in-memory records; the
     /// first caller to find no write in flight starts one store of everything staged so far
-    /// ([`Self::spawn_commit`]), the others wait for it. A failed store fails every change it
-    /// carried (and any staged on top of them) and puts the in-memory checkpoint back to the
-    /// durable one.
+    /// (one task on the blocking pool), the others wait for it. A failed store fails every change it
+    /// carried (and any staged on top of them) and puts the in-memory records back to the
+    /// durable ones.
     ///
     /// Cancel-safe: the store runs as its own task on the blocking pool (an fsync on a slow disk
     /// never holds an async worker), so a caller dropped while waiting leaves nothing half
     /// done: the store finishes, the next waiters are woken, and the change it staged is
     /// durable or failed like any other.
-    pub(super) async fn update<R>(
+    ///
+    /// # Errors
+    /// [`UpdateError::Change`] when `change` fails (nothing staged), [`UpdateError::Commit`]
+    /// when the store fails.
+    pub async fn update<R, E>(
         self: &Arc<Self>,
-        claim: &ClaimRef,
-        change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
-    ) -> Result<R, ClaimError> {
-        let (r, epoch) = self.stage(change).await?;
-        self.durable(claim, epoch).await?;
+        change: impl FnOnce(&mut F::Data) -> Result<R, E>,
+    ) -> Result<R, UpdateError<E>> {
+        let (r, epoch) = self.stage(change).await.map_err(UpdateError::Change)?;
+        self.durable(epoch).await.map_err(UpdateError::Commit)?;
         Ok(r)
     }
 
-    /// Applies `change` to the in-memory checkpoint only: it becomes durable with the next
-    /// store, whoever starts it. Other claims see it at once (device conflicts). Returns the
-    /// change's epoch for [`Self::durable`].
-    pub(super) async fn stage<R>(
+    /// Applies `change` to the in-memory records only: it becomes durable with the next store,
+    /// whoever starts it. Other claims see it at once (device conflicts). Returns the change's
+    /// epoch for [`Self::durable`].
+    ///
+    /// # Errors
+    /// What `change` returns; nothing is staged then.
+    pub async fn stage<R, E>(
         &self,
-        change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
-    ) -> Result<(R, u64), ClaimError> {
+        change: impl FnOnce(&mut F::Data) -> Result<R, E>,
+    ) -> Result<(R, u64), E> {
         let mut pending = self.staged.lock().await;
         let mut next = pending.clone();
         let r = change(&mut next)?;
@@ -103,18 +135,17 @@ impl Journal {
             *pending = next;
             c.staged += 1;
         }
-        // An unchanged checkpoint still waits for what is staged before it: the caller may
+        // An unchanged record set still waits for what is staged before it: the caller may
         // rely on state that another claim staged.
         Ok((r, c.staged))
     }
 
     /// Returns once every change up to `epoch` is durable (starting the store if none is in
     /// flight), or with the error of the store that failed it.
-    pub(super) async fn durable(
-        self: &Arc<Self>,
-        claim: &ClaimRef,
-        epoch: u64,
-    ) -> Result<(), ClaimError> {
+    ///
+    /// # Errors
+    /// [`CheckpointError::Write`] with the failed store's message.
+    pub async fn durable(self: &Arc<Self>, epoch: u64) -> Result<(), CheckpointError> {
         loop {
             let committed = self.committed.notified();
             tokio::pin!(committed);
@@ -144,12 +175,9 @@ impl Journal {
             };
             match next {
                 Next::Failed(message) => {
-                    return Err(ClaimError::Checkpoint {
-                        claim: claim.clone(),
-                        source: crate::checkpoint::CheckpointError::Write {
-                            path: self.file.path().to_owned(),
-                            source: std::io::Error::other(message),
-                        },
+                    return Err(CheckpointError::Write {
+                        path: self.file.path().to_owned(),
+                        source: std::io::Error::other(message),
                     });
                 }
                 Next::Done => return Ok(()),
@@ -160,7 +188,8 @@ impl Journal {
     }
 
     /// One group-commit store of everything staged, as a task of its own on the blocking pool
-    /// (tracked, so [`super::ClaimController::quiesce`] waits for it); the caller has set `writing`. Ends with
+    /// (tracked on the journal's `background`, so a driver that waits on it before exiting never
+    /// cuts a store short); the caller has set `writing`. Ends with
     /// `writing` cleared and the waiters woken, whatever happens to whoever started it. One
     /// thread does it all, snapshot, store and bookkeeping: each hop between an async task and
     /// the blocking pool costs a wake-up, which on a busy node is where the latency tail comes
