@@ -15,3 +15,8 @@
 pub mod checkpoint;
 pub mod journal;
 pub mod storage;
+
+/// The README's example, compiled as a doctest so that it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
