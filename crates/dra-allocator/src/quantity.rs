@@ -18,16 +18,8 @@ use std::sync::Arc;
 
 pub(crate) use dra_cel::libs::quantity::Quantity as Exact;
 
-/// Upstream's `Format`: how a quantity is written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Format {
-    /// `e3`-style suffixes.
-    DecimalExponent,
-    /// `Ki`, `Mi`, ... suffixes.
-    BinarySi,
-    /// `k`, `M`, ... (and no) suffixes.
-    DecimalSi,
-}
+pub(crate) use dra_cel::libs::quantity::Format;
+use dra_cel::libs::quantity::{interpret, split};
 
 /// Why a quantity string could not be used.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -47,125 +39,6 @@ pub struct Quantity {
     negative: bool,
     digits: Arc<str>,
     exponent: i64,
-}
-
-/// The pieces `parseQuantityString` splits a quantity into.
-struct Pieces<'a> {
-    positive: bool,
-    num: &'a str,
-    denom: &'a str,
-    suffix: &'a str,
-}
-
-fn format_error() -> QuantityError {
-    QuantityError(
-        "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
-            .into(),
-    )
-}
-
-/// `parseQuantityString` (apimachinery `quantity.go`).
-fn split(s: &str) -> Result<Pieces<'_>, QuantityError> {
-    let b = s.as_bytes();
-    let end = b.len();
-    let mut pos = 0;
-    let mut positive = true;
-    match b.first() {
-        Some(b'-') => {
-            positive = false;
-            pos += 1;
-        }
-        Some(b'+') => pos += 1,
-        _ => {}
-    }
-    while pos < end && b.get(pos) == Some(&b'0') {
-        pos += 1;
-    }
-    if pos >= end {
-        return Ok(Pieces {
-            positive,
-            num: "0",
-            denom: "",
-            suffix: "",
-        });
-    }
-    let num_start = pos;
-    while pos < end && b.get(pos).is_some_and(u8::is_ascii_digit) {
-        pos += 1;
-    }
-    let mut num = s.get(num_start..pos).unwrap_or("");
-    if num.is_empty() {
-        num = "0";
-    }
-    let mut denom = "";
-    if b.get(pos) == Some(&b'.') {
-        pos += 1;
-        let start = pos;
-        while pos < end && b.get(pos).is_some_and(u8::is_ascii_digit) {
-            pos += 1;
-        }
-        denom = s.get(start..pos).unwrap_or("");
-    }
-    let suffix_start = pos;
-    while pos < end && b.get(pos).is_some_and(|c| b"eEinumkKMGTP".contains(c)) {
-        pos += 1;
-    }
-    if matches!(b.get(pos), Some(b'-' | b'+')) {
-        pos += 1;
-    }
-    while pos < end && b.get(pos).is_some_and(u8::is_ascii_digit) {
-        pos += 1;
-    }
-    if pos < end {
-        return Err(format_error());
-    }
-    Ok(Pieces {
-        positive,
-        num,
-        denom,
-        suffix: s.get(suffix_start..).unwrap_or(""),
-    })
-}
-
-/// `suffixHandler.interpret`: (base, exponent, format).
-fn interpret(suffix: &str) -> Option<(u32, i32, Format)> {
-    let dec = match suffix {
-        "n" => Some(-9),
-        "u" => Some(-6),
-        "m" => Some(-3),
-        "" => Some(0),
-        "k" => Some(3),
-        "M" => Some(6),
-        "G" => Some(9),
-        "T" => Some(12),
-        "P" => Some(15),
-        "E" => Some(18),
-        _ => None,
-    };
-    if let Some(e) = dec {
-        return Some((10, e, Format::DecimalSi));
-    }
-    let bin = match suffix {
-        "Ki" => Some(10),
-        "Mi" => Some(20),
-        "Gi" => Some(30),
-        "Ti" => Some(40),
-        "Pi" => Some(50),
-        "Ei" => Some(60),
-        _ => None,
-    };
-    if let Some(e) = bin {
-        return Some((2, e, Format::BinarySi));
-    }
-    let rest = suffix
-        .strip_prefix('e')
-        .or_else(|| suffix.strip_prefix('E'))?;
-    if rest.is_empty() {
-        return None;
-    }
-    let parsed: i64 = rest.parse().ok()?;
-    // Upstream truncates the int64 exponent to int32.
-    Some((10, parsed as i32, Format::DecimalExponent))
 }
 
 /// Strips leading zeros; "0" for none left.
@@ -254,7 +127,7 @@ impl Quantity {
                 exponent: 0,
             });
         }
-        let p = split(s)?;
+        let p = split(s).map_err(|e| QuantityError(e.to_string()))?;
         let (base, exponent, mut format) = interpret(p.suffix)
             .ok_or_else(|| QuantityError("unable to parse quantity's suffix".into()))?;
         let num_len = p.num.len() as i64;

@@ -39,12 +39,6 @@ pub struct DeviceAttribute {
     pub versions: Option<Vec<String>>,
 }
 
-impl PartialEq for Quantity {
-    fn eq(&self, other: &Self) -> bool {
-        self.compare(other) == std::cmp::Ordering::Equal
-    }
-}
-
 /// A device capacity: a quantity.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DeviceCapacity {

@@ -154,35 +154,12 @@ fn memory_bytes(device: &Device) -> Option<u64> {
     parse_bytes(q)
 }
 
+/// A quantity of bytes (a device's capacity, a claim's consumed capacity) as a whole number:
+/// any form Kubernetes accepts (`80Gi`, `20G`, `1.5Gi`, `2e9`), `None` for a malformed, negative
+/// or fractional one.
 fn parse_bytes(q: &str) -> Option<u64> {
-    const SUFFIXES: [(&str, u32); 6] = [
-        ("Ki", 10),
-        ("Mi", 20),
-        ("Gi", 30),
-        ("Ti", 40),
-        ("Pi", 50),
-        ("Ei", 60),
-    ];
-    // The decimal suffixes a canonical quantity may carry (a multiple of 125 GiB is `...k`).
-    const DECIMAL: [(&str, u32); 6] = [
-        ("k", 3),
-        ("M", 6),
-        ("G", 9),
-        ("T", 12),
-        ("P", 15),
-        ("E", 18),
-    ];
-    for (suffix, shift) in SUFFIXES {
-        if let Some(n) = q.strip_suffix(suffix) {
-            return n.parse::<u64>().ok()?.checked_mul(1u64 << shift);
-        }
-    }
-    for (suffix, exp) in DECIMAL {
-        if let Some(n) = q.strip_suffix(suffix) {
-            return n.parse::<u64>().ok()?.checked_mul(10u64.checked_pow(exp)?);
-        }
-    }
-    q.parse().ok()
+    let bytes = k8s_quantity::Quantity::parse(q).ok()?.as_i64()?;
+    u64::try_from(bytes).ok()
 }
 
 /// Makes every device of `pool` that [`can_share`] shareable, as the module docs describe, its
@@ -340,16 +317,16 @@ pub fn consumed(consumed: &BTreeMap<String, Quantity>) -> Result<Consumed, Consu
     })?;
     let compute_percent = match consumed.get(COMPUTE_PERCENT) {
         None => 0,
-        Some(q) => {
-            q.0.parse::<u32>()
-                .ok()
-                .filter(|p| *p <= 100)
-                .ok_or_else(|| ConsumedError {
-                    name: COMPUTE_PERCENT.into(),
-                    value: q.0.clone(),
-                    problem: "is not a whole percentage from 0 to 100",
-                })?
-        }
+        Some(q) => k8s_quantity::Quantity::parse(&q.0)
+            .ok()
+            .and_then(|p| p.as_i64())
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|p| *p <= 100)
+            .ok_or_else(|| ConsumedError {
+                name: COMPUTE_PERCENT.into(),
+                value: q.0.clone(),
+                problem: "is not a whole percentage from 0 to 100",
+            })?,
     };
     Ok(Consumed {
         memory_bytes,
@@ -482,11 +459,23 @@ mod tests {
         assert_eq!(consumed(&BTreeMap::new()).unwrap_err().name, MEMORY);
         let decimal = consumed(&BTreeMap::from([(MEMORY.to_owned(), q("134217728k"))])).unwrap();
         assert_eq!(decimal.memory_bytes, 125 << 30);
-        assert_eq!(
-            consumed(&BTreeMap::from([(MEMORY.to_owned(), q("1.5Gi"))]))
-                .unwrap_err()
-                .problem,
-            "is not a whole number of bytes"
-        );
+        // Any form Kubernetes writes a whole number in, through the workspace's quantity type.
+        for (text, bytes) in [
+            ("1.5Gi", 3 << 29),
+            ("2e9", 2_000_000_000),
+            ("1536Mi", 3 << 29),
+        ] {
+            let read = consumed(&BTreeMap::from([(MEMORY.to_owned(), q(text))])).unwrap();
+            assert_eq!(read.memory_bytes, bytes, "{text}");
+        }
+        for text in ["0.5", "-1Gi", "lots"] {
+            assert_eq!(
+                consumed(&BTreeMap::from([(MEMORY.to_owned(), q(text))]))
+                    .unwrap_err()
+                    .problem,
+                "is not a whole number of bytes",
+                "{text}"
+            );
+        }
     }
 }

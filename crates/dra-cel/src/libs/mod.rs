@@ -2,7 +2,8 @@
 
 pub mod format;
 pub mod ip;
-pub mod quantity;
+/// Quantities: the workspace's one type ([`k8s_quantity`]).
+pub use k8s_quantity as quantity;
 pub mod regex;
 pub mod semver;
 pub(crate) mod strfmt;

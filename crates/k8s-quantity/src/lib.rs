@@ -1,5 +1,7 @@
-//! Kubernetes resource quantities (`k8s.io/apimachinery/pkg/api/resource`, v0.36) as the CEL
-//! quantity library (`k8s.io/apiserver/pkg/cel/library/quantity.go`) sees them.
+//! Kubernetes resource quantities (`k8s.io/apimachinery/pkg/api/resource`, v0.36): the one
+//! quantity type of the workspace. The CEL library (`dra-cel`, as `dra_cel::libs::quantity`,
+//! mirroring `k8s.io/apiserver/pkg/cel/library/quantity.go`), the allocator's capacity
+//! arithmetic and the node side's capacities (`gpu-inventory`) all use it.
 //!
 //! Upstream keeps a quantity in one of two forms, and several CEL functions answer from the
 //! form rather than the value, so we keep the same two:
@@ -400,18 +402,44 @@ pub struct Quantity {
     text: Option<Box<str>>,
 }
 
-/// `parseQuantityString`'s pieces.
-struct Parts<'a> {
-    positive: bool,
-    /// The number with its sign, as `inf.Dec.SetString` reads it.
-    value: &'a str,
-    num: &'a str,
-    denom: &'a str,
-    suffix: &'a str,
+/// Numeric equality (`Quantity.Equal`): `1Gi == 1024Mi`, whatever the forms.
+impl PartialEq for Quantity {
+    fn eq(&self, other: &Self) -> bool {
+        self.compare(other) == Ordering::Equal
+    }
 }
 
-/// `quantity.go` `parseQuantityString`.
-fn split(s: &str) -> Result<Parts<'_>, QuantityError> {
+/// How a quantity is written (`resource.Format`), from its suffix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// `e3`-style exponents (`DecimalExponent`).
+    DecimalExponent,
+    /// `Ki`, `Mi`, ... (`BinarySI`).
+    BinarySi,
+    /// `k`, `M`, ... and no suffix (`DecimalSI`).
+    DecimalSi,
+}
+
+/// `parseQuantityString`'s pieces of a quantity's text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parts<'a> {
+    /// No leading `-`.
+    pub positive: bool,
+    /// The number with its sign, as `inf.Dec.SetString` reads it.
+    pub value: &'a str,
+    /// Digits before the point, leading zeros gone (`"0"` for none).
+    pub num: &'a str,
+    /// Digits after the point.
+    pub denom: &'a str,
+    /// The suffix, as written ([`interpret`] reads it).
+    pub suffix: &'a str,
+}
+
+/// Splits a quantity's text into its [`Parts`] (`quantity.go` `parseQuantityString`).
+///
+/// # Errors
+/// [`QuantityError::Format`] when the text does not have a quantity's shape.
+pub fn split(s: &str) -> Result<Parts<'_>, QuantityError> {
     let b = s.as_bytes();
     let end = b.len();
     let mut pos = 0;
@@ -477,8 +505,9 @@ fn split(s: &str) -> Result<Parts<'_>, QuantityError> {
     })
 }
 
-/// `suffix.go` `interpret`: (binary, exponent) of the suffix.
-fn interpret(s: &str) -> Option<(bool, i32)> {
+/// A suffix's base (2 or 10), exponent and format (`suffix.go` `interpret`); `None` for an
+/// unknown suffix. An `e` exponent is truncated to `int32` as upstream does.
+pub fn interpret(s: &str) -> Option<(u32, i32, Format)> {
     let decimal = match s {
         "n" => Some(-9),
         "u" => Some(-6),
@@ -493,7 +522,7 @@ fn interpret(s: &str) -> Option<(bool, i32)> {
         _ => None,
     };
     if let Some(e) = decimal {
-        return Some((false, e));
+        return Some((10, e, Format::DecimalSi));
     }
     let binary = match s {
         "Ki" => Some(10),
@@ -505,12 +534,12 @@ fn interpret(s: &str) -> Option<(bool, i32)> {
         _ => None,
     };
     if let Some(e) = binary {
-        return Some((true, e));
+        return Some((2, e, Format::BinarySi));
     }
     if s.len() > 1 && (s.starts_with('e') || s.starts_with('E')) {
         let e: i64 = s[1..].parse().ok()?;
         // Upstream truncates the parsed int64 exponent to int32.
-        return Some((false, e as i32));
+        return Some((10, e as i32, Format::DecimalExponent));
     }
     None
 }
@@ -646,7 +675,8 @@ fn parse_amount(s: &str) -> Result<Amount, QuantityError> {
         return Ok(Amount::Int(Int64Amount { value: 0, scale: 0 }));
     }
     let p = split(s)?;
-    let (binary, exponent) = interpret(p.suffix).ok_or(QuantityError::Suffix)?;
+    let (base, exponent, _) = interpret(p.suffix).ok_or(QuantityError::Suffix)?;
+    let binary = base == 2;
     let digits = p.num.len() as i64 + p.denom.len() as i64;
     let denom_len = p.denom.len() as i32;
 
@@ -773,15 +803,15 @@ enum Form {
 ///   `Add`/`Sub` on the copy, which for an `inf.Dec` receiver writes the result into the
 ///   `inf.Dec` that the original points to: after `x.add(1)`, `x` is one more too.
 #[derive(Clone, Debug)]
-pub(crate) struct QuantityValue {
+pub struct QuantityValue {
     target: Arc<Mutex<Form>>,
     /// Result of `add`/`sub`: upstream returns a pointer there, which `==` on the left-hand
     /// side of a plain quantity does not accept (a "no such overload" error).
-    pub(crate) boxed: bool,
+    pub boxed: bool,
 }
 
 /// The right-hand side of `add`/`sub`.
-pub(crate) enum Operand<'q> {
+pub enum Operand<'q> {
     /// `quantity_add`/`quantity_sub`.
     Quantity(&'q QuantityValue),
     /// `quantity_add_int`/`quantity_sub_int`: `resource.NewQuantity(i, DecimalExponent)`.
@@ -790,7 +820,7 @@ pub(crate) enum Operand<'q> {
 
 impl QuantityValue {
     /// A fresh value of `q` (each evaluation's device capacities).
-    pub(crate) fn new(q: &Quantity) -> QuantityValue {
+    pub fn new(q: &Quantity) -> QuantityValue {
         QuantityValue::of(q.amount.clone())
     }
 
@@ -798,7 +828,7 @@ impl QuantityValue {
     ///
     /// # Errors
     /// As [`Quantity::parse`].
-    pub(crate) fn parse(s: &str) -> Result<QuantityValue, QuantityError> {
+    pub fn parse(s: &str) -> Result<QuantityValue, QuantityError> {
         parse_amount(s).map(QuantityValue::of)
     }
 
@@ -825,17 +855,17 @@ impl QuantityValue {
     }
 
     /// `sign()`: `Quantity.Sign`.
-    pub(crate) fn sign(&self) -> i64 {
+    pub fn sign(&self) -> i64 {
         self.amount().sign()
     }
 
     /// `isInteger()`/`asInteger()`: `Quantity.AsInt64` of the current form.
-    pub(crate) fn as_int64(&self) -> Option<i64> {
+    pub fn as_int64(&self) -> Option<i64> {
         self.amount().as_int64()
     }
 
     /// `asApproximateFloat()`: `Quantity.AsApproximateFloat64` of the current form.
-    pub(crate) fn approximate_float(&self) -> f64 {
+    pub fn approximate_float(&self) -> f64 {
         self.amount().approximate_float()
     }
 
@@ -844,7 +874,7 @@ impl QuantityValue {
     ///
     /// # Errors
     /// [`QuantityError::ScalesTooFarApart`] where upstream panics.
-    pub(crate) fn compare(&self, other: &QuantityValue) -> Result<Ordering, QuantityError> {
+    pub fn compare(&self, other: &QuantityValue) -> Result<Ordering, QuantityError> {
         let (x, y) = (self.amount(), other.amount());
         let r = cmp_upstream(&x, &y)?;
         if let (Amount::Int(i), Amount::Dec(_)) = (&x, &y) {
@@ -857,7 +887,7 @@ impl QuantityValue {
     ///
     /// # Errors
     /// As [`QuantityValue::compare`].
-    pub(crate) fn equals(&self, other: &QuantityValue) -> Result<bool, QuantityError> {
+    pub fn equals(&self, other: &QuantityValue) -> Result<bool, QuantityError> {
         Ok(cmp_upstream(&self.amount(), &other.amount())? == Ordering::Equal)
     }
 
@@ -866,7 +896,7 @@ impl QuantityValue {
     ///
     /// # Errors
     /// [`QuantityError::TooManyDigits`] when the exact sum is too long.
-    pub(crate) fn add(&self, other: Operand<'_>) -> Result<QuantityValue, QuantityError> {
+    pub fn add(&self, other: Operand<'_>) -> Result<QuantityValue, QuantityError> {
         self.add_or_sub(other, false)
     }
 
@@ -874,7 +904,7 @@ impl QuantityValue {
     ///
     /// # Errors
     /// As [`QuantityValue::add`].
-    pub(crate) fn sub(&self, other: Operand<'_>) -> Result<QuantityValue, QuantityError> {
+    pub fn sub(&self, other: Operand<'_>) -> Result<QuantityValue, QuantityError> {
         self.add_or_sub(other, true)
     }
 
