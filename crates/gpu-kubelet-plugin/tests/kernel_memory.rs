@@ -869,3 +869,68 @@ async fn start_up_deletes_the_namespaces_of_claims_it_does_not_keep() {
     assert_eq!(names, [namespace_name("uk")]);
     assert!(!mps.namespace_dir(&key, &namespace_name("gone")).exists());
 }
+
+/// The node moves to the `kernel` level (a drust upgrade on an r615 node) while a GPU's legacy
+/// share daemon serves a running share: that share keeps its daemon and unprepares through it,
+/// and a new share of the GPU is refused, naming why, until the old one is gone; then the GPU's
+/// daemon starts again on MPS v3.
+#[tokio::test]
+async fn a_legacy_daemon_keeps_its_share_and_new_kernel_level_shares_wait_for_it() {
+    let root = cgroup2_root();
+    let node = Node::new(&root);
+    let gpu = node.gpu(5);
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "old",
+        "uo",
+        &gpu.name,
+        &format!("{SHARE}05"),
+        "8Gi",
+    ));
+    cluster.put(share_claim(
+        "new",
+        "un",
+        &gpu.name,
+        &format!("{SHARE}06"),
+        "8Gi",
+    ));
+    let before = node.controller(cluster.clone(), None).await;
+    assert!(before.prepare(vec![claim_ref("old", "uo")]).await["uo"].is_ok());
+    before.quiesce().await;
+    drop(before);
+
+    let c = node.controller(cluster, Some(node.kernel())).await;
+    let refused = c.prepare(vec![claim_ref("new", "un")]).await;
+    let err = refused["un"]
+        .as_ref()
+        .expect_err("a legacy daemon runs")
+        .to_string();
+    assert!(
+        err.contains("runs Legacy MPS") && err.contains("needs V3"),
+        "{err}"
+    );
+    assert!(c.unprepare(vec![claim_ref("old", "uo")]).await["uo"].is_ok());
+    let key = gpu.raw.uuid.to_ascii_lowercase();
+    assert!(
+        !node.dir.path().join("mps").join(&key).exists(),
+        "the legacy daemon stopped"
+    );
+    assert!(c.prepare(vec![claim_ref("new", "un")]).await["un"].is_ok());
+    let log = std::fs::read_to_string(
+        node.dir
+            .path()
+            .join("mps")
+            .join(&key)
+            .join("log/control.log"),
+    )
+    .expect("log");
+    assert!(log.contains("options protocol=3"), "{log}");
+    let names: Vec<String> = mps_control(&node.dir.path().join("mps"))
+        .namespaces(&key)
+        .await
+        .expect("namespaces")
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, [namespace_name("un")]);
+}

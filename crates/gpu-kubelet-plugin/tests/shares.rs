@@ -129,7 +129,9 @@ async fn allocations_a_share_cannot_be_prepared_from_are_refused_by_name() {
         more.share_id = Some(format!("{SHARE}99"));
         results.push(more);
     }
-    let bad = share_claim("bad", "u4", dev(2), &format!("{SHARE}04"), "1.5Gi");
+    // Half a byte: no whole number of bytes (1.5Gi, which this test used before the workspace's
+    // one quantity type, is 1610612736 bytes and is read as such).
+    let bad = share_claim("bad", "u4", dev(2), &format!("{SHARE}04"), "0.5");
     let c = controller(dir.path(), vec![configured, two_gpus, two_of_one, bad]).await;
     let r = c
         .prepare(vec![

@@ -40,7 +40,7 @@ use super::error::ClaimError;
 use super::{ClaimController, Cluster};
 use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice, RecordedShare};
 use crate::hardware::Hardware;
-use crate::mps::Liveness;
+use crate::mps::{Liveness, Protocol};
 use gpu_inventory::backend::ComputeMode;
 
 /// The MPS daemon key of the device with `uuid` (a GPU or MIG UUID): lower-cased, so it is a
@@ -220,16 +220,29 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 source,
             };
             let v3 = self.inner.config.kernel_memory.is_some();
+            let wanted = if v3 { Protocol::V3 } else { Protocol::Legacy };
             match mps.liveness(&key).await {
-                Liveness::Answering if v3 => {
-                    if let Some(share) = &d.share {
+                Liveness::Answering => {
+                    // A daemon of the other protocol serves shares prepared before the level
+                    // changed: it keeps them, and this share waits (retried) until it is gone.
+                    let running = mps
+                        .protocol(&key)
+                        .await
+                        .map_err(mps_error)?
+                        .unwrap_or(Protocol::Legacy);
+                    if running != wanted {
+                        return Err(mps_error(crate::mps::MpsError::ProtocolMismatch {
+                            pipe_dir: mps.pipe_dir(&key),
+                            running,
+                            wanted,
+                        }));
+                    }
+                    if !v3 {
+                        self.set_ceiling(claim, &key, d.share.as_ref(), None)
+                            .await?;
+                    } else if let Some(share) = &d.share {
                         self.set_namespace(claim, &key, &claim.uid, share).await?;
                     }
-                    continue;
-                }
-                Liveness::Answering => {
-                    self.set_ceiling(claim, &key, d.share.as_ref(), None)
-                        .await?;
                     continue;
                 }
                 Liveness::Dead => {}
@@ -295,7 +308,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             let key = daemon_key(&d.uuid);
             let _guard = self.share_lock(&d.device_name).await;
             let needed = needed_daemons(&*self.inner.journal.records().await, Some(&claim.uid));
-            if needed.contains(&key) && self.inner.config.kernel_memory.is_some() {
+            // The daemon's own protocol decides (it may predate the node's level).
+            let v3_daemon = matches!(
+                self.inner.config.mps.protocol(&key).await,
+                Ok(Some(Protocol::V3))
+            );
+            if needed.contains(&key) && v3_daemon {
                 // The share's namespace goes with it; the daemon serves the others.
                 let name = crate::mps::namespace_name(&claim.uid);
                 self.inner
@@ -438,7 +456,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .collect();
         let mut removed = Vec::new();
         for key in keys {
-            if mps.liveness(key).await != Liveness::Answering {
+            if mps.liveness(key).await != Liveness::Answering
+                || !matches!(mps.protocol(key).await, Ok(Some(Protocol::V3)))
+            {
                 continue;
             }
             let names = match mps.namespaces(key).await {

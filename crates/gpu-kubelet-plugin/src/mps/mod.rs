@@ -192,6 +192,21 @@ pub enum MpsError {
         /// The error.
         problem: String,
     },
+    /// A running daemon speaks another protocol than this node's level needs: it was started
+    /// before the level changed (an upgrade to the `kernel` level with shares running).
+    #[error(
+        "MPS control daemon in {pipe_dir} runs {running:?} MPS, this node's share level needs \
+         {wanted:?}: new shares of its GPU are prepared once the shares it serves are gone and \
+         it stops"
+    )]
+    ProtocolMismatch {
+        /// The pipe directory.
+        pipe_dir: PathBuf,
+        /// What the daemon speaks.
+        running: Protocol,
+        /// What the node's level needs.
+        wanted: Protocol,
+    },
     /// The daemon does not report the limits it was given.
     #[error("MPS control daemon in {pipe_dir}: {setting} is {found:?} after setting {wanted:?}")]
     LimitNotApplied {
@@ -240,6 +255,15 @@ impl MpsControl {
     /// `<root>/<uid>/protocol`: `3` for a v3 daemon; absent for a legacy one ([`Protocol`]).
     fn protocol_file(&self, uid: &str) -> PathBuf {
         self.claim_dir(uid).join("protocol")
+    }
+
+    /// The protocol daemon `uid` speaks, as recorded in its directory; `None` when it has no
+    /// directory (no daemon).
+    ///
+    /// # Errors
+    /// [`MpsError::Dir`] when the record cannot be read.
+    pub async fn protocol(&self, uid: &str) -> Result<Option<Protocol>, MpsError> {
+        self.recorded(uid).await
     }
 
     /// Whether daemon `uid`'s directory exists, and the protocol recorded there. Blocking work
