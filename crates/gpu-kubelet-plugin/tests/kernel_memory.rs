@@ -640,28 +640,8 @@ fn share_edits(node: &Node, uid: &str) -> (String, Vec<String>) {
 /// A fake CUDA client through pipe directory `pipe` with `env`: the line its namespace's
 /// daemon logs for it.
 fn attach(log: &Path, pipe: &str, env: &[(&str, &str)]) -> String {
-    use std::io::BufRead;
     let before = std::fs::read_to_string(log).unwrap_or_default().len();
-    let mut client = Command::new(drust_fakes::mps_control())
-        .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
-        .envs(env.iter().copied())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("client");
-    let mut stdin = client.stdin.take().expect("stdin");
-    stdin.write_all(b"fake_client_attach\n").expect("attach");
-    drop(stdin);
-    let mut line = String::new();
-    std::io::BufReader::new(client.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("read");
-    let _ = client.kill();
-    let _ = client.wait();
-    assert!(
-        line.starts_with("attached"),
-        "the client attached: {line:?}"
-    );
+    drust_fakes::attach_once(Path::new(pipe), env).expect("the client attaches");
     let text = std::fs::read_to_string(log).expect("log");
     text[before..]
         .lines()

@@ -1043,26 +1043,11 @@ exec sleep 3600
         let edits = mps.namespace_edits(key, "0a-1", 10 << 30, 25);
         let pipe = &edits.mounts[0].host_path;
         assert_eq!(pipe, &mps.namespace_dir(key, &a).display().to_string());
-        let mut client = std::process::Command::new(drust_fakes::mps_control())
-            .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
-            .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("client");
-        {
-            use std::io::{BufRead, Write};
-            let mut stdin = client.stdin.take().expect("stdin");
-            stdin.write_all(b"fake_client_attach\n").expect("attach");
-            drop(stdin);
-            let mut line = String::new();
-            std::io::BufReader::new(client.stdout.take().expect("stdout"))
-                .read_line(&mut line)
-                .expect("attached");
-            assert!(line.starts_with("attached"), "{line}");
-        }
-        let _ = client.kill();
-        let _ = client.wait();
+        drust_fakes::attach_once(
+            Path::new(pipe),
+            &[("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")],
+        )
+        .expect("a client of namespace a attaches");
         let text = log().expect("log");
         assert!(
             text.contains(&format!(
