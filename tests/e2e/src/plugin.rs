@@ -122,13 +122,7 @@ impl NodePlugin {
         else {
             return Err(problem("no fake state dir to inject events into".into()));
         };
-        let dir = gpu_inventory::health::events_dir(state_dir);
-        std::fs::create_dir_all(&dir).map_err(|e| problem(format!("{}: {e}", dir.display())))?;
-        let json = serde_json::to_vec(event).map_err(|e| problem(e.to_string()))?;
-        let tmp = dir.join(format!("{seq:06}.json.tmp"));
-        std::fs::write(&tmp, json).map_err(|e| problem(format!("{}: {e}", tmp.display())))?;
-        let path = dir.join(format!("{seq:06}.json"));
-        std::fs::rename(&tmp, &path).map_err(|e| problem(format!("{}: {e}", path.display())))
+        write_health_event(state_dir, seq, event).map_err(|e| problem(e.to_string()))
     }
 
     /// The DRA socket.
@@ -313,4 +307,25 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+/// Drops a health event for a fake backend with state directory `state_dir` into
+/// `<state_dir>/events/<seq>.json`, written under a temporary name and renamed: the backend polls
+/// the directory and would read a file written in place before its content is there (and set
+/// it aside as invalid). Events are consumed in `seq` order.
+///
+/// # Errors
+/// The directory or file cannot be written.
+pub fn write_health_event(
+    state_dir: &std::path::Path,
+    seq: u32,
+    event: &gpu_inventory::HealthEvent,
+) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let dir = gpu_inventory::health::events_dir(state_dir);
+    std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
+    let tmp = dir.join(format!("{seq:06}.json.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec(event)?).with_context(|| tmp.display().to_string())?;
+    let path = dir.join(format!("{seq:06}.json"));
+    std::fs::rename(&tmp, &path).with_context(|| path.display().to_string())
 }

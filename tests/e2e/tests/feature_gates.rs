@@ -103,13 +103,12 @@ async fn with_dra_gates_off_the_pool_is_not_republished_at_every_rediscovery() -
 
     // A GPU turns unhealthy: the plugin publishes its taint once, the server drops it, and the
     // pool again stays at its generation.
-    let events = gpu_inventory::health::events_dir(&host.state_dir());
-    std::fs::create_dir_all(&events)?;
     let event = HealthEvent {
         gpu_uuid: "GPU-5e0c4a1b-7d2f-4c83-9b6e-2f1a8d3c7e40".to_owned(),
         kind: HealthEventKind::Xid { code: 79 },
     };
-    std::fs::write(events.join("000001.json"), serde_json::to_vec(&event)?)?;
+    // Renamed into place: the fake backend polls and must never read half a file.
+    drust_e2e::plugin::write_health_event(&host.state_dir(), 1, &event)?;
     let start = Instant::now();
     while !tail().contains("spec.devices[].taints") {
         ensure!(

@@ -399,8 +399,6 @@ async fn a_restarted_plugin_keeps_the_taints_of_gpus_still_unhealthy() -> anyhow
     let want = |devices: &[Device]| expected(devices, &[(&gpu, "xid-94", "NoSchedule")]);
 
     let plugin = start()?;
-    let events = gpu_inventory::health::events_dir(&host.state_dir());
-    std::fs::create_dir_all(&events)?;
     let began = Instant::now();
     loop {
         let devices = published(&slices).await?;
@@ -410,9 +408,11 @@ async fn a_restarted_plugin_keeps_the_taints_of_gpus_still_unhealthy() -> anyhow
         ensure!(began.elapsed() < TIMEOUT, "not published\n{}", tail());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    std::fs::write(
-        events.join("000001.json"),
-        serde_json::to_vec(&event(&gpu, HealthEventKind::Xid { code: 94 }))?,
+    // Renamed into place: the fake backend polls and must never read half a file.
+    drust_e2e::plugin::write_health_event(
+        &host.state_dir(),
+        1,
+        &event(&gpu, HealthEventKind::Xid { code: 94 }),
     )?;
     let began = Instant::now();
     loop {

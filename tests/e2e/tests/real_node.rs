@@ -159,12 +159,7 @@ impl RealNode {
         seq: u32,
         event: &gpu_inventory::HealthEvent,
     ) -> anyhow::Result<()> {
-        let dir = gpu_inventory::health::events_dir(&self.host.state_dir());
-        std::fs::create_dir_all(&dir)?;
-        let tmp = dir.join(format!("{seq:06}.json.tmp"));
-        std::fs::write(&tmp, serde_json::to_vec(event)?)?;
-        std::fs::rename(&tmp, dir.join(format!("{seq:06}.json")))?;
-        Ok(())
+        drust_e2e::plugin::write_health_event(&self.host.state_dir(), seq, event)
     }
 
     async fn stop(self) -> anyhow::Result<()> {
