@@ -258,17 +258,11 @@ impl MpsControl {
     }
 
     /// The protocol daemon `uid` speaks, as recorded in its directory; `None` when it has no
-    /// directory (no daemon).
+    /// directory (no daemon). Blocking work off the async workers.
     ///
     /// # Errors
     /// [`MpsError::Dir`] when the record cannot be read.
     pub async fn protocol(&self, uid: &str) -> Result<Option<Protocol>, MpsError> {
-        self.recorded(uid).await
-    }
-
-    /// Whether daemon `uid`'s directory exists, and the protocol recorded there. Blocking work
-    /// off the async workers.
-    async fn recorded(&self, uid: &str) -> Result<Option<Protocol>, MpsError> {
         let (dir, file) = (self.claim_dir(uid), self.protocol_file(uid));
         off_workers(&dir.clone(), move || {
             if !dir.exists() {
@@ -676,7 +670,7 @@ impl MpsControl {
     /// Whether the daemon of claim `uid` is alive ([`Liveness`]): one `get_server_list`
     /// (`server list` on v3).
     pub async fn liveness(&self, uid: &str) -> Liveness {
-        let protocol = match self.recorded(uid).await {
+        let protocol = match self.protocol(uid).await {
             Ok(None) => return Liveness::Dead,
             Ok(Some(p)) => p,
             Err(e) => return Liveness::Unknown(e.to_string()),
@@ -717,7 +711,7 @@ impl MpsControl {
     /// its Pod, keeping its directories.
     async fn halt(&self, uid: &str, quit: bool) -> Result<(), MpsError> {
         let pipe = self.pipe_dir(uid);
-        let protocol = self.recorded(uid).await?.unwrap_or(Protocol::Legacy);
+        let protocol = self.protocol(uid).await?.unwrap_or(Protocol::Legacy);
         if quit && self.probe(&pipe, protocol).await.is_ok() {
             // The answer to quit may never come: the daemon exits.
             let _ = match protocol {
