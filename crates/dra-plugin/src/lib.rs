@@ -8,12 +8,23 @@
 //!   driver's records and their format history ([`checkpoint::Format`]).
 //! - [`journal`]: the records as staged in memory and the group commit that makes concurrent
 //!   claims' changes durable with one store ([`journal::Journal`]).
+//! - [`record`]: what is kept per claim ([`record::ClaimRecord`]), generic over the driver's
+//!   record of a device.
+//! - [`cdi`]: the CDI spec file of each prepared claim ([`cdi::CdiWriter`]).
+//! - [`lifecycle`]: prepare and unprepare for the kubelet ([`lifecycle::Lifecycle`], which
+//!   serves [`dra_kubelet::Driver`]) over a driver's device work ([`lifecycle::Driver`]): claim
+//!   locks, per-call deadlines with background rollback, two-phase records, CDI specs.
+//! - [`failpoint`]: crash points a fault-injection test arms through the environment.
 //!
 //! The workspace's device driver is its first user. A test over this
 //! crate's sources keeps it free of any device's concepts (`tests/driver_agnostic.rs`).
 
+pub mod cdi;
 pub mod checkpoint;
+pub mod failpoint;
 pub mod journal;
+pub mod lifecycle;
+pub mod record;
 pub mod storage;
 
 /// The README's example, compiled as a doctest so that it cannot rot.

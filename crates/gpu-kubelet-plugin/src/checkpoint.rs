@@ -77,35 +77,10 @@ pub const MIN_READER_VERSION: u32 = 4;
 /// The oldest reader of a file that records a share ([`RecordedShare`]).
 pub const MIN_READER_VERSION_SHARES: u32 = 5;
 
-/// How far prepare got for a claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ClaimState {
-    /// Prepare began: whatever `ClaimRecord` lists may exist and must be rolled back if the
-    /// prepare does not complete.
-    PrepareStarted,
-    /// Prepare completed; the kubelet has (or will get) the devices.
-    PrepareCompleted,
-    /// Unprepare (or a rollback) began: finish it.
-    UnprepareStarted,
-}
+pub use dra_plugin::record::ClaimState;
 
-/// Everything recorded for one claim.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ClaimRecord {
-    /// Namespace of the ResourceClaim.
-    pub namespace: String,
-    /// Name of the ResourceClaim.
-    pub name: String,
-    /// Prepare phase.
-    pub state: ClaimState,
-    /// The devices, as returned to the kubelet.
-    pub devices: Vec<RecordedDevice>,
-    /// The CDI spec file created for the claim.
-    pub cdi_spec_path: PathBuf,
-    /// Its content, to regenerate it if it goes missing (e.g. a CDI dir on tmpfs).
-    pub cdi_spec: Spec,
-}
+/// Everything recorded for one claim ([`dra_plugin::record::ClaimRecord`]).
+pub type ClaimRecord = dra_plugin::record::ClaimRecord<RecordedDevice>;
 
 /// A prepared device as recorded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -176,17 +151,8 @@ impl From<&RecordedDevice> for PreparedDevice {
     }
 }
 
-/// The checkpoint's content.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Checkpoint {
-    /// `/proc/sys/kernel/random/boot_id` when the claims were prepared; empty when unknown.
-    #[serde(default)]
-    pub boot_id: String,
-    /// Claims by UID.
-    #[serde(default)]
-    pub claims: BTreeMap<String, ClaimRecord>,
-}
+/// The checkpoint's content ([`dra_plugin::record::Records`]).
+pub type Checkpoint = dra_plugin::record::Records<RecordedDevice>;
 
 /// The file of a version without an envelope (version 1): its claims at the top level.
 #[derive(Deserialize)]

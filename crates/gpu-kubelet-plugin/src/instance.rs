@@ -197,7 +197,7 @@ impl GateError {
 
 /// The [`Driver`] the kubelet talks to: holds claim calls until this instance is active, then
 /// passes them to the claim controller, and counts their outcomes in the metrics.
-pub struct Gate<C, H> {
+pub struct Gate<C: Cluster, H: Hardware> {
     active: watch::Receiver<Option<ClaimController<C, H>>>,
     wait: Duration,
     lock: PathBuf,

@@ -8,7 +8,7 @@
 // message naming both; they are per-claim and rare, so their size is not worth boxing.
 #![allow(clippy::result_large_err)]
 
-pub mod cdi;
+pub use dra_plugin::cdi;
 pub mod checkpoint;
 pub mod claim_config;
 pub mod claims;

@@ -1,5 +1,5 @@
 //! A failpoint nobody arms proves nothing: every `failpoint::hit("<name>")` in the plugin's code
-//! is listed in `failpoint::ALL` or `failpoint::MIG`, every listed one is hit somewhere, and the
+//! and in the lifecycle it runs on (`dra-plugin`) is listed in `failpoint::ALL` or `failpoint::MIG`, every listed one is hit somewhere, and the
 //! end-to-end tests that SIGKILL the plugin iterate over those lists (fault_injection.rs over
 //! `ALL`, dynamic_mig.rs over `MIG` and `ALL`).
 
@@ -23,10 +23,21 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn every_failpoint_in_the_code_is_listed_and_armed_by_a_test() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = crate_dir.join("src");
+    let lifecycle = crate_dir.join("../dra-plugin/src/lifecycle");
     let needle = "failpoint::hit(\"";
     let mut hit = BTreeSet::new();
-    for file in rust_files(&src) {
+    let files: Vec<PathBuf> = rust_files(&src)
+        .into_iter()
+        .chain(rust_files(&lifecycle))
+        .collect();
+    assert!(
+        files.iter().any(|f| f.ends_with("lifecycle/prepare.rs"))
+            && files.iter().any(|f| f.ends_with("src/hardware.rs")),
+        "the sources were not all found: {files:?}"
+    );
+    for file in files {
         let text = std::fs::read_to_string(&file).expect("read source");
         for (at, _) in text.match_indices(needle) {
             let rest = &text[at + needle.len()..];

@@ -2,8 +2,6 @@
 
 use dra_kubelet::ClaimRef;
 
-use crate::cdi::CdiError;
-use crate::checkpoint::CheckpointError;
 use crate::hardware::HardwareError;
 
 /// A per-claim failure, reported to the kubelet for that claim only.
@@ -141,45 +139,10 @@ pub enum ClaimError {
         /// The cause.
         source: HardwareError,
     },
-    /// The CDI spec could not be written or removed.
-    #[error("ResourceClaim {claim}: {source}")]
-    Cdi {
-        /// The claim.
-        claim: ClaimRef,
-        /// The cause.
-        source: CdiError,
-    },
-    /// The checkpoint could not be written.
-    #[error("ResourceClaim {claim}: {source}")]
-    Checkpoint {
-        /// The claim.
-        claim: ClaimRef,
-        /// The cause.
-        source: CheckpointError,
-    },
-    /// A task doing the work ended abnormally (it panicked or was cancelled).
-    #[error("ResourceClaim {claim}: {action} ended abnormally: {message}")]
-    TaskFailed {
-        /// The claim.
-        claim: ClaimRef,
-        /// What the task was doing.
-        action: &'static str,
-        /// The task's failure.
-        message: String,
-    },
-    /// The call did not finish within its deadline; what it started is being rolled back.
-    #[error(
-        "ResourceClaim {claim}: {action} did not finish within {timeout_ms} ms; what it started \
-         is being rolled back, retry later"
-    )]
-    Deadline {
-        /// The claim.
-        claim: ClaimRef,
-        /// `prepare` or `unprepare`.
-        action: &'static str,
-        /// The deadline.
-        timeout_ms: u128,
-    },
+    /// The lifecycle itself failed: a CDI spec or the checkpoint could not be written, a task
+    /// ended abnormally, or the call missed its deadline ([`dra_plugin::lifecycle::Error`]).
+    #[error(transparent)]
+    Lifecycle(#[from] dra_plugin::lifecycle::Error),
 }
 
 impl ClaimError {
@@ -200,10 +163,7 @@ impl ClaimError {
             ClaimError::Config { .. } => "config",
             ClaimError::Mps { .. } => "mps",
             ClaimError::Hardware { .. } => "hardware",
-            ClaimError::Cdi { .. } => "cdi",
-            ClaimError::Checkpoint { .. } => "checkpoint",
-            ClaimError::TaskFailed { .. } => "task-failed",
-            ClaimError::Deadline { .. } => "deadline",
+            ClaimError::Lifecycle(e) => e.reason(),
         }
     }
 }

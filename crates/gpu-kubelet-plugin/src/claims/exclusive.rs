@@ -22,6 +22,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use dra_kubelet::ClaimRef;
+use dra_plugin::lifecycle::Error as LifecycleError;
 use gpu_inventory::backend::ComputeMode;
 use tracing::warn;
 
@@ -67,11 +68,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         if device.is_mig() {
             return Ok(());
         }
-        let hw = Arc::clone(&self.inner.hardware);
+        let hw = Arc::clone(&self.gpu().hardware);
         let gpu = device.gpu().clone();
         match self
-            .inner
-            .background
+            .lifecycle
+            .background()
             .spawn_blocking(move || hw.set_compute_mode(&gpu, mode))
             .await
         {
@@ -79,11 +80,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 claim: claim.clone(),
                 source,
             }),
-            Err(e) => Err(ClaimError::TaskFailed {
+            Err(e) => Err(ClaimError::Lifecycle(LifecycleError::TaskFailed {
                 claim: claim.clone(),
                 action: "compute-mode setting",
                 message: format!("device {name}: {e}"),
-            }),
+            })),
         }
     }
 
@@ -108,7 +109,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// logged; the next start tries again. Returns the GPUs restored.
     pub(super) async fn restore_compute_modes(&self, node: &ClaimRef) -> Vec<String> {
         let catalogue = self.catalogue();
-        let needed = gpus_under_mps(&*self.inner.journal.records().await, &catalogue);
+        let needed = gpus_under_mps(&*self.lifecycle.journal().records().await, &catalogue);
         let gpus: Vec<NodeDevice> = catalogue
             .devices
             .values()
@@ -118,11 +119,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let mut restored = Vec::new();
         for d in gpus {
             let _guard = self.gpu_lock(&d.gpu().name).lock_owned().await;
-            let hw = Arc::clone(&self.inner.hardware);
+            let hw = Arc::clone(&self.gpu().hardware);
             let gpu = d.gpu().clone();
             let mode = self
-                .inner
-                .background
+                .lifecycle
+                .background()
                 .spawn_blocking(move || hw.compute_mode(&gpu))
                 .await;
             match mode {

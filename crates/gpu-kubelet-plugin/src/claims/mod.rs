@@ -1,27 +1,6 @@
-//! The claim controller: prepare and unprepare for the kubelet, crash-safe and concurrent.
-//!
-//! Lifecycle of a claim whose prepare changes the hardware (creates a MIG device, sets sharing;
-//! each arrow is a durable checkpoint write, see [`crate::checkpoint`]):
-//!
-//! ```text
-//! prepare:   -> PrepareStarted -> hardware, per device [-> created MIG devices] -> CDI spec
-//!            -> PrepareCompleted
-//! unprepare: -> UnprepareStarted -> remove CDI spec -> hardware undo -> (record removed)
-//! ```
-//!
-//! A claim whose prepare only checks its devices (a whole GPU or an existing MIG device, no
-//! sharing) has nothing for a record to undo, so it skips both `...Started` writes: prepare
-//! stages its record in memory (devices reserved), checks the hardware, then writes the CDI
-//! spec and `PrepareCompleted` at once; unprepare removes the record durably, then the spec.
-//! Every crash in between leaves an orphan spec or a completed record without its spec, both of
-//! which start-up reconciles.
-//!
-//! CDI specs are written atomically but not synced: the checkpoint record holds each spec, and
-//! the kubelet hears of a prepare only once `PrepareCompleted` is durable, so the record alone
-//! decides and start-up rewrites a spec a crash lost. Unsynced data is lost only with the
-//! machine (a plugin crash keeps the page cache), and after a reboot every claim of the previous
-//! boot is dropped and prepared again anyway, so rebuilding a damaged checkpoint from the specs
-//! loses nothing either.
+//! The GPU driver's side of the claim lifecycle ([`dra_plugin::lifecycle`], which owns the
+//! records, locks, deadlines, rollback and CDI files): planning a claim's GPUs, the hardware
+//! step, sharing, and start-up recovery.
 //!
 //! Dynamic MIG (partitionable mode): the hardware step creates the MIG device of each allocated
 //! placement; what it created is written to the checkpoint (`devices[].mig`) before the CDI
@@ -37,28 +16,26 @@
 //! (the kubelet prepares them again). A damaged checkpoint is set aside and rebuilt from the CDI
 //! specs on disk and the API server, with a Warning event; it never stops the plugin.
 //!
-//! Concurrency: claims lock only their own devices (in name order, so two claims never
-//! deadlock); the checkpoint mutex is held only while a write is in flight; hardware actions run
-//! on blocking threads holding their device's lock. Every call has a deadline; a call that
-//! misses it answers the kubelet with an error and leaves the rollback to a background task that
-//! holds the claim's lock, so a retry waits for a clean state.
+//! Concurrency: besides the lifecycle's claim locks, hardware actions on one physical GPU never
+//! overlap (one lock per GPU, taken in name order, so two claims never deadlock); they run on
+//! blocking threads holding it.
 
 mod cluster;
+mod driver;
 mod error;
 mod exclusive;
 mod plan;
 mod recovery;
 mod shares;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dra_kubelet::{ClaimRef, Driver, PrepareResult, PreparedDevice, UnprepareResult};
+use dra_kubelet::{ClaimRef, Driver, PrepareResult, UnprepareResult};
 use gpu_inventory::backend::ComputeMode;
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use tokio_util::task::TaskTracker;
-use tracing::{Instrument, info, warn};
+use tracing::{info, warn};
 
 pub use cluster::{Cluster, KubeCluster};
 pub use error::ClaimError;
@@ -66,14 +43,11 @@ pub use plan::{DEVICE_ENV_PREFIX, device_env};
 pub use recovery::RecoveryReport;
 
 use crate::cdi::CdiWriter;
-use crate::checkpoint::{
-    Checkpoint, CheckpointFile, ClaimRecord, ClaimState, GpuFormat, RecordedDevice,
-};
+use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, ClaimState, RecordedDevice};
 use crate::claim_config::{Sharing, TimeSlice};
-use crate::failpoint;
-use crate::hardware::{CreatedMig, Hardware, NodeDevice};
+use crate::hardware::{Hardware, NodeDevice};
 use crate::mps::MpsControl;
-use dra_plugin::journal::{Journal, UpdateError};
+use dra_plugin::lifecycle::{Error as LifecycleError, Lifecycle};
 
 /// A hardware action on one device, run on a blocking thread.
 type DeviceAction<H, T> =
@@ -105,15 +79,16 @@ pub struct ControllerConfig {
     pub kernel_memory: Option<Arc<crate::memory_limits::KernelMemory>>,
 }
 
-/// Prepares and unprepares claims for one driver on one node. Cheap to clone.
-pub struct ClaimController<C, H> {
-    inner: Arc<Inner<C, H>>,
+/// Prepares and unprepares claims for one driver on one node: the lifecycle
+/// ([`dra_plugin::lifecycle::Lifecycle`]) over the GPU driver. Cheap to clone.
+pub struct ClaimController<C: Cluster, H: Hardware> {
+    lifecycle: Lifecycle<Gpu<C, H>>,
 }
 
-impl<C, H> Clone for ClaimController<C, H> {
+impl<C: Cluster, H: Hardware> Clone for ClaimController<C, H> {
     fn clone(&self) -> Self {
         Self {
-            inner: Arc::clone(&self.inner),
+            lifecycle: self.lifecycle.clone(),
         }
     }
 }
@@ -138,7 +113,8 @@ impl Catalogue {
     }
 }
 
-struct Inner<C, H> {
+/// The GPU driver ([`dra_plugin::lifecycle::Driver`]): its state besides the lifecycle's.
+pub(crate) struct Gpu<C, H> {
     cluster: C,
     hardware: Arc<H>,
     config: ControllerConfig,
@@ -148,15 +124,20 @@ struct Inner<C, H> {
     /// One lock per physical GPU: hardware actions on a GPU never overlap. GPUs are added as
     /// they appear and never removed (a lock may be held across a re-discovery).
     gpu_locks: std::sync::Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
-    claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
-    cdi: CdiWriter,
-    /// The claims' records: staged in memory, made durable by group commit
-    /// ([`dra_plugin::journal`]).
-    journal: Arc<Journal<GpuFormat>>,
-    /// Work that outlives the kubelet's call (rollbacks, unprepares); see [`ClaimController::quiesce`].
-    background: TaskTracker,
     /// Claims whose start-up recovery failed, retried in the background.
     recovery: RecoveryRetries,
+}
+
+impl<C, H> Gpu<C, H> {
+    /// The current catalogue.
+    fn catalogue(&self) -> Arc<Catalogue> {
+        Arc::clone(
+            &self
+                .catalogue
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
 }
 
 /// Claims whose start-up recovery step failed ([`recovery`]).
@@ -193,25 +174,22 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         cdi: CdiWriter,
         checkpoint_file: CheckpointFile,
     ) -> Result<(Self, RecoveryReport), ClaimError> {
-        let background = TaskTracker::new();
+        let timeout = config.timeout;
+        let gpu = Gpu {
+            cluster,
+            hardware,
+            config,
+            catalogue: std::sync::RwLock::default(),
+            gpu_locks: std::sync::Mutex::default(),
+            recovery: RecoveryRetries {
+                failing: std::sync::Mutex::default(),
+                unverified: std::sync::Mutex::default(),
+                count: tokio::sync::watch::Sender::new(0),
+                stop: tokio_util::sync::CancellationToken::new(),
+            },
+        };
         let controller = Self {
-            inner: Arc::new(Inner {
-                cluster,
-                hardware,
-                config,
-                catalogue: std::sync::RwLock::default(),
-                gpu_locks: std::sync::Mutex::default(),
-                claim_locks: std::sync::Mutex::default(),
-                cdi,
-                journal: Arc::new(Journal::new(checkpoint_file, background.clone())),
-                background,
-                recovery: RecoveryRetries {
-                    failing: std::sync::Mutex::default(),
-                    unverified: std::sync::Mutex::default(),
-                    count: tokio::sync::watch::Sender::new(0),
-                    stop: tokio_util::sync::CancellationToken::new(),
-                },
-            }),
+            lifecycle: Lifecycle::new(gpu, checkpoint_file, cdi, timeout),
         };
         controller.set_devices(devices);
         let report = controller.recover().await?;
@@ -233,13 +211,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .map(|d| (d.name().to_owned(), d))
             .collect();
         {
-            let mut locks = lock(&self.inner.gpu_locks);
+            let mut locks = lock(&self.gpu().gpu_locks);
             for d in devices.values() {
                 locks.entry(d.gpu().name.clone()).or_default();
             }
         }
         let mut current = self
-            .inner
+            .gpu()
             .catalogue
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -272,19 +250,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
     /// The current catalogue.
     fn catalogue(&self) -> Arc<Catalogue> {
-        Arc::clone(
-            &self
-                .inner
-                .catalogue
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        )
+        self.gpu().catalogue()
     }
 
     /// The lock of physical GPU `gpu`.
     fn gpu_lock(&self, gpu: &str) -> Arc<Mutex<()>> {
         Arc::clone(
-            lock(&self.inner.gpu_locks)
+            lock(&self.gpu().gpu_locks)
                 .entry(gpu.to_owned())
                 .or_default(),
         )
@@ -293,110 +265,38 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// How many claims' start-up recovery is failing (retried in the background), as it
     /// changes.
     pub fn recovery_failures(&self) -> tokio::sync::watch::Receiver<usize> {
-        self.inner.recovery.count.subscribe()
+        self.gpu().recovery.count.subscribe()
     }
 
     /// The UIDs of the claims whose prepare completed.
     pub async fn prepared_claims(&self) -> Vec<String> {
-        self.inner
-            .journal
-            .records()
-            .await
-            .claims
-            .iter()
-            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
-            .map(|(uid, _)| uid.clone())
-            .collect()
+        self.lifecycle.prepared_claims().await
     }
 
     /// `(claims, devices)`: how many claims are prepared and how many devices they hold.
     pub async fn prepared_summary(&self) -> (usize, usize) {
-        let checkpoint = self.inner.journal.records().await;
-        checkpoint
-            .claims
-            .values()
-            .filter(|r| r.state == ClaimState::PrepareCompleted)
-            .fold((0, 0), |(c, d), r| (c + 1, d + r.devices.len()))
+        self.lifecycle.prepared_summary().await
     }
 
     /// Waits until no work started by this controller is still running: calls must have
-    /// returned already; this waits for the rollbacks and unprepares they left running in the
-    /// background. Call before handing the node's state to another instance.
+    /// returned already; this stops the recovery retries and waits for the rollbacks and
+    /// unprepares they left running in the background. Call before handing the node's state
+    /// to another instance.
     pub async fn quiesce(&self) {
-        self.inner.recovery.stop.cancel();
-        self.inner.background.close();
-        self.inner.background.wait().await;
+        self.gpu().recovery.stop.cancel();
+        self.lifecycle.quiesce().await;
     }
 
-    fn claim_lock(&self, uid: &str) -> Arc<Mutex<()>> {
-        let mut locks = self
-            .inner
-            .claim_locks
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Drop locks nobody holds, so the map stays as small as the set of active claims.
-        locks.retain(|_, l| Arc::strong_count(l) > 1);
-        Arc::clone(locks.entry(uid.to_owned()).or_default())
+    /// The GPU driver's state.
+    fn gpu(&self) -> &Gpu<C, H> {
+        self.lifecycle.driver()
     }
 
-    /// Applies `change` to the claims' records and returns once it is durable
-    /// ([`Journal::update`]); a failed store is an error about `claim`.
-    async fn update<R>(
-        &self,
-        claim: &ClaimRef,
-        change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
-    ) -> Result<R, ClaimError> {
-        self.inner
-            .journal
-            .update(change)
-            .await
-            .map_err(|e| match e {
-                UpdateError::Change(e) => e,
-                UpdateError::Commit(source) => ClaimError::Checkpoint {
-                    claim: claim.clone(),
-                    source,
-                },
-            })
-    }
-
-    /// Stages `change` for the next group commit ([`Journal::stage`]).
-    async fn stage<R>(
-        &self,
-        change: impl FnOnce(&mut Checkpoint) -> Result<R, ClaimError>,
-    ) -> Result<(R, u64), ClaimError> {
-        self.inner.journal.stage(change).await
-    }
-
-    /// Runs blocking CDI file work (write, remove: fsyncs on a slow disk) on the blocking
-    /// pool, never on an async worker.
-    async fn cdi_io<T: Send + 'static>(
-        &self,
-        claim: &ClaimRef,
-        work: impl FnOnce(&CdiWriter) -> Result<T, crate::cdi::CdiError> + Send + 'static,
-    ) -> Result<T, ClaimError> {
-        let cdi = self.inner.cdi.clone();
-        match tokio::task::spawn_blocking(move || work(&cdi)).await {
-            Ok(r) => r.map_err(|source| ClaimError::Cdi {
-                claim: claim.clone(),
-                source,
-            }),
-            Err(join) => Err(ClaimError::TaskFailed {
-                claim: claim.clone(),
-                action: "CDI file work",
-                message: join.to_string(),
-            }),
+    /// The controller of `lifecycle` (what the lifecycle hands to the driver's methods).
+    fn of(lifecycle: &Lifecycle<Gpu<C, H>>) -> Self {
+        Self {
+            lifecycle: lifecycle.clone(),
         }
-    }
-
-    /// Durably moves `claim`'s record (if any) to `state`.
-    async fn set_state(&self, claim: &ClaimRef, state: ClaimState) -> Result<(), ClaimError> {
-        self.update(claim, |c| {
-            if let Some(r) = c.claims.get_mut(&claim.uid) {
-                r.state = state;
-            }
-            Ok(())
-        })
-        .await
     }
 
     /// The devices of `names`, grouped by physical GPU in GPU-name order (the lock order).
@@ -440,12 +340,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Hardware(crate::hardware::HardwareError),
             Panic(String),
         }
-        let hw = Arc::clone(&self.inner.hardware);
+        let hw = Arc::clone(&self.gpu().hardware);
         // Tracked: the actions run on even if the caller stops waiting. One thread for the
         // claim's GPUs: a hop per GPU would cost more than the checks themselves.
         let result = self
-            .inner
-            .background
+            .lifecycle
+            .background()
             .spawn_blocking(move || {
                 let mut ok = Vec::new();
                 for (lock, gpu, devices) in groups {
@@ -477,20 +377,20 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             ),
             Ok((done, Err(Failed::Panic(gpu)))) => (
                 done,
-                Err(ClaimError::TaskFailed {
+                Err(ClaimError::Lifecycle(LifecycleError::TaskFailed {
                     claim: claim.clone(),
                     action: "hardware action",
                     message: format!("GPU {gpu}: the action panicked"),
-                }),
+                })),
             ),
             // The thread itself failed (cannot happen short of a runtime shutdown).
             Err(e) => (
                 Vec::new(),
-                Err(ClaimError::TaskFailed {
+                Err(ClaimError::Lifecycle(LifecycleError::TaskFailed {
                     claim: claim.clone(),
                     action: "hardware action",
                     message: e.to_string(),
-                }),
+                })),
             ),
         }
     }
@@ -514,17 +414,17 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     }
 
     fn plan_context(&self) -> plan::PlanContext<'_> {
-        let inner = &self.inner;
+        let gpu = self.gpu();
         plan::PlanContext {
-            driver: &inner.config.driver_name,
-            pool: &inner.config.node_name,
+            driver: &gpu.config.driver_name,
+            pool: &gpu.config.node_name,
             catalogue: self.catalogue(),
-            hardware: inner.hardware.as_ref(),
-            cdi: &inner.cdi,
-            sharing: inner.config.sharing,
-            mps: &inner.config.mps,
-            kernel_memory: inner.config.kernel_memory.as_deref(),
-            driver_edits: &inner.config.driver_edits,
+            hardware: gpu.hardware.as_ref(),
+            cdi: self.lifecycle.cdi(),
+            sharing: gpu.config.sharing,
+            mps: &gpu.config.mps,
+            kernel_memory: gpu.config.kernel_memory.as_deref(),
+            driver_edits: &gpu.config.driver_edits,
         }
     }
 
@@ -559,7 +459,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         devices: &[RecordedDevice],
     ) -> Result<bool, ClaimError> {
-        let mps = &self.inner.config.mps;
+        let mps = &self.gpu().config.mps;
         let mps_error = |source| ClaimError::Mps {
             claim: claim.clone(),
             source,
@@ -606,7 +506,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
         if result.is_ok() {
             result = self
-                .inner
+                .gpu()
                 .config
                 .mps
                 .start(&claim.uid, served, percentage)
@@ -642,7 +542,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             self.compute_mode(claim, &name, ComputeMode::Default)
                 .await?;
         }
-        self.inner
+        self.gpu()
             .config
             .mps
             .stop(&claim.uid)
@@ -662,18 +562,20 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// Clears the memory limits the `kernel` level's hook set for `claim`'s containers
     /// ([`crate::memory_limits::KernelMemory::clear_claim`]); nothing at the `mps` level.
     async fn clear_memory_limits(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        let Some(kernel) = self.inner.config.kernel_memory.clone() else {
+        let Some(kernel) = self.gpu().config.kernel_memory.clone() else {
             return Ok(());
         };
-        let hardware = Arc::clone(&self.inner.hardware);
+        let hardware = Arc::clone(&self.gpu().hardware);
         let uid = claim.uid.clone();
         let cleared =
             tokio::task::spawn_blocking(move || kernel.clear_claim(hardware.as_ref(), &uid))
                 .await
-                .map_err(|e| ClaimError::TaskFailed {
-                    claim: claim.clone(),
-                    action: "clearing memory limits",
-                    message: e.to_string(),
+                .map_err(|e| {
+                    ClaimError::Lifecycle(LifecycleError::TaskFailed {
+                        claim: claim.clone(),
+                        action: "clearing memory limits",
+                        message: e.to_string(),
+                    })
                 })?
                 .map_err(|source| ClaimError::Hardware {
                     claim: claim.clone(),
@@ -696,11 +598,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 continue;
             };
             let guard = self.gpu_lock(&device.gpu().name).lock_owned().await;
-            let hw = Arc::clone(&self.inner.hardware);
+            let hw = Arc::clone(&self.gpu().hardware);
             // Tracked: the action runs on even if the caller stops waiting.
             let result = self
-                .inner
-                .background
+                .lifecycle
+                .background()
                 .spawn_blocking(move || {
                     let _guard: OwnedMutexGuard<()> = guard;
                     hw.set_time_slice(&device, slice)
@@ -712,366 +614,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     source,
                 })?,
                 Err(e) => {
-                    return Err(ClaimError::TaskFailed {
+                    return Err(ClaimError::Lifecycle(LifecycleError::TaskFailed {
                         claim: claim.clone(),
                         action: "time-slice setting",
                         message: format!("device {name}: {e}"),
-                    });
+                    }));
                 }
             }
         }
-        Ok(())
-    }
-
-    #[tracing::instrument(name = "prepare", skip_all,
-        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
-    async fn prepare_claim(&self, claim: ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let timeout = self.inner.config.timeout;
-        let deadline = tokio::time::Instant::now() + timeout;
-        let missed = |claim: &ClaimRef| ClaimError::Deadline {
-            claim: claim.clone(),
-            action: "prepare",
-            timeout_ms: timeout.as_millis(),
-        };
-        let guard = tokio::time::timeout_at(deadline, self.claim_lock(&claim.uid).lock_owned())
-            .await
-            .map_err(|_| missed(&claim))?;
-        // The attempt runs as its own task, never dropped half-way: what its hardware step
-        // creates is always recorded, so the rollback destroys it.
-        let mut work = {
-            let this = self.clone();
-            let c = claim.clone();
-            self.inner
-                .background
-                .spawn(async move { this.prepare_locked(&c).await }.in_current_span())
-        };
-        let failed = match tokio::time::timeout_at(deadline, &mut work).await {
-            Ok(Ok(Ok(devices))) => return Ok(devices),
-            Ok(Ok(Err(e))) => e,
-            Ok(Err(e)) => ClaimError::TaskFailed {
-                claim: claim.clone(),
-                action: "prepare",
-                message: e.to_string(),
-            },
-            Err(_) => {
-                let this = self.clone();
-                let c = claim.clone();
-                self.inner.background.spawn(
-                    async move {
-                        let _guard = guard;
-                        // Let the attempt finish first; then undo whatever it got to.
-                        let _ = work.await;
-                        if let Err(e) = this.release_locked(&c).await {
-                            warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
-                        }
-                    }
-                    .in_current_span(),
-                );
-                return Err(missed(&claim));
-            }
-        };
-        // A claim prepared before a restart whose recovery fails stays prepared: its containers
-        // may be running.
-        if matches!(failed, ClaimError::Recovery { .. }) {
-            return Err(failed);
-        }
-        // Undo what this attempt made; a claim that was never started has nothing.
-        if let Err(rollback) = self.release_locked(&claim).await {
-            warn!(claim = %claim, error = %rollback, "rollback after a failed prepare failed");
-        }
-        Err(failed)
-    }
-
-    async fn prepare_locked(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
-        let existing = self
-            .inner
-            .journal
-            .records()
-            .await
-            .claims
-            .get(&claim.uid)
-            .map(|r| {
-                (
-                    r.state,
-                    r.devices.iter().map(PreparedDevice::from).collect(),
-                )
-            });
-        // A claim whose recovery at start failed: the kubelet gets its step's error until the
-        // step succeeds (a record to release is released below, as any abandoned attempt).
-        let pending = self.recovery_pending(&claim.uid);
-        match existing {
-            Some((ClaimState::PrepareCompleted, devices))
-                if pending != Some(recovery::Pending::Release) =>
-            {
-                if let Some(pending) = pending {
-                    self.recover_claim_locked(claim, pending)
-                        .await
-                        .map_err(|e| ClaimError::Recovery {
-                            claim: claim.clone(),
-                            source: Box::new(e),
-                        })?;
-                    self.recovery_resolved(&claim.uid);
-                }
-                return Ok(devices);
-            }
-            // A crashed or abandoned attempt: start from a clean slate.
-            Some(_) => self.release_locked(claim).await?,
-            None => {}
-        }
-
-        let inner = &self.inner;
-        let rc = inner
-            .cluster
-            .get_claim(&claim.namespace, &claim.name)
-            .await
-            .map_err(|source| ClaimError::Fetch {
-                claim: claim.clone(),
-                source,
-            })?
-            .ok_or_else(|| ClaimError::NotFound {
-                claim: claim.clone(),
-            })?;
-        let plan = plan::plan(claim, &rc, &self.plan_context())?;
-
-        failpoint::hit("prepare/before-started-checkpoint");
-        let record = ClaimRecord {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            state: ClaimState::PrepareStarted,
-            devices: plan.devices.clone(),
-            cdi_spec_path: inner.cdi.spec_path(&claim.uid),
-            cdi_spec: plan.spec.clone().unwrap_or_default(),
-        };
-        let reserve = |c: &mut Checkpoint| {
-            check_conflicts(c, claim, &record)?;
-            c.claims.insert(claim.uid.clone(), record);
-            Ok(())
-        };
-        // Two phases only where prepare changes the hardware (creates a MIG device, sets a
-        // GPU's sharing): a crash then leaves a durable record of what may exist, for start-up
-        // to undo. A claim whose prepare only checks its devices needs no such record: a crash
-        // before `PrepareCompleted` leaves at most its CDI spec, which names the claim, and
-        // start-up removes it as an orphan. Its record is staged (other claims see the devices
-        // taken) and goes to disk with `PrepareCompleted`: one durable write fewer.
-        let two_phase = plan::changes_hardware(&plan.devices, &plan.used);
-        if two_phase {
-            self.update(claim, reserve).await?;
-        } else {
-            self.stage(reserve).await?;
-        }
-        failpoint::hit("prepare/after-started-checkpoint");
-
-        let prepare: DeviceAction<H, Option<CreatedMig>> =
-            Arc::new(|hw: &H, d: &NodeDevice| hw.prepare(d));
-        let (made, outcome) = self
-            .on_devices(
-                claim,
-                plan.devices.iter().map(|d| d.device_name.as_str()),
-                prepare,
-            )
-            .await;
-        let created: BTreeMap<String, CreatedMig> = made
-            .into_iter()
-            .filter_map(|(name, c)| c.map(|c| (name, c)))
-            .collect();
-        let spec = match plan.spec {
-            Some(spec) => Ok(spec),
-            None => {
-                let used: Vec<&NodeDevice> = plan.used.iter().collect();
-                let mps = plan::MpsEdits::of(
-                    &inner.config.mps,
-                    inner.config.kernel_memory.as_deref(),
-                    &plan.devices,
-                );
-                plan::spec(
-                    claim,
-                    &used,
-                    &created,
-                    &mps,
-                    &inner.config.driver_edits,
-                    inner.hardware.as_ref(),
-                    &inner.cdi,
-                )
-            }
-        };
-        // The devices as prepared: a created MIG device is reached by its own UUID.
-        let mut devices = plan.devices.clone();
-        for d in &mut devices {
-            if let Some(m) = created.get(&d.device_name) {
-                d.uuid.clone_from(&m.uuid);
-                d.mig = Some(m.clone());
-            }
-        }
-        if !created.is_empty() {
-            // Durable before anything else: from here on, a failure or a crash destroys exactly
-            // these MIG devices (a crash before this point leaves orphans for start-up).
-            let record_spec = spec.as_ref().ok().cloned();
-            self.update(claim, |c| {
-                if let Some(r) = c.claims.get_mut(&claim.uid) {
-                    for d in &mut r.devices {
-                        if let Some(m) = created.get(&d.device_name) {
-                            d.uuid.clone_from(&m.uuid);
-                            d.mig = Some(m.clone());
-                        }
-                    }
-                    if let Some(spec) = record_spec {
-                        r.cdi_spec = spec;
-                    }
-                }
-                Ok(())
-            })
-            .await?;
-        }
-        outcome?;
-        let spec = spec?;
-        failpoint::hit("prepare/after-hardware");
-        self.share(claim, &devices).await?;
-        failpoint::hit("prepare/after-sharing");
-
-        let uid = claim.uid.clone();
-        let write_spec = self.cdi_io(claim, move |cdi| cdi.write(&uid, &spec));
-        if two_phase {
-            write_spec.await?;
-            failpoint::hit("prepare/after-cdi-write");
-            self.set_state(claim, ClaimState::PrepareCompleted).await?;
-        } else {
-            // Without hardware actions the two writes are independent, so they run at once: a
-            // crash with only the record durable leaves a completed claim whose spec start-up
-            // rewrites from the record; one with only the spec leaves an orphan spec that
-            // start-up removes. The kubelet hears of success only when the record is durable
-            // (the spec is never synced, see the module docs).
-            let (written, completed) = tokio::join!(
-                write_spec,
-                self.set_state(claim, ClaimState::PrepareCompleted)
-            );
-            written?;
-            failpoint::hit("prepare/after-cdi-write");
-            completed?;
-        }
-        failpoint::hit("prepare/after-completed-checkpoint");
-        info!(claim = %claim, devices = plan.devices.len(), "prepared");
-        Ok(plan.devices.iter().map(PreparedDevice::from).collect())
-    }
-
-    #[tracing::instrument(name = "unprepare", skip_all,
-        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
-    async fn unprepare_claim(&self, claim: ClaimRef) -> Result<(), ClaimError> {
-        let timeout = self.inner.config.timeout;
-        let missed = || ClaimError::Deadline {
-            claim: claim.clone(),
-            action: "unprepare",
-            timeout_ms: timeout.as_millis(),
-        };
-        let deadline = tokio::time::Instant::now() + timeout;
-        let guard = tokio::time::timeout_at(deadline, self.claim_lock(&claim.uid).lock_owned())
-            .await
-            .map_err(|_| missed())?;
-        let work = {
-            let this = self.clone();
-            let claim = claim.clone();
-            // Unprepare runs to completion even if the kubelet stops waiting: a half-done
-            // unprepare is still recorded and finished on restart, but finishing now is better.
-            self.inner.background.spawn(
-                async move {
-                    let _guard = guard;
-                    this.release_locked(&claim).await
-                }
-                .in_current_span(),
-            )
-        };
-        match tokio::time::timeout_at(deadline, work).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => Err(ClaimError::TaskFailed {
-                claim: claim.clone(),
-                action: "unprepare",
-                message: e.to_string(),
-            }),
-            Err(_) => Err(missed()),
-        }
-    }
-
-    /// The records of completed claims as staged, by UID.
-    async fn completed_records(&self) -> Vec<(String, ClaimRecord)> {
-        self.inner
-            .journal
-            .records()
-            .await
-            .claims
-            .iter()
-            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
-            .map(|(u, r)| (u.clone(), r.clone()))
-            .collect()
-    }
-
-    /// The claim's record as staged, if any.
-    async fn record(&self, uid: &str) -> Option<ClaimRecord> {
-        self.inner.journal.records().await.claims.get(uid).cloned()
-    }
-
-    /// Unprepares or rolls back `claim` from whatever state it is in. Caller holds its lock.
-    async fn release_locked(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
-        let inner = &self.inner;
-        let record = self.record(&claim.uid).await;
-        let uid = claim.uid.clone();
-        let Some(record) = record else {
-            // Nothing recorded; a spec without a record is an orphan of a crash.
-            return self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await;
-        };
-        let catalogue = self.catalogue();
-        // Borrowed, not cloned: a GPU carries its MIG tables and links.
-        let used: Vec<&NodeDevice> = record
-            .devices
-            .iter()
-            .filter_map(|d| catalogue.get(&d.device_name))
-            .collect();
-        failpoint::hit("unprepare/before-started-checkpoint");
-        if !plan::changes_hardware(&record.devices, used.iter().copied()) {
-            // Nothing on the hardware to undo (see prepare_locked; the hardware's undo is a
-            // check, idempotent): the record goes in one durable write; a crash before the CDI
-            // spec is removed leaves an orphan spec that start-up removes. The failpoints mark
-            // the same steps as the two-phase path.
-            failpoint::hit("unprepare/after-started-checkpoint");
-            let created = plan::created_migs(&record.devices);
-            let undo = used
-                .iter()
-                .any(|d| inner.hardware.undo_needed(d, created.get(d.name())));
-            if undo {
-                self.unprepare_hardware(claim, &record).await?;
-            }
-            // Independent, so at once: a crash with only the spec gone leaves a completed claim
-            // whose spec start-up rewrites (the kubelet, unanswered, unprepares it again); one
-            // with only the record gone leaves an orphan spec that start-up removes.
-            let (removed, unlinked) = tokio::join!(
-                self.update(claim, |c| {
-                    c.claims.remove(&claim.uid);
-                    Ok(())
-                }),
-                self.cdi_io(claim, move |cdi| cdi.remove(&uid))
-            );
-            removed?;
-            unlinked?;
-            failpoint::hit("unprepare/after-cdi-remove");
-            failpoint::hit("unprepare/after-hardware");
-            failpoint::hit("unprepare/after-checkpoint");
-            self.recovery_resolved(&claim.uid);
-            info!(claim = %claim, "unprepared");
-            return Ok(());
-        }
-        self.set_state(claim, ClaimState::UnprepareStarted).await?;
-        failpoint::hit("unprepare/after-started-checkpoint");
-        self.cdi_io(claim, move |cdi| cdi.remove(&uid)).await?;
-        failpoint::hit("unprepare/after-cdi-remove");
-        self.unshare(claim, &record.devices).await?;
-        self.unprepare_hardware(claim, &record).await?;
-        failpoint::hit("unprepare/after-hardware");
-        self.update(claim, |c| {
-            c.claims.remove(&claim.uid);
-            Ok(())
-        })
-        .await?;
-        failpoint::hit("unprepare/after-checkpoint");
-        self.recovery_resolved(&claim.uid);
-        info!(claim = %claim, "unprepared");
         Ok(())
     }
 
@@ -1081,7 +631,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// a dead daemon are not helped by this. Each claim is handled under its lock; failures are
     /// logged and retried at the next call. Returns the UIDs whose daemon was started.
     pub async fn restart_dead_daemons(&self) -> Vec<String> {
-        let mut mps_claims = self.completed_records().await;
+        let mut mps_claims = self.lifecycle.completed_records().await;
         mps_claims.retain(|(_, r)| {
             plan::uses_mps(&r.devices) || shares::mps_shares(&r.devices).next().is_some()
         });
@@ -1096,7 +646,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .into_iter()
                 .chain(&share_daemons)
             {
-                match self.inner.config.mps.liveness(key).await {
+                match self.gpu().config.mps.liveness(key).await {
                     crate::mps::Liveness::Answering => {}
                     crate::mps::Liveness::Dead => dead = true,
                     // A slow answer is no evidence of death: never quit or replace on it.
@@ -1114,9 +664,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 name: r.name,
                 uid: uid.clone(),
             };
-            let _guard = self.claim_lock(&uid).lock_owned().await;
+            let _guard = self.lifecycle.claim_lock(&uid).lock_owned().await;
             // Unprepared meanwhile: nothing to restart.
-            let Some(record) = self.record(&uid).await else {
+            let Some(record) = self.lifecycle.record(&uid).await else {
                 continue;
             };
             if record.state != ClaimState::PrepareCompleted {
@@ -1140,10 +690,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// changed (the kubelet missed them, e.g. a pod deleted while the plugin was down).
     /// Claims whose lookup fails are left alone. Returns the UIDs unprepared.
     pub async fn unprepare_stale(&self) -> Vec<String> {
-        let records = self.completed_records().await;
+        let records = self.lifecycle.completed_records().await;
         let mut released = Vec::new();
         for (uid, r) in records {
-            let gone = match self.inner.cluster.get_claim(&r.namespace, &r.name).await {
+            let gone = match self.gpu().cluster.get_claim(&r.namespace, &r.name).await {
                 Ok(None) => true,
                 Ok(Some(rc)) if rc.metadata.uid.as_deref() == Some(uid.as_str()) => {
                     self.settle_unverified(&uid, &rc).await;
@@ -1161,7 +711,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     name: r.name,
                     uid: uid.clone(),
                 };
-                match self.unprepare_claim(claim.clone()).await {
+                match self.lifecycle.unprepare_claim(claim.clone()).await {
                     Ok(()) => {
                         info!(claim = %claim, "unprepared a claim that no longer exists");
                         released.push(uid);
@@ -1210,9 +760,9 @@ fn claim_daemon_devices(devices: &[RecordedDevice]) -> (Vec<crate::mps::MpsDevic
 fn check_conflicts(
     c: &Checkpoint,
     claim: &ClaimRef,
-    record: &ClaimRecord,
+    devices: &[RecordedDevice],
 ) -> Result<(), ClaimError> {
-    for (index, d) in record.devices.iter().enumerate() {
+    for (index, d) in devices.iter().enumerate() {
         if d.admin_access {
             continue;
         }
@@ -1242,27 +792,21 @@ impl<C: Cluster, H: Hardware> Driver for ClaimController<C, H> {
     type Error = ClaimError;
 
     async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult<ClaimError>> {
-        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-        let results =
-            futures::future::join_all(claims.into_iter().map(|c| self.prepare_claim(c))).await;
-        uids.into_iter().zip(results).collect()
+        self.lifecycle.prepare(claims).await
     }
 
     async fn unprepare(
         &self,
         claims: Vec<ClaimRef>,
     ) -> BTreeMap<String, UnprepareResult<ClaimError>> {
-        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-        let results =
-            futures::future::join_all(claims.into_iter().map(|c| self.unprepare_claim(c))).await;
-        uids.into_iter().zip(results).collect()
+        self.lifecycle.unprepare(claims).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hardware::HardwareError;
+    use crate::hardware::{CreatedMig, HardwareError};
     use crate::storage::{Fs, RealFs};
 
     struct NoCluster;
@@ -1386,7 +930,7 @@ mod tests {
 
         // Polled once (it stages its change and starts the store), then dropped.
         let (u1, u2) = (claim("u1"), claim("u2"));
-        let dropped = controller.update(&u1, |c| {
+        let dropped = controller.lifecycle.update(&u1, |c| {
             c.claims.insert("u1".into(), record("first"));
             Ok(())
         });
@@ -1395,7 +939,7 @@ mod tests {
             "the store takes 200 ms; the first poll cannot finish it"
         );
 
-        let next = controller.update(&u2, |c| {
+        let next = controller.lifecycle.update(&u2, |c| {
             c.claims.insert("u2".into(), record("second"));
             Ok(())
         });

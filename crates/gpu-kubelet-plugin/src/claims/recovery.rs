@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use dra_kubelet::ClaimRef;
+use dra_plugin::lifecycle::Error as LifecycleError;
 use tracing::{Instrument, info, warn};
 
 use super::{ClaimController, ClaimError, Cluster, plan};
@@ -73,28 +74,31 @@ pub(crate) enum Pending {
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     pub(super) async fn recover(&self) -> Result<RecoveryReport, ClaimError> {
-        let inner = &self.inner;
+        let gpu = self.gpu();
         let node = ClaimRef {
             namespace: String::new(),
-            name: format!("(node {})", inner.config.node_name),
+            name: format!("(node {})", gpu.config.node_name),
             uid: String::new(),
         };
         let mut report = RecoveryReport::default();
         let mut newer_checkpoint = false;
-        let file = inner.journal.file().clone();
+        let file = self.lifecycle.journal().file().clone();
         let loaded = tokio::task::spawn_blocking(move || file.load())
             .await
-            .map_err(|join| ClaimError::TaskFailed {
-                claim: node.clone(),
-                action: "loading the checkpoint",
-                message: join.to_string(),
+            .map_err(|join| {
+                ClaimError::Lifecycle(LifecycleError::TaskFailed {
+                    claim: node.clone(),
+                    action: "loading the checkpoint",
+                    message: join.to_string(),
+                })
             })?;
         let loaded = match loaded {
             Ok(c) => c.unwrap_or_default(),
             Err(e) => {
                 newer_checkpoint = matches!(e, crate::checkpoint::CheckpointError::TooNew { .. });
-                let aside = inner
-                    .journal
+                let aside = self
+                    .lifecycle
+                    .journal()
                     .file()
                     .quarantine()
                     .map(|moved| {
@@ -108,7 +112,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 let message = format!(
                     "{e}; moved to {aside}; rebuilding prepared claims from CDI specs and the API server"
                 );
-                inner.cluster.warn("CheckpointRecovered", &message).await;
+                gpu.cluster.warn("CheckpointRecovered", &message).await;
                 report.corrupt_checkpoint = Some(message);
                 let rebuilt = self.rebuild_from_disk().await;
                 report.rebuilt = rebuilt.claims.keys().cloned().collect();
@@ -116,9 +120,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         };
         // Publish the loaded state so release_locked sees the records.
-        inner.journal.reset(loaded.clone()).await;
+        self.lifecycle.journal().reset(loaded.clone()).await;
 
-        let previous_boot = !loaded.boot_id.is_empty() && loaded.boot_id != inner.config.boot_id;
+        let previous_boot = !loaded.boot_id.is_empty() && loaded.boot_id != gpu.config.boot_id;
         for (uid, record) in &loaded.claims {
             let claim = ClaimRef {
                 namespace: record.namespace.clone(),
@@ -164,12 +168,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             self.remove_orphans(&node, &mut report).await;
         }
 
-        let boot_id = inner.config.boot_id.clone();
-        self.update(&node, |c| {
-            c.boot_id = boot_id;
-            Ok(())
-        })
-        .await?;
+        let boot_id = gpu.config.boot_id.clone();
+        self.lifecycle
+            .update(&node, |c| {
+                c.boot_id = boot_id;
+                Ok(())
+            })
+            .await?;
         if report != RecoveryReport::default() {
             info!(?report, "reconciled claim state at start");
         }
@@ -183,15 +188,15 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// temp files, MPS daemons (keeping every daemon a recorded claim's spec mounts), and puts
     /// GPUs no recorded claim runs MPS on back in the default compute mode.
     async fn remove_orphans(&self, node: &ClaimRef, report: &mut RecoveryReport) {
-        let inner = &self.inner;
+        let gpu = self.gpu();
         report.mig_orphans_destroyed = self.destroy_mig_orphans().await;
 
         let (kept, share_daemons) = {
-            let checkpoint = inner.journal.records().await;
+            let checkpoint = self.lifecycle.journal().records().await;
             let kept: Vec<String> = checkpoint.claims.keys().cloned().collect();
             let mut daemons = super::shares::needed_daemons(&checkpoint, None);
             // And every daemon a kept claim's CDI spec mounts: its containers may use it.
-            let root = &inner.config.mps.root;
+            let root = &gpu.config.mps.root;
             daemons.extend(
                 checkpoint
                     .claims
@@ -212,20 +217,21 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         let orphans = {
             let kept = kept.clone();
-            self.cdi_io(node, move |cdi| {
-                let mut removed = Vec::new();
-                for (uid, path) in cdi.list()? {
-                    if uid.is_none_or(|u| !kept.contains(&u)) {
-                        match cdi.remove_path(&path) {
-                            Ok(()) => removed.push(path.display().to_string()),
-                            Err(e) => warn!(path = %path.display(), error = %e,
+            self.lifecycle
+                .cdi_io(node, move |cdi| {
+                    let mut removed = Vec::new();
+                    for (uid, path) in cdi.list()? {
+                        if uid.is_none_or(|u| !kept.contains(&u)) {
+                            match cdi.remove_path(&path) {
+                                Ok(()) => removed.push(path.display().to_string()),
+                                Err(e) => warn!(path = %path.display(), error = %e,
                                 "removing an orphaned CDI spec failed; retried at the next start"),
+                            }
                         }
                     }
-                }
-                Ok(removed)
-            })
-            .await
+                    Ok(removed)
+                })
+                .await
         };
         match orphans {
             Ok(removed) => report.orphans_removed.extend(removed),
@@ -234,7 +240,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
-        if let Ok(dirs) = std::fs::read_dir(&inner.config.mps.root) {
+        if let Ok(dirs) = std::fs::read_dir(&gpu.config.mps.root) {
             for uid in dirs
                 .flatten()
                 .filter_map(|e| e.file_name().into_string().ok())
@@ -247,7 +253,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     match self.unshare(&orphan, &[]).await {
                         Ok(()) => report
                             .orphans_removed
-                            .push(inner.config.mps.claim_dir(&uid).display().to_string()),
+                            .push(gpu.config.mps.claim_dir(&uid).display().to_string()),
                         Err(e) => warn!(claim = %uid, error = %e,
                             "stopping an orphaned MPS daemon failed; retried at the next start"),
                     }
@@ -256,7 +262,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
 
         // Memory limits the hook set for containers of claims not kept.
-        if let Some(kernel) = &inner.config.kernel_memory {
+        if let Some(kernel) = &gpu.config.kernel_memory {
             let recorded = {
                 let kernel = std::sync::Arc::clone(kernel);
                 tokio::task::spawn_blocking(move || kernel.recorded_claims())
@@ -279,7 +285,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
 
         // MPS v3 namespaces of claims not kept, on the daemons kept.
-        if inner.config.kernel_memory.is_some() {
+        if gpu.config.kernel_memory.is_some() {
             let removed = self.remove_orphan_namespaces(&share_daemons, &kept).await;
             report.orphans_removed.extend(removed);
         }
@@ -294,7 +300,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         pending: Pending,
     ) -> Result<Recovered, ClaimError> {
-        let _guard = self.claim_lock(&claim.uid).lock_owned().await;
+        let _guard = self.lifecycle.claim_lock(&claim.uid).lock_owned().await;
         self.recover_claim_locked(claim, pending).await
     }
 
@@ -305,11 +311,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         pending: Pending,
     ) -> Result<Recovered, ClaimError> {
         let mut done = Recovered::default();
-        let Some(record) = self.record(&claim.uid).await else {
+        let Some(record) = self.lifecycle.record(&claim.uid).await else {
             return Ok(done);
         };
         if pending == Pending::Release || record.state != ClaimState::PrepareCompleted {
-            self.release_locked(claim).await?;
+            self.lifecycle.release_locked(claim).await?;
             return Ok(done);
         }
         done.regenerated = self.ensure_spec(claim, &record).await?;
@@ -325,14 +331,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// the node naming the claim (the plugin's RBAC creates events only about its Node).
     async fn recovery_failed(&self, claim: &ClaimRef, pending: Pending, e: &ClaimError) {
         let count = {
-            let mut failing = super::lock(&self.inner.recovery.failing);
+            let mut failing = super::lock(&self.gpu().recovery.failing);
             failing.insert(claim.uid.clone(), (claim.clone(), pending, e.to_string()));
             failing.len()
         };
-        self.inner.recovery.count.send_replace(count);
+        self.gpu().recovery.count.send_replace(count);
         warn!(claim = %claim, error = %e,
             "recovering this claim failed; serving the others and retrying it in the background");
-        self.inner
+        self.gpu()
             .cluster
             .warn(
                 "ClaimRecoveryFailed",
@@ -347,18 +353,18 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// `claim` needs no more recovery (its step succeeded, or it was unprepared).
     pub(super) fn recovery_resolved(&self, uid: &str) {
         let (removed, count) = {
-            let mut failing = super::lock(&self.inner.recovery.failing);
+            let mut failing = super::lock(&self.gpu().recovery.failing);
             let removed = failing.remove(uid).is_some();
             (removed, failing.len())
         };
         if removed {
-            self.inner.recovery.count.send_replace(count);
+            self.gpu().recovery.count.send_replace(count);
         }
     }
 
     /// The recovery step `uid` still needs, if its recovery failed.
     pub(super) fn recovery_pending(&self, uid: &str) -> Option<Pending> {
-        super::lock(&self.inner.recovery.failing)
+        super::lock(&self.gpu().recovery.failing)
             .get(uid)
             .map(|(_, p, _)| *p)
     }
@@ -367,9 +373,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// or the controller quiesces.
     fn spawn_recovery_retries(&self) {
         let this = self.clone();
-        let stop = self.inner.recovery.stop.clone();
+        let stop = self.gpu().recovery.stop.clone();
         let (mut delay, max) = RECOVERY_RETRY;
-        self.inner.background.spawn(
+        self.lifecycle.background().spawn(
             async move {
                 loop {
                     tokio::select! {
@@ -377,7 +383,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                         () = tokio::time::sleep(delay) => {}
                     }
                     let failing: Vec<(ClaimRef, Pending)> =
-                        super::lock(&this.inner.recovery.failing)
+                        super::lock(&this.gpu().recovery.failing)
                             .values()
                             .map(|(c, p, _)| (c.clone(), *p))
                             .collect();
@@ -397,7 +403,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                                 warn!(claim = %claim, error = %e, retry_in = ?delay.saturating_mul(2).min(max),
                                     "recovering the claim failed again");
                                 if let Some(entry) =
-                                    super::lock(&this.inner.recovery.failing).get_mut(&claim.uid)
+                                    super::lock(&this.gpu().recovery.failing).get_mut(&claim.uid)
                                 {
                                     entry.2 = e.to_string();
                                 }
@@ -415,9 +421,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// has MIG enabled) that no claim in the checkpoint records. Failures are logged and left
     /// for the next start; a placement still taken fails its prepare with a clear error.
     async fn destroy_mig_orphans(&self) -> Vec<String> {
-        let inner = &self.inner;
-        let owned: BTreeSet<String> = inner
-            .journal
+        let hardware = &self.gpu().hardware;
+        let owned: BTreeSet<String> = self
+            .lifecycle
+            .journal()
             .records()
             .await
             .claims
@@ -436,7 +443,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
         let mut destroyed = Vec::new();
         for gpu in gpus.values() {
-            let found = match inner.hardware.mig_devices(gpu) {
+            let found = match hardware.mig_devices(gpu) {
                 Ok(found) => found,
                 Err(e) => {
                     warn!(gpu = %gpu.name, error = %e, "listing MIG devices for orphans failed");
@@ -444,7 +451,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 }
             };
             for mig in found.iter().filter(|m| !owned.contains(&m.uuid)) {
-                match inner.hardware.destroy_mig(gpu, mig) {
+                match hardware.destroy_mig(gpu, mig) {
                     Ok(()) => {
                         warn!(gpu = %gpu.name, mig = %mig,
                             "destroyed a MIG device no prepared claim owns (partitionable mode \
@@ -472,7 +479,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             else {
                 continue;
             };
-            let found: Vec<CreatedMig> = match self.inner.hardware.mig_devices(&parent) {
+            let found: Vec<CreatedMig> = match self.gpu().hardware.mig_devices(&parent) {
                 Ok(found) => found,
                 Err(e) => {
                     warn!(device = %d.device_name, error = %e, "cannot look up its MIG device");
@@ -497,7 +504,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         record: &ClaimRecord,
     ) -> Result<bool, ClaimError> {
-        let inner = &self.inner;
+        let gpu = self.gpu();
         let want = if record.cdi_spec.kind.is_empty() {
             let catalogue = self.catalogue();
             let used: Vec<_> = record
@@ -507,8 +514,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .collect();
             let created = plan::created_migs(&record.devices);
             let mps = plan::MpsEdits::of(
-                &inner.config.mps,
-                inner.config.kernel_memory.as_deref(),
+                &gpu.config.mps,
+                gpu.config.kernel_memory.as_deref(),
                 &record.devices,
             );
             plan::spec(
@@ -516,21 +523,22 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 &used,
                 &created,
                 &mps,
-                &inner.config.driver_edits,
-                inner.hardware.as_ref(),
-                &inner.cdi,
+                &gpu.config.driver_edits,
+                gpu.hardware.as_ref(),
+                self.lifecycle.cdi(),
             )?
         } else {
             record.cdi_spec.clone()
         };
         let uid = claim.uid.clone();
-        self.cdi_io(claim, move |cdi| {
-            if cdi.read(&uid)?.as_ref() == Some(&want) {
-                return Ok(false);
-            }
-            cdi.write(&uid, &want).map(|_| true)
-        })
-        .await
+        self.lifecycle
+            .cdi_io(claim, move |cdi| {
+                if cdi.read(&uid)?.as_ref() == Some(&want) {
+                    return Ok(false);
+                }
+                cdi.write(&uid, &want).map(|_| true)
+            })
+            .await
     }
 
     /// The devices a spec exposes, for when the API server cannot say (request names unknown).
@@ -547,10 +555,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         spec: &crate::cdi::Spec,
     ) -> Vec<crate::checkpoint::RecordedDevice> {
-        let inner = &self.inner;
+        let gpu = self.gpu();
         let prefix = format!("{}-", claim.uid);
         let catalogue = self.catalogue();
-        let mps = &inner.config.mps;
+        let mps = &gpu.config.mps;
         spec.devices
             .iter()
             .filter_map(|d| Some((d, d.name.strip_prefix(&prefix)?)))
@@ -590,9 +598,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 }
                 crate::checkpoint::RecordedDevice {
                     request_names: Vec::new(),
-                    pool_name: inner.config.node_name.clone(),
+                    pool_name: gpu.config.node_name.clone(),
                     device_name: d.name().to_owned(),
-                    cdi_device_ids: vec![inner.cdi.device_id(&claim.uid, d.name())],
+                    cdi_device_ids: vec![self.lifecycle.cdi().device_id(&claim.uid, d.name())],
                     uuid: d.visible_id().to_owned(),
                     admin_access: false,
                     sharing,
@@ -607,9 +615,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// still exists with that UID and an allocation of our devices, as completed. Specs whose
     /// claim cannot be looked up now are kept too (the periodic stale-claim check retries).
     async fn rebuild_from_disk(&self) -> Checkpoint {
-        let inner = &self.inner;
+        let gpu = self.gpu();
         let mut claims = BTreeMap::new();
-        let files = match inner.cdi.list() {
+        let files = match self.lifecycle.cdi().list() {
             Ok(f) => f,
             Err(e) => {
                 warn!(error = %e, "cannot list CDI specs; starting with no prepared claims");
@@ -618,7 +626,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         for (uid, _) in files {
             let Some(uid) = uid else { continue };
-            let Ok(Some(spec)) = inner.cdi.read(&uid) else {
+            let Ok(Some(spec)) = self.lifecycle.cdi().read(&uid) else {
                 continue;
             };
             let get = |k: &str| spec.annotations.get(k).cloned().unwrap_or_default();
@@ -630,7 +638,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             if claim.uid != uid || claim.name.is_empty() {
                 continue;
             }
-            let mut devices = match inner.cluster.get_claim(&claim.namespace, &claim.name).await {
+            let mut devices = match gpu.cluster.get_claim(&claim.namespace, &claim.name).await {
                 Ok(Some(rc)) => match plan::plan(&claim, &rc, &self.plan_context()) {
                     Ok(p) => p.devices,
                     // Its pods may still run: keep what the spec shows; the stale-claim check
@@ -645,7 +653,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 Err(e) => {
                     warn!(claim = %claim, error = %e,
                         "cannot check a recovered claim; keeping it as its CDI spec shows until the API server answers");
-                    super::lock(&inner.recovery.unverified).insert(uid.clone());
+                    super::lock(&gpu.recovery.unverified).insert(uid.clone());
                     self.devices_from_spec(&claim, &spec)
                 }
             };
@@ -657,13 +665,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     name: claim.name.clone(),
                     state: ClaimState::PrepareCompleted,
                     devices,
-                    cdi_spec_path: inner.cdi.spec_path(&uid),
+                    cdi_spec_path: self.lifecycle.cdi().spec_path(&uid),
                     cdi_spec: spec,
                 },
             );
         }
         Checkpoint {
-            boot_id: inner.config.boot_id.clone(),
+            boot_id: gpu.config.boot_id.clone(),
             claims,
         }
     }
@@ -689,12 +697,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         uid: &str,
         rc: &k8s_openapi::api::resource::v1::ResourceClaim,
     ) {
-        if !super::lock(&self.inner.recovery.unverified).contains(uid) {
+        if !super::lock(&self.gpu().recovery.unverified).contains(uid) {
             return;
         }
-        let _guard = self.claim_lock(uid).lock_owned().await;
-        let Some(record) = self.record(uid).await else {
-            super::lock(&self.inner.recovery.unverified).remove(uid);
+        let _guard = self.lifecycle.claim_lock(uid).lock_owned().await;
+        let Some(record) = self.lifecycle.record(uid).await else {
+            super::lock(&self.gpu().recovery.unverified).remove(uid);
             return;
         };
         let claim = ClaimRef {
@@ -708,6 +716,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 let devices = p.devices;
                 let key = uid.to_owned();
                 let settled = self
+                    .lifecycle
                     .update(&claim, move |c| {
                         if let Some(r) = c.claims.get_mut(&key) {
                             r.devices = devices;
@@ -718,7 +727,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 match settled {
                     Ok(()) => {
                         info!(claim = %uid, "settled a claim rebuilt from its CDI spec");
-                        super::lock(&self.inner.recovery.unverified).remove(uid);
+                        super::lock(&self.gpu().recovery.unverified).remove(uid);
                     }
                     Err(e) => warn!(claim = %uid, error = %e,
                         "settling a claim rebuilt from its CDI spec failed; retrying"),
@@ -727,7 +736,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Err(e) => {
                 warn!(claim = %uid, error = %e,
                     "cannot plan a claim rebuilt from its CDI spec; keeping it as the spec shows");
-                super::lock(&self.inner.recovery.unverified).remove(uid);
+                super::lock(&self.gpu().recovery.unverified).remove(uid);
             }
         }
     }

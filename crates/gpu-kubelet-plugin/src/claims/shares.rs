@@ -214,12 +214,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         for d in mps_shares(devices) {
             let key = daemon_key(&d.uuid);
             let _guard = self.share_lock(&d.device_name).await;
-            let mps = &self.inner.config.mps;
+            let mps = &self.gpu().config.mps;
             let mps_error = |source| ClaimError::Mps {
                 claim: claim.clone(),
                 source,
             };
-            let v3 = self.inner.config.kernel_memory.is_some();
+            let v3 = self.gpu().config.kernel_memory.is_some();
             let wanted = if v3 { Protocol::V3 } else { Protocol::Legacy };
             match mps.liveness(&key).await {
                 Liveness::Answering => {
@@ -307,16 +307,17 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         for d in mps_shares(devices) {
             let key = daemon_key(&d.uuid);
             let _guard = self.share_lock(&d.device_name).await;
-            let needed = needed_daemons(&*self.inner.journal.records().await, Some(&claim.uid));
+            let needed =
+                needed_daemons(&*self.lifecycle.journal().records().await, Some(&claim.uid));
             // The daemon's own protocol decides (it may predate the node's level).
             let v3_daemon = matches!(
-                self.inner.config.mps.protocol(&key).await,
+                self.gpu().config.mps.protocol(&key).await,
                 Ok(Some(Protocol::V3))
             );
             if needed.contains(&key) && v3_daemon {
                 // The share's namespace goes with it; the daemon serves the others.
                 let name = crate::mps::namespace_name(&claim.uid);
-                self.inner
+                self.gpu()
                     .config
                     .mps
                     .delete_namespace(&key, &name)
@@ -341,7 +342,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             // The mode first: a crash before the stop leaves the daemon, an orphan at start-up.
             self.compute_mode_locked(claim, &d.device_name, ComputeMode::Default)
                 .await?;
-            self.inner
+            self.gpu()
                 .config
                 .mps
                 .stop(&key)
@@ -366,13 +367,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         except: Option<&str>,
     ) -> Result<(), ClaimError> {
         let ceiling = {
-            let checkpoint = self.inner.journal.records().await;
+            let checkpoint = self.lifecycle.journal().records().await;
             ceiling(shares_of(&checkpoint, key, except.unwrap_or(""), extra))
         };
         let Some(ceiling) = ceiling else {
             return Ok(());
         };
-        self.inner
+        self.gpu()
             .config
             .mps
             .set_ceiling(key, ceiling)
@@ -400,7 +401,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         let name = crate::mps::namespace_name(uid);
         let limits = namespace_limits(share);
-        self.inner
+        self.gpu()
             .config
             .mps
             .set_namespace(key, &name, limits)
@@ -422,7 +423,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         share: Option<&RecordedShare>,
     ) -> Result<(), ClaimError> {
         let others: Vec<(String, RecordedShare)> = {
-            let checkpoint = self.inner.journal.records().await;
+            let checkpoint = self.lifecycle.journal().records().await;
             claims_on(&checkpoint, key, &claim.uid)
                 .into_iter()
                 .map(|(uid, s)| (uid.to_owned(), s.clone()))
@@ -449,7 +450,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         keys: &BTreeSet<String>,
         kept: &[String],
     ) -> Vec<String> {
-        let mps = &self.inner.config.mps;
+        let mps = &self.gpu().config.mps;
         let owned: BTreeSet<String> = kept
             .iter()
             .map(|uid| crate::mps::namespace_name(uid))
@@ -482,8 +483,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 let _guard = self.share_lock(&device).await;
                 // Re-checked under the lock: a claim prepared meanwhile owns its namespace.
                 let owner = self
-                    .inner
-                    .journal
+                    .lifecycle
                     .records()
                     .await
                     .claims

@@ -117,7 +117,7 @@ pub struct Mount {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeviceNode {
-    /// In the container, e.g. `/dev/nvidia0`.
+    /// In the container, e.g. `/dev/accel0`.
     pub path: String,
     /// On the host, when not `path` (CDI 0.5.0+): the runtime reads the node's type, major and
     /// minor numbers there.
@@ -293,12 +293,15 @@ mod tests {
 
     #[test]
     fn ids_paths_and_kind_follow_the_driver_name() {
-        let w = CdiWriter::new(Arc::new(RealFs), "/var/run/cdi", "gpu.drust.dev");
-        assert_eq!(w.kind(), "gpu.drust.dev/claim");
-        assert_eq!(w.device_id("u-1", "gpu-0"), "gpu.drust.dev/claim=u-1-gpu-0");
+        let w = CdiWriter::new(Arc::new(RealFs), "/var/run/cdi", "dev.example.com");
+        assert_eq!(w.kind(), "dev.example.com/claim");
+        assert_eq!(
+            w.device_id("u-1", "dev-0"),
+            "dev.example.com/claim=u-1-dev-0"
+        );
         assert_eq!(
             w.spec_path("u-1"),
-            PathBuf::from("/var/run/cdi/gpu.drust.dev-claim_u-1.json")
+            PathBuf::from("/var/run/cdi/dev.example.com-claim_u-1.json")
         );
     }
 

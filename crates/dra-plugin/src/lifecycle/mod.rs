@@ -1,0 +1,527 @@
+//! The claim lifecycle: prepare and unprepare for the kubelet, crash-safe and concurrent, over a
+//! [`Driver`] that does the device work.
+//!
+//! A claim whose prepare changes the node (the driver's [`Planned::two_phase`]) is prepared in
+//! two phases; each arrow is a durable journal write ([`crate::journal`]):
+//!
+//! ```text
+//! prepare:   -> PrepareStarted -> Driver::prepare_devices [its own records] -> Driver::configure
+//!            -> CDI spec -> PrepareCompleted
+//! unprepare: -> UnprepareStarted -> remove CDI spec -> Driver::unconfigure
+//!            -> Driver::unprepare_devices -> (record removed)
+//! ```
+//!
+//! A claim whose prepare only checks its devices has nothing for a record to undo, so it skips
+//! both `...Started` writes: prepare stages its record in memory (its devices reserved against
+//! other claims), runs the device step, then writes the CDI spec and `PrepareCompleted` at once;
+//! unprepare removes the record durably, then the spec. Every crash in between leaves an orphan
+//! spec or a completed record without its spec, both of which start-up reconciles.
+//!
+//! CDI specs are written atomically but not synced: the record holds each spec, and the kubelet
+//! hears of a prepare only once `PrepareCompleted` is durable, so the record alone decides and
+//! start-up rewrites a spec a crash lost.
+//!
+//! Concurrency: one lock per claim, taken within the call's deadline; the journal's mutex is
+//! held only while a change is staged. Every call has a deadline ([`Lifecycle::new`]); a call
+//! that misses it answers the kubelet with an error and leaves the rollback to a background
+//! task that holds the claim's lock, so a retry waits for a clean state. The work of a call runs
+//! as its own task, never dropped half-way, so what a device step makes is always recorded and
+//! the rollback undoes it.
+//!
+//! Failpoints ([`crate::failpoint::LIFECYCLE`]) mark each step.
+
+mod error;
+mod prepare;
+mod unprepare;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Debug;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dra_kubelet::{ClaimRef, PrepareResult, PreparedDevice, UnprepareResult};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::sync::{Mutex, MutexGuard};
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+pub use error::Error;
+
+use crate::cdi::{CdiError, CdiWriter, Spec};
+use crate::checkpoint::{Format, SlotFile};
+use crate::journal::{Journal, UpdateError};
+use crate::record::{ClaimRecord, ClaimState, Records};
+
+/// What a driver does for the lifecycle: plan a claim, prepare and configure its devices, and
+/// undo both. The lifecycle calls these at named points (module docs), each under the claim's
+/// lock and within its deadline; a call that fails is rolled back through
+/// [`Driver::unconfigure`] and [`Driver::unprepare_devices`] with what the record says.
+///
+/// Every method gets the [`Lifecycle`] it runs in, for the records ([`Lifecycle::update`],
+/// [`Lifecycle::records`]) and the background work tracker.
+pub trait Driver: Send + Sync + Sized + 'static {
+    /// The driver's record of one prepared device, stored in the journal and handed back at
+    /// unprepare and after a restart; the lifecycle never reads into it.
+    type Device: Clone + PartialEq + Debug + Serialize + DeserializeOwned + Send + Sync + 'static;
+    /// The journal's file format: its version history ([`Format`]).
+    type Format: Format<Data = Records<Self::Device>> + Send + Sync + 'static;
+    /// The per-claim error reported to the kubelet; it wraps the lifecycle's own ([`Error`]).
+    type Error: std::error::Error + From<Error> + Send + Sync + 'static;
+    /// What planning hands to the device step.
+    type Plan: Send + 'static;
+
+    /// Reads the claim (its allocation and configuration) and plans its prepare.
+    fn plan(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+    ) -> impl Future<Output = Result<Planned<Self>, Self::Error>> + Send;
+
+    /// Refuses `devices` where the records already give one of them to another claim
+    /// (called while the records are locked, just before the claim's are added).
+    ///
+    /// # Errors
+    /// The driver's conflict error, naming the claim, the device and its holder.
+    fn check_conflicts(
+        &self,
+        claim: &ClaimRef,
+        records: &Records<Self::Device>,
+        devices: &[Self::Device],
+    ) -> Result<(), Self::Error>;
+
+    /// The device step of prepare. What it makes that must be undone it records first
+    /// ([`Lifecycle::update`] on the claim's record), so that a failure or a crash undoes
+    /// exactly that. Returns the devices as prepared and the claim's CDI spec.
+    fn prepare_devices(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        plan: Self::Plan,
+    ) -> impl Future<Output = Result<Prepared<Self::Device>, Self::Error>> + Send;
+
+    /// Applies the configuration of the prepared devices (sharing, settings) after the device
+    /// step; undone by [`Driver::unconfigure`].
+    fn configure(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        devices: &[Self::Device],
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Whether undoing these recorded devices changes the node: decides whether unprepare
+    /// writes `UnprepareStarted` first (two phases) or removes the record in one write.
+    fn changes_node(&self, devices: &[Self::Device]) -> bool;
+
+    /// Undoes [`Driver::configure`] (two-phase unprepare only). Must be safe when nothing, or
+    /// only part, was applied.
+    fn unconfigure(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        devices: &[Self::Device],
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Undoes the device step for the recorded claim. `two_phase` is
+    /// [`Driver::changes_node`] of its devices; when false the record is removed in the same
+    /// write, so the undo must be idempotent.
+    fn unprepare_devices(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        record: &ClaimRecord<Self::Device>,
+        two_phase: bool,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// What the kubelet is told of a recorded device.
+    fn prepared_device(device: &Self::Device) -> PreparedDevice;
+
+    /// A prepare of a claim whose record is already `PrepareCompleted` (a kubelet retry, a
+    /// restart): whether to answer with the recorded devices or to release the claim and
+    /// prepare it again. An error is reported as is and the claim stays prepared (its
+    /// containers may be running). Default: answer.
+    fn resume(
+        &self,
+        _lifecycle: &Lifecycle<Self>,
+        _claim: &ClaimRef,
+    ) -> impl Future<Output = Result<Resume, Self::Error>> + Send {
+        async { Ok(Resume::Prepared) }
+    }
+
+    /// The claim was released (unprepared or rolled back) and its record removed.
+    fn released(&self, _lifecycle: &Lifecycle<Self>, _claim: &ClaimRef) {}
+}
+
+/// A claim's plan ([`Driver::plan`]).
+pub struct Planned<D: Driver> {
+    /// The devices to record, as the kubelet will be told of them.
+    pub devices: Vec<D::Device>,
+    /// The CDI spec, when known before the device step (it is recorded with `PrepareStarted`).
+    pub spec: Option<Spec>,
+    /// Whether prepare changes the node, so the record is durable before the device step.
+    pub two_phase: bool,
+    /// What the device step needs.
+    pub plan: D::Plan,
+}
+
+/// The device step's result ([`Driver::prepare_devices`]).
+#[derive(Debug)]
+pub struct Prepared<Device> {
+    /// The devices as prepared (what [`Driver::configure`] works on).
+    pub devices: Vec<Device>,
+    /// The claim's CDI spec.
+    pub spec: Spec,
+}
+
+/// What to do with a claim found prepared ([`Driver::resume`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Answer with the recorded devices.
+    Prepared,
+    /// Release it and prepare it again.
+    Release,
+}
+
+/// Prepares and unprepares claims for one driver on one node. Cheap to clone.
+pub struct Lifecycle<D: Driver> {
+    inner: Arc<Inner<D>>,
+}
+
+impl<D: Driver> Clone for Lifecycle<D> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct Inner<D: Driver> {
+    driver: D,
+    /// Deadline of one prepare or unprepare.
+    timeout: Duration,
+    claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    cdi: CdiWriter,
+    /// The claims' records: staged in memory, made durable by group commit.
+    journal: Arc<Journal<D::Format>>,
+    /// Work that outlives the kubelet's call (rollbacks, unprepares); see [`Lifecycle::quiesce`].
+    background: TaskTracker,
+}
+
+impl<D: Driver> Lifecycle<D> {
+    /// A lifecycle for `driver` with an empty journal over `checkpoint` (start-up recovery
+    /// loads it: [`Lifecycle::journal`], [`Journal::reset`]), CDI specs written by `cdi`, and a
+    /// deadline of `timeout` per call.
+    pub fn new(
+        driver: D,
+        checkpoint: SlotFile<D::Format>,
+        cdi: CdiWriter,
+        timeout: Duration,
+    ) -> Self {
+        let background = TaskTracker::new();
+        Self {
+            inner: Arc::new(Inner {
+                driver,
+                timeout,
+                claim_locks: std::sync::Mutex::default(),
+                cdi,
+                journal: Arc::new(Journal::new(checkpoint, background.clone())),
+                background,
+            }),
+        }
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &D {
+        &self.inner.driver
+    }
+
+    /// The journal of the claims' records.
+    pub fn journal(&self) -> &Arc<Journal<D::Format>> {
+        &self.inner.journal
+    }
+
+    /// The CDI spec writer.
+    pub fn cdi(&self) -> &CdiWriter {
+        &self.inner.cdi
+    }
+
+    /// The tracker of work that outlives a call; [`Lifecycle::quiesce`] waits for it.
+    pub fn background(&self) -> &TaskTracker {
+        &self.inner.background
+    }
+
+    /// The deadline of one call.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// The records as staged, locked: other claims' changes wait while it is held.
+    pub async fn records(&self) -> MutexGuard<'_, Records<D::Device>> {
+        self.inner.journal.records().await
+    }
+
+    /// The claim's record as staged, if any.
+    pub async fn record(&self, uid: &str) -> Option<ClaimRecord<D::Device>> {
+        self.records().await.claims.get(uid).cloned()
+    }
+
+    /// The records of completed claims as staged, by UID.
+    pub async fn completed_records(&self) -> Vec<(String, ClaimRecord<D::Device>)> {
+        self.records()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
+            .map(|(u, r)| (u.clone(), r.clone()))
+            .collect()
+    }
+
+    /// The UIDs of the claims whose prepare completed.
+    pub async fn prepared_claims(&self) -> Vec<String> {
+        self.records()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, r)| r.state == ClaimState::PrepareCompleted)
+            .map(|(uid, _)| uid.clone())
+            .collect()
+    }
+
+    /// `(claims, devices)`: how many claims are prepared and how many devices they hold.
+    pub async fn prepared_summary(&self) -> (usize, usize) {
+        self.records()
+            .await
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::PrepareCompleted)
+            .fold((0, 0), |(c, d), r| (c + 1, d + r.devices.len()))
+    }
+
+    /// Waits until no work started by this lifecycle is still running: calls must have
+    /// returned already; this waits for the rollbacks and unprepares they left running in the
+    /// background. Call before handing the node's state to another instance.
+    pub async fn quiesce(&self) {
+        self.inner.background.close();
+        self.inner.background.wait().await;
+    }
+
+    /// The lock of claim `uid`: every change to a claim's record and devices holds it.
+    pub fn claim_lock(&self, uid: &str) -> Arc<Mutex<()>> {
+        let mut locks = self
+            .inner
+            .claim_locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Drop locks nobody holds, so the map stays as small as the set of active claims.
+        locks.retain(|_, l| Arc::strong_count(l) > 1);
+        Arc::clone(locks.entry(uid.to_owned()).or_default())
+    }
+
+    /// Applies `change` to the records and returns once it is durable ([`Journal::update`]);
+    /// a failed store is an [`Error::Checkpoint`] about `claim`.
+    ///
+    /// # Errors
+    /// What `change` returns, or the failed store.
+    pub async fn update<R>(
+        &self,
+        claim: &ClaimRef,
+        change: impl FnOnce(&mut Records<D::Device>) -> Result<R, D::Error>,
+    ) -> Result<R, D::Error> {
+        self.inner
+            .journal
+            .update(change)
+            .await
+            .map_err(|e| match e {
+                UpdateError::Change(e) => e,
+                UpdateError::Commit(source) => Error::Checkpoint {
+                    claim: claim.clone(),
+                    source,
+                }
+                .into(),
+            })
+    }
+
+    /// Stages `change` for the next group commit ([`Journal::stage`]).
+    ///
+    /// # Errors
+    /// What `change` returns; nothing is staged then.
+    pub async fn stage<R>(
+        &self,
+        change: impl FnOnce(&mut Records<D::Device>) -> Result<R, D::Error>,
+    ) -> Result<(R, u64), D::Error> {
+        self.inner.journal.stage(change).await
+    }
+
+    /// Durably moves `claim`'s record (if any) to `state`.
+    async fn set_state(&self, claim: &ClaimRef, state: ClaimState) -> Result<(), D::Error> {
+        self.update(claim, |c| {
+            if let Some(r) = c.claims.get_mut(&claim.uid) {
+                r.state = state;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// Runs blocking CDI file work (write, remove: fsyncs on a slow disk) on the blocking
+    /// pool, never on an async worker.
+    ///
+    /// # Errors
+    /// [`Error::Cdi`] from the work, [`Error::TaskFailed`] when its thread failed.
+    pub async fn cdi_io<T: Send + 'static>(
+        &self,
+        claim: &ClaimRef,
+        work: impl FnOnce(&CdiWriter) -> Result<T, CdiError> + Send + 'static,
+    ) -> Result<T, D::Error> {
+        let cdi = self.inner.cdi.clone();
+        match tokio::task::spawn_blocking(move || work(&cdi)).await {
+            Ok(r) => r.map_err(|source| {
+                Error::Cdi {
+                    claim: claim.clone(),
+                    source,
+                }
+                .into()
+            }),
+            Err(join) => Err(Error::TaskFailed {
+                claim: claim.clone(),
+                action: "CDI file work",
+                message: join.to_string(),
+            }
+            .into()),
+        }
+    }
+
+    /// Prepares one claim within the deadline; on failure what the attempt made is rolled
+    /// back (in the background when the deadline passed).
+    ///
+    /// # Errors
+    /// The driver's error, or the lifecycle's ([`Error`]) wrapped in it.
+    #[tracing::instrument(name = "prepare", skip_all,
+        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
+    pub async fn prepare_claim(&self, claim: ClaimRef) -> Result<Vec<PreparedDevice>, D::Error> {
+        let timeout = self.inner.timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let missed = |claim: &ClaimRef| -> D::Error {
+            Error::Deadline {
+                claim: claim.clone(),
+                action: "prepare",
+                timeout_ms: timeout.as_millis(),
+            }
+            .into()
+        };
+        let guard = tokio::time::timeout_at(deadline, self.claim_lock(&claim.uid).lock_owned())
+            .await
+            .map_err(|_| missed(&claim))?;
+        // The attempt runs as its own task, never dropped half-way: what its device step
+        // creates is always recorded, so the rollback destroys it.
+        let mut work = {
+            let this = self.clone();
+            let c = claim.clone();
+            self.inner
+                .background
+                .spawn(async move { this.prepare_locked(&c).await }.in_current_span())
+        };
+        let failed = match tokio::time::timeout_at(deadline, &mut work).await {
+            Ok(Ok(Ok(devices))) => return Ok(devices),
+            // A claim prepared before whose resumption fails stays prepared: its containers
+            // may be running.
+            Ok(Ok(Err(prepare::Failure::Keep(e)))) => return Err(e),
+            Ok(Ok(Err(prepare::Failure::Undo(e)))) => e,
+            Ok(Err(e)) => Error::TaskFailed {
+                claim: claim.clone(),
+                action: "prepare",
+                message: e.to_string(),
+            }
+            .into(),
+            Err(_) => {
+                let this = self.clone();
+                let c = claim.clone();
+                self.inner.background.spawn(
+                    async move {
+                        let _guard = guard;
+                        // Let the attempt finish first; then undo whatever it got to.
+                        let _ = work.await;
+                        if let Err(e) = this.release_locked(&c).await {
+                            tracing::warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
+                        }
+                    }
+                    .in_current_span(),
+                );
+                return Err(missed(&claim));
+            }
+        };
+        // Undo what this attempt made; a claim that was never started has nothing.
+        if let Err(rollback) = self.release_locked(&claim).await {
+            tracing::warn!(claim = %claim, error = %rollback, "rollback after a failed prepare failed");
+        }
+        Err(failed)
+    }
+
+    /// Unprepares one claim within the deadline; the work runs to completion even when the
+    /// deadline passes.
+    ///
+    /// # Errors
+    /// The driver's error, or the lifecycle's ([`Error`]) wrapped in it.
+    #[tracing::instrument(name = "unprepare", skip_all,
+        fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
+    pub async fn unprepare_claim(&self, claim: ClaimRef) -> Result<(), D::Error> {
+        let timeout = self.inner.timeout;
+        let missed = || -> D::Error {
+            Error::Deadline {
+                claim: claim.clone(),
+                action: "unprepare",
+                timeout_ms: timeout.as_millis(),
+            }
+            .into()
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        let guard = tokio::time::timeout_at(deadline, self.claim_lock(&claim.uid).lock_owned())
+            .await
+            .map_err(|_| missed())?;
+        let work = {
+            let this = self.clone();
+            let claim = claim.clone();
+            // Unprepare runs to completion even if the kubelet stops waiting: a half-done
+            // unprepare is still recorded and finished on restart, but finishing now is better.
+            self.inner.background.spawn(
+                async move {
+                    let _guard = guard;
+                    this.release_locked(&claim).await
+                }
+                .in_current_span(),
+            )
+        };
+        match tokio::time::timeout_at(deadline, work).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => Err(Error::TaskFailed {
+                claim: claim.clone(),
+                action: "unprepare",
+                message: e.to_string(),
+            }
+            .into()),
+            Err(_) => Err(missed()),
+        }
+    }
+}
+
+impl<D: Driver> dra_kubelet::Driver for Lifecycle<D> {
+    type Error = D::Error;
+
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> BTreeMap<String, PrepareResult<D::Error>> {
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let results =
+            futures::future::join_all(claims.into_iter().map(|c| self.prepare_claim(c))).await;
+        uids.into_iter().zip(results).collect()
+    }
+
+    async fn unprepare(
+        &self,
+        claims: Vec<ClaimRef>,
+    ) -> BTreeMap<String, UnprepareResult<D::Error>> {
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let results =
+            futures::future::join_all(claims.into_iter().map(|c| self.unprepare_claim(c))).await;
+        uids.into_iter().zip(results).collect()
+    }
+}

@@ -1,0 +1,236 @@
+//! The GPU driver at the lifecycle's named points ([`dra_plugin::lifecycle::Driver`]): each
+//! step in the order a claim's prepare, then its unprepare, passes it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use dra_kubelet::{ClaimRef, PreparedDevice};
+use dra_plugin::lifecycle::{self, Lifecycle, Planned, Prepared, Resume};
+
+use super::{
+    ClaimController, ClaimError, Cluster, DeviceAction, Gpu, check_conflicts, plan, recovery,
+};
+use crate::checkpoint::{Checkpoint, ClaimRecord, GpuFormat, RecordedDevice};
+use crate::hardware::{CreatedMig, Hardware, NodeDevice};
+
+impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
+    type Device = RecordedDevice;
+    type Format = GpuFormat;
+    type Error = ClaimError;
+    type Plan = plan::Plan;
+
+    async fn plan(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+    ) -> Result<Planned<Self>, ClaimError> {
+        ClaimController::of(lifecycle).plan_claim(claim).await
+    }
+
+    fn check_conflicts(
+        &self,
+        claim: &ClaimRef,
+        records: &Checkpoint,
+        devices: &[RecordedDevice],
+    ) -> Result<(), ClaimError> {
+        check_conflicts(records, claim, devices)
+    }
+
+    async fn prepare_devices(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        plan: plan::Plan,
+    ) -> Result<Prepared<RecordedDevice>, ClaimError> {
+        ClaimController::of(lifecycle)
+            .prepare_hardware(claim, plan)
+            .await
+    }
+
+    async fn configure(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        devices: &[RecordedDevice],
+    ) -> Result<(), ClaimError> {
+        ClaimController::of(lifecycle).share(claim, devices).await
+    }
+
+    fn changes_node(&self, devices: &[RecordedDevice]) -> bool {
+        let catalogue = self.catalogue();
+        // Borrowed, not cloned: a GPU carries its MIG tables and links.
+        let used = devices.iter().filter_map(|d| catalogue.get(&d.device_name));
+        plan::changes_hardware(devices, used)
+    }
+
+    async fn unconfigure(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        devices: &[RecordedDevice],
+    ) -> Result<(), ClaimError> {
+        ClaimController::of(lifecycle).unshare(claim, devices).await
+    }
+
+    async fn unprepare_devices(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        record: &ClaimRecord,
+        two_phase: bool,
+    ) -> Result<(), ClaimError> {
+        if !two_phase {
+            // Only checks to undo: skipped unless a device says otherwise.
+            let catalogue = ClaimController::of(lifecycle).catalogue();
+            let created = plan::created_migs(&record.devices);
+            let needed = record
+                .devices
+                .iter()
+                .filter_map(|d| catalogue.get(&d.device_name))
+                .any(|d| self.hardware.undo_needed(d, created.get(d.name())));
+            if !needed {
+                return Ok(());
+            }
+        }
+        ClaimController::of(lifecycle)
+            .unprepare_hardware(claim, record)
+            .await
+    }
+
+    fn prepared_device(device: &RecordedDevice) -> PreparedDevice {
+        PreparedDevice::from(device)
+    }
+
+    /// A claim whose recovery at start failed: the kubelet gets its step's error until the step
+    /// succeeds (a record to release is released and prepared again).
+    async fn resume(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+    ) -> Result<Resume, ClaimError> {
+        let controller = ClaimController::of(lifecycle);
+        match controller.recovery_pending(&claim.uid) {
+            None => Ok(Resume::Prepared),
+            Some(recovery::Pending::Release) => Ok(Resume::Release),
+            Some(pending) => {
+                controller
+                    .recover_claim_locked(claim, pending)
+                    .await
+                    .map_err(|e| ClaimError::Recovery {
+                        claim: claim.clone(),
+                        source: Box::new(e),
+                    })?;
+                controller.recovery_resolved(&claim.uid);
+                Ok(Resume::Prepared)
+            }
+        }
+    }
+
+    fn released(&self, lifecycle: &Lifecycle<Self>, claim: &ClaimRef) {
+        ClaimController::of(lifecycle).recovery_resolved(&claim.uid);
+    }
+}
+
+impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+    /// Reads the claim from the API server and plans its devices, sharing and CDI spec.
+    async fn plan_claim(&self, claim: &ClaimRef) -> Result<Planned<Gpu<C, H>>, ClaimError> {
+        let rc = self
+            .gpu()
+            .cluster
+            .get_claim(&claim.namespace, &claim.name)
+            .await
+            .map_err(|source| ClaimError::Fetch {
+                claim: claim.clone(),
+                source,
+            })?
+            .ok_or_else(|| ClaimError::NotFound {
+                claim: claim.clone(),
+            })?;
+        let plan = plan::plan(claim, &rc, &self.plan_context())?;
+        Ok(Planned {
+            devices: plan.devices.clone(),
+            spec: plan.spec.clone(),
+            // Two phases only where prepare changes the hardware (creates a MIG device, sets a
+            // GPU's sharing).
+            two_phase: plan::changes_hardware(&plan.devices, &plan.used),
+            plan,
+        })
+    }
+
+    /// The hardware step: prepares each device under its GPU's lock, records the MIG devices
+    /// it created (durable before anything else: from then on a failure or a crash destroys
+    /// exactly these; a crash before leaves orphans for start-up), then computes the CDI spec
+    /// where it needed them.
+    async fn prepare_hardware(
+        &self,
+        claim: &ClaimRef,
+        plan: plan::Plan,
+    ) -> Result<Prepared<RecordedDevice>, ClaimError> {
+        let gpu = self.gpu();
+        let prepare: DeviceAction<H, Option<CreatedMig>> =
+            Arc::new(|hw: &H, d: &NodeDevice| hw.prepare(d));
+        let (made, outcome) = self
+            .on_devices(
+                claim,
+                plan.devices.iter().map(|d| d.device_name.as_str()),
+                prepare,
+            )
+            .await;
+        let created: BTreeMap<String, CreatedMig> = made
+            .into_iter()
+            .filter_map(|(name, c)| c.map(|c| (name, c)))
+            .collect();
+        let spec = match plan.spec {
+            Some(spec) => Ok(spec),
+            None => {
+                let used: Vec<&NodeDevice> = plan.used.iter().collect();
+                let mps = plan::MpsEdits::of(
+                    &gpu.config.mps,
+                    gpu.config.kernel_memory.as_deref(),
+                    &plan.devices,
+                );
+                plan::spec(
+                    claim,
+                    &used,
+                    &created,
+                    &mps,
+                    &gpu.config.driver_edits,
+                    gpu.hardware.as_ref(),
+                    self.lifecycle.cdi(),
+                )
+            }
+        };
+        // The devices as prepared: a created MIG device is reached by its own UUID.
+        let mut devices = plan.devices;
+        for d in &mut devices {
+            if let Some(m) = created.get(&d.device_name) {
+                d.uuid.clone_from(&m.uuid);
+                d.mig = Some(m.clone());
+            }
+        }
+        if !created.is_empty() {
+            let record_spec = spec.as_ref().ok().cloned();
+            self.lifecycle
+                .update(claim, |c| {
+                    if let Some(r) = c.claims.get_mut(&claim.uid) {
+                        for d in &mut r.devices {
+                            if let Some(m) = created.get(&d.device_name) {
+                                d.uuid.clone_from(&m.uuid);
+                                d.mig = Some(m.clone());
+                            }
+                        }
+                        if let Some(spec) = record_spec {
+                            r.cdi_spec = spec;
+                        }
+                    }
+                    Ok(())
+                })
+                .await?;
+        }
+        outcome?;
+        Ok(Prepared {
+            devices,
+            spec: spec?,
+        })
+    }
+}
