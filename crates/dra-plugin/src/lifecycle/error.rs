@@ -36,6 +36,18 @@ pub enum Error {
         /// The task's failure.
         message: String,
     },
+    /// A claim prepared before the restart whose recovery step fails; it stays prepared and
+    /// the step is retried in the background.
+    #[error(
+        "ResourceClaim {claim}: prepared before the plugin restarted, but recovering it fails \
+         (retried in the background): {message}"
+    )]
+    Recovery {
+        /// The claim.
+        claim: ClaimRef,
+        /// The failing step's error.
+        message: String,
+    },
     /// The call did not finish within its deadline; what it started is being rolled back.
     #[error(
         "ResourceClaim {claim}: {action} did not finish within {timeout_ms} ms; what it started \
@@ -59,6 +71,7 @@ impl Error {
             Error::Checkpoint { .. } => "checkpoint",
             Error::TaskFailed { .. } => "task-failed",
             Error::Deadline { .. } => "deadline",
+            Error::Recovery { .. } => "recovery",
         }
     }
 }

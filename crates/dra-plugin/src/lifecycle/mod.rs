@@ -28,13 +28,18 @@
 //! as its own task, never dropped half-way, so what a device step makes is always recorded and
 //! the rollback undoes it.
 //!
+//! Start-up ([`Lifecycle::recover`]) finishes or rolls back every record a crash left, rewrites
+//! the missing CDI specs of completed claims and removes the specs no record claims (see
+//! `recovery.rs`).
+//!
 //! Failpoints ([`crate::failpoint::LIFECYCLE`]) mark each step.
 
 mod error;
 mod prepare;
+mod recovery;
 mod unprepare;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Debug;
 use std::future::Future;
 use std::sync::Arc;
@@ -48,6 +53,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 pub use error::Error;
+pub use recovery::{RECOVERY_RETRY, RecoveryReport};
 
 use crate::cdi::{CdiError, CdiWriter, Spec};
 use crate::checkpoint::{Format, SlotFile};
@@ -71,6 +77,8 @@ pub trait Driver: Send + Sync + Sized + 'static {
     type Error: std::error::Error + From<Error> + Send + Sync + 'static;
     /// What planning hands to the device step.
     type Plan: Send + 'static;
+    /// What the driver's orphan removal reports ([`Driver::remove_orphans`]).
+    type Orphans: Default + Debug + Send;
 
     /// Reads the claim (its allocation and configuration) and plans its prepare.
     fn plan(
@@ -137,20 +145,58 @@ pub trait Driver: Send + Sync + Sized + 'static {
     /// What the kubelet is told of a recorded device.
     fn prepared_device(device: &Self::Device) -> PreparedDevice;
 
-    /// A prepare of a claim whose record is already `PrepareCompleted` (a kubelet retry, a
-    /// restart): whether to answer with the recorded devices or to release the claim and
-    /// prepare it again. An error is reported as is and the claim stays prepared (its
-    /// containers may be running). Default: answer.
-    fn resume(
+    /// A completed claim found at start-up: brings back what it needs that did not survive
+    /// the restart (a helper process, a setting); `Ok(true)` when something was brought back.
+    /// A failure is retried in the background; the claim stays prepared meanwhile. Default:
+    /// nothing to bring back.
+    fn revive(
         &self,
         _lifecycle: &Lifecycle<Self>,
         _claim: &ClaimRef,
-    ) -> impl Future<Output = Result<Resume, Self::Error>> + Send {
-        async { Ok(Resume::Prepared) }
+        _record: &ClaimRecord<Self::Device>,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
+        async { Ok(false) }
     }
 
-    /// The claim was released (unprepared or rolled back) and its record removed.
-    fn released(&self, _lifecycle: &Lifecycle<Self>, _claim: &ClaimRef) {}
+    /// The CDI spec of a completed record that carries none (written by an older format), to
+    /// rewrite at start-up. Default: the record's (empty) spec.
+    ///
+    /// # Errors
+    /// The driver's error when the spec cannot be computed; retried in the background.
+    fn spec_of(
+        &self,
+        _lifecycle: &Lifecycle<Self>,
+        _claim: &ClaimRef,
+        record: &ClaimRecord<Self::Device>,
+    ) -> Result<Spec, Self::Error> {
+        Ok(record.cdi_spec.clone())
+    }
+
+    /// After a damaged checkpoint: the devices of `claim`, whose CDI spec `spec` was found on
+    /// disk, to record it as prepared; `None` to drop it (the claim no longer exists). A claim
+    /// whose pods may still run must be kept.
+    fn rebuild_claim(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        spec: &Spec,
+    ) -> impl Future<Output = Option<Vec<Self::Device>>> + Send;
+
+    /// At start-up, after every claim is recovered: removes what the driver made for claims
+    /// not in `kept` (by UID), logging what it cannot remove (retried at the next start).
+    /// Skipped when the checkpoint was written by a newer build.
+    fn remove_orphans(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        kept: &BTreeSet<String>,
+    ) -> impl Future<Output = Self::Orphans> + Send;
+
+    /// Reports a start-up problem to the cluster (a Warning event); `reason` is one word
+    /// (`CheckpointRecovered`, `ClaimRecoveryFailed`). Default: the log only.
+    fn warn(&self, reason: &str, message: &str) -> impl Future<Output = ()> + Send {
+        let _ = (reason, message);
+        async {}
+    }
 }
 
 /// A claim's plan ([`Driver::plan`]).
@@ -174,13 +220,16 @@ pub struct Prepared<Device> {
     pub spec: Spec,
 }
 
-/// What to do with a claim found prepared ([`Driver::resume`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Resume {
-    /// Answer with the recorded devices.
-    Prepared,
-    /// Release it and prepare it again.
-    Release,
+/// A lifecycle's fixed settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Deadline of one prepare or unprepare (well below the kubelet's 45 s).
+    pub timeout: Duration,
+    /// This node's name, for messages about start-up work.
+    pub node_name: String,
+    /// This boot's ID (`/proc/sys/kernel/random/boot_id`): claims recorded in another boot are
+    /// released at start-up.
+    pub boot_id: String,
 }
 
 /// Prepares and unprepares claims for one driver on one node. Cheap to clone.
@@ -198,8 +247,9 @@ impl<D: Driver> Clone for Lifecycle<D> {
 
 struct Inner<D: Driver> {
     driver: D,
-    /// Deadline of one prepare or unprepare.
-    timeout: Duration,
+    settings: Settings,
+    /// Claims whose start-up recovery failed, retried in the background.
+    retries: recovery::Retries,
     claim_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
     cdi: CdiWriter,
     /// The claims' records: staged in memory, made durable by group commit.
@@ -209,20 +259,20 @@ struct Inner<D: Driver> {
 }
 
 impl<D: Driver> Lifecycle<D> {
-    /// A lifecycle for `driver` with an empty journal over `checkpoint` (start-up recovery
-    /// loads it: [`Lifecycle::journal`], [`Journal::reset`]), CDI specs written by `cdi`, and a
-    /// deadline of `timeout` per call.
+    /// A lifecycle for `driver` with an empty journal over `checkpoint` ([`Lifecycle::recover`]
+    /// loads it) and CDI specs written by `cdi`.
     pub fn new(
         driver: D,
         checkpoint: SlotFile<D::Format>,
         cdi: CdiWriter,
-        timeout: Duration,
+        settings: Settings,
     ) -> Self {
         let background = TaskTracker::new();
         Self {
             inner: Arc::new(Inner {
                 driver,
-                timeout,
+                settings,
+                retries: recovery::Retries::default(),
                 claim_locks: std::sync::Mutex::default(),
                 cdi,
                 journal: Arc::new(Journal::new(checkpoint, background.clone())),
@@ -251,9 +301,9 @@ impl<D: Driver> Lifecycle<D> {
         &self.inner.background
     }
 
-    /// The deadline of one call.
-    pub fn timeout(&self) -> Duration {
-        self.inner.timeout
+    /// The lifecycle's settings.
+    pub fn settings(&self) -> &Settings {
+        &self.inner.settings
     }
 
     /// The records as staged, locked: other claims' changes wait while it is held.
@@ -300,8 +350,10 @@ impl<D: Driver> Lifecycle<D> {
 
     /// Waits until no work started by this lifecycle is still running: calls must have
     /// returned already; this waits for the rollbacks and unprepares they left running in the
-    /// background. Call before handing the node's state to another instance.
+    /// background, and stops the recovery retries. Call before handing the node's state to
+    /// another instance.
     pub async fn quiesce(&self) {
+        self.inner.retries.stop.cancel();
         self.inner.background.close();
         self.inner.background.wait().await;
     }
@@ -400,7 +452,7 @@ impl<D: Driver> Lifecycle<D> {
     #[tracing::instrument(name = "prepare", skip_all,
         fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
     pub async fn prepare_claim(&self, claim: ClaimRef) -> Result<Vec<PreparedDevice>, D::Error> {
-        let timeout = self.inner.timeout;
+        let timeout = self.inner.settings.timeout;
         let deadline = tokio::time::Instant::now() + timeout;
         let missed = |claim: &ClaimRef| -> D::Error {
             Error::Deadline {
@@ -424,7 +476,7 @@ impl<D: Driver> Lifecycle<D> {
         };
         let failed = match tokio::time::timeout_at(deadline, &mut work).await {
             Ok(Ok(Ok(devices))) => return Ok(devices),
-            // A claim prepared before whose resumption fails stays prepared: its containers
+            // A claim prepared before whose recovery step fails stays prepared: its containers
             // may be running.
             Ok(Ok(Err(prepare::Failure::Keep(e)))) => return Err(e),
             Ok(Ok(Err(prepare::Failure::Undo(e)))) => e,
@@ -466,7 +518,7 @@ impl<D: Driver> Lifecycle<D> {
     #[tracing::instrument(name = "unprepare", skip_all,
         fields(uid = %claim.uid, namespace = %claim.namespace, name = %claim.name))]
     pub async fn unprepare_claim(&self, claim: ClaimRef) -> Result<(), D::Error> {
-        let timeout = self.inner.timeout;
+        let timeout = self.inner.settings.timeout;
         let missed = || -> D::Error {
             Error::Deadline {
                 claim: claim.clone(),

@@ -3,7 +3,7 @@
 use dra_kubelet::{ClaimRef, PreparedDevice};
 use tracing::info;
 
-use super::{Driver, Lifecycle, Planned, Resume};
+use super::{Driver, Error, Lifecycle, Planned};
 use crate::failpoint;
 use crate::record::{ClaimRecord, ClaimState, Records};
 
@@ -11,8 +11,7 @@ use crate::record::{ClaimRecord, ClaimState, Records};
 pub(super) enum Failure<E> {
     /// Roll the claim back: the attempt may have made something.
     Undo(E),
-    /// Leave the claim as it is: it was prepared before and its resumption failed
-    /// ([`Driver::resume`]).
+    /// Leave the claim as it is: it was prepared before and its recovery step failed.
     Keep(E),
 }
 
@@ -30,12 +29,22 @@ impl<D: Driver> Lifecycle<D> {
         });
         match existing {
             Some((ClaimState::PrepareCompleted, devices)) => {
-                match self.driver().resume(self, claim).await {
-                    Ok(Resume::Prepared) => return Ok(devices),
-                    Ok(Resume::Release) => {
+                // A claim whose recovery at start failed: the kubelet gets its step's error
+                // until the step succeeds (a record to release is released and prepared again).
+                match self.resume(claim).await {
+                    Ok(true) => return Ok(devices),
+                    Ok(false) => {
                         self.release_locked(claim).await.map_err(Failure::Undo)?;
                     }
-                    Err(e) => return Err(Failure::Keep(e)),
+                    Err(e) => {
+                        return Err(Failure::Keep(
+                            Error::Recovery {
+                                claim: claim.clone(),
+                                message: e.to_string(),
+                            }
+                            .into(),
+                        ));
+                    }
                 }
             }
             // A crashed or abandoned attempt: start from a clean slate.

@@ -46,7 +46,7 @@ impl<D: Driver> Lifecycle<D> {
             failpoint::hit("unprepare/after-cdi-remove");
             failpoint::hit("unprepare/after-hardware");
             failpoint::hit("unprepare/after-checkpoint");
-            driver.released(self, claim);
+            self.recovery_resolved(&claim.uid);
             info!(claim = %claim, "unprepared");
             return Ok(());
         }
@@ -63,7 +63,7 @@ impl<D: Driver> Lifecycle<D> {
         })
         .await?;
         failpoint::hit("unprepare/after-checkpoint");
-        driver.released(self, claim);
+        self.recovery_resolved(&claim.uid);
         info!(claim = %claim, "unprepared");
         Ok(())
     }

@@ -1,15 +1,16 @@
 //! The GPU driver at the lifecycle's named points ([`dra_plugin::lifecycle::Driver`]): each
 //! step in the order a claim's prepare, then its unprepare, passes it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use dra_kubelet::{ClaimRef, PreparedDevice};
-use dra_plugin::lifecycle::{self, Lifecycle, Planned, Prepared, Resume};
+use dra_plugin::cdi::Spec;
+use dra_plugin::lifecycle::{self, Lifecycle, Planned, Prepared};
 
-use super::{
-    ClaimController, ClaimError, Cluster, DeviceAction, Gpu, check_conflicts, plan, recovery,
-};
+use super::recovery::Orphans;
+
+use super::{ClaimController, ClaimError, Cluster, DeviceAction, Gpu, check_conflicts, plan};
 use crate::checkpoint::{Checkpoint, ClaimRecord, GpuFormat, RecordedDevice};
 use crate::hardware::{CreatedMig, Hardware, NodeDevice};
 
@@ -18,6 +19,7 @@ impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
     type Format = GpuFormat;
     type Error = ClaimError;
     type Plan = plan::Plan;
+    type Orphans = Orphans;
 
     async fn plan(
         &self,
@@ -101,33 +103,53 @@ impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
         PreparedDevice::from(device)
     }
 
-    /// A claim whose recovery at start failed: the kubelet gets its step's error until the step
-    /// succeeds (a record to release is released and prepared again).
-    async fn resume(
+    /// Starts again the MPS daemons of a completed claim that died with the previous plugin
+    /// process, so new containers of the claim can use them (the daemons of its shares'
+    /// devices once, for all their shares); one that answers, or may, is kept. Reports only
+    /// the claim's own daemon.
+    async fn revive(
         &self,
         lifecycle: &Lifecycle<Self>,
         claim: &ClaimRef,
-    ) -> Result<Resume, ClaimError> {
-        let controller = ClaimController::of(lifecycle);
-        match controller.recovery_pending(&claim.uid) {
-            None => Ok(Resume::Prepared),
-            Some(recovery::Pending::Release) => Ok(Resume::Release),
-            Some(pending) => {
-                controller
-                    .recover_claim_locked(claim, pending)
-                    .await
-                    .map_err(|e| ClaimError::Recovery {
-                        claim: claim.clone(),
-                        source: Box::new(e),
-                    })?;
-                controller.recovery_resolved(&claim.uid);
-                Ok(Resume::Prepared)
-            }
-        }
+        record: &ClaimRecord,
+    ) -> Result<bool, ClaimError> {
+        let revived = ClaimController::of(lifecycle)
+            .revive_daemons(claim, &record.devices)
+            .await?;
+        Ok(revived && plan::uses_mps(&record.devices))
     }
 
-    fn released(&self, lifecycle: &Lifecycle<Self>, claim: &ClaimRef) {
-        ClaimController::of(lifecycle).recovery_resolved(&claim.uid);
+    fn spec_of(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        record: &ClaimRecord,
+    ) -> Result<Spec, ClaimError> {
+        ClaimController::of(lifecycle).spec_of(claim, record)
+    }
+
+    async fn rebuild_claim(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+        spec: &Spec,
+    ) -> Option<Vec<RecordedDevice>> {
+        ClaimController::of(lifecycle)
+            .rebuild_claim(claim, spec)
+            .await
+    }
+
+    async fn remove_orphans(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        kept: &BTreeSet<String>,
+    ) -> Orphans {
+        ClaimController::of(lifecycle).remove_orphans(kept).await
+    }
+
+    /// A Warning event about the node (the plugin's RBAC creates events only about its Node).
+    async fn warn(&self, reason: &str, message: &str) {
+        self.cluster.warn(reason, message).await;
     }
 }
 

@@ -88,18 +88,6 @@ pub enum ClaimError {
         /// What is wrong, naming the field.
         problem: String,
     },
-    /// A claim prepared before the restart whose recovery step (CDI spec rewrite, MPS daemon
-    /// restart) fails; it stays prepared and the step is retried in the background.
-    #[error(
-        "ResourceClaim {claim}: prepared before the plugin restarted, but recovering it fails \
-         (retried in the background): {source}"
-    )]
-    Recovery {
-        /// The claim.
-        claim: ClaimRef,
-        /// The failing step's error.
-        source: Box<ClaimError>,
-    },
     /// An allocated device is prepared for another claim, and neither has admin access.
     #[error(
         "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
@@ -158,7 +146,6 @@ impl ClaimError {
             ClaimError::UnknownDevice { .. } => "unknown-device",
             ClaimError::DeviceGone { .. } => "device-gone",
             ClaimError::Share { .. } => "share",
-            ClaimError::Recovery { .. } => "recovery",
             ClaimError::DeviceInUse { .. } => "device-in-use",
             ClaimError::Config { .. } => "config",
             ClaimError::Mps { .. } => "mps",

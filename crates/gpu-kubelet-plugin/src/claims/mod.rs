@@ -47,7 +47,7 @@ use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, ClaimState, Rec
 use crate::claim_config::{Sharing, TimeSlice};
 use crate::hardware::{Hardware, NodeDevice};
 use crate::mps::MpsControl;
-use dra_plugin::lifecycle::{Error as LifecycleError, Lifecycle};
+use dra_plugin::lifecycle::{Error as LifecycleError, Lifecycle, Settings};
 
 /// A hardware action on one device, run on a blocking thread.
 type DeviceAction<H, T> =
@@ -124,8 +124,9 @@ pub(crate) struct Gpu<C, H> {
     /// One lock per physical GPU: hardware actions on a GPU never overlap. GPUs are added as
     /// they appear and never removed (a lock may be held across a re-discovery).
     gpu_locks: std::sync::Mutex<BTreeMap<String, Arc<Mutex<()>>>>,
-    /// Claims whose start-up recovery failed, retried in the background.
-    recovery: RecoveryRetries,
+    /// Claims rebuilt from their CDI spec alone (the API server did not answer at start), by
+    /// UID: their records are settled by the next stale-claim check that reaches it.
+    unverified: std::sync::Mutex<BTreeSet<String>>,
 }
 
 impl<C, H> Gpu<C, H> {
@@ -138,19 +139,6 @@ impl<C, H> Gpu<C, H> {
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
     }
-}
-
-/// Claims whose start-up recovery step failed ([`recovery`]).
-struct RecoveryRetries {
-    /// By UID: the claim, the step it needs, the last error.
-    failing: std::sync::Mutex<BTreeMap<String, (ClaimRef, recovery::Pending, String)>>,
-    /// How many there are, for the metric.
-    count: tokio::sync::watch::Sender<usize>,
-    /// Stops the retries ([`ClaimController::quiesce`]).
-    stop: tokio_util::sync::CancellationToken,
-    /// Claims rebuilt from their CDI spec alone (the API server did not answer at start), by
-    /// UID: their records are settled by the next stale-claim check that reaches it.
-    unverified: std::sync::Mutex<BTreeSet<String>>,
 }
 
 /// A poisoned lock only means a panicking thread held it; the bookkeeping is still consistent
@@ -174,22 +162,21 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         cdi: CdiWriter,
         checkpoint_file: CheckpointFile,
     ) -> Result<(Self, RecoveryReport), ClaimError> {
-        let timeout = config.timeout;
+        let settings = Settings {
+            timeout: config.timeout,
+            node_name: config.node_name.clone(),
+            boot_id: config.boot_id.clone(),
+        };
         let gpu = Gpu {
             cluster,
             hardware,
             config,
             catalogue: std::sync::RwLock::default(),
             gpu_locks: std::sync::Mutex::default(),
-            recovery: RecoveryRetries {
-                failing: std::sync::Mutex::default(),
-                unverified: std::sync::Mutex::default(),
-                count: tokio::sync::watch::Sender::new(0),
-                stop: tokio_util::sync::CancellationToken::new(),
-            },
+            unverified: std::sync::Mutex::default(),
         };
         let controller = Self {
-            lifecycle: Lifecycle::new(gpu, checkpoint_file, cdi, timeout),
+            lifecycle: Lifecycle::new(gpu, checkpoint_file, cdi, settings),
         };
         controller.set_devices(devices);
         let report = controller.recover().await?;
@@ -265,7 +252,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     /// How many claims' start-up recovery is failing (retried in the background), as it
     /// changes.
     pub fn recovery_failures(&self) -> tokio::sync::watch::Receiver<usize> {
-        self.gpu().recovery.count.subscribe()
+        self.lifecycle.recovery_failures()
     }
 
     /// The UIDs of the claims whose prepare completed.
@@ -280,10 +267,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
     /// Waits until no work started by this controller is still running: calls must have
     /// returned already; this stops the recovery retries and waits for the rollbacks and
-    /// unprepares they left running in the background. Call before handing the node's state
-    /// to another instance.
+    /// unprepares they left running in the background ([`Lifecycle::quiesce`]). Call before
+    /// handing the node's state to another instance.
     pub async fn quiesce(&self) {
-        self.gpu().recovery.stop.cancel();
         self.lifecycle.quiesce().await;
     }
 

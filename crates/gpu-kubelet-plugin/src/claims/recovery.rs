@@ -1,35 +1,24 @@
-//! Start-up reconciliation of checkpoint, CDI specs and hardware.
+//! The GPU driver's part of start-up reconciliation ([`dra_plugin::lifecycle::Lifecycle::recover`]
+//! does the rest: load or rebuild the checkpoint, finish or roll back half-done claims, rewrite
+//! missing CDI specs, remove orphaned specs, retry failed claims in the background).
 //!
-//! Order: load (or rebuild) the checkpoint; finish or roll back every claim that is not
-//! `PrepareCompleted` (destroying the MIG devices its record lists); in partitionable mode,
-//! destroy the MIG devices that no remaining claim records on the GPUs that publish placements
-//! (orphans of a crash between their creation and the checkpoint write: the plugin owns every
-//! MIG device there); regenerate missing CDI specs; remove CDI specs, MPS daemons and compute
-//! modes no claim owns.
+//! Here: in partitionable mode, destroy the MIG devices that no remaining claim records on the
+//! GPUs that publish placements (orphans of a crash between their creation and the checkpoint
+//! write: the plugin owns every MIG device there); start again the MPS daemons of completed
+//! claims; remove MPS daemons, memory limits, MPS namespaces and compute modes no claim owns.
 //!
 //! A damaged checkpoint is rebuilt from the CDI specs, each claim checked against the API
 //! server; a claim that cannot be checked (no answer) or planned is kept as its spec shows, with
 //! the sharing the spec shows, so nothing its pods may use is taken for an orphan, and is
-//! settled once the API server answers. A checkpoint written by a newer build (a downgrade) is
-//! rebuilt the same way, and then nothing at all is taken for an orphan in that start.
-//!
-//! One claim whose step fails (a rollback, a CDI rewrite, an MPS restart, a time-slice reset)
-//! never stops the start: the failure is logged, reported as a Warning event naming the claim,
-//! counted ([`ClaimController::recovery_failures`]) and retried in the background with backoff
-//! ([`RECOVERY_RETRY`]) while every other claim is served. A kubelet call for that claim runs
-//! its step first and answers with its error while it fails. Orphans that cannot be removed are
-//! logged and retried at the next start.
+//! settled once the API server answers.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
 
 use dra_kubelet::ClaimRef;
-use dra_plugin::lifecycle::Error as LifecycleError;
-use tracing::{Instrument, info, warn};
+use tracing::{info, warn};
 
 use super::{ClaimController, ClaimError, Cluster, plan};
-use crate::cdi::{ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID};
-use crate::checkpoint::{Checkpoint, ClaimRecord, ClaimState};
+use crate::checkpoint::{ClaimRecord, RecordedDevice};
 use crate::claim_config::Sharing;
 use crate::hardware::{CreatedMig, Hardware, NodeDevice};
 
@@ -60,140 +49,51 @@ pub struct RecoveryReport {
     pub failed: Vec<(String, String)>,
 }
 
-/// First and longest wait between retries of a claim's failed recovery step (doubling).
-pub const RECOVERY_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(300));
-
-/// What a claim still needs from start-up recovery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pending {
-    /// Roll back or finish unpreparing (a half-done record, or one of a previous boot).
-    Release,
-    /// A completed claim: its CDI spec rewritten where missing, its MPS daemon running.
-    Complete,
-}
-
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+    /// Reconciles the checkpoint, the CDI specs and the GPUs at start ([`dra_plugin::lifecycle::Lifecycle::recover`]
+    /// with this driver's steps).
     pub(super) async fn recover(&self) -> Result<RecoveryReport, ClaimError> {
+        let core = self.lifecycle.recover().await?;
+        let orphans = core.driver;
+        let mut orphans_removed = core.orphans_removed;
+        orphans_removed.extend(orphans.removed);
+        let report = RecoveryReport {
+            corrupt_checkpoint: core.corrupt_checkpoint,
+            rebuilt: core.rebuilt,
+            previous_boot: core.previous_boot,
+            rolled_back: core.rolled_back,
+            regenerated: core.regenerated,
+            orphans_removed,
+            mps_restarted: core.revived,
+            mig_orphans_destroyed: orphans.mig_destroyed,
+            compute_modes_restored: orphans.compute_modes_restored,
+            failed: core.failed,
+        };
+        if report != RecoveryReport::default() {
+            info!(?report, "reconciled claim state at start");
+        }
+        Ok(report)
+    }
+
+    /// Removes what no recorded claim (`kept`, by UID) owns: MIG devices on partitionable
+    /// GPUs, MPS daemons (keeping every daemon a recorded claim's spec mounts), memory limits
+    /// and MPS namespaces, and puts GPUs no recorded claim runs MPS on back in the default
+    /// compute mode. CDI specs are the lifecycle's.
+    pub(super) async fn remove_orphans(&self, kept: &BTreeSet<String>) -> Orphans {
         let gpu = self.gpu();
         let node = ClaimRef {
             namespace: String::new(),
             name: format!("(node {})", gpu.config.node_name),
             uid: String::new(),
         };
-        let mut report = RecoveryReport::default();
-        let mut newer_checkpoint = false;
-        let file = self.lifecycle.journal().file().clone();
-        let loaded = tokio::task::spawn_blocking(move || file.load())
-            .await
-            .map_err(|join| {
-                ClaimError::Lifecycle(LifecycleError::TaskFailed {
-                    claim: node.clone(),
-                    action: "loading the checkpoint",
-                    message: join.to_string(),
-                })
-            })?;
-        let loaded = match loaded {
-            Ok(c) => c.unwrap_or_default(),
-            Err(e) => {
-                newer_checkpoint = matches!(e, crate::checkpoint::CheckpointError::TooNew { .. });
-                let aside = self
-                    .lifecycle
-                    .journal()
-                    .file()
-                    .quarantine()
-                    .map(|moved| {
-                        moved
-                            .iter()
-                            .map(|p| p.display().to_string())
-                            .collect::<Vec<_>>()
-                            .join(" and ")
-                    })
-                    .unwrap_or_else(|q| format!("(could not move it aside: {q})"));
-                let message = format!(
-                    "{e}; moved to {aside}; rebuilding prepared claims from CDI specs and the API server"
-                );
-                gpu.cluster.warn("CheckpointRecovered", &message).await;
-                report.corrupt_checkpoint = Some(message);
-                let rebuilt = self.rebuild_from_disk().await;
-                report.rebuilt = rebuilt.claims.keys().cloned().collect();
-                rebuilt
-            }
+        let mut report = Orphans {
+            mig_destroyed: self.destroy_mig_orphans().await,
+            ..Orphans::default()
         };
-        // Publish the loaded state so release_locked sees the records.
-        self.lifecycle.journal().reset(loaded.clone()).await;
 
-        let previous_boot = !loaded.boot_id.is_empty() && loaded.boot_id != gpu.config.boot_id;
-        for (uid, record) in &loaded.claims {
-            let claim = ClaimRef {
-                namespace: record.namespace.clone(),
-                name: record.name.clone(),
-                uid: uid.clone(),
-            };
-            let pending = if previous_boot || record.state != ClaimState::PrepareCompleted {
-                Pending::Release
-            } else {
-                Pending::Complete
-            };
-            match self.recover_claim(&claim, pending).await {
-                Ok(done) => {
-                    if pending == Pending::Release {
-                        if previous_boot {
-                            report.previous_boot.push(uid.clone());
-                        } else {
-                            report.rolled_back.push(uid.clone());
-                        }
-                    }
-                    if done.regenerated {
-                        report.regenerated.push(uid.clone());
-                    }
-                    if done.mps_restarted {
-                        report.mps_restarted.push(uid.clone());
-                    }
-                }
-                Err(e) => {
-                    self.recovery_failed(&claim, pending, &e).await;
-                    report.failed.push((uid.clone(), e.to_string()));
-                }
-            }
-        }
-
-        if newer_checkpoint {
-            // Written by a newer build (a downgrade): what this build does not understand may
-            // still be in use, so nothing is taken for an orphan in this start.
-            warn!(
-                "the checkpoint was written by a newer build: leaving every CDI spec, MPS \
-                daemon, MIG device and compute mode as found; the next start reconciles them"
-            );
-        } else {
-            self.remove_orphans(&node, &mut report).await;
-        }
-
-        let boot_id = gpu.config.boot_id.clone();
-        self.lifecycle
-            .update(&node, |c| {
-                c.boot_id = boot_id;
-                Ok(())
-            })
-            .await?;
-        if report != RecoveryReport::default() {
-            info!(?report, "reconciled claim state at start");
-        }
-        if !report.failed.is_empty() {
-            self.spawn_recovery_retries();
-        }
-        Ok(report)
-    }
-
-    /// Removes what no recorded claim owns: MIG devices on partitionable GPUs, CDI specs and
-    /// temp files, MPS daemons (keeping every daemon a recorded claim's spec mounts), and puts
-    /// GPUs no recorded claim runs MPS on back in the default compute mode.
-    async fn remove_orphans(&self, node: &ClaimRef, report: &mut RecoveryReport) {
-        let gpu = self.gpu();
-        report.mig_orphans_destroyed = self.destroy_mig_orphans().await;
-
-        let (kept, share_daemons) = {
-            let checkpoint = self.lifecycle.journal().records().await;
-            let kept: Vec<String> = checkpoint.claims.keys().cloned().collect();
+        let kept: Vec<String> = kept.iter().cloned().collect();
+        let share_daemons = {
+            let checkpoint = self.lifecycle.records().await;
             let mut daemons = super::shares::needed_daemons(&checkpoint, None);
             // And every daemon a kept claim's CDI spec mounts: its containers may use it.
             let root = &gpu.config.mps.root;
@@ -213,32 +113,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                         Some(rest.components().next()?.as_os_str().to_str()?.to_owned())
                     }),
             );
-            (kept, daemons)
+            daemons
         };
-        let orphans = {
-            let kept = kept.clone();
-            self.lifecycle
-                .cdi_io(node, move |cdi| {
-                    let mut removed = Vec::new();
-                    for (uid, path) in cdi.list()? {
-                        if uid.is_none_or(|u| !kept.contains(&u)) {
-                            match cdi.remove_path(&path) {
-                                Ok(()) => removed.push(path.display().to_string()),
-                                Err(e) => warn!(path = %path.display(), error = %e,
-                                "removing an orphaned CDI spec failed; retried at the next start"),
-                            }
-                        }
-                    }
-                    Ok(removed)
-                })
-                .await
-        };
-        match orphans {
-            Ok(removed) => report.orphans_removed.extend(removed),
-            Err(e) => {
-                warn!(error = %e, "cannot list CDI specs for orphans; retried at the next start")
-            }
-        }
 
         if let Ok(dirs) = std::fs::read_dir(&gpu.config.mps.root) {
             for uid in dirs
@@ -252,7 +128,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     };
                     match self.unshare(&orphan, &[]).await {
                         Ok(()) => report
-                            .orphans_removed
+                            .removed
                             .push(gpu.config.mps.claim_dir(&uid).display().to_string()),
                         Err(e) => warn!(claim = %uid, error = %e,
                             "stopping an orphaned MPS daemon failed; retried at the next start"),
@@ -275,9 +151,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     ..node.clone()
                 };
                 match self.clear_memory_limits(&orphan).await {
-                    Ok(()) => report
-                        .orphans_removed
-                        .push(format!("memory limits of claim {uid}")),
+                    Ok(()) => report.removed.push(format!("memory limits of claim {uid}")),
                     Err(e) => warn!(claim = %uid, error = %e,
                         "clearing an orphaned claim's memory limits failed; retried at the next start"),
                 }
@@ -287,134 +161,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         // MPS v3 namespaces of claims not kept, on the daemons kept.
         if gpu.config.kernel_memory.is_some() {
             let removed = self.remove_orphan_namespaces(&share_daemons, &kept).await;
-            report.orphans_removed.extend(removed);
+            report.removed.extend(removed);
         }
 
-        report.compute_modes_restored = self.restore_compute_modes(node).await;
-    }
-
-    /// Runs `pending` for `claim` under its lock. A claim whose record is gone meanwhile (the
-    /// kubelet unprepared it) needs nothing more.
-    pub(super) async fn recover_claim(
-        &self,
-        claim: &ClaimRef,
-        pending: Pending,
-    ) -> Result<Recovered, ClaimError> {
-        let _guard = self.lifecycle.claim_lock(&claim.uid).lock_owned().await;
-        self.recover_claim_locked(claim, pending).await
-    }
-
-    /// [`Self::recover_claim`] for a caller holding the claim's lock.
-    pub(super) async fn recover_claim_locked(
-        &self,
-        claim: &ClaimRef,
-        pending: Pending,
-    ) -> Result<Recovered, ClaimError> {
-        let mut done = Recovered::default();
-        let Some(record) = self.lifecycle.record(&claim.uid).await else {
-            return Ok(done);
-        };
-        if pending == Pending::Release || record.state != ClaimState::PrepareCompleted {
-            self.lifecycle.release_locked(claim).await?;
-            return Ok(done);
-        }
-        done.regenerated = self.ensure_spec(claim, &record).await?;
-        // A daemon that died with the previous plugin process is started again so new
-        // containers of the claim can use it (the daemons of its shares' devices once, for all
-        // their shares); one that answers, or may, is kept.
-        let claim_daemon_revived = self.revive_daemons(claim, &record.devices).await?;
-        done.mps_restarted = claim_daemon_revived && plan::uses_mps(&record.devices);
-        Ok(done)
-    }
-
-    /// Records that `claim`'s recovery step failed: logged, counted, and a Warning event about
-    /// the node naming the claim (the plugin's RBAC creates events only about its Node).
-    async fn recovery_failed(&self, claim: &ClaimRef, pending: Pending, e: &ClaimError) {
-        let count = {
-            let mut failing = super::lock(&self.gpu().recovery.failing);
-            failing.insert(claim.uid.clone(), (claim.clone(), pending, e.to_string()));
-            failing.len()
-        };
-        self.gpu().recovery.count.send_replace(count);
-        warn!(claim = %claim, error = %e,
-            "recovering this claim failed; serving the others and retrying it in the background");
-        self.gpu()
-            .cluster
-            .warn(
-                "ClaimRecoveryFailed",
-                &format!(
-                    "ResourceClaim {}/{} (uid {}): recovery at start failed, retrying: {e}",
-                    claim.namespace, claim.name, claim.uid
-                ),
-            )
-            .await;
-    }
-
-    /// `claim` needs no more recovery (its step succeeded, or it was unprepared).
-    pub(super) fn recovery_resolved(&self, uid: &str) {
-        let (removed, count) = {
-            let mut failing = super::lock(&self.gpu().recovery.failing);
-            let removed = failing.remove(uid).is_some();
-            (removed, failing.len())
-        };
-        if removed {
-            self.gpu().recovery.count.send_replace(count);
-        }
-    }
-
-    /// The recovery step `uid` still needs, if its recovery failed.
-    pub(super) fn recovery_pending(&self, uid: &str) -> Option<Pending> {
-        super::lock(&self.gpu().recovery.failing)
-            .get(uid)
-            .map(|(_, p, _)| *p)
-    }
-
-    /// Retries every failed recovery step with backoff ([`RECOVERY_RETRY`]) until none is left
-    /// or the controller quiesces.
-    fn spawn_recovery_retries(&self) {
-        let this = self.clone();
-        let stop = self.gpu().recovery.stop.clone();
-        let (mut delay, max) = RECOVERY_RETRY;
-        self.lifecycle.background().spawn(
-            async move {
-                loop {
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(delay) => {}
-                    }
-                    let failing: Vec<(ClaimRef, Pending)> =
-                        super::lock(&this.gpu().recovery.failing)
-                            .values()
-                            .map(|(c, p, _)| (c.clone(), *p))
-                            .collect();
-                    if failing.is_empty() {
-                        return;
-                    }
-                    for (claim, pending) in failing {
-                        if stop.is_cancelled() {
-                            return;
-                        }
-                        match this.recover_claim(&claim, pending).await {
-                            Ok(_) => {
-                                info!(claim = %claim, "recovered the claim on retry");
-                                this.recovery_resolved(&claim.uid);
-                            }
-                            Err(e) => {
-                                warn!(claim = %claim, error = %e, retry_in = ?delay.saturating_mul(2).min(max),
-                                    "recovering the claim failed again");
-                                if let Some(entry) =
-                                    super::lock(&this.gpu().recovery.failing).get_mut(&claim.uid)
-                                {
-                                    entry.2 = e.to_string();
-                                }
-                            }
-                        }
-                    }
-                    delay = delay.saturating_mul(2).min(max);
-                }
-            }
-            .in_current_span(),
-        );
+        report.compute_modes_restored = self.restore_compute_modes(&node).await;
+        report
     }
 
     /// In partitionable mode: destroys every MIG device on a GPU that publishes placements (and
@@ -497,48 +248,35 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
     }
 
-    /// Rewrites a completed claim's CDI spec when it is missing or differs from the record.
-    /// Records upgraded from checkpoint version 1 carry no spec; it is rebuilt from the devices.
-    async fn ensure_spec(
+    /// The CDI spec of a record upgraded from checkpoint version 1, which carries none: built
+    /// from its devices.
+    pub(super) fn spec_of(
         &self,
         claim: &ClaimRef,
         record: &ClaimRecord,
-    ) -> Result<bool, ClaimError> {
+    ) -> Result<crate::cdi::Spec, ClaimError> {
         let gpu = self.gpu();
-        let want = if record.cdi_spec.kind.is_empty() {
-            let catalogue = self.catalogue();
-            let used: Vec<_> = record
-                .devices
-                .iter()
-                .filter_map(|d| catalogue.get(&d.device_name))
-                .collect();
-            let created = plan::created_migs(&record.devices);
-            let mps = plan::MpsEdits::of(
-                &gpu.config.mps,
-                gpu.config.kernel_memory.as_deref(),
-                &record.devices,
-            );
-            plan::spec(
-                claim,
-                &used,
-                &created,
-                &mps,
-                &gpu.config.driver_edits,
-                gpu.hardware.as_ref(),
-                self.lifecycle.cdi(),
-            )?
-        } else {
-            record.cdi_spec.clone()
-        };
-        let uid = claim.uid.clone();
-        self.lifecycle
-            .cdi_io(claim, move |cdi| {
-                if cdi.read(&uid)?.as_ref() == Some(&want) {
-                    return Ok(false);
-                }
-                cdi.write(&uid, &want).map(|_| true)
-            })
-            .await
+        let catalogue = self.catalogue();
+        let used: Vec<_> = record
+            .devices
+            .iter()
+            .filter_map(|d| catalogue.get(&d.device_name))
+            .collect();
+        let created = plan::created_migs(&record.devices);
+        let mps = plan::MpsEdits::of(
+            &gpu.config.mps,
+            gpu.config.kernel_memory.as_deref(),
+            &record.devices,
+        );
+        plan::spec(
+            claim,
+            &used,
+            &created,
+            &mps,
+            &gpu.config.driver_edits,
+            gpu.hardware.as_ref(),
+            self.lifecycle.cdi(),
+        )
     }
 
     /// The devices a spec exposes, for when the API server cannot say (request names unknown).
@@ -611,79 +349,48 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .collect()
     }
 
-    /// After a damaged checkpoint: every CDI spec of ours names its claim; keep those whose claim
-    /// still exists with that UID and an allocation of our devices, as completed. Specs whose
-    /// claim cannot be looked up now are kept too (the periodic stale-claim check retries).
-    async fn rebuild_from_disk(&self) -> Checkpoint {
+    /// After a damaged checkpoint, the devices of `claim` whose CDI spec `spec` was found:
+    /// kept when the claim still exists with an allocation of our devices, and when it cannot
+    /// be looked up now (the periodic stale-claim check retries); `None` when it is gone.
+    pub(super) async fn rebuild_claim(
+        &self,
+        claim: &ClaimRef,
+        spec: &crate::cdi::Spec,
+    ) -> Option<Vec<RecordedDevice>> {
         let gpu = self.gpu();
-        let mut claims = BTreeMap::new();
-        let files = match self.lifecycle.cdi().list() {
-            Ok(f) => f,
-            Err(e) => {
-                warn!(error = %e, "cannot list CDI specs; starting with no prepared claims");
-                return Checkpoint::default();
-            }
-        };
-        for (uid, _) in files {
-            let Some(uid) = uid else { continue };
-            let Ok(Some(spec)) = self.lifecycle.cdi().read(&uid) else {
-                continue;
-            };
-            let get = |k: &str| spec.annotations.get(k).cloned().unwrap_or_default();
-            let claim = ClaimRef {
-                namespace: get(ANNOTATION_NAMESPACE),
-                name: get(ANNOTATION_NAME),
-                uid: get(ANNOTATION_UID),
-            };
-            if claim.uid != uid || claim.name.is_empty() {
-                continue;
-            }
-            let mut devices = match gpu.cluster.get_claim(&claim.namespace, &claim.name).await {
-                Ok(Some(rc)) => match plan::plan(&claim, &rc, &self.plan_context()) {
-                    Ok(p) => p.devices,
-                    // Its pods may still run: keep what the spec shows; the stale-claim check
-                    // unprepares it once its claim is gone or replaced.
-                    Err(e) => {
-                        warn!(claim = %claim, error = %e,
-                            "cannot plan a recovered claim; keeping it as its CDI spec shows");
-                        self.devices_from_spec(&claim, &spec)
-                    }
-                },
-                Ok(None) => continue,
+        let mut devices = match gpu.cluster.get_claim(&claim.namespace, &claim.name).await {
+            Ok(Some(rc)) => match plan::plan(claim, &rc, &self.plan_context()) {
+                Ok(p) => p.devices,
+                // Its pods may still run: keep what the spec shows; the stale-claim check
+                // unprepares it once its claim is gone or replaced.
                 Err(e) => {
                     warn!(claim = %claim, error = %e,
-                        "cannot check a recovered claim; keeping it as its CDI spec shows until the API server answers");
-                    super::lock(&gpu.recovery.unverified).insert(uid.clone());
-                    self.devices_from_spec(&claim, &spec)
+                        "cannot plan a recovered claim; keeping it as its CDI spec shows");
+                    self.devices_from_spec(claim, spec)
                 }
-            };
-            self.adopt_mig_devices(&mut devices);
-            claims.insert(
-                uid.clone(),
-                ClaimRecord {
-                    namespace: claim.namespace.clone(),
-                    name: claim.name.clone(),
-                    state: ClaimState::PrepareCompleted,
-                    devices,
-                    cdi_spec_path: self.lifecycle.cdi().spec_path(&uid),
-                    cdi_spec: spec,
-                },
-            );
-        }
-        Checkpoint {
-            boot_id: gpu.config.boot_id.clone(),
-            claims,
-        }
+            },
+            Ok(None) => return None,
+            Err(e) => {
+                warn!(claim = %claim, error = %e,
+                    "cannot check a recovered claim; keeping it as its CDI spec shows until the API server answers");
+                super::lock(&gpu.unverified).insert(claim.uid.clone());
+                self.devices_from_spec(claim, spec)
+            }
+        };
+        self.adopt_mig_devices(&mut devices);
+        Some(devices)
     }
 }
 
-/// What one claim's recovery step did.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct Recovered {
-    /// Its CDI spec was missing or altered and was rewritten.
-    pub(super) regenerated: bool,
-    /// Its MPS daemon was not running and was started.
-    pub(super) mps_restarted: bool,
+/// What the GPU driver's orphan removal did ([`ClaimController::remove_orphans`]).
+#[derive(Debug, Default)]
+pub(crate) struct Orphans {
+    /// MIG devices destroyed.
+    pub(crate) mig_destroyed: Vec<String>,
+    /// MPS daemons, memory limits and namespaces removed.
+    pub(crate) removed: Vec<String>,
+    /// GPUs put back in the default compute mode.
+    pub(crate) compute_modes_restored: Vec<String>,
 }
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
@@ -697,12 +404,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         uid: &str,
         rc: &k8s_openapi::api::resource::v1::ResourceClaim,
     ) {
-        if !super::lock(&self.gpu().recovery.unverified).contains(uid) {
+        if !super::lock(&self.gpu().unverified).contains(uid) {
             return;
         }
         let _guard = self.lifecycle.claim_lock(uid).lock_owned().await;
         let Some(record) = self.lifecycle.record(uid).await else {
-            super::lock(&self.gpu().recovery.unverified).remove(uid);
+            super::lock(&self.gpu().unverified).remove(uid);
             return;
         };
         let claim = ClaimRef {
@@ -727,7 +434,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 match settled {
                     Ok(()) => {
                         info!(claim = %uid, "settled a claim rebuilt from its CDI spec");
-                        super::lock(&self.gpu().recovery.unverified).remove(uid);
+                        super::lock(&self.gpu().unverified).remove(uid);
                     }
                     Err(e) => warn!(claim = %uid, error = %e,
                         "settling a claim rebuilt from its CDI spec failed; retrying"),
@@ -736,7 +443,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Err(e) => {
                 warn!(claim = %uid, error = %e,
                     "cannot plan a claim rebuilt from its CDI spec; keeping it as the spec shows");
-                super::lock(&self.gpu().recovery.unverified).remove(uid);
+                super::lock(&self.gpu().unverified).remove(uid);
             }
         }
     }
