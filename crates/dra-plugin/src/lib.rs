@@ -1,6 +1,6 @@
-//! The driver-agnostic side of a Kubernetes DRA kubelet plugin (issue 31, in progress): what a
-//! driver needs to keep claim state across crashes, power cuts, restarts and upgrades, with no
-//! knowledge of the devices it prepares.
+//! The driver-agnostic side of a Kubernetes DRA kubelet plugin: the claim lifecycle, crash-safe
+//! and concurrent, for any driver that implements [`lifecycle::Driver`], with no knowledge of
+//! the devices it prepares. The README has a complete small driver.
 //!
 //! - [`storage`]: the filesystem seam ([`storage::Fs`]) every durable write goes through, so a
 //!   test can cut the power at any operation; [`storage::RealFs`] is `std::fs`.
@@ -15,8 +15,9 @@
 //!   serves [`dra_kubelet::Driver`]) over a driver's device work ([`lifecycle::Driver`]): claim
 //!   locks, per-call deadlines with background rollback, two-phase records, CDI specs.
 //! - [`failpoint`]: crash points a fault-injection test arms through the environment.
+//! - `testing` (feature `testing`): a filesystem that loses power, for drivers' tests.
 //!
-//! The workspace's device driver is its first user. A test over this
+//! The workspace's device plugin and `examples/dra-example-driver` are its users. A test over this
 //! crate's sources keeps it free of any device's concepts (`tests/driver_agnostic.rs`).
 
 pub mod cdi;
@@ -26,6 +27,8 @@ pub mod journal;
 pub mod lifecycle;
 pub mod record;
 pub mod storage;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 /// The README's example, compiled as a doctest so that it cannot rot.
 #[cfg(doctest)]

@@ -52,8 +52,14 @@ fn the_crate_names_no_device_concept() {
     sources(&root.join("src"), &mut files);
     files.push(root.join("Cargo.toml"));
     assert!(
-        files.iter().any(|f| f.ends_with("src/checkpoint.rs"))
-            && files.iter().any(|f| f.ends_with("src/storage.rs")),
+        [
+            "src/checkpoint.rs",
+            "src/storage.rs",
+            "src/lifecycle/mod.rs",
+            "src/testing.rs"
+        ]
+        .iter()
+        .all(|want| files.iter().any(|f| f.ends_with(want))),
         "the sources were not all found: {files:?}"
     );
     let mut offences = Vec::new();

@@ -13,264 +13,24 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
-use std::ffi::OsString;
+use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use common::*;
 use dra_kubelet::Driver;
+use dra_plugin::testing::PowerCutFs;
 use gpu_kubelet_plugin::cdi::CdiWriter;
 use gpu_kubelet_plugin::checkpoint::{CheckpointFile, ClaimState};
 use gpu_kubelet_plugin::claims::{ClaimController, ControllerConfig, RecoveryReport};
 use gpu_kubelet_plugin::storage::Fs;
 
-#[derive(Debug, Clone, Default)]
-struct Inode {
-    data: Vec<u8>,
-    synced: Vec<u8>,
-    /// Overwritten in place since its last sync: a power cut may tear it.
-    overwritten: bool,
-}
-
-#[derive(Debug, Clone, Default)]
-struct Dir {
-    live: BTreeMap<OsString, usize>,
-    durable: BTreeMap<OsString, usize>,
-}
-
-#[derive(Debug, Clone, Default)]
-struct State {
-    inodes: Vec<Inode>,
-    dirs: HashMap<PathBuf, Dir>,
-    ops: usize,
-    budget: Option<usize>,
-}
-
-/// An in-memory filesystem that can lose power after a given number of mutating operations.
-#[derive(Debug, Default)]
-struct CrashFs(Mutex<State>);
-
-fn lost() -> io::Error {
-    io::Error::other("power lost")
-}
-
-fn split(path: &Path) -> io::Result<(PathBuf, OsString)> {
-    match (path.parent(), path.file_name()) {
-        (Some(d), Some(n)) => Ok((d.to_owned(), n.to_owned())),
-        _ => Err(io::Error::new(io::ErrorKind::InvalidInput, "bad path")),
-    }
-}
-
-impl CrashFs {
-    fn with_budget(budget: Option<usize>) -> Self {
-        Self(Mutex::new(State {
-            budget,
-            ..Default::default()
-        }))
-    }
-
-    /// Runs a mutating operation unless the power is (now) out.
-    fn mutate<T>(&self, f: impl FnOnce(&mut State) -> io::Result<T>) -> io::Result<T> {
-        let mut s = self.0.lock().unwrap();
-        if s.budget.is_some_and(|b| s.ops >= b) {
-            return Err(lost());
-        }
-        s.ops += 1;
-        f(&mut s)
-    }
-
-    fn ops(&self) -> usize {
-        self.0.lock().unwrap().ops
-    }
-
-    /// Whether a power cut now could tear a file (one was overwritten in place, not synced).
-    fn could_tear(&self) -> bool {
-        self.0.lock().unwrap().inodes.iter().any(|i| i.overwritten)
-    }
-
-    /// What survives the power cut: durable entries pointing at synced contents; with `tear`,
-    /// a file overwritten in place since its sync keeps the first half of its new bytes over
-    /// the old ones.
-    fn after_power_cut(&self, tear: bool) -> Self {
-        let s = self.0.lock().unwrap();
-        let survivor = |i: &Inode| {
-            if tear && i.overwritten {
-                let half = i.data.len() / 2;
-                let mut torn = i.data[..half].to_vec();
-                if i.synced.len() > half {
-                    torn.extend_from_slice(&i.synced[half..]);
-                }
-                torn
-            } else {
-                i.synced.clone()
-            }
-        };
-        let mut next = State {
-            inodes: s
-                .inodes
-                .iter()
-                .map(|i| Inode {
-                    data: survivor(i),
-                    synced: survivor(i),
-                    overwritten: false,
-                })
-                .collect(),
-            ..Default::default()
-        };
-        for (path, d) in &s.dirs {
-            next.dirs.insert(
-                path.clone(),
-                Dir {
-                    live: d.durable.clone(),
-                    durable: d.durable.clone(),
-                },
-            );
-        }
-        Self(Mutex::new(next))
-    }
-
-    fn files(&self, dir: &Path) -> Vec<String> {
-        let s = self.0.lock().unwrap();
-        s.dirs
-            .get(dir)
-            .map(|d| {
-                d.live
-                    .keys()
-                    .map(|k| k.to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
-/// The inode a live directory entry names.
-fn live_inode(s: &State, dir: &Path, name: &OsString) -> io::Result<usize> {
-    s.dirs
-        .get(dir)
-        .and_then(|d| d.live.get(name))
-        .copied()
-        .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
-}
-
-impl Fs for CrashFs {
-    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
-        let (dir, name) = split(path)?;
-        let s = self.0.lock().unwrap();
-        let ino = s
-            .dirs
-            .get(&dir)
-            .and_then(|d| d.live.get(&name))
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        Ok(s.inodes[*ino].data.clone())
-    }
-
-    fn write(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
-        let (dir, name) = split(path)?;
-        self.mutate(|s| {
-            let existing = s.dirs.get(&dir).and_then(|d| d.live.get(&name)).copied();
-            match existing {
-                Some(ino) => {
-                    s.inodes[ino].data = bytes.to_vec();
-                    // Truncated and rewritten: lost whole, as modelled, never torn.
-                    s.inodes[ino].overwritten = false;
-                }
-                None => {
-                    s.inodes.push(Inode {
-                        data: bytes.to_vec(),
-                        synced: Vec::new(),
-                        overwritten: false,
-                    });
-                    let ino = s.inodes.len() - 1;
-                    s.dirs.entry(dir).or_default().live.insert(name, ino);
-                }
-            }
-            Ok(())
-        })
-    }
-
-    fn overwrite(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
-        let (dir, name) = split(path)?;
-        self.mutate(|s| {
-            let ino = live_inode(s, &dir, &name)?;
-            let inode = &mut s.inodes[ino];
-            if inode.data.len() < bytes.len() {
-                inode.data.resize(bytes.len(), 0);
-            }
-            inode.data[..bytes.len()].copy_from_slice(bytes);
-            inode.overwritten = true;
-            Ok(())
-        })
-    }
-
-    fn sync_file(&self, path: &Path) -> io::Result<()> {
-        let (dir, name) = split(path)?;
-        self.mutate(|s| {
-            let ino = live_inode(s, &dir, &name)?;
-            s.inodes[ino].synced = s.inodes[ino].data.clone();
-            s.inodes[ino].overwritten = false;
-            Ok(())
-        })
-    }
-
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        let (fd, fname) = split(from)?;
-        let (td, tname) = split(to)?;
-        self.mutate(|s| {
-            let ino = s
-                .dirs
-                .get_mut(&fd)
-                .and_then(|d| d.live.remove(&fname))
-                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-            s.dirs.entry(td).or_default().live.insert(tname, ino);
-            Ok(())
-        })
-    }
-
-    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
-        self.mutate(|s| {
-            let d = s.dirs.entry(dir.to_owned()).or_default();
-            d.durable = d.live.clone();
-            Ok(())
-        })
-    }
-
-    fn remove(&self, path: &Path) -> io::Result<()> {
-        let (dir, name) = split(path)?;
-        self.mutate(|s| {
-            s.dirs
-                .get_mut(&dir)
-                .and_then(|d| d.live.remove(&name))
-                .map(|_| ())
-                .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
-        })
-    }
-
-    fn list(&self, dir: &Path) -> io::Result<Vec<PathBuf>> {
-        let s = self.0.lock().unwrap();
-        Ok(s.dirs
-            .get(dir)
-            .map(|d| d.live.keys().map(|k| dir.join(k)).collect())
-            .unwrap_or_default())
-    }
-
-    fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
-        self.0
-            .lock()
-            .unwrap()
-            .dirs
-            .entry(dir.to_owned())
-            .or_default();
-        Ok(())
-    }
-}
-
 const CDI: &str = "/run/cdi";
 const CHECKPOINT: &str = "/var/lib/plugin/checkpoint.json";
 
 async fn controller(
-    fs: Arc<CrashFs>,
+    fs: Arc<PowerCutFs>,
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
     mps: &Path,
@@ -283,7 +43,7 @@ async fn controller(
 /// A controller on `fs` whose MPS daemons (the fake tool's processes, real: like the GPUs they
 /// outlive a plugin crash) live under `mps`.
 async fn controller_reporting(
-    fs: Arc<CrashFs>,
+    fs: Arc<PowerCutFs>,
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
     mps: &Path,
@@ -400,7 +160,11 @@ fn time_slices(hardware: &ScriptedHardware) -> BTreeMap<String, String> {
 }
 
 /// Consistency after recovery: only completed claims, each with its spec; no other files.
-async fn check_consistent(fs: &CrashFs, c: &ClaimController<Shared, ScriptedHardware>, cut: usize) {
+async fn check_consistent(
+    fs: &PowerCutFs,
+    c: &ClaimController<Shared, ScriptedHardware>,
+    cut: usize,
+) {
     let prepared = c.prepared_claims().await;
     let mut want: Vec<String> = prepared
         .iter()
@@ -417,11 +181,15 @@ async fn check_consistent(fs: &CrashFs, c: &ClaimController<Shared, ScriptedHard
     );
 }
 
+fn lost() -> io::Error {
+    io::Error::other("read-only view")
+}
+
 /// Read-only adapter so the checkpoint can be inspected without consuming the power budget.
 #[derive(Debug)]
-struct CrashFsView(Arc<CrashFs>);
+struct PowerCutView(Arc<PowerCutFs>);
 
-impl Fs for CrashFsView {
+impl Fs for PowerCutView {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         self.0.read(path)
     }
@@ -455,18 +223,18 @@ impl Fs for CrashFsView {
 /// failing again after `budget` operations of the recovery (`None`: it holds); returns the
 /// filesystem as the power left it and the controller if the start finished.
 async fn restart(
-    fs: &CrashFs,
+    fs: &PowerCutFs,
     tear: bool,
     cluster: &Shared,
     hardware: &Arc<ScriptedHardware>,
     budget: Option<usize>,
     mps: &Path,
 ) -> (
-    Arc<CrashFs>,
+    Arc<PowerCutFs>,
     Option<ClaimController<Shared, ScriptedHardware>>,
 ) {
     let after = fs.after_power_cut(tear);
-    after.0.lock().unwrap().budget = budget;
+    after.set_budget(budget);
     let after = Arc::new(after);
     let c = controller_reporting(after.clone(), cluster, hardware, mps)
         .await
@@ -486,7 +254,7 @@ async fn restart(
 #[tokio::test]
 async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupted_result() {
     // The uninterrupted run: how many operations, and where it ends.
-    let clean_fs = Arc::new(CrashFs::with_budget(None));
+    let clean_fs = Arc::new(PowerCutFs::with_budget(None));
     let cluster = claims_cluster();
     let clean_hw = Arc::new(ScriptedHardware::default());
     let clean_mps = tempfile::tempdir().expect("tempdir");
@@ -512,7 +280,7 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
     let mut recovery_cuts = 0;
     let mut torn_cuts = 0;
     for cut in 0..=total_ops {
-        let fs = Arc::new(CrashFs::with_budget(Some(cut)));
+        let fs = Arc::new(PowerCutFs::with_budget(Some(cut)));
         let cluster = claims_cluster();
         let hardware = Arc::new(ScriptedHardware::default());
         let mps = tempfile::tempdir().expect("tempdir");
@@ -557,7 +325,7 @@ async fn a_power_cut_at_any_operation_recovers_and_converges_to_the_uninterrupte
                 let at = format!("cut {cut} (torn: {tear}), recovery cut {second:?}");
                 check_consistent(&after, &c, cut).await;
                 // No half states survive a restart.
-                let ckpt = CheckpointFile::new(Arc::new(CrashFsView(after.clone())), CHECKPOINT)
+                let ckpt = CheckpointFile::new(Arc::new(PowerCutView(after.clone())), CHECKPOINT)
                     .load()
                     .unwrap_or_else(|e| panic!("{at}: checkpoint unreadable after recovery: {e}"))
                     .unwrap_or_default();

@@ -16,18 +16,36 @@ pub use drust_gotools::go_tool;
 /// # Errors
 /// A description of the failed build.
 pub fn plugin_binary() -> Result<PathBuf, String> {
+    workspace_binary(
+        "gpu-kubelet-plugin",
+        &["gpu-kubelet-plugin", "drust-cdi-hook"],
+        "gpu-kubelet-plugin",
+    )
+}
+
+/// Builds (if needed) and locates the example driver on `dra-plugin`,
+/// `examples/dra-example-driver`, as [`plugin_binary`] does the GPU plugin.
+///
+/// # Errors
+/// A description of the failed build.
+pub fn example_driver_binary() -> Result<PathBuf, String> {
+    workspace_binary(
+        "dra-example-driver",
+        &["dra-example-driver"],
+        "dra-example-driver",
+    )
+}
+
+/// Builds `bins` of workspace package `package` with the cargo that runs the tests (release
+/// when the caller is a release build) and returns the path of executable `want`.
+fn workspace_binary(package: &str, bins: &[&str], want: &str) -> Result<PathBuf, String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
-    cmd.args([
-        "build",
-        "-p",
-        "gpu-kubelet-plugin",
-        "--bin",
-        "gpu-kubelet-plugin",
-        "--bin",
-        "drust-cdi-hook",
-        "--message-format=json-render-diagnostics",
-    ]);
+    cmd.args(["build", "-p", package]);
+    for bin in bins {
+        cmd.args(["--bin", bin]);
+    }
+    cmd.arg("--message-format=json-render-diagnostics");
     if !cfg!(debug_assertions) {
         cmd.arg("--release");
     }
@@ -37,16 +55,14 @@ pub fn plugin_binary() -> Result<PathBuf, String> {
         .map_err(|e| format!("running cargo build: {e}"))?;
     if !out.status.success() {
         return Err(format!(
-            "cargo build -p gpu-kubelet-plugin failed: {}",
+            "cargo build -p {package} failed: {}",
             String::from_utf8_lossy(&out.stderr)
         ));
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| {
-            m["reason"] == "compiler-artifact" && m["target"]["name"] == "gpu-kubelet-plugin"
-        })
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == want)
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .ok_or_else(|| "cargo reported no gpu-kubelet-plugin executable".into())
+        .ok_or_else(|| format!("cargo reported no {want} executable"))
 }

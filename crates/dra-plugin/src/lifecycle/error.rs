@@ -26,6 +26,21 @@ pub enum Error {
         /// The cause.
         source: CheckpointError,
     },
+    /// An allocated device is prepared for another claim.
+    #[error(
+        "ResourceClaim {claim}: status.allocation.devices.results: device {device:?} of pool \
+         {pool:?} is already prepared for claim {holder}"
+    )]
+    DeviceInUse {
+        /// The claim.
+        claim: ClaimRef,
+        /// The device's pool.
+        pool: String,
+        /// The device.
+        device: String,
+        /// `namespace/name (uid <uid>)` of the claim holding it.
+        holder: String,
+    },
     /// A task doing the work ended abnormally (it panicked or was cancelled).
     #[error("ResourceClaim {claim}: {action} ended abnormally: {message}")]
     TaskFailed {
@@ -72,6 +87,7 @@ impl Error {
             Error::TaskFailed { .. } => "task-failed",
             Error::Deadline { .. } => "deadline",
             Error::Recovery { .. } => "recovery",
+            Error::DeviceInUse { .. } => "device-in-use",
         }
     }
 }

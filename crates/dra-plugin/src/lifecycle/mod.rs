@@ -34,191 +34,29 @@
 //!
 //! Failpoints ([`crate::failpoint::LIFECYCLE`]) mark each step.
 
+mod driver;
 mod error;
 mod prepare;
 mod recovery;
 mod unprepare;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::fmt::Debug;
-use std::future::Future;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dra_kubelet::{ClaimRef, PrepareResult, PreparedDevice, UnprepareResult};
-use serde::Serialize;
-use serde::de::DeserializeOwned;
 use tokio::sync::{Mutex, MutexGuard};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+pub use driver::{Driver, Planned, Prepared};
 pub use error::Error;
 pub use recovery::{RECOVERY_RETRY, RecoveryReport};
 
-use crate::cdi::{CdiError, CdiWriter, Spec};
-use crate::checkpoint::{Format, SlotFile};
+use crate::cdi::{CdiError, CdiWriter};
+use crate::checkpoint::SlotFile;
 use crate::journal::{Journal, UpdateError};
 use crate::record::{ClaimRecord, ClaimState, Records};
-
-/// What a driver does for the lifecycle: plan a claim, prepare and configure its devices, and
-/// undo both. The lifecycle calls these at named points (module docs), each under the claim's
-/// lock and within its deadline; a call that fails is rolled back through
-/// [`Driver::unconfigure`] and [`Driver::unprepare_devices`] with what the record says.
-///
-/// Every method gets the [`Lifecycle`] it runs in, for the records ([`Lifecycle::update`],
-/// [`Lifecycle::records`]) and the background work tracker.
-pub trait Driver: Send + Sync + Sized + 'static {
-    /// The driver's record of one prepared device, stored in the journal and handed back at
-    /// unprepare and after a restart; the lifecycle never reads into it.
-    type Device: Clone + PartialEq + Debug + Serialize + DeserializeOwned + Send + Sync + 'static;
-    /// The journal's file format: its version history ([`Format`]).
-    type Format: Format<Data = Records<Self::Device>> + Send + Sync + 'static;
-    /// The per-claim error reported to the kubelet; it wraps the lifecycle's own ([`Error`]).
-    type Error: std::error::Error + From<Error> + Send + Sync + 'static;
-    /// What planning hands to the device step.
-    type Plan: Send + 'static;
-    /// What the driver's orphan removal reports ([`Driver::remove_orphans`]).
-    type Orphans: Default + Debug + Send;
-
-    /// Reads the claim (its allocation and configuration) and plans its prepare.
-    fn plan(
-        &self,
-        lifecycle: &Lifecycle<Self>,
-        claim: &ClaimRef,
-    ) -> impl Future<Output = Result<Planned<Self>, Self::Error>> + Send;
-
-    /// Refuses `devices` where the records already give one of them to another claim
-    /// (called while the records are locked, just before the claim's are added).
-    ///
-    /// # Errors
-    /// The driver's conflict error, naming the claim, the device and its holder.
-    fn check_conflicts(
-        &self,
-        claim: &ClaimRef,
-        records: &Records<Self::Device>,
-        devices: &[Self::Device],
-    ) -> Result<(), Self::Error>;
-
-    /// The device step of prepare. What it makes that must be undone it records first
-    /// ([`Lifecycle::update`] on the claim's record), so that a failure or a crash undoes
-    /// exactly that. Returns the devices as prepared and the claim's CDI spec.
-    fn prepare_devices(
-        &self,
-        lifecycle: &Lifecycle<Self>,
-        claim: &ClaimRef,
-        plan: Self::Plan,
-    ) -> impl Future<Output = Result<Prepared<Self::Device>, Self::Error>> + Send;
-
-    /// Applies the configuration of the prepared devices (sharing, settings) after the device
-    /// step; undone by [`Driver::unconfigure`].
-    fn configure(
-        &self,
-        lifecycle: &Lifecycle<Self>,
-        claim: &ClaimRef,
-        devices: &[Self::Device],
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
-
-    /// Whether undoing these recorded devices changes the node: decides whether unprepare
-    /// writes `UnprepareStarted` first (two phases) or removes the record in one write.
-    fn changes_node(&self, devices: &[Self::Device]) -> bool;
-
-    /// Undoes [`Driver::configure`] (two-phase unprepare only). Must be safe when nothing, or
-    /// only part, was applied.
-    fn unconfigure(
-        &self,
-        lifecycle: &Lifecycle<Self>,
-        claim: &ClaimRef,
-        devices: &[Self::Device],
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
-
-    /// Undoes the device step for the recorded claim. `two_phase` is
-    /// [`Driver::changes_node`] of its devices; when false the record is removed in the same
-    /// write, so the undo must be idempotent.
-    fn unprepare_devices(
-        &self,
-        lifecycle: &Lifecycle<Self>,
-        claim: &ClaimRef,
-        record: &ClaimRecord<Self::Device>,
-        two_phase: bool,
-    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
-
-    /// What the kubelet is told of a recorded device.
-    fn prepared_device(device: &Self::Device) -> PreparedDevice;
-
-    /// A completed claim found at start-up: brings back what it needs that did not survive
-    /// the restart (a helper process, a setting); `Ok(true)` when something was brought back.
-    /// A failure is retried in the background; the claim stays prepared meanwhile. Default:
-    /// nothing to bring back.
-    fn revive(
-        &self,
-        _lifecycle: &Lifecycle<Self>,
-        _claim: &ClaimRef,
-        _record: &ClaimRecord<Self::Device>,
-    ) -> impl Future<Output = Result<bool, Self::Error>> + Send {
-        async { Ok(false) }
-    }
-
-    /// The CDI spec of a completed record that carries none (written by an older format), to
-    /// rewrite at start-up. Default: the record's (empty) spec.
-    ///
-    /// # Errors
-    /// The driver's error when the spec cannot be computed; retried in the background.
-    fn spec_of(
-        &self,
-        _lifecycle: &Lifecycle<Self>,
-        _claim: &ClaimRef,
-        record: &ClaimRecord<Self::Device>,
-    ) -> Result<Spec, Self::Error> {
-        Ok(record.cdi_spec.clone())
-    }
-
-    /// After a damaged checkpoint: the devices of `claim`, whose CDI spec `spec` was found on
-    /// disk, to record it as prepared; `None` to drop it (the claim no longer exists). A claim
-    /// whose pods may still run must be kept.
-    fn rebuild_claim(
-        &self,
-        lifecycle: &Lifecycle<Self>,
-        claim: &ClaimRef,
-        spec: &Spec,
-    ) -> impl Future<Output = Option<Vec<Self::Device>>> + Send;
-
-    /// At start-up, after every claim is recovered: removes what the driver made for claims
-    /// not in `kept` (by UID), logging what it cannot remove (retried at the next start).
-    /// Skipped when the checkpoint was written by a newer build.
-    fn remove_orphans(
-        &self,
-        lifecycle: &Lifecycle<Self>,
-        kept: &BTreeSet<String>,
-    ) -> impl Future<Output = Self::Orphans> + Send;
-
-    /// Reports a start-up problem to the cluster (a Warning event); `reason` is one word
-    /// (`CheckpointRecovered`, `ClaimRecoveryFailed`). Default: the log only.
-    fn warn(&self, reason: &str, message: &str) -> impl Future<Output = ()> + Send {
-        let _ = (reason, message);
-        async {}
-    }
-}
-
-/// A claim's plan ([`Driver::plan`]).
-pub struct Planned<D: Driver> {
-    /// The devices to record, as the kubelet will be told of them.
-    pub devices: Vec<D::Device>,
-    /// The CDI spec, when known before the device step (it is recorded with `PrepareStarted`).
-    pub spec: Option<Spec>,
-    /// Whether prepare changes the node, so the record is durable before the device step.
-    pub two_phase: bool,
-    /// What the device step needs.
-    pub plan: D::Plan,
-}
-
-/// The device step's result ([`Driver::prepare_devices`]).
-#[derive(Debug)]
-pub struct Prepared<Device> {
-    /// The devices as prepared (what [`Driver::configure`] works on).
-    pub devices: Vec<Device>,
-    /// The claim's CDI spec.
-    pub spec: Spec,
-}
 
 /// A lifecycle's fixed settings.
 #[derive(Debug, Clone)]
