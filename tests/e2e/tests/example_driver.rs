@@ -4,7 +4,8 @@
 //! kubelet's own client code), on a real control plane. Every run must end with the claim
 //! prepared exactly once (its CDI spec naming its device to the container, the device's owner
 //! file naming the claim) or cleanly unprepared, a bystander claim untouched, no device in two
-//! claims, and no stray files.
+//! claims, and no stray files. Then the same binary serves a real kubelet (containerd, the
+//! scheduler) for `examples/dra-example-driver/demo.yaml`'s pod.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -320,6 +321,133 @@ async fn the_example_driver_killed_at_every_step_recovers_to_prepared_once_or_cl
     ensure!(
         kills.len() == dra_plugin::failpoint::LIFECYCLE.len() && kills.values().all(|&k| k == REPS)
     );
+    cp.stop().await?;
+    Ok(())
+}
+
+/// What the example pod's container prints into its termination message.
+const PRINT_ENV: &str = "{ env | grep '^EXAMPLE_' | sort; echo done; } > /dev/termination-log; cat /dev/termination-log";
+
+/// The example driver serving a real kubelet: the scheduler allocates one of its published
+/// devices to `examples/dra-example-driver/demo.yaml`'s pod, the kubelet has the driver prepare
+/// it, containerd injects its CDI spec, and the container sees the device named in its
+/// environment; deleting the pod unprepares the claim (its spec and its device's owner file
+/// gone).
+#[tokio::test]
+async fn the_example_driver_serves_a_real_kubelet_and_the_container_sees_its_device()
+-> anyhow::Result<()> {
+    use drust_e2e::node::{Node, NodeOptions};
+    use drust_e2e::node_pods::{terminated_message, wait_pod_done};
+    use k8s_openapi::api::core::v1::Pod;
+
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let client = cp.client().await?;
+    let node = Node::start(&cp, NODE, NodeOptions::default()).await?;
+    let root = tempfile::Builder::new()
+        .prefix("drust-example-node-")
+        .tempdir()?;
+    std::fs::write(root.path().join("boot_id"), "boot-1\n")?;
+    let plugin_dir = node.plugin_dir(DRIVER);
+    let log = root.path().join("driver.log");
+    let mut cmd =
+        Command::new(drust_e2e::binary::example_driver_binary().map_err(anyhow::Error::msg)?);
+    cmd.args(["--driver-name", DRIVER, "--node-name", NODE])
+        .args(["--devices", &DEVICES.to_string()])
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig_path())
+        .arg("--plugin-dir")
+        .arg(&plugin_dir)
+        .arg("--registrar-dir")
+        .arg(node.registry_dir())
+        .arg("--cdi-root")
+        .arg(node.cdi_root())
+        .arg("--boot-id-file")
+        .arg(root.path().join("boot_id"))
+        .env("RUST_LOG", "info")
+        .env_remove(dra_plugin::failpoint::ENV)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&log)?)
+        .stderr(std::fs::OpenOptions::new().append(true).open(&log)?);
+    drust_e2e::die_with_parent(&mut cmd);
+    let driver = PluginProcess(cmd.spawn().context("spawning dra-example-driver")?);
+
+    let demo = drust_e2e::manifests::repo_path("examples/dra-example-driver/demo.yaml");
+    let text =
+        drust_e2e::manifests::on_workload_image(&std::fs::read_to_string(&demo)?, PRINT_ENV)?;
+    drust_e2e::manifests::apply_yaml(&client, &text, &demo).await?;
+    // The claim generated for the pod, once allocated (it goes when the pod completes).
+    let claims: kube::Api<ResourceClaim> = kube::Api::namespaced(client.clone(), "default");
+    let start = Instant::now();
+    let claim = loop {
+        let allocated = claims
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|c| c.status.as_ref().is_some_and(|s| s.allocation.is_some()));
+        if let Some(c) = allocated {
+            break c;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(120),
+            "no claim allocated\n{}",
+            node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let uid = claim.metadata.uid.clone().context("uid")?;
+    let device = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref()?.first())
+        .map(|r| r.device.clone())
+        .context("allocation")?;
+
+    let pods: kube::Api<Pod> = kube::Api::namespaced(client.clone(), "default");
+    let pod = wait_pod_done(&pods, "example", &node)
+        .await
+        .with_context(|| {
+            format!(
+                "driver log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        })?;
+    let seen = terminated_message(&pod, "main").unwrap_or_default();
+    eprintln!("what the container saw:\n{seen}");
+    ensure!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded"),
+        "pod failed: {:?}",
+        pod.status
+    );
+    let lines: Vec<&str> = seen.lines().collect();
+    let want = [
+        format!("EXAMPLE_CLAIM_UID={uid}"),
+        format!("EXAMPLE_DEVICE_0={device}"),
+        "done".to_owned(),
+    ];
+    ensure!(lines == want, "the container saw {lines:?}, want {want:?}");
+    let log_text = std::fs::read_to_string(&log)?;
+    ensure!(
+        log_text.contains("prepared") && log_text.contains(&uid),
+        "the driver logged no prepare of {uid}:\n{log_text}"
+    );
+
+    // Deleting the pod makes the kubelet unprepare: the spec and the owner file go.
+    pods.delete("example", &Default::default()).await?;
+    let spec = node.cdi_root().join(format!("{DRIVER}-claim_{uid}.json"));
+    let start = Instant::now();
+    while spec.exists() || plugin_dir.join("devices").join(&device).exists() {
+        ensure!(
+            start.elapsed() < Duration::from_secs(120),
+            "not unprepared after the pod was deleted\n{}",
+            node.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop(driver).await?;
+    node.stop().await?;
     cp.stop().await?;
     Ok(())
 }
