@@ -264,7 +264,9 @@ impl<'a> MpsEdits<'a> {
         Self {
             control,
             kernel,
-            claim_daemon: super::mps_device_names(devices).into_iter().collect(),
+            claim_daemon: super::sharing::mps_device_names(devices)
+                .into_iter()
+                .collect(),
             shares: super::shares::mps_shares(devices)
                 .filter_map(|d| {
                     let s = d.share.as_ref()?;

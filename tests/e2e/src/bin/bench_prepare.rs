@@ -13,7 +13,10 @@
 //! share beside another share of that GPU (the daemon already runs), printed next to the whole
 //! GPU of the same round.
 //!
-//! `cargo run --release -p drust-e2e --bin bench_prepare -- [--iterations N]`
+//! With `--baseline <gpu-kubelet-plugin binary>` (an earlier build), that build runs as a third
+//! plugin in the same rounds and a table compares this build with it.
+//!
+//! `cargo run --release -p drust-e2e --bin bench_prepare -- [--iterations N] [--baseline PATH]`
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -250,14 +253,59 @@ impl Shares {
     }
 }
 
+/// Starts drust's plugin `bin` as driver `driver` on the fake DGX H100, its directories under
+/// `<dir>/<name>`, with fractional GPUs and the fake MPS tool.
+fn spawn_drust(
+    bin: &Path,
+    driver: &str,
+    name: &str,
+    cp: &ControlPlane,
+    dir: &Path,
+    topology: &Path,
+) -> anyhow::Result<Plugin> {
+    let mut cmd = Command::new(bin);
+    cmd.args(["--driver-name", driver, "--node-name", NODE])
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig_path())
+        .arg("--fake-topology")
+        .arg(topology)
+        .arg("--plugin-dir")
+        .arg(dir.join(format!("{name}/plugin")))
+        .arg("--registrar-dir")
+        .arg(dir.join(format!("{name}/registry")))
+        .arg("--cdi-root")
+        .arg(dir.join(format!("{name}/cdi")))
+        .arg("--proc-root")
+        .arg(dir)
+        .arg("--dev-root")
+        .arg(dir)
+        .arg("--boot-id-file")
+        .arg(dir.join("boot_id"))
+        .args(["--consumable-capacity", "true", "--mps-control-binary"])
+        .arg(drust_fakes::mps_control())
+        .arg("--mps-root")
+        .arg(dir.join(format!("{name}/mps")))
+        .env("RUST_LOG", "warn");
+    spawn(
+        cmd,
+        dir.join(format!("{name}/registry/{driver}-reg.sock")),
+        driver,
+        &dir.join(format!("{name}.log")),
+    )
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut iterations = 100;
+    let mut baseline: Option<PathBuf> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--iterations" => iterations = args.next().context("--iterations N")?.parse()?,
-            other => bail!("unknown argument {other:?} (usage: bench_prepare [--iterations N])"),
+            "--baseline" => baseline = Some(args.next().context("--baseline PATH")?.into()),
+            other => bail!(
+                "unknown argument {other:?} (usage: bench_prepare [--iterations N] [--baseline PATH])"
+            ),
         }
     }
     let ours_bin = plugin_binary().map_err(anyhow::Error::msg)?;
@@ -274,36 +322,19 @@ async fn main() -> anyhow::Result<()> {
         drust_e2e::plugin::fake_gpu_names(&topology).map_err(anyhow::Error::msg)?;
 
     let ours_driver = "gpu.drust.dev";
-    let mut cmd = Command::new(&ours_bin);
-    cmd.args(["--driver-name", ours_driver, "--node-name", NODE])
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig_path())
-        .arg("--fake-topology")
-        .arg(&topology)
-        .arg("--plugin-dir")
-        .arg(dir.path().join("ours/plugin"))
-        .arg("--registrar-dir")
-        .arg(dir.path().join("ours/registry"))
-        .arg("--cdi-root")
-        .arg(dir.path().join("ours/cdi"))
-        .arg("--proc-root")
-        .arg(dir.path())
-        .arg("--dev-root")
-        .arg(dir.path())
-        .arg("--boot-id-file")
-        .arg(dir.path().join("boot_id"))
-        .args(["--consumable-capacity", "true", "--mps-control-binary"])
-        .arg(drust_fakes::mps_control())
-        .arg("--mps-root")
-        .arg(dir.path().join("ours/mps"))
-        .env("RUST_LOG", "warn");
-    let ours = spawn(
-        cmd,
-        dir.path()
-            .join(format!("ours/registry/{ours_driver}-reg.sock")),
-        ours_driver,
-        &dir.path().join("ours.log"),
-    )?;
+    let ours = spawn_drust(&ours_bin, ours_driver, "ours", &cp, dir.path(), &topology)?;
+    let base_driver = "baseline.drust.dev";
+    let base = match &baseline {
+        Some(bin) => Some(spawn_drust(
+            bin,
+            base_driver,
+            "base",
+            &cp,
+            dir.path(),
+            &topology,
+        )?),
+        None => None,
+    };
 
     let peer_driver = "peer.drust.dev";
     let mut cmd = Command::new(&peer_bin);
@@ -332,13 +363,23 @@ async fn main() -> anyhow::Result<()> {
     // machine state (page cache, other load) over the run. Round 0 warms up and is not kept.
     let mut ours_bench = Bench::new(&client, &ours, &names).await?;
     let mut peer_bench = Bench::new(&client, &peer, &names).await?;
+    let mut base_bench = match &base {
+        Some(b) => Some(Bench::new(&client, b, &names).await?),
+        None => None,
+    };
     let mut shares = Shares::new(&client, &ours, &names[0]).await?;
     for round in 0..=iterations {
         let keep = round > 0;
         if round % 2 == 0 {
             ours_bench.round(keep).await?;
             peer_bench.round(keep).await?;
+            if let Some(b) = base_bench.as_mut() {
+                b.round(keep).await?;
+            }
         } else {
+            if let Some(b) = base_bench.as_mut() {
+                b.round(keep).await?;
+            }
             peer_bench.round(keep).await?;
             ours_bench.round(keep).await?;
         }
@@ -403,11 +444,40 @@ async fn main() -> anyhow::Result<()> {
             percentile(&u, 0.99)
         );
     }
+    if let Some(b) = &base_bench {
+        println!(
+            "\n| scenario | call | this build p50 ms | p99 ms | baseline p50 ms | p99 ms | p50 ratio (baseline/this) |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        for (i, name) in scenarios.iter().enumerate() {
+            for (call, this, then) in [
+                ("prepare", &ours_samples[i].prepare, &b.samples[i].prepare),
+                (
+                    "unprepare",
+                    &ours_samples[i].unprepare,
+                    &b.samples[i].unprepare,
+                ),
+            ] {
+                let (mut o, mut t) = (this.clone(), then.clone());
+                o.sort();
+                t.sort();
+                println!(
+                    "| {name} | {call} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2}x |",
+                    percentile(&o, 0.5),
+                    percentile(&o, 0.99),
+                    percentile(&t, 0.5),
+                    percentile(&t, 0.99),
+                    percentile(&t, 0.5) / percentile(&o, 0.5)
+                );
+            }
+        }
+    }
     let mut eight = ours_samples[1].prepare.clone();
     eight.sort();
     println!("\nprepare p99 (8 GPUs): {:.1} ms", percentile(&eight, 0.99));
     drop(ours);
     drop(peer);
+    drop(base);
     cp.stop().await?;
     Ok(())
 }
