@@ -208,7 +208,13 @@ struct Shares {
 }
 
 impl Shares {
-    async fn new(client: &kube::Client, plugin: &Plugin, device: &str) -> anyhow::Result<Self> {
+    /// The share claims of `plugin` on `device`, named `<prefix>share-...`.
+    async fn new(
+        client: &kube::Client,
+        plugin: &Plugin,
+        device: &str,
+        prefix: &str,
+    ) -> anyhow::Result<Self> {
         let d = &plugin.driver;
         let mut claims = Vec::new();
         for (n, name) in ["share-alone", "share-beside", "share-other"]
@@ -216,8 +222,9 @@ impl Shares {
             .enumerate()
         {
             let id = format!("00000000-0000-4000-8000-{n:012}");
+            let name = format!("{prefix}{name}");
             claims.push(
-                drust_e2e::claims::allocated_share(client, name, d, NODE, device, &id, "20Gi")
+                drust_e2e::claims::allocated_share(client, &name, d, NODE, device, &id, "20Gi")
                     .await?,
             );
         }
@@ -367,9 +374,28 @@ async fn main() -> anyhow::Result<()> {
         Some(b) => Some(Bench::new(&client, b, &names).await?),
         None => None,
     };
-    let mut shares = Shares::new(&client, &ours, &names[0]).await?;
+    let mut shares = Shares::new(&client, &ours, &names[0], "").await?;
+    // The baseline carries the same share workload, so both builds run alike.
+    let mut base_shares = match &base {
+        Some(b) => Some(Shares::new(&client, b, &names[0], "base-").await?),
+        None => None,
+    };
     for round in 0..=iterations {
         let keep = round > 0;
+        // The shares first, the first plugin of the round's own last: each build goes first
+        // every other round, right after its own share calls, so neither always meets the
+        // other's leftovers (a daemon stopping, a process just woken).
+        if round % 2 == 0 {
+            if let Some(s) = base_shares.as_mut() {
+                s.round(keep).await?;
+            }
+            shares.round(keep).await?;
+        } else {
+            shares.round(keep).await?;
+            if let Some(s) = base_shares.as_mut() {
+                s.round(keep).await?;
+            }
+        }
         if round % 2 == 0 {
             ours_bench.round(keep).await?;
             peer_bench.round(keep).await?;
@@ -383,7 +409,6 @@ async fn main() -> anyhow::Result<()> {
             peer_bench.round(keep).await?;
             ours_bench.round(keep).await?;
         }
-        shares.round(keep).await?;
     }
     let (ours_samples, peer_samples) = (ours_bench.samples, peer_bench.samples);
 
