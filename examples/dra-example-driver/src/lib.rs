@@ -2,8 +2,9 @@
 //! prepared claim's containers get `EXAMPLE_DEVICE_<n>=<device>` per allocated device and
 //! `EXAMPLE_CLAIM_UID`. Preparing a device "configures" it for the claim: a durable owner file
 //! `<state dir>/<device>` naming the claim, which unprepare removes; that stands for whatever a
-//! real device needs set, and makes every prepare two-phase, so the lifecycle's crash safety is
-//! exercised in full.
+//! real device needs set, and makes every prepare two-phase, so the lifecycle's two-phase path
+//! (its records, rollback and recovery) is exercised through this driver. (The one-phase path,
+//! for claims that change nothing on the node, is the GPU driver's for whole GPUs.)
 //!
 //! Everything else (records, locks, deadlines, rollback, CDI files, start-up recovery, the
 //! kubelet's gRPC API) is the lifecycle's ([`dra_plugin::lifecycle`]).
@@ -332,7 +333,14 @@ impl<C: Claims> Driver for ExampleDriver<C> {
         let (fs, c) = (Arc::clone(&self.fs), claim.clone());
         Self::blocking(claim, move || {
             for (device, path) in files {
-                if owner(fs.as_ref(), &path).as_deref() != Some(c.uid.as_str()) {
+                let mine = owner(fs.as_ref(), &path).map_err(|source| ExampleError::Device {
+                    claim: c.clone(),
+                    device: device.clone(),
+                    path: path.clone(),
+                    source,
+                })?;
+                // Another claim's file (this one's prepare never wrote it) is left alone.
+                if mine.as_deref() != Some(c.uid.as_str()) {
                     continue;
                 }
                 remove_file(fs.as_ref(), &path).map_err(|source| ExampleError::Device {
@@ -395,8 +403,14 @@ impl<C: Claims> Driver for ExampleDriver<C> {
         let work = move || {
             let mut removed = Vec::new();
             for path in files {
-                if owner(fs.as_ref(), &path).is_none_or(|o| kept.contains(&o)) {
-                    continue;
+                match owner(fs.as_ref(), &path) {
+                    Ok(Some(o)) if !kept.contains(&o) => {}
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e,
+                            "cannot read an owner file; retried at the next start");
+                        continue;
+                    }
                 }
                 match remove_file(fs.as_ref(), &path) {
                     Ok(()) => removed.push(path.display().to_string()),
@@ -410,8 +424,14 @@ impl<C: Claims> Driver for ExampleDriver<C> {
     }
 }
 
-/// The claim UID in the owner file at `path`, if any.
-fn owner(fs: &dyn Fs, path: &std::path::Path) -> Option<String> {
-    let bytes = fs.read(path).ok()?;
-    Some(String::from_utf8_lossy(&bytes).into_owned())
+/// The claim UID in the owner file at `path`; `None` when there is none.
+///
+/// # Errors
+/// A read error other than absence.
+fn owner(fs: &dyn Fs, path: &std::path::Path) -> std::io::Result<Option<String>> {
+    match fs.read(path) {
+        Ok(bytes) => Ok(Some(String::from_utf8_lossy(&bytes).into_owned())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }

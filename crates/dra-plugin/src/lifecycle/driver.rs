@@ -15,9 +15,13 @@ use crate::checkpoint::Format;
 use crate::record::{ClaimRecord, Records};
 
 /// What a driver does for the lifecycle: plan a claim, prepare and configure its devices, and
-/// undo both. The lifecycle calls these at named points (module docs), each under the claim's
-/// lock and within its deadline; a call that fails is rolled back through
-/// [`Driver::unconfigure`] and [`Driver::unprepare_devices`] with what the record says.
+/// undo both. The lifecycle calls the per-claim methods at named points (module docs) under the
+/// claim's lock (a kubelet call's also within its deadline; start-up's have none); a prepare
+/// that fails is rolled back with what the record says: through [`Driver::unconfigure`] and
+/// [`Driver::unprepare_devices`] when [`Driver::changes_node`] says the record is two-phase,
+/// through [`Driver::unprepare_devices`] alone otherwise, so a driver whose
+/// [`Driver::configure`] changes anything must say so in [`Driver::changes_node`].
+/// [`Driver::rebuild_claim`] and [`Driver::remove_orphans`] run at start-up, before any call.
 ///
 /// Every method gets the [`Lifecycle`] it runs in, for the records ([`Lifecycle::update`],
 /// [`Lifecycle::records`]) and the background work tracker.
@@ -113,8 +117,9 @@ pub trait Driver: Send + Sync + Sized + 'static {
     }
 
     /// Undoes the device step for the recorded claim. `two_phase` is
-    /// [`Driver::changes_node`] of its devices; when false the record is removed in the same
-    /// write, so the undo must be idempotent.
+    /// [`Driver::changes_node`] of its devices; when false no `UnprepareStarted` is written
+    /// first (the record and the CDI spec are removed right after this returns), so the undo
+    /// must be idempotent.
     fn unprepare_devices(
         &self,
         lifecycle: &Lifecycle<Self>,

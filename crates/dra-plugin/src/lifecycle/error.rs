@@ -55,13 +55,13 @@ pub enum Error {
     /// the step is retried in the background.
     #[error(
         "ResourceClaim {claim}: prepared before the plugin restarted, but recovering it fails \
-         (retried in the background): {message}"
+         (retried in the background): {source}"
     )]
     Recovery {
         /// The claim.
         claim: ClaimRef,
-        /// The failing step's error.
-        message: String,
+        /// The failing step's error (the driver's).
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// The call did not finish within its deadline; what it started is being rolled back.
     #[error(

@@ -14,8 +14,9 @@
 //! A claim whose prepare only checks its devices has nothing for a record to undo, so it skips
 //! both `...Started` writes: prepare stages its record in memory (its devices reserved against
 //! other claims), runs the device step, then writes the CDI spec and `PrepareCompleted` at once;
-//! unprepare removes the record durably, then the spec. Every crash in between leaves an orphan
-//! spec or a completed record without its spec, both of which start-up reconciles.
+//! unprepare runs the driver's (idempotent) undo, then removes the record durably and the spec at
+//! once. Every crash in between leaves an orphan spec or a completed record without its spec,
+//! both of which start-up reconciles.
 //!
 //! CDI specs are written atomically but not synced: the record holds each spec, and the kubelet
 //! hears of a prepare only once `PrepareCompleted` is durable, so the record alone decides and
@@ -313,7 +314,7 @@ impl<D: Driver> Lifecycle<D> {
                 .spawn(async move { this.prepare_locked(&c).await }.in_current_span())
         };
         let failed = match tokio::time::timeout_at(deadline, &mut work).await {
-            Ok(Ok(Ok(devices))) => return Ok(devices),
+            Ok(Ok(Ok((devices, _)))) => return Ok(devices),
             // A claim prepared before whose recovery step fails stays prepared: its containers
             // may be running.
             Ok(Ok(Err(prepare::Failure::Keep(e)))) => return Err(e),
@@ -330,8 +331,17 @@ impl<D: Driver> Lifecycle<D> {
                 self.inner.background.spawn(
                     async move {
                         let _guard = guard;
-                        // Let the attempt finish first; then undo whatever it got to.
-                        let _ = work.await;
+                        // Let the attempt finish first; then undo whatever it got to. A claim
+                        // prepared before this call stays prepared (its containers may be
+                        // running): the attempt answered from its record or ran its recovery.
+                        let outcome = work.await;
+                        let before = matches!(
+                            outcome,
+                            Ok(Ok((_, true))) | Ok(Err(prepare::Failure::Keep(_)))
+                        );
+                        if before {
+                            return;
+                        }
                         if let Err(e) = this.release_locked(&c).await {
                             tracing::warn!(claim = %c, error = %e, "rollback after a missed deadline failed");
                         }

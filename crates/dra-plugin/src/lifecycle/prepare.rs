@@ -16,11 +16,12 @@ pub(super) enum Failure<E> {
 }
 
 impl<D: Driver> Lifecycle<D> {
-    /// Answers a claim already prepared, or prepares it from a clean slate.
+    /// Answers a claim already prepared, or prepares it from a clean slate. With the devices,
+    /// whether the claim was prepared before this call (answered from its record).
     pub(super) async fn prepare_locked(
         &self,
         claim: &ClaimRef,
-    ) -> Result<Vec<PreparedDevice>, Failure<D::Error>> {
+    ) -> Result<(Vec<PreparedDevice>, bool), Failure<D::Error>> {
         let existing = self.records().await.claims.get(&claim.uid).map(|r| {
             (
                 r.state,
@@ -32,7 +33,7 @@ impl<D: Driver> Lifecycle<D> {
                 // A claim whose recovery at start failed: the kubelet gets its step's error
                 // until the step succeeds (a record to release is released and prepared again).
                 match self.resume(claim).await {
-                    Ok(true) => return Ok(devices),
+                    Ok(true) => return Ok((devices, true)),
                     Ok(false) => {
                         self.release_locked(claim).await.map_err(Failure::Undo)?;
                     }
@@ -40,7 +41,7 @@ impl<D: Driver> Lifecycle<D> {
                         return Err(Failure::Keep(
                             Error::Recovery {
                                 claim: claim.clone(),
-                                message: e.to_string(),
+                                source: Box::new(e),
                             }
                             .into(),
                         ));
@@ -51,7 +52,8 @@ impl<D: Driver> Lifecycle<D> {
             Some(_) => self.release_locked(claim).await.map_err(Failure::Undo)?,
             None => {}
         }
-        self.prepare_new(claim).await.map_err(Failure::Undo)
+        let devices = self.prepare_new(claim).await.map_err(Failure::Undo)?;
+        Ok((devices, false))
     }
 
     /// Plan, record, device step, configuration, CDI spec, completion.

@@ -119,10 +119,14 @@ impl<D: Driver> Lifecycle<D> {
             Ok(c) => c.unwrap_or_default(),
             Err(e) => {
                 report.newer_checkpoint = matches!(e, CheckpointError::TooNew { .. });
-                let aside = self
-                    .journal()
-                    .file()
-                    .quarantine()
+                let file = self.journal().file().clone();
+                let aside = tokio::task::spawn_blocking(move || file.quarantine())
+                    .await
+                    .map_err(|join| Error::TaskFailed {
+                        claim: node.clone(),
+                        action: "moving the checkpoint aside",
+                        message: join.to_string(),
+                    })?
                     .map(|moved| {
                         moved
                             .iter()
@@ -308,18 +312,27 @@ impl<D: Driver> Lifecycle<D> {
     /// which to keep, as completed, and with which devices ([`Driver::rebuild_claim`]).
     async fn rebuild_from_specs(&self) -> Records<D::Device> {
         let mut claims = BTreeMap::new();
-        let files = match self.cdi().list() {
-            Ok(f) => f,
+        // Every spec of ours with its claim UID, read on the blocking pool.
+        let specs = self
+            .cdi_io(&self.node(), |cdi| {
+                let mut specs = Vec::new();
+                for (uid, _) in cdi.list()? {
+                    let Some(uid) = uid else { continue };
+                    if let Ok(Some(spec)) = cdi.read(&uid) {
+                        specs.push((uid, spec));
+                    }
+                }
+                Ok(specs)
+            })
+            .await;
+        let specs = match specs {
+            Ok(specs) => specs,
             Err(e) => {
                 warn!(error = %e, "cannot list CDI specs; starting with no prepared claims");
                 return Records::default();
             }
         };
-        for (uid, _) in files {
-            let Some(uid) = uid else { continue };
-            let Ok(Some(spec)) = self.cdi().read(&uid) else {
-                continue;
-            };
+        for (uid, spec) in specs {
             let get = |k: &str| spec.annotations.get(k).cloned().unwrap_or_default();
             let claim = ClaimRef {
                 namespace: get(ANNOTATION_NAMESPACE),
