@@ -14,6 +14,8 @@
 //! - [`lifecycle`]: prepare and unprepare for the kubelet ([`lifecycle::Lifecycle`], which
 //!   serves [`dra_kubelet::Driver`]) over a driver's device work ([`lifecycle::Driver`]): claim
 //!   locks, per-call deadlines with background rollback, two-phase records, CDI specs.
+//! - [`handover`]: the rolling-update handover between two instances on a node: the active
+//!   lock ([`handover::ActiveLock`]) and the [`handover::Gate`] that holds calls until it.
 //! - [`failpoint`]: crash points a fault-injection test arms through the environment.
 //! - `testing` (feature `testing`): a filesystem that loses power, for drivers' tests.
 //!
@@ -23,6 +25,7 @@
 pub mod cdi;
 pub mod checkpoint;
 pub mod failpoint;
+pub mod handover;
 pub mod journal;
 pub mod lifecycle;
 pub mod record;

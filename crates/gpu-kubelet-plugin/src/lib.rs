@@ -416,7 +416,7 @@ pub async fn run(
     let (activation, gate) = Gate::new(
         instance::handover_wait(config.claim_timeout),
         lock_path.clone(),
-        Arc::clone(&metrics),
+        instance::GateMetrics(Arc::clone(&metrics)),
     );
     let mut server = PluginServer::new(
         config.driver_name.clone(),
