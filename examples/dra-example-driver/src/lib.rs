@@ -396,6 +396,12 @@ impl<C: Claims> Driver for ExampleDriver<C> {
         )
     }
 
+    /// The claim exists with its UID.
+    async fn claim_exists(&self, _: &Lifecycle<Self>, claim: &ClaimRef) -> Result<bool, String> {
+        let rc = self.claims.get(&claim.namespace, &claim.name).await?;
+        Ok(rc.is_some_and(|rc| rc.metadata.uid.as_deref() == Some(claim.uid.as_str())))
+    }
+
     /// Removes owner files of claims not kept.
     async fn remove_orphans(&self, _: &Lifecycle<Self>, kept: &BTreeSet<String>) -> Vec<String> {
         let files: Vec<PathBuf> = self.devices.iter().map(|d| self.owner_file(d)).collect();

@@ -20,6 +20,9 @@ use k8s_openapi::api::resource::v1::{
 use kube::api::{Api, Patch, PatchParams};
 use tokio::signal::unix::{SignalKind, signal};
 
+/// How often prepared claims are checked against the API server.
+const STALE_CHECK: Duration = Duration::from_secs(60);
+
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
@@ -109,6 +112,18 @@ async fn main() -> anyhow::Result<()> {
     let report = lifecycle.recover().await?;
     tracing::info!(?report, "recovered");
 
+    // Claims whose pods went while nobody told the kubelet's plugin (e.g. the driver was down).
+    let stale = {
+        let lifecycle = lifecycle.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(STALE_CHECK);
+            loop {
+                every.tick().await;
+                lifecycle.unprepare_stale().await;
+            }
+        })
+    };
+
     let sockets = PluginSockets {
         plugin_dir,
         registrar_dir: args.registrar_dir.clone(),
@@ -131,6 +146,7 @@ async fn main() -> anyhow::Result<()> {
             }
         })
         .await?;
+    stale.abort();
     lifecycle.quiesce().await;
     Ok(())
 }

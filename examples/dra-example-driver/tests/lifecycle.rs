@@ -250,3 +250,25 @@ async fn start_up_rewrites_a_lost_spec_and_removes_what_no_claim_owns() {
     assert_eq!(node.owner("dev-0").as_deref(), Some("uid-a"));
     assert_eq!(lifecycle.prepared_claims().await, ["uid-a"]);
 }
+
+#[tokio::test]
+async fn a_prepared_claim_deleted_or_replaced_in_the_api_server_is_unprepared_by_the_stale_check() {
+    let node = Node::new();
+    let lifecycle = node.start().await;
+    let a = node.claims.add("a", "uid-a", &[(DRIVER, NODE, "dev-0")]);
+    let b = node.claims.add("b", "uid-b", &[(DRIVER, NODE, "dev-1")]);
+    let c = node.claims.add("c", "uid-c", &[(DRIVER, NODE, "dev-2")]);
+    let out = lifecycle.prepare(vec![a, b, c]).await;
+    assert!(out.values().all(Result::is_ok), "{out:?}");
+
+    // b is deleted, c is re-created under its name with another UID; a is untouched.
+    node.claims.0.lock().unwrap().remove("ns/b");
+    node.claims.add("c", "uid-c2", &[(DRIVER, NODE, "dev-3")]);
+    let mut released = lifecycle.unprepare_stale().await;
+    released.sort();
+    assert_eq!(released, ["uid-b", "uid-c"]);
+    assert_eq!(lifecycle.prepared_claims().await, ["uid-a"]);
+    assert_eq!(node.spec("uid-b"), None);
+    assert_eq!(node.owner("dev-2"), None);
+    assert_eq!(node.owner("dev-0").as_deref(), Some("uid-a"));
+}

@@ -177,6 +177,18 @@ pub trait Driver: Send + Sync + Sized + 'static {
         kept: &BTreeSet<String>,
     ) -> impl Future<Output = Self::Orphans> + Send;
 
+    /// Whether the prepared claim `claim` still exists in the API server with its UID, for the
+    /// stale-claim check ([`Lifecycle::unprepare_stale`]): `Ok(false)` unprepares it (its pod is
+    /// gone and the kubelet missed it, e.g. while the plugin was down); an error keeps it, to be
+    /// checked again. Default: `Ok(true)`, no stale-claim check.
+    fn claim_exists(
+        &self,
+        _lifecycle: &Lifecycle<Self>,
+        _claim: &ClaimRef,
+    ) -> impl Future<Output = Result<bool, String>> + Send {
+        async { Ok(true) }
+    }
+
     /// Reports a start-up problem to the cluster (a Warning event); `reason` is one word
     /// (`CheckpointRecovered`, `ClaimRecoveryFailed`). Default: the log only.
     fn warn(&self, reason: &str, message: &str) -> impl Future<Output = ()> + Send {

@@ -405,6 +405,41 @@ impl<D: Driver> Lifecycle<D> {
     }
 }
 
+impl<D: Driver> Lifecycle<D> {
+    /// Unprepares the completed claims that no longer exist in the API server or whose UID
+    /// changed ([`Driver::claim_exists`]): the kubelet missed them, e.g. a pod deleted while
+    /// the plugin was down. A claim whose check fails is kept. Returns the UIDs unprepared. Run
+    /// it periodically.
+    pub async fn unprepare_stale(&self) -> Vec<String> {
+        let mut released = Vec::new();
+        for (uid, r) in self.completed_records().await {
+            let claim = ClaimRef {
+                namespace: r.namespace,
+                name: r.name,
+                uid: uid.clone(),
+            };
+            match self.driver().claim_exists(self, &claim).await {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(claim = %claim, error = %e, "stale-claim check: lookup failed; keeping it");
+                    continue;
+                }
+            }
+            match self.unprepare_claim(claim.clone()).await {
+                Ok(()) => {
+                    tracing::info!(claim = %claim, "unprepared a claim that no longer exists");
+                    released.push(uid);
+                }
+                Err(e) => {
+                    tracing::warn!(claim = %claim, error = %e, "unpreparing a stale claim failed");
+                }
+            }
+        }
+        released
+    }
+}
+
 impl<D: Driver> dra_kubelet::Driver for Lifecycle<D> {
     type Error = D::Error;
 

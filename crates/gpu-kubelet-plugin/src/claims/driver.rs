@@ -147,6 +147,25 @@ impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
         ClaimController::of(lifecycle).remove_orphans(kept).await
     }
 
+    /// Looks the claim up; one rebuilt from its CDI spec alone at start is settled against it
+    /// ([`ClaimController::settle_unverified`]).
+    async fn claim_exists(
+        &self,
+        lifecycle: &Lifecycle<Self>,
+        claim: &ClaimRef,
+    ) -> Result<bool, String> {
+        match self.cluster.get_claim(&claim.namespace, &claim.name).await {
+            Ok(Some(rc)) if rc.metadata.uid.as_deref() == Some(claim.uid.as_str()) => {
+                ClaimController::of(lifecycle)
+                    .settle_unverified(&claim.uid, &rc)
+                    .await;
+                Ok(true)
+            }
+            Ok(_) => Ok(false),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     /// A Warning event about the node (the plugin's RBAC creates events only about its Node).
     async fn warn(&self, reason: &str, message: &str) {
         self.cluster.warn(reason, message).await;

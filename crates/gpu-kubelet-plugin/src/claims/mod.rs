@@ -35,7 +35,6 @@ use std::time::Duration;
 
 use dra_kubelet::{ClaimRef, Driver, PrepareResult, UnprepareResult};
 use tokio::sync::Mutex;
-use tracing::{info, warn};
 
 pub use cluster::{Cluster, KubeCluster};
 pub use error::ClaimError;
@@ -414,40 +413,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     }
 
     /// Unprepares completed claims that no longer exist in the API server or whose UID
-    /// changed (the kubelet missed them, e.g. a pod deleted while the plugin was down).
-    /// Claims whose lookup fails are left alone. Returns the UIDs unprepared.
+    /// changed ([`Lifecycle::unprepare_stale`]); claims rebuilt from their CDI spec alone are
+    /// settled on the way. Returns the UIDs unprepared.
     pub async fn unprepare_stale(&self) -> Vec<String> {
-        let records = self.lifecycle.completed_records().await;
-        let mut released = Vec::new();
-        for (uid, r) in records {
-            let gone = match self.gpu().cluster.get_claim(&r.namespace, &r.name).await {
-                Ok(None) => true,
-                Ok(Some(rc)) if rc.metadata.uid.as_deref() == Some(uid.as_str()) => {
-                    self.settle_unverified(&uid, &rc).await;
-                    false
-                }
-                Ok(Some(_)) => true,
-                Err(e) => {
-                    warn!(claim = %uid, error = %e, "stale-claim check: lookup failed; keeping it");
-                    false
-                }
-            };
-            if gone {
-                let claim = ClaimRef {
-                    namespace: r.namespace,
-                    name: r.name,
-                    uid: uid.clone(),
-                };
-                match self.lifecycle.unprepare_claim(claim.clone()).await {
-                    Ok(()) => {
-                        info!(claim = %claim, "unprepared a claim that no longer exists");
-                        released.push(uid);
-                    }
-                    Err(e) => warn!(claim = %claim, error = %e, "unpreparing a stale claim failed"),
-                }
-            }
-        }
-        released
+        self.lifecycle.unprepare_stale().await
     }
 }
 
