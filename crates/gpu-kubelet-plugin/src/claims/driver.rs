@@ -173,6 +173,32 @@ impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
 }
 
 impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+    /// The CDI spec of `claim` on `used` (the devices of `devices`, as recorded), with the MIG
+    /// devices it `created` and its MPS edits ([`plan::spec`]).
+    pub(super) fn spec(
+        &self,
+        claim: &ClaimRef,
+        used: &[&NodeDevice],
+        created: &BTreeMap<String, CreatedMig>,
+        devices: &[RecordedDevice],
+    ) -> Result<Spec, ClaimError> {
+        let gpu = self.gpu();
+        let mps = plan::MpsEdits::of(
+            &gpu.config.mps,
+            gpu.config.kernel_memory.as_deref(),
+            devices,
+        );
+        plan::spec(
+            claim,
+            used,
+            created,
+            &mps,
+            &gpu.config.driver_edits,
+            gpu.hardware.as_ref(),
+            self.lifecycle.cdi(),
+        )
+    }
+
     /// Reads the claim from the API server and plans its devices, sharing and CDI spec.
     async fn plan_claim(&self, claim: &ClaimRef) -> Result<Planned<Gpu<C, H>>, ClaimError> {
         let rc = self
@@ -207,7 +233,6 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         plan: plan::Plan,
     ) -> Result<Prepared<RecordedDevice>, ClaimError> {
-        let gpu = self.gpu();
         let prepare: DeviceAction<H, Option<CreatedMig>> =
             Arc::new(|hw: &H, d: &NodeDevice| hw.prepare(d));
         let (made, outcome) = self
@@ -225,20 +250,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Some(spec) => Ok(spec),
             None => {
                 let used: Vec<&NodeDevice> = plan.used.iter().collect();
-                let mps = plan::MpsEdits::of(
-                    &gpu.config.mps,
-                    gpu.config.kernel_memory.as_deref(),
-                    &plan.devices,
-                );
-                plan::spec(
-                    claim,
-                    &used,
-                    &created,
-                    &mps,
-                    &gpu.config.driver_edits,
-                    gpu.hardware.as_ref(),
-                    self.lifecycle.cdi(),
-                )
+                self.spec(claim, &used, &created, &plan.devices)
             }
         };
         // The devices as prepared: a created MIG device is reached by its own UUID.

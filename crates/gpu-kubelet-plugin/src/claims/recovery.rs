@@ -255,7 +255,6 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         claim: &ClaimRef,
         record: &ClaimRecord,
     ) -> Result<crate::cdi::Spec, ClaimError> {
-        let gpu = self.gpu();
         let catalogue = self.catalogue();
         let used: Vec<_> = record
             .devices
@@ -263,20 +262,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .filter_map(|d| catalogue.get(&d.device_name))
             .collect();
         let created = plan::created_migs(&record.devices);
-        let mps = plan::MpsEdits::of(
-            &gpu.config.mps,
-            gpu.config.kernel_memory.as_deref(),
-            &record.devices,
-        );
-        plan::spec(
-            claim,
-            &used,
-            &created,
-            &mps,
-            &gpu.config.driver_edits,
-            gpu.hardware.as_ref(),
-            self.lifecycle.cdi(),
-        )
+        self.spec(claim, &used, &created, &record.devices)
     }
 
     /// The devices a spec exposes, for when the API server cannot say (request names unknown).
