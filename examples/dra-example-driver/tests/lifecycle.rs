@@ -3,59 +3,21 @@
 //! prepare back in order. The same driver's binary is killed at every failpoint in
 //! `tests/e2e/tests/example_driver.rs`.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use dra_example_driver::{Claims, ExampleDriver, device_names};
+mod common;
+
+use common::FakeClaims;
+use dra_example_driver::{ExampleDriver, device_names};
 use dra_kubelet::{ClaimRef, Driver as _};
 use dra_plugin::cdi::CdiWriter;
 use dra_plugin::checkpoint::SlotFile;
 use dra_plugin::lifecycle::{Lifecycle, Settings};
 use dra_plugin::storage::RealFs;
-use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const DRIVER: &str = "example.drust.dev";
 const NODE: &str = "node-a";
-
-/// ResourceClaims by `namespace/name`.
-#[derive(Clone, Default)]
-struct FakeClaims(Arc<Mutex<BTreeMap<String, ResourceClaim>>>);
-
-impl FakeClaims {
-    /// Adds `ns/name` with UID `uid`, allocated `devices` (`(driver, pool, device)`).
-    fn add(&self, name: &str, uid: &str, devices: &[(&str, &str, &str)]) -> ClaimRef {
-        let results: Vec<_> = devices
-            .iter()
-            .map(|(driver, pool, device)| {
-                serde_json::json!({"request": "req", "driver": driver, "pool": pool, "device": device})
-            })
-            .collect();
-        let rc: ResourceClaim = serde_json::from_value(serde_json::json!({
-            "metadata": {"namespace": "ns", "name": name, "uid": uid},
-            "spec": {},
-            "status": {"allocation": {"devices": {"results": results}}},
-        }))
-        .expect("a ResourceClaim");
-        self.0.lock().unwrap().insert(format!("ns/{name}"), rc);
-        ClaimRef {
-            namespace: "ns".into(),
-            name: name.into(),
-            uid: uid.into(),
-        }
-    }
-}
-
-impl Claims for FakeClaims {
-    async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String> {
-        Ok(self
-            .0
-            .lock()
-            .unwrap()
-            .get(&format!("{namespace}/{name}"))
-            .cloned())
-    }
-}
 
 struct Node {
     dir: tempfile::TempDir,

@@ -6,37 +6,25 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use dra_example_driver::{Claims, ExampleDriver, device_names};
+mod common;
+
+use common::FakeClaims;
+use dra_example_driver::{ExampleDriver, device_names};
 use dra_kubelet::{ClaimRef, Driver as _};
 use dra_plugin::cdi::CdiWriter;
 use dra_plugin::checkpoint::SlotFile;
 use dra_plugin::lifecycle::{Lifecycle, Settings};
 use dra_plugin::storage::Fs;
 use dra_plugin::testing::PowerCutFs;
-use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const DRIVER: &str = "example.drust.dev";
 const NODE: &str = "node-a";
 const CDI: &str = "/run/cdi";
 const PLUGIN: &str = "/var/lib/plugin";
 const STATE: &str = "/var/lib/plugin/devices";
-
-#[derive(Clone, Default)]
-struct FakeClaims(Arc<Mutex<BTreeMap<String, ResourceClaim>>>);
-
-impl Claims for FakeClaims {
-    async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String> {
-        Ok(self
-            .0
-            .lock()
-            .unwrap()
-            .get(&format!("{namespace}/{name}"))
-            .cloned())
-    }
-}
 
 /// Claims `a` (dev-1), `b` (dev-2, dev-3) and `c` (dev-1).
 fn claims() -> FakeClaims {
@@ -46,17 +34,9 @@ fn claims() -> FakeClaims {
         ("b", &["dev-2", "dev-3"]),
         ("c", &["dev-1"]),
     ] {
-        let results: Vec<_> = devices
-            .iter()
-            .map(|d| serde_json::json!({"request": "r", "driver": DRIVER, "pool": NODE, "device": d}))
-            .collect();
-        let rc: ResourceClaim = serde_json::from_value(serde_json::json!({
-            "metadata": {"namespace": "ns", "name": name, "uid": format!("u{name}")},
-            "spec": {},
-            "status": {"allocation": {"devices": {"results": results}}},
-        }))
-        .unwrap();
-        claims.0.lock().unwrap().insert(format!("ns/{name}"), rc);
+        let allocated: Vec<(&str, &str, &str)> =
+            devices.iter().map(|d| (DRIVER, NODE, *d)).collect();
+        claims.add(name, &format!("u{name}"), &allocated);
     }
     claims
 }
