@@ -104,7 +104,7 @@ pub struct Config {
     /// the plugin's child process.
     pub mps_daemon_pods: Option<MpsDaemonPods>,
     /// Where the NVIDIA driver's files are read and what host path CDI specs name them by
-    /// (default: `/` for both, no explicit hook): [`crate::driver_files`].
+    /// (default: `/` for both, no explicit hook): [`crate::driver_files`](mod@crate::driver_files).
     pub driver_root: crate::driver_files::DriverRoot,
     /// The cgroup v2 root the `kernel` level's memory limits are set under (default
     /// `/sys/fs/cgroup`, which the driver requires): [`crate::memory_limits`].

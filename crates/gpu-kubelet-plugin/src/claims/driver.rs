@@ -116,7 +116,7 @@ impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
         let revived = ClaimController::of(lifecycle)
             .revive_daemons(claim, &record.devices)
             .await?;
-        Ok(revived && plan::uses_mps(&record.devices))
+        Ok(revived.contains(&super::sharing::claim_daemon::NAME))
     }
 
     fn spec_of(

@@ -88,20 +88,6 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
     }
 
-    /// [`Self::compute_mode_locked`] under the GPU's lock.
-    pub(super) async fn compute_mode(
-        &self,
-        claim: &ClaimRef,
-        name: &str,
-        mode: ComputeMode,
-    ) -> Result<(), ClaimError> {
-        let Some(gpu) = self.catalogue().get(name).map(|d| d.gpu().name.clone()) else {
-            return Ok(());
-        };
-        let _guard = self.gpu_lock(&gpu).lock_owned().await;
-        self.compute_mode_locked(claim, name, mode).await
-    }
-
     /// Start-up: puts every full GPU no recorded claim runs MPS on back in
     /// [`ComputeMode::Default`] if it is in [`ComputeMode::ExclusiveProcess`], the mode this
     /// plugin sets (left by a crash between a daemon's stop and the restore, or by a previous

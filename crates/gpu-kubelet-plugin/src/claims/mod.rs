@@ -26,7 +26,6 @@ mod error;
 mod exclusive;
 mod plan;
 mod recovery;
-mod shares;
 mod sharing;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -40,6 +39,7 @@ pub use cluster::{Cluster, KubeCluster};
 pub use error::ClaimError;
 pub use plan::{DEVICE_ENV_PREFIX, device_env};
 pub use recovery::RecoveryReport;
+use sharing::shares;
 
 use crate::cdi::CdiWriter;
 use crate::checkpoint::{Checkpoint, CheckpointFile, ClaimRecord, RecordedDevice};

@@ -264,8 +264,9 @@ impl<'a> MpsEdits<'a> {
         Self {
             control,
             kernel,
-            claim_daemon: super::sharing::mps_device_names(devices)
+            claim_daemon: super::sharing::claim_daemon::device_names(devices)
                 .into_iter()
+                .map(str::to_owned)
                 .collect(),
             shares: super::shares::mps_shares(devices)
                 .filter_map(|d| {
@@ -301,7 +302,7 @@ pub(crate) fn uses_mps(devices: &[RecordedDevice]) -> bool {
 /// variable, so one list variable cannot be per device), and its MPS edits ([`MpsEdits`]). The
 /// spec-level edits are what every
 /// container of the claim needs whatever its devices: the control nodes, the `driver` edits
-/// (the driver's libraries, binaries, firmware, sockets and hooks: [`crate::driver_files`]), and
+/// (the driver's libraries, binaries, firmware, sockets and hooks: [`crate::driver_files`](mod@crate::driver_files)), and
 /// `NVIDIA_VISIBLE_DEVICES=void` so that an
 /// NVIDIA container runtime on the node injects nothing beyond what CDI did (as NVIDIA's own DRA
 /// driver does). Annotations name the claim for recovery from disk. `created` holds the MIG

@@ -150,8 +150,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     uid: uid.clone(),
                     ..node.clone()
                 };
-                match self.clear_memory_limits(&orphan).await {
-                    Ok(()) => report.removed.push(format!("memory limits of claim {uid}")),
+                match super::sharing::Node::clear_memory_limits(self, &orphan).await {
+                    Ok(_) => report.removed.push(format!("memory limits of claim {uid}")),
                     Err(e) => warn!(claim = %uid, error = %e,
                         "clearing an orphaned claim's memory limits failed; retried at the next start"),
                 }
@@ -166,6 +166,66 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
 
         report.compute_modes_restored = self.restore_compute_modes(&node).await;
         report
+    }
+
+    /// Deletes the MPS v3 namespaces on the share daemons `keys` that no claim in `kept` owns
+    /// (a claim unprepared while the plugin was down). Returns what was deleted, as
+    /// `<daemon>/<namespace>`; failures are logged and retried at the next start.
+    async fn remove_orphan_namespaces(
+        &self,
+        keys: &BTreeSet<String>,
+        kept: &[String],
+    ) -> Vec<String> {
+        let mps = &self.gpu().config.mps;
+        let owned: BTreeSet<String> = kept
+            .iter()
+            .map(|uid| crate::mps::namespace_name(uid))
+            .collect();
+        let mut removed = Vec::new();
+        for key in keys {
+            if mps.liveness(key).await != crate::mps::Liveness::Answering
+                || !matches!(mps.protocol(key).await, Ok(Some(crate::mps::Protocol::V3)))
+            {
+                continue;
+            }
+            let names = match mps.namespaces(key).await {
+                Ok(names) => names,
+                Err(e) => {
+                    tracing::warn!(daemon = %key, error = %e,
+                        "listing a share daemon's MPS namespaces failed; retried at the next start");
+                    continue;
+                }
+            };
+            let device = {
+                let catalogue = self.catalogue();
+                catalogue
+                    .devices
+                    .iter()
+                    .chain(&catalogue.retired)
+                    .find(|(_, d)| super::shares::daemon_key(d.visible_id()) == *key)
+                    .map_or_else(|| key.clone(), |(name, _)| name.clone())
+            };
+            for (name, _) in names.into_iter().filter(|(n, _)| !owned.contains(n)) {
+                let _guard = super::sharing::Node::lock_gpu(self, &device).await;
+                // Re-checked under the lock: a claim prepared meanwhile owns its namespace.
+                let owner = self
+                    .lifecycle
+                    .records()
+                    .await
+                    .claims
+                    .keys()
+                    .any(|uid| crate::mps::namespace_name(uid) == name);
+                if owner {
+                    continue;
+                }
+                match mps.delete_namespace(key, &name).await {
+                    Ok(()) => removed.push(format!("{key}/{name}")),
+                    Err(e) => tracing::warn!(daemon = %key, namespace = %name, error = %e,
+                        "deleting an orphaned MPS namespace failed; retried at the next start"),
+                }
+            }
+        }
+        removed
     }
 
     /// In partitionable mode: destroys every MIG device on a GPU that publishes placements (and

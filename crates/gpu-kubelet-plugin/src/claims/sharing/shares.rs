@@ -34,14 +34,14 @@
 use std::collections::BTreeSet;
 
 use dra_kubelet::ClaimRef;
-use tracing::info;
-
-use super::error::ClaimError;
-use super::{ClaimController, Cluster};
-use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice, RecordedShare};
-use crate::hardware::Hardware;
-use crate::mps::{Liveness, Protocol};
+use futures::future::BoxFuture;
 use gpu_inventory::backend::ComputeMode;
+use tracing::{info, warn};
+
+use super::{Daemons, Node, Strategy, mps_error};
+use crate::checkpoint::{Checkpoint, ClaimState, RecordedDevice, RecordedShare};
+use crate::claims::ClaimError;
+use crate::mps::{Liveness, MpsDevice, MpsError, Protocol};
 
 /// The MPS daemon key of the device with `uuid` (a GPU or MIG UUID): lower-cased, so it is a
 /// valid Pod name and label value.
@@ -109,7 +109,7 @@ fn shares_of<'r>(
 
 /// The claims with a share recorded in `checkpoint` under daemon `key` (leaving out claim
 /// `except` and claims being unprepared): UID and share.
-fn claims_on<'r>(
+pub(crate) fn claims_on<'r>(
     checkpoint: &'r Checkpoint,
     key: &str,
     except: &str,
@@ -186,7 +186,7 @@ pub(crate) fn check(
             ),
         ));
     }
-    if super::plan::uses_mps(devices) {
+    if crate::claims::plan::uses_mps(devices) {
         return Err(refuse(
             first,
             "a share runs under its device's MPS daemon, and another device of this claim is \
@@ -198,14 +198,27 @@ pub(crate) fn check(
     Ok(())
 }
 
-impl<C: Cluster, H: Hardware> ClaimController<C, H> {
+/// The shares strategy over `N` and `D`: the daemons of the devices a claim holds shares of.
+pub(crate) struct ShareDaemons<'a, N, D> {
+    node: &'a N,
+    daemons: &'a D,
+    /// The `kernel` level: daemons speak MPS v3, each share its own namespace.
+    v3: bool,
+}
+
+impl<'a, N: Node, D: Daemons> ShareDaemons<'a, N, D> {
+    /// The share daemons of `node`, run by `daemons`, MPS v3 ones when `v3`.
+    pub(crate) fn new(node: &'a N, daemons: &'a D, v3: bool) -> Self {
+        Self { node, daemons, v3 }
+    }
+
     /// Makes sure the MPS daemon of every device `devices` hold a share of is running: started
     /// (without default limits) when confirmed dead, under each device's GPU lock, and sets its
-    /// ceiling for the shares it now serves ([`ceiling`]). One whose
+    /// ceiling for the shares it now serves ([`ceiling`]), or the share's namespace. One whose
     /// state cannot be told (a slow answer) is left alone and fails the call, to be retried:
     /// quitting it would cut every running share of the GPU off its daemon. Returns whether one
     /// was started.
-    pub(super) async fn start_share_daemons(
+    async fn ensure(
         &self,
         claim: &ClaimRef,
         devices: &[RecordedDevice],
@@ -213,31 +226,30 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let mut started = false;
         for d in mps_shares(devices) {
             let key = daemon_key(&d.uuid);
-            let _guard = self.share_lock(&d.device_name).await;
-            let mps = &self.gpu().config.mps;
-            let mps_error = |source| ClaimError::Mps {
-                claim: claim.clone(),
-                source,
+            let _guard = self.node.lock_gpu(&d.device_name).await;
+            let wanted = if self.v3 {
+                Protocol::V3
+            } else {
+                Protocol::Legacy
             };
-            let v3 = self.gpu().config.kernel_memory.is_some();
-            let wanted = if v3 { Protocol::V3 } else { Protocol::Legacy };
-            match mps.liveness(&key).await {
+            match self.daemons.liveness(&key).await {
                 Liveness::Answering => {
                     // A daemon of the other protocol serves shares prepared before the level
                     // changed: it keeps them, and this share waits (retried) until it is gone.
-                    let running = mps
+                    let running = self
+                        .daemons
                         .protocol(&key)
                         .await
-                        .map_err(mps_error)?
+                        .map_err(mps_error(claim))?
                         .unwrap_or(Protocol::Legacy);
                     if running != wanted {
-                        return Err(mps_error(crate::mps::MpsError::ProtocolMismatch {
-                            pipe_dir: mps.pipe_dir(&key),
+                        return Err(mps_error(claim)(MpsError::ProtocolMismatch {
+                            pipe_dir: self.daemons.pipe_dir(&key),
                             running,
                             wanted,
                         }));
                     }
-                    if !v3 {
+                    if !self.v3 {
                         self.set_ceiling(claim, &key, d.share.as_ref(), None)
                             .await?;
                     } else if let Some(share) = &d.share {
@@ -247,38 +259,40 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 }
                 Liveness::Dead => {}
                 Liveness::Unknown(problem) => {
-                    return Err(mps_error(crate::mps::MpsError::Unresponsive {
-                        pipe_dir: mps.pipe_dir(&key),
+                    return Err(mps_error(claim)(MpsError::Unresponsive {
+                        pipe_dir: self.daemons.pipe_dir(&key),
                         problem,
                     }));
                 }
             }
-            let served = [crate::mps::MpsDevice {
-                uuid: d.uuid.clone(),
-                pinned_memory_limit_bytes: None,
-            }];
-            // No CUDA process may bypass the daemon ([`super::exclusive`]).
-            self.compute_mode_locked(claim, &d.device_name, ComputeMode::ExclusiveProcess)
+            // No CUDA process may bypass the daemon (`claims/exclusive.rs`).
+            self.node
+                .set_compute_mode(claim, &d.device_name, ComputeMode::ExclusiveProcess)
                 .await?;
-            let start = if v3 {
-                mps.start_v3(&key, &d.uuid).await
+            let start = if self.v3 {
+                self.daemons.start_v3(&key, &d.uuid).await
             } else {
-                mps.start(&key, &served, None).await
+                let served = [MpsDevice {
+                    uuid: d.uuid.clone(),
+                    pinned_memory_limit_bytes: None,
+                }];
+                self.daemons.start(&key, &served, None).await
             };
             if let Err(e) = start {
                 if let Err(e) = self
-                    .compute_mode_locked(claim, &d.device_name, ComputeMode::Default)
+                    .node
+                    .set_compute_mode(claim, &d.device_name, ComputeMode::Default)
                     .await
                 {
-                    tracing::warn!(claim = %claim, error = %e,
+                    warn!(claim = %claim, error = %e,
                         "restoring the GPU's compute mode after a failed daemon start failed");
                 }
-                return Err(mps_error(e));
+                return Err(mps_error(claim)(e));
             }
             started = true;
-            info!(claim = %claim, device = %d.device_name, daemon = %key, v3,
+            info!(claim = %claim, device = %d.device_name, daemon = %key, v3 = self.v3,
                 "started the device's MPS daemon");
-            if v3 {
+            if self.v3 {
                 self.set_all_namespaces(claim, &key, d.share.as_ref())
                     .await?;
                 continue;
@@ -288,73 +302,13 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             // Root's server at once, with the ceiling as its defaults, so that it holds the
             // GPU's one context before any client comes. Best effort: without it MPS starts
             // the server at the first client's connection, as it always did.
-            if let Err(e) = mps.start_server(&key, 0).await {
-                tracing::warn!(claim = %claim, daemon = %key, error = %e,
+            if let Err(e) = self.daemons.start_server(&key, 0).await {
+                warn!(claim = %claim, daemon = %key, error = %e,
                     "starting the device's MPS server ahead of its clients failed; a process \
                      that bypasses MPS may take the GPU until the first client connects");
             }
         }
         Ok(started)
-    }
-
-    /// Stops the MPS daemon of every device `devices` hold a share of that no other claim's
-    /// share needs any more. Under each device's GPU lock.
-    pub(super) async fn stop_share_daemons(
-        &self,
-        claim: &ClaimRef,
-        devices: &[RecordedDevice],
-    ) -> Result<(), ClaimError> {
-        for d in mps_shares(devices) {
-            let key = daemon_key(&d.uuid);
-            let _guard = self.share_lock(&d.device_name).await;
-            let needed =
-                needed_daemons(&*self.lifecycle.journal().records().await, Some(&claim.uid));
-            // The daemon's own protocol decides (it may predate the node's level).
-            let v3_daemon = matches!(
-                self.gpu().config.mps.protocol(&key).await,
-                Ok(Some(Protocol::V3))
-            );
-            if needed.contains(&key) && v3_daemon {
-                // The share's namespace goes with it; the daemon serves the others.
-                let name = crate::mps::namespace_name(&claim.uid);
-                self.gpu()
-                    .config
-                    .mps
-                    .delete_namespace(&key, &name)
-                    .await
-                    .map_err(|source| ClaimError::Mps {
-                        claim: claim.clone(),
-                        source,
-                    })?;
-                info!(claim = %claim, daemon = %key, namespace = %name,
-                    "deleted the share's MPS namespace");
-                continue;
-            }
-            if needed.contains(&key) {
-                // The others' ceiling, for clients connecting from now on; the share going
-                // needs none, so a failure only leaves the higher ceiling.
-                if let Err(e) = self.set_ceiling(claim, &key, None, Some(&claim.uid)).await {
-                    tracing::warn!(claim = %claim, daemon = %key, error = %e,
-                        "lowering the daemon's ceiling after a share left failed");
-                }
-                continue;
-            }
-            // The mode first: a crash before the stop leaves the daemon, an orphan at start-up.
-            self.compute_mode_locked(claim, &d.device_name, ComputeMode::Default)
-                .await?;
-            self.gpu()
-                .config
-                .mps
-                .stop(&key)
-                .await
-                .map_err(|source| ClaimError::Mps {
-                    claim: claim.clone(),
-                    source,
-                })?;
-            info!(claim = %claim, device = %d.device_name, daemon = %key,
-                "stopped the device's MPS daemon with its last share");
-        }
-        Ok(())
     }
 
     /// Sets daemon `key`'s ceiling ([`ceiling`]) for the shares recorded on it, leaving out
@@ -366,22 +320,19 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         extra: Option<&RecordedShare>,
         except: Option<&str>,
     ) -> Result<(), ClaimError> {
-        let ceiling = {
-            let checkpoint = self.lifecycle.journal().records().await;
-            ceiling(shares_of(&checkpoint, key, except.unwrap_or(""), extra))
-        };
+        let except = except.unwrap_or("");
+        let extra = extra.cloned();
+        let ceiling = self
+            .node
+            .with_records(|c| ceiling(shares_of(c, key, except, extra.as_ref())))
+            .await;
         let Some(ceiling) = ceiling else {
             return Ok(());
         };
-        self.gpu()
-            .config
-            .mps
+        self.daemons
             .set_ceiling(key, ceiling)
             .await
-            .map_err(|source| ClaimError::Mps {
-                claim: claim.clone(),
-                source,
-            })?;
+            .map_err(mps_error(claim))?;
         info!(claim = %claim, daemon = %key, %ceiling, "set the device's MPS ceiling");
         Ok(())
     }
@@ -395,18 +346,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         uid: &str,
         share: &RecordedShare,
     ) -> Result<(), ClaimError> {
-        let mps_error = |source| ClaimError::Mps {
-            claim: claim.clone(),
-            source,
-        };
         let name = crate::mps::namespace_name(uid);
         let limits = namespace_limits(share);
-        self.gpu()
-            .config
-            .mps
+        self.daemons
             .set_namespace(key, &name, limits)
             .await
-            .map_err(mps_error)?;
+            .map_err(mps_error(claim))?;
         info!(claim = %claim, daemon = %key, namespace = %name, ?limits,
             "set the share's MPS namespace");
         Ok(())
@@ -422,16 +367,18 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         key: &str,
         share: Option<&RecordedShare>,
     ) -> Result<(), ClaimError> {
-        let others: Vec<(String, RecordedShare)> = {
-            let checkpoint = self.lifecycle.journal().records().await;
-            claims_on(&checkpoint, key, &claim.uid)
-                .into_iter()
-                .map(|(uid, s)| (uid.to_owned(), s.clone()))
-                .collect()
-        };
+        let others: Vec<(String, RecordedShare)> = self
+            .node
+            .with_records(|c| {
+                claims_on(c, key, &claim.uid)
+                    .into_iter()
+                    .map(|(uid, s)| (uid.to_owned(), s.clone()))
+                    .collect()
+            })
+            .await;
         for (uid, s) in &others {
             if let Err(e) = self.set_namespace(claim, key, uid, s).await {
-                tracing::warn!(claim = %uid, daemon = %key, error = %e,
+                warn!(claim = %uid, daemon = %key, error = %e,
                     "restoring a share's MPS namespace after its daemon started failed; \
                      retried when that claim's daemon is checked");
             }
@@ -441,74 +388,286 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             None => Ok(()),
         }
     }
+}
 
-    /// Deletes the MPS v3 namespaces on the share daemons `keys` that no claim in `kept` owns
-    /// (a claim unprepared while the plugin was down). Returns what was deleted, as
-    /// `<daemon>/<namespace>`; failures are logged and retried at the next start.
-    pub(super) async fn remove_orphan_namespaces(
-        &self,
-        keys: &BTreeSet<String>,
-        kept: &[String],
-    ) -> Vec<String> {
-        let mps = &self.gpu().config.mps;
-        let owned: BTreeSet<String> = kept
-            .iter()
-            .map(|uid| crate::mps::namespace_name(uid))
-            .collect();
-        let mut removed = Vec::new();
-        for key in keys {
-            if mps.liveness(key).await != Liveness::Answering
-                || !matches!(mps.protocol(key).await, Ok(Some(Protocol::V3)))
-            {
-                continue;
-            }
-            let names = match mps.namespaces(key).await {
-                Ok(names) => names,
-                Err(e) => {
-                    tracing::warn!(daemon = %key, error = %e,
-                        "listing a share daemon's MPS namespaces failed; retried at the next start");
-                    continue;
-                }
-            };
-            let device = {
-                let catalogue = self.catalogue();
-                catalogue
-                    .devices
-                    .iter()
-                    .chain(&catalogue.retired)
-                    .find(|(_, d)| daemon_key(d.visible_id()) == *key)
-                    .map_or_else(|| key.clone(), |(name, _)| name.clone())
-            };
-            for (name, _) in names.into_iter().filter(|(n, _)| !owned.contains(n)) {
-                let _guard = self.share_lock(&device).await;
-                // Re-checked under the lock: a claim prepared meanwhile owns its namespace.
-                let owner = self
-                    .lifecycle
-                    .records()
-                    .await
-                    .claims
-                    .keys()
-                    .any(|uid| crate::mps::namespace_name(uid) == name);
-                if owner {
-                    continue;
-                }
-                match mps.delete_namespace(key, &name).await {
-                    Ok(()) => removed.push(format!("{key}/{name}")),
-                    Err(e) => tracing::warn!(daemon = %key, namespace = %name, error = %e,
-                        "deleting an orphaned MPS namespace failed; retried at the next start"),
-                }
-            }
-        }
-        removed
+impl<N: Node, D: Daemons> Strategy for ShareDaemons<'_, N, D> {
+    fn name(&self) -> &'static str {
+        "share MPS daemons"
     }
 
-    /// The lock of the GPU behind device `name` (the device itself when unknown), taken before
-    /// a share daemon is started or stopped.
-    async fn share_lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let gpu = self
-            .catalogue()
-            .get(name)
-            .map_or_else(|| name.to_owned(), |d| d.gpu().name.clone());
-        self.gpu_lock(&gpu).lock_owned().await
+    fn apply<'a>(
+        &'a self,
+        claim: &'a ClaimRef,
+        devices: &'a [RecordedDevice],
+    ) -> BoxFuture<'a, Result<(), ClaimError>> {
+        Box::pin(async move { self.ensure(claim, devices).await.map(drop) })
+    }
+
+    /// Stops the MPS daemon of every device `devices` hold a share of that no other claim's
+    /// share needs any more (its GPU's mode back to `DEFAULT` first); where others still need
+    /// it, deletes this share's namespace (v3) or lowers the ceiling to theirs. Under each
+    /// device's GPU lock, deciding from the records.
+    fn undo<'a>(
+        &'a self,
+        claim: &'a ClaimRef,
+        devices: &'a [RecordedDevice],
+    ) -> BoxFuture<'a, Result<(), ClaimError>> {
+        Box::pin(async move {
+            for d in mps_shares(devices) {
+                let key = daemon_key(&d.uuid);
+                let _guard = self.node.lock_gpu(&d.device_name).await;
+                let needed = self
+                    .node
+                    .with_records(|c| needed_daemons(c, Some(&claim.uid)).contains(&key))
+                    .await;
+                // The daemon's own protocol decides (it may predate the node's level).
+                let v3_daemon = matches!(self.daemons.protocol(&key).await, Ok(Some(Protocol::V3)));
+                if needed && v3_daemon {
+                    // The share's namespace goes with it; the daemon serves the others.
+                    let name = crate::mps::namespace_name(&claim.uid);
+                    self.daemons
+                        .delete_namespace(&key, &name)
+                        .await
+                        .map_err(mps_error(claim))?;
+                    info!(claim = %claim, daemon = %key, namespace = %name,
+                        "deleted the share's MPS namespace");
+                    continue;
+                }
+                if needed {
+                    // The others' ceiling, for clients connecting from now on; the share going
+                    // needs none, so a failure only leaves the higher ceiling.
+                    if let Err(e) = self.set_ceiling(claim, &key, None, Some(&claim.uid)).await {
+                        warn!(claim = %claim, daemon = %key, error = %e,
+                            "lowering the daemon's ceiling after a share left failed");
+                    }
+                    continue;
+                }
+                // The mode first: a crash before the stop leaves the daemon, an orphan at start-up.
+                self.node
+                    .set_compute_mode(claim, &d.device_name, ComputeMode::Default)
+                    .await?;
+                self.daemons.stop(&key).await.map_err(mps_error(claim))?;
+                info!(claim = %claim, device = %d.device_name, daemon = %key,
+                    "stopped the device's MPS daemon with its last share");
+            }
+            Ok(())
+        })
+    }
+
+    /// [`Self::apply`] again: a dead daemon is started (with every recorded share's namespace
+    /// or the ceiling); an answering one keeps its clients.
+    fn revive<'a>(
+        &'a self,
+        claim: &'a ClaimRef,
+        devices: &'a [RecordedDevice],
+    ) -> BoxFuture<'a, Result<bool, ClaimError>> {
+        Box::pin(self.ensure(claim, devices))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{Recorder, claim, share_of};
+    use super::*;
+
+    /// Claim `uid` being prepared with `devices`, recorded as the lifecycle records it before
+    /// the strategies run.
+    fn preparing(rec: &Recorder, uid: &str, devices: &[RecordedDevice]) {
+        rec.record(uid, ClaimState::PrepareStarted, devices);
+    }
+
+    #[tokio::test]
+    async fn the_first_share_starts_the_daemon_and_the_last_stops_it() {
+        let rec = Recorder::new(false);
+        let s = ShareDaemons::new(&rec, &rec, false);
+        let a = [share_of("gpu-0", 1024, 25)];
+        let b = [share_of("gpu-0", 4096, 50)];
+
+        preparing(&rec, "a", &a);
+        s.apply(&claim("a"), &a).await.unwrap();
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0",
+                "liveness uuid-gpu-0",
+                "mode gpu-0 ExclusiveProcess",
+                "start uuid-gpu-0 [uuid-gpu-0] -",
+                "ceiling uuid-gpu-0 1024M pinned, 25% threads",
+                "server uuid-gpu-0 uid 0",
+            ]
+        );
+        rec.record("a", ClaimState::PrepareCompleted, &a);
+
+        // The second share finds it answering: the ceiling grows to the larger share.
+        preparing(&rec, "b", &b);
+        s.apply(&claim("b"), &b).await.unwrap();
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0",
+                "liveness uuid-gpu-0",
+                "ceiling uuid-gpu-0 4096M pinned, 50% threads",
+            ]
+        );
+        rec.record("b", ClaimState::PrepareCompleted, &b);
+
+        // The larger share goes: the daemon stays for the other, its ceiling lowered.
+        rec.record("b", ClaimState::UnprepareStarted, &b);
+        s.undo(&claim("b"), &b).await.unwrap();
+        assert_eq!(
+            rec.take(),
+            ["lock gpu-0", "ceiling uuid-gpu-0 1024M pinned, 25% threads"]
+        );
+        rec.forget("b");
+
+        // The last share goes: the mode first, then the daemon.
+        rec.record("a", ClaimState::UnprepareStarted, &a);
+        s.undo(&claim("a"), &a).await.unwrap();
+        assert_eq!(
+            rec.take(),
+            ["lock gpu-0", "mode gpu-0 Default", "stop uuid-gpu-0"]
+        );
+    }
+
+    #[tokio::test]
+    async fn two_last_shares_unprepared_together_both_release_it() {
+        let rec = Recorder::new(false);
+        let s = ShareDaemons::new(&rec, &rec, false);
+        let a = [share_of("gpu-0", 1024, 0)];
+        let b = [share_of("gpu-0", 2048, 0)];
+        rec.record("a", ClaimState::UnprepareStarted, &a);
+        rec.record("b", ClaimState::UnprepareStarted, &b);
+        s.undo(&claim("a"), &a).await.unwrap();
+        // Neither keeps the daemon for the other: the first undo stops it.
+        assert_eq!(
+            rec.take(),
+            ["lock gpu-0", "mode gpu-0 Default", "stop uuid-gpu-0"]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_daemon_that_may_be_alive_is_never_replaced() {
+        let rec = Recorder::new(false);
+        rec.set_liveness("uuid-gpu-0", Liveness::Unknown("no answer in 5 s".into()));
+        let a = [share_of("gpu-0", 1024, 0)];
+        preparing(&rec, "a", &a);
+        let e = ShareDaemons::new(&rec, &rec, false)
+            .apply(&claim("a"), &a)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("no answer in 5 s"), "{e}");
+        assert_eq!(rec.take(), ["lock gpu-0", "liveness uuid-gpu-0"]);
+    }
+
+    #[tokio::test]
+    async fn a_daemon_of_the_other_protocol_keeps_its_shares() {
+        let rec = Recorder::new(true);
+        // A legacy daemon from before the node's level became `kernel`.
+        ShareDaemons::new(&rec, &rec, false)
+            .apply(&claim("old"), &[share_of("gpu-0", 1024, 0)])
+            .await
+            .unwrap();
+        rec.take();
+        let e = ShareDaemons::new(&rec, &rec, true)
+            .apply(&claim("new"), &[share_of("gpu-0", 1024, 0)])
+            .await
+            .unwrap_err();
+        assert!(matches!(
+            e,
+            ClaimError::Mps {
+                source: MpsError::ProtocolMismatch { .. },
+                ..
+            }
+        ));
+        assert_eq!(rec.take(), ["lock gpu-0", "liveness uuid-gpu-0"]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_start_restores_the_mode() {
+        let rec = Recorder::new(false);
+        rec.fail("start uuid-gpu-0 [uuid-gpu-0] -");
+        let a = [share_of("gpu-0", 1024, 0)];
+        preparing(&rec, "a", &a);
+        ShareDaemons::new(&rec, &rec, false)
+            .apply(&claim("a"), &a)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0",
+                "liveness uuid-gpu-0",
+                "mode gpu-0 ExclusiveProcess",
+                "start uuid-gpu-0 [uuid-gpu-0] -",
+                "mode gpu-0 Default",
+            ]
+        );
+    }
+
+    /// MPS v3: each share its own namespace; a daemon started again gets every recorded
+    /// share's namespace back; a share leaving deletes only its own.
+    #[tokio::test]
+    async fn v3_namespaces() {
+        let rec = Recorder::new(true);
+        let s = ShareDaemons::new(&rec, &rec, true);
+        let a = [share_of("gpu-0", 1024, 25)];
+        let b = [share_of("gpu-0", 2048, 0)];
+        let ns = crate::mps::namespace_name;
+
+        rec.record("a", ClaimState::PrepareCompleted, &a);
+        preparing(&rec, "b", &b);
+        // The daemon died with the plugin: b's prepare starts it and restores a's namespace.
+        s.apply(&claim("b"), &b).await.unwrap();
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0".to_owned(),
+                "liveness uuid-gpu-0".to_owned(),
+                "mode gpu-0 ExclusiveProcess".to_owned(),
+                "start v3 uuid-gpu-0 uuid-gpu-0".to_owned(),
+                format!("namespace uuid-gpu-0 {} 1024M 25%", ns("a")),
+                format!("namespace uuid-gpu-0 {} 2048M -", ns("b")),
+            ]
+        );
+        rec.record("b", ClaimState::PrepareCompleted, &b);
+
+        rec.record("a", ClaimState::UnprepareStarted, &a);
+        s.undo(&claim("a"), &a).await.unwrap();
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0".to_owned(),
+                format!("delete namespace uuid-gpu-0 {}", ns("a")),
+            ]
+        );
+        rec.forget("a");
+
+        // Revive of a prepared share whose daemon answers: its namespace set again, no start.
+        assert!(!s.revive(&claim("b"), &b).await.unwrap());
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0".to_owned(),
+                "liveness uuid-gpu-0".to_owned(),
+                format!("namespace uuid-gpu-0 {} 2048M -", ns("b")),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_whole_device_share_runs_without_mps() {
+        let rec = Recorder::new(false);
+        let mut whole = share_of("gpu-0", 81920, 100);
+        if let Some(s) = &mut whole.share {
+            s.whole = true;
+        }
+        let s = ShareDaemons::new(&rec, &rec, false);
+        s.apply(&claim("a"), std::slice::from_ref(&whole))
+            .await
+            .unwrap();
+        s.undo(&claim("a"), std::slice::from_ref(&whole))
+            .await
+            .unwrap();
+        assert!(rec.take().is_empty());
     }
 }
