@@ -403,6 +403,61 @@ pub enum BackendError {
     },
 }
 
+/// What one GPU is doing, as NVML tells it at one moment ([`GpuBackend::usage`]).
+///
+/// JSON (camelCase) is also the format of the usage files the fake backend and the mock
+/// `libnvidia-ml` serve (`usage/<index>.json`): a missing file is an idle GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuUsage {
+    /// Percent (0..=100) of the last sample period in which a kernel ran on the GPU
+    /// (`nvmlDeviceGetUtilizationRates`, `gpu`; DCGM's `DCGM_FI_DEV_GPU_UTIL`). `None` where
+    /// NVML has no figure: a GPU in MIG mode answers NOT_SUPPORTED.
+    #[serde(default)]
+    pub sm_percent: Option<u32>,
+    /// Percent (0..=100) of the last sample period in which device memory was read or written
+    /// (`nvmlDeviceGetUtilizationRates`, `memory`; `DCGM_FI_DEV_MEM_COPY_UTIL`). `None` as for
+    /// `sm_percent`.
+    #[serde(default)]
+    pub memory_percent: Option<u32>,
+    /// Device memory in use, bytes (`nvmlDeviceGetMemoryInfo_v2`, `used`).
+    #[serde(default)]
+    pub memory_used_bytes: u64,
+    /// The processes holding a compute context on the GPU
+    /// (`nvmlDeviceGetComputeRunningProcesses_v3`; MPS clients included).
+    #[serde(default)]
+    pub processes: Vec<ProcessUsage>,
+}
+
+impl GpuUsage {
+    /// A GPU doing nothing: 0 % SM and memory activity, no memory used, no process.
+    pub fn idle() -> Self {
+        Self {
+            sm_percent: Some(0),
+            memory_percent: Some(0),
+            ..Self::default()
+        }
+    }
+}
+
+/// One process on a GPU ([`GpuUsage::processes`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessUsage {
+    /// Its PID, in the node's (the host's) PID namespace.
+    pub pid: u32,
+    /// Device memory it uses, bytes; `None` where NVML cannot tell (e.g. without the
+    /// privilege to see other users' processes).
+    #[serde(default)]
+    pub used_memory_bytes: Option<u64>,
+    /// On a GPU in MIG mode: the GPU instance it runs in.
+    #[serde(default)]
+    pub gpu_instance_id: Option<u32>,
+    /// On a GPU in MIG mode: the compute instance it runs in.
+    #[serde(default)]
+    pub compute_instance_id: Option<u32>,
+}
+
 /// NVML-shaped hardware queries. Implementations: [`crate::NvmlBackend`] (the real library,
 /// loaded at run time) and [`crate::FakeBackend`] (a topology file).
 pub trait GpuBackend: Send + Sync {
@@ -584,6 +639,21 @@ pub trait GpuBackend: Send + Sync {
     ///
     /// The default does nothing (the default wait reports nothing).
     fn rewatch_health_events(&self) {}
+
+    /// What the GPU at `index` is doing now: utilization, memory used and its processes
+    /// ([`GpuUsage`]). Read-only and blocking; it needs no GPU lock.
+    ///
+    /// The default cannot tell ([`BackendError::Unsupported`]).
+    ///
+    /// # Errors
+    /// [`BackendError`] when a query fails (a GPU without utilization figures is not an error:
+    /// its percentages are `None`).
+    fn usage(&self, index: u32) -> Result<GpuUsage, BackendError> {
+        Err(BackendError::Unsupported {
+            call: "usage",
+            index,
+        })
+    }
 
     /// Whether the GPU `gpu_uuid`, which reported errors, looks usable again. Blocking.
     ///

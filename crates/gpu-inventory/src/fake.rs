@@ -57,6 +57,10 @@
 //! the limits are cleared: a hook process and the plugin setting limits at once never lose one
 //! another's. [`FakeBackend::memory_limits`] lists them.
 //!
+//! # Usage
+//! [`GpuBackend::usage`] answers from `<state_dir>/usage/<index>.json` ([`GpuUsage`] as JSON,
+//! read at each call), else from [`FakeBackend::set_usage`], else an idle GPU.
+//!
 //! # Health events
 //! Tests inject them in memory with [`FakeBackend::inject_event`], or as files in
 //! `<state_dir>/events/` (format and ordering in [`crate::health`]); a waiting
@@ -73,8 +77,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    BackendError, ComputeMode, GpuBackend, GpuState, MemoryLimits, MigAttributes, MigMode,
-    MigPlacement, RawGpu, RawMigDevice, SystemInfo,
+    BackendError, ComputeMode, GpuBackend, GpuState, GpuUsage, MemoryLimits, MigAttributes,
+    MigMode, MigPlacement, RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::health::{EVENT_POLL_INTERVAL, HealthEvent, events_dir, take_event_file};
 use crate::mig_tables::builtin_profiles;
@@ -276,6 +280,8 @@ pub struct FakeBackend {
     failing_mig: Mutex<BTreeSet<(&'static str, u32)>>,
     injected: Mutex<VecDeque<HealthEvent>>,
     injected_ready: Condvar,
+    /// Usage set in process ([`FakeBackend::set_usage`]), by GPU index.
+    usage: Mutex<BTreeMap<u32, GpuUsage>>,
 }
 
 impl FakeBackend {
@@ -295,6 +301,7 @@ impl FakeBackend {
             failing_mig: Mutex::new(BTreeSet::new()),
             injected: Mutex::new(VecDeque::new()),
             injected_ready: Condvar::new(),
+            usage: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -514,6 +521,12 @@ impl FakeBackend {
             })
     }
 
+    /// Makes [`GpuBackend::usage`] of the GPU at `index` answer `usage` (without a state dir;
+    /// with one, its usage file wins).
+    pub fn set_usage(&self, index: u32, usage: GpuUsage) {
+        lock(&self.usage).insert(index, usage);
+    }
+
     fn record(&self, call: String) {
         lock(&self.calls).push(call);
     }
@@ -568,6 +581,41 @@ impl GpuBackend for FakeBackend {
         let mut gpu = self.raw_gpu(index)?;
         gpu.mig_devices = self.with_mig(|state| Ok((state.devices(&gpu).to_vec(), false)))?;
         Ok(gpu)
+    }
+
+    /// Not recorded among the calls (the plugin samples it on a timer). Answers, in order: the
+    /// state dir's `usage/<index>.json` (read at each call, so a test in another process
+    /// changes it at will), the in-process [`FakeBackend::set_usage`], an idle GPU.
+    fn usage(&self, index: u32) -> Result<GpuUsage, BackendError> {
+        if index as usize >= self.topology().gpus.len() {
+            return Err(BackendError::Query {
+                call: "nvmlDeviceGetHandleByIndex_v2",
+                index,
+                message: "Invalid Argument".into(),
+            });
+        }
+        if let Some(dir) = &self.state_dir {
+            let path = dir.join("usage").join(format!("{index}.json"));
+            match std::fs::read(&path) {
+                Ok(bytes) => {
+                    return serde_json::from_slice(&bytes).map_err(|e| BackendError::FakeState {
+                        path,
+                        message: e.to_string(),
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(BackendError::FakeState {
+                        path,
+                        message: e.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(lock(&self.usage)
+            .get(&index)
+            .cloned()
+            .unwrap_or_else(GpuUsage::idle))
     }
 
     fn gpu_state(&self, index: u32) -> Result<GpuState, BackendError> {

@@ -55,7 +55,9 @@ pub mod sysfs;
 pub mod validate;
 pub mod yaml;
 
-pub use backend::{BackendError, GpuBackend, GpuState, MemoryLimits, RawGpu, SystemInfo};
+pub use backend::{
+    BackendError, GpuBackend, GpuState, GpuUsage, MemoryLimits, ProcessUsage, RawGpu, SystemInfo,
+};
 pub use fake::{FakeBackend, Topology, TopologyError};
 pub use health::{HealthEvent, HealthEventKind, RecoveryProbe};
 pub use mig::MigDevice;

@@ -68,6 +68,8 @@ pub struct Config {
     pub claim_timeout: Duration,
     /// How often claims that vanished from the API server are unprepared.
     pub stale_claim_interval: Duration,
+    /// GPU usage sampling, idle claims ([`crate::usage`]); `None`: off.
+    pub usage: Option<crate::usage::UsageConfig>,
     /// How MIG-capable GPUs are published (existing MIG devices, or partitionable placements).
     pub mig_strategy: gpu_inventory::MigStrategy,
     /// How devices are named: drust's scheme, or NVIDIA's DRA driver's (compatibility mode).
@@ -133,6 +135,7 @@ impl Config {
             boot_id_path: PathBuf::from("/proc/sys/kernel/random/boot_id"),
             claim_timeout: crate::claims::DEFAULT_TIMEOUT,
             stale_claim_interval: Duration::from_secs(60),
+            usage: Some(crate::usage::UsageConfig::default()),
             mig_strategy: gpu_inventory::MigStrategy::Existing,
             naming: gpu_inventory::Naming::Drust,
             rediscovery_interval: Duration::from_secs(60),

@@ -1,4 +1,5 @@
-//! The plugin's HTTP endpoint: `/metrics` (Prometheus), `/healthz` (liveness) and `/readyz`
+//! The plugin's HTTP endpoint: `/metrics` (Prometheus), `/usage` (the latest GPU usage report as
+//! JSON, [`crate::usage::Report`], for `dractl top`), `/healthz` (liveness) and `/readyz`
 //! (readiness), for the DaemonSet's probes and Prometheus.
 //!
 //! - `/healthz`: the process and its gRPC servers answer: a real `GetInfo` on this instance's
@@ -144,6 +145,17 @@ impl Probes {
                 );
                 r
             }
+            "/usage" => match serde_json::to_string(&*self.metrics.usage_report()) {
+                Ok(json) => {
+                    let mut r = text(StatusCode::OK, json);
+                    r.headers_mut().insert(
+                        hyper::header::CONTENT_TYPE,
+                        hyper::header::HeaderValue::from_static("application/json"),
+                    );
+                    r
+                }
+                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+            },
             "/healthz" => probe(self.live().await),
             "/readyz" => probe(self.ready()),
             _ => text(StatusCode::NOT_FOUND, "not found\n".into()),

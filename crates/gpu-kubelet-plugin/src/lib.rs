@@ -24,6 +24,7 @@ pub mod memory_limits;
 pub mod metrics;
 pub mod mps;
 pub mod publisher;
+pub mod usage;
 pub use dra_plugin::storage;
 
 use std::future::Future;
@@ -861,6 +862,16 @@ impl Active {
             })
         };
         self.tasks.push(AbortOnDrop(stale));
+        if let Some(usage) = &config.usage {
+            let sampler = usage::sampler::run(
+                self.controller.clone(),
+                Arc::clone(backend),
+                usage.clone(),
+                config.node_name.clone(),
+                health.metrics.usage_reports(),
+            );
+            self.tasks.push(AbortOnDrop(tokio::spawn(sampler)));
+        }
     }
 }
 

@@ -83,6 +83,19 @@ struct Args {
     /// 86400).
     #[arg(long, default_value_t = 60, value_parser = interval)]
     stale_claim_interval_seconds: u64,
+    /// How often each GPU's usage (utilization, memory, processes by pod) is sampled, in
+    /// seconds (1 to 86400); 0 turns sampling, its metrics and idle detection off.
+    #[arg(long, default_value_t = 10, value_parser = interval_or_off)]
+    usage_interval_seconds: u64,
+    /// A device whose SM utilization reaches this percent in a sample is busy (0 to 100).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=100))]
+    idle_sm_percent: u32,
+    /// A device whose memory activity reaches this percent in a sample is busy (0 to 100).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=100))]
+    idle_memory_percent: u32,
+    /// How long a claim must go without a busy sample to be idle, in seconds (1 to 86400).
+    #[arg(long, default_value_t = 1800, value_parser = interval)]
+    idle_window_seconds: u64,
     /// How MIG-capable GPUs are published: `existing` MIG devices (GPUs with MIG disabled as
     /// whole GPUs), or `partitionable`: every possible MIG placement of GPUs with MIG enabled,
     /// consuming shared counters (GPUs with MIG disabled as whole GPUs).
@@ -220,6 +233,16 @@ impl Args {
         config.claim_timeout = std::time::Duration::from_secs(self.claim_timeout_seconds);
         config.stale_claim_interval =
             std::time::Duration::from_secs(self.stale_claim_interval_seconds);
+        config.usage =
+            (self.usage_interval_seconds > 0).then(|| gpu_kubelet_plugin::usage::UsageConfig {
+                interval: std::time::Duration::from_secs(self.usage_interval_seconds),
+                idle: gpu_kubelet_plugin::usage::IdleThresholds {
+                    sm_percent: self.idle_sm_percent,
+                    memory_percent: self.idle_memory_percent,
+                    window: std::time::Duration::from_secs(self.idle_window_seconds),
+                },
+                proc_root: config.proc_root.clone(),
+            });
         config.kubeconfig = self.kubeconfig;
         config.mig_strategy = match self.mig_strategy {
             MigStrategyArg::Existing => gpu_inventory::MigStrategy::Existing,
@@ -302,6 +325,13 @@ fn interval(value: &str) -> Result<u64, String> {
         Ok(seconds)
     } else {
         Err(format!("{seconds} s: must be 1 to 86400 s"))
+    }
+}
+
+fn interval_or_off(value: &str) -> Result<u64, String> {
+    match seconds(value)? {
+        0 => Ok(0),
+        _ => interval(value),
     }
 }
 

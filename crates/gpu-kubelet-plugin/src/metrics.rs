@@ -11,10 +11,14 @@
 //! | `drust_instance_active` | gauge | | 1 while this instance holds the active lock |
 //! | `drust_active_lock_wait_seconds` | gauge | | how long this instance waited for the lock |
 //!
+//! GPU usage (DCGM exporter's names, per-container memory, idle claims): see
+//! [`crate::usage::collector`].
+//!
 //! `method` is `prepare` or `unprepare`; `api_version` is `v1` or `v1beta1`; `reason` is
 //! [`crate::claims::ClaimError::reason`] or `not-active` (the instance never became active
 //! within the handover wait, see [`crate::instance`]).
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -25,6 +29,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+use crate::usage::collector::UsageCollector;
+use crate::usage::report::Report;
 
 /// The content type of [`Metrics::encode`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -56,6 +64,9 @@ fn duration_histogram() -> Histogram {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// The latest usage report ([`crate::usage`]), encoded at each scrape and served at
+    /// `/usage`.
+    usage: watch::Sender<Arc<Report>>,
     requests: Family<CallLabels, Counter>,
     durations: Family<CallLabels, Histogram, fn() -> Histogram>,
     errors: Family<ErrorLabels, Counter>,
@@ -76,7 +87,11 @@ impl Default for Metrics {
 impl Metrics {
     /// All metrics registered, at zero.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("drust");
+        let mut root = Registry::default();
+        // Usage keeps DCGM exporter's names (no prefix): see `crate::usage::collector`.
+        let usage = watch::Sender::new(Arc::new(Report::default()));
+        root.register_collector(Box::new(UsageCollector::new(usage.subscribe())));
+        let registry = root.sub_registry_with_prefix("drust");
         let requests = Family::<CallLabels, Counter>::default();
         registry.register(
             "kubelet_requests",
@@ -134,7 +149,8 @@ impl Metrics {
             recovery_failing.clone(),
         );
         Self {
-            registry,
+            registry: root,
+            usage,
             requests,
             durations,
             errors,
@@ -193,6 +209,16 @@ impl Metrics {
     pub fn set_recovery_failing(&self, claims: usize) {
         self.recovery_failing
             .set(i64::try_from(claims).unwrap_or(i64::MAX));
+    }
+
+    /// Where the usage sampler publishes its reports ([`crate::usage::sampler::run`]).
+    pub fn usage_reports(&self) -> watch::Sender<Arc<Report>> {
+        self.usage.clone()
+    }
+
+    /// The latest usage report (empty until the first sample).
+    pub fn usage_report(&self) -> Arc<Report> {
+        Arc::clone(&self.usage.borrow())
     }
 
     /// The metrics in the OpenMetrics text format ([`CONTENT_TYPE`]).

@@ -170,3 +170,81 @@ fn the_nvml_backend_publishes_nvidias_mock_gpus_as_the_fake_backend_does() {
         }
     }
 }
+
+/// Usage through the real NVML backend against the mock (`DRUST_MOCK_NVML_USAGE`): the
+/// utilization, memory and processes its usage file gives GPU 0, each process's pod and
+/// container read from its cgroup, and GPU 1 (no file) idle. Run in a child process of this
+/// test binary, since the mock reads its environment when it is loaded.
+#[test]
+fn usage_through_nvml_is_what_the_gpu_reports_with_each_process_s_pod() {
+    let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("build the mock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let usage = dir.path().join("usage");
+    std::fs::create_dir_all(&usage).expect("usage dir");
+    std::fs::write(
+        usage.join("0.json"),
+        r#"{"smPercent": 73, "memoryPercent": 12, "memoryUsedBytes": 3221225472,
+            "processes": [{"pid": 4242, "usedMemoryBytes": 1073741824}, {"pid": 4343}]}"#,
+    )
+    .expect("usage file");
+    let proc_root = dir.path().join("proc");
+    std::fs::create_dir_all(proc_root.join("4242")).expect("proc dir");
+    std::fs::write(
+        proc_root.join("4242/cgroup"),
+        "0::/kubepods/burstable/pod0b3c2d1e-8f7a-4b6c-9d5e-1a2b3c4d5e6f/abc123\n",
+    )
+    .expect("cgroup");
+    let out = Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["--ignored", "--exact", "usage_in_a_child", "--nocapture"])
+        .env("DRUST_MOCK_NVML_USAGE", &usage)
+        .env("DRUST_TEST_MOCK_LIBRARY", &lib)
+        .env("DRUST_TEST_PROC_ROOT", &proc_root)
+        .output()
+        .expect("run the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "the child of usage_through_nvml_is_what_the_gpu_reports_with_each_process_s_pod"]
+fn usage_in_a_child() {
+    use gpu_kubelet_plugin::usage::sampler::sample_gpus;
+    let lib = std::env::var_os("DRUST_TEST_MOCK_LIBRARY").expect("run by its parent test");
+    let proc_root = std::env::var_os("DRUST_TEST_PROC_ROOT").expect("run by its parent test");
+    let backend = gpu_inventory::NvmlBackend::load(Some(&lib), "/sys".into()).expect("load");
+    let samples = sample_gpus(&backend, &[0, 1].into(), Path::new(&proc_root));
+    let gpu0 = samples[&0].as_ref().expect("GPU 0");
+    assert_eq!(gpu0.usage.sm_percent, Some(73));
+    assert_eq!(gpu0.usage.memory_percent, Some(12));
+    assert_eq!(gpu0.usage.memory_used_bytes, 3 << 30);
+    let procs: Vec<(u32, Option<u64>)> = gpu0
+        .usage
+        .processes
+        .iter()
+        .map(|p| (p.pid, p.used_memory_bytes))
+        .collect();
+    assert_eq!(procs, [(4242, Some(1 << 30)), (4343, None)]);
+    assert_eq!(gpu0.usage.processes[0].gpu_instance_id, None);
+    let pod = &gpu0.containers[&4242];
+    assert_eq!(
+        (pod.pod_uid.as_str(), pod.container_id.as_str()),
+        ("0b3c2d1e-8f7a-4b6c-9d5e-1a2b3c4d5e6f", "abc123")
+    );
+    assert!(
+        !gpu0.containers.contains_key(&4343),
+        "no cgroup file: no pod"
+    );
+    let gpu1 = samples[&1].as_ref().expect("GPU 1");
+    assert_eq!(
+        (
+            gpu1.usage.sm_percent,
+            gpu1.usage.memory_used_bytes,
+            gpu1.usage.processes.len()
+        ),
+        (Some(0), 0, 0)
+    );
+}

@@ -21,6 +21,14 @@
 // DRUST_MOCK_NVML_DRIVER_VERSION replaces the machine's driver version (e.g. 615.20.01, a
 // branch with memory partitioning).
 //
+// DRUST_MOCK_NVML_USAGE names a directory of usage files, read at every call, so that a test
+// sets what the GPUs are doing while the plugin runs: `<index>.json`, in the format of
+// gpu-inventory's GpuUsage, `{"smPercent": 87, "memoryPercent": 20, "memoryUsedBytes": n,
+// "processes": [{"pid": 1234, "usedMemoryBytes": n}]}`, answers nvmlDeviceGetUtilizationRates,
+// the `used` of nvmlDeviceGetMemoryInfo_v2 and nvmlDeviceGetComputeRunningProcesses_v3 of GPU
+// index (nvmlDeviceGetMPSComputeRunningProcesses_v3 lists none); without the file the GPU is
+// idle (0 %, no memory used, no process). A GPU in MIG mode answers NOT_SUPPORTED to the
+// utilization query, as a real one does.
 // Where the mock has no answer for a call the backend makes, this bridge gives one and says so
 // here (and in tests/gpu/README.md):
 //   - PCI bus IDs: the mock's PciInfo carries only the device ID. The bridge gives GPU i the
@@ -414,6 +422,10 @@ func nvmlDeviceGetMemoryInfo_v2(h unsafe.Pointer, out unsafe.Pointer) C.int {
 	}
 	v2 := (*nvml.Memory_v2)(out)
 	v2.Total, v2.Reserved, v2.Free, v2.Used = m.Total, 0, m.Free, m.Used
+	if u, ok := usageOf(index(h)); ok {
+		v2.Used = u.MemoryUsedBytes
+		v2.Free = m.Total - min(m.Total, u.MemoryUsedBytes)
+	}
 	return success
 }
 
@@ -1076,5 +1088,106 @@ func nvmlDeviceSetMemoryLimits_v1(h unsafe.Pointer, limits *C.nvmlSetMemoryLimit
 	uuid, _ := d.GetUUID()
 	record("nvmlDeviceSetMemoryLimits_v1 %s %s %d %d", uuid, cgroup,
 		uint64(limits.softLimit), uint64(limits.hardLimit))
+	return success
+}
+
+// usage is one GPU's usage file (DRUST_MOCK_NVML_USAGE).
+type usage struct {
+	SmPercent       *uint32 `json:"smPercent"`
+	MemoryPercent   *uint32 `json:"memoryPercent"`
+	MemoryUsedBytes uint64  `json:"memoryUsedBytes"`
+	Processes       []struct {
+		Pid               uint32  `json:"pid"`
+		UsedMemoryBytes   *uint64 `json:"usedMemoryBytes"`
+		GpuInstanceId     *uint32 `json:"gpuInstanceId"`
+		ComputeInstanceId *uint32 `json:"computeInstanceId"`
+	} `json:"processes"`
+}
+
+// usageOf reads GPU i's usage file; false without DRUST_MOCK_NVML_USAGE. A missing file is an
+// idle GPU; an unreadable one is reported on stderr and read as idle.
+func usageOf(i int) (usage, bool) {
+	dir := os.Getenv("DRUST_MOCK_NVML_USAGE")
+	if dir == "" || i < 0 {
+		return usage{}, false
+	}
+	var u usage
+	data, err := os.ReadFile(filepath.Join(dir, fmt.Sprintf("%d.json", i)))
+	if err != nil {
+		return u, true
+	}
+	if err := json.Unmarshal(data, &u); err != nil {
+		fmt.Fprintf(os.Stderr, "mocknvml: usage file of GPU %d: %v\n", i, err)
+		return usage{}, true
+	}
+	return u, true
+}
+
+// migEnabled reports whether GPU handle h has MIG mode on.
+func migEnabled(d nvml.Device) bool {
+	current, _, r := d.GetMigMode()
+	return r == nvml.SUCCESS && current == nvml.DEVICE_MIG_ENABLE
+}
+
+//export nvmlDeviceGetUtilizationRates
+func nvmlDeviceGetUtilizationRates(h unsafe.Pointer, ptr unsafe.Pointer) C.int {
+	out := (*nvml.Utilization)(ptr)
+	d, ok := device(h)
+	if !ok || out == nil {
+		return invalidArgument
+	}
+	if migEnabled(d) {
+		return notSupported
+	}
+	u, _ := usageOf(index(h))
+	out.Gpu, out.Memory = 0, 0
+	if u.SmPercent != nil {
+		out.Gpu = *u.SmPercent
+	}
+	if u.MemoryPercent != nil {
+		out.Memory = *u.MemoryPercent
+	}
+	return success
+}
+
+// noValue is NVML's "not applicable" for a process's instance ids.
+const noValue = 0xFFFFFFFF
+
+//export nvmlDeviceGetComputeRunningProcesses_v3
+func nvmlDeviceGetComputeRunningProcesses_v3(h unsafe.Pointer, count *C.uint, ptr unsafe.Pointer) C.int {
+	infos := (*nvml.ProcessInfo)(ptr)
+	if _, ok := device(h); !ok || count == nil {
+		return invalidArgument
+	}
+	u, _ := usageOf(index(h))
+	n := len(u.Processes)
+	if int(*count) < n || (n > 0 && infos == nil) {
+		*count = C.uint(n)
+		return insufficientSize
+	}
+	out := unsafe.Slice(infos, int(*count))
+	for i, p := range u.Processes {
+		info := nvml.ProcessInfo{Pid: p.Pid, UsedGpuMemory: ^uint64(0), GpuInstanceId: noValue, ComputeInstanceId: noValue}
+		if p.UsedMemoryBytes != nil {
+			info.UsedGpuMemory = *p.UsedMemoryBytes
+		}
+		if p.GpuInstanceId != nil {
+			info.GpuInstanceId = *p.GpuInstanceId
+		}
+		if p.ComputeInstanceId != nil {
+			info.ComputeInstanceId = *p.ComputeInstanceId
+		}
+		out[i] = info
+	}
+	*count = C.uint(n)
+	return success
+}
+
+//export nvmlDeviceGetMPSComputeRunningProcesses_v3
+func nvmlDeviceGetMPSComputeRunningProcesses_v3(h unsafe.Pointer, count *C.uint, _ unsafe.Pointer) C.int {
+	if _, ok := device(h); !ok || count == nil {
+		return invalidArgument
+	}
+	*count = 0
 	return success
 }

@@ -42,12 +42,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use nvml_wrapper::enum_wrappers::device::Brand;
+use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use crate::backend::{
-    BackendError, ComputeMode, GpuBackend, GpuState, MemoryLimits, MigAttributes, MigMode,
-    MigPlacement, MigProfile, NvLinkGroup, RawGpu, RawMigDevice, SystemInfo,
+    BackendError, ComputeMode, GpuBackend, GpuState, GpuUsage, MemoryLimits, MigAttributes,
+    MigMode, MigPlacement, MigProfile, NvLinkGroup, ProcessUsage, RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::health::{HealthEvent, HealthEventKind, RecoveryProbe};
 use crate::mig_tables::PROFILE_COUNT;
@@ -350,6 +351,61 @@ impl GpuBackend for NvmlBackend {
             } else {
                 Vec::new()
             },
+        })
+    }
+
+    fn usage(&self, index: u32) -> Result<GpuUsage, BackendError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
+        let (sm_percent, memory_percent) = match d.utilization_rates() {
+            Ok(u) => (Some(u.gpu.min(100)), Some(u.memory.min(100))),
+            // A GPU in MIG mode has no whole-GPU figures.
+            Err(NvmlError::NotSupported) => (None, None),
+            Err(e) => return Err(query("nvmlDeviceGetUtilizationRates", index)(e)),
+        };
+        let memory_used_bytes = d
+            .memory_info()
+            .map_err(query("nvmlDeviceGetMemoryInfo_v2", index))?
+            .used;
+        let mut listed = d
+            .running_compute_processes()
+            .map_err(query("nvmlDeviceGetComputeRunningProcesses_v3", index))?;
+        // MPS clients, where NVML lists them apart from the server (a driver without the call,
+        // or a GPU without MPS support, has none to add).
+        match d.mps_running_compute_processes() {
+            Ok(mps) => {
+                for p in mps {
+                    if !listed.iter().any(|l| l.pid == p.pid) {
+                        listed.push(p);
+                    }
+                }
+            }
+            Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => {}
+            Err(e) => {
+                return Err(query("nvmlDeviceGetMPSComputeRunningProcesses_v3", index)(
+                    e,
+                ));
+            }
+        }
+        let processes = listed
+            .into_iter()
+            .map(|p| ProcessUsage {
+                pid: p.pid,
+                used_memory_bytes: match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                },
+                gpu_instance_id: p.gpu_instance_id,
+                compute_instance_id: p.compute_instance_id,
+            })
+            .collect();
+        Ok(GpuUsage {
+            sm_percent,
+            memory_percent,
+            memory_used_bytes,
+            processes,
         })
     }
 

@@ -271,6 +271,24 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         self.lifecycle.quiesce().await;
     }
 
+    /// What the usage sampler joins ([`crate::usage`]): every device by name, published or
+    /// retired, and the prepared claims.
+    pub async fn usage_view(&self) -> (BTreeMap<String, NodeDevice>, Vec<(String, ClaimRecord)>) {
+        let catalogue = self.catalogue();
+        let devices = catalogue
+            .retired
+            .iter()
+            .chain(&catalogue.devices)
+            .map(|(n, d)| (n.clone(), d.clone()))
+            .collect();
+        (devices, self.lifecycle.completed_records().await)
+    }
+
+    /// The API server, as the controller reads it.
+    pub fn cluster(&self) -> &C {
+        &self.gpu().cluster
+    }
+
     /// The GPU driver's state.
     fn gpu(&self) -> &Gpu<C, H> {
         self.lifecycle.driver()

@@ -1,0 +1,70 @@
+//! Who holds GPUs and does not use them: per-device usage joined with the claims that hold the
+//! devices and the pods whose processes run on them, and how long each claim has been idle.
+//!
+//! Every [`UsageConfig::interval`] the active instance samples each GPU it publishes
+//! ([`gpu_inventory::GpuBackend::usage`]: utilization, memory used, processes) on a blocking
+//! thread, without any GPU lock and apart from prepare and unprepare, reads each process's
+//! cgroup to find its pod and container ([`cgroup`]), and builds a [`Report`] ([`report`])
+//! that `/metrics` ([`collector`]) and `/usage` serve.
+//!
+//! **Busy and idle.** A device is busy in a sample when its SM utilization or its memory
+//! activity reaches [`IdleThresholds`]; a device NVML gives no utilization for (a MIG device) is
+//! busy while a process runs on it. A share (consumable capacity) is busy when its GPU is and
+//! a process of the share's pods runs on it, or, when the pods of the GPU's shares cannot be
+//! told apart, whenever its GPU is busy: in doubt, busy. A claim is busy when one of its
+//! devices is; it is idle once it has not been busy for [`IdleThresholds::window`] since it
+//! was prepared (or since the plugin started, for a claim prepared before).
+
+pub mod cgroup;
+pub mod collector;
+pub mod report;
+pub mod sampler;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use report::{ClaimReport, DeviceReport, ProcessReport, Report};
+
+/// When a claim counts as idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdleThresholds {
+    /// A device whose SM utilization (percent, 0..=100) reaches this is busy.
+    pub sm_percent: u32,
+    /// A device whose memory activity (percent of time memory was read or written) reaches this
+    /// is busy.
+    pub memory_percent: u32,
+    /// How long a claim must go without a busy sample to be idle.
+    pub window: Duration,
+}
+
+impl Default for IdleThresholds {
+    /// 5 % SM, 5 % memory activity, 30 minutes.
+    fn default() -> Self {
+        Self {
+            sm_percent: 5,
+            memory_percent: 5,
+            window: Duration::from_secs(30 * 60),
+        }
+    }
+}
+
+/// How usage is sampled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageConfig {
+    /// Time between two samples (default 10 s).
+    pub interval: Duration,
+    /// When a claim is idle.
+    pub idle: IdleThresholds,
+    /// The host's `/proc` as the plugin sees it (processes' cgroups).
+    pub proc_root: PathBuf,
+}
+
+impl Default for UsageConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(10),
+            idle: IdleThresholds::default(),
+            proc_root: PathBuf::from("/proc"),
+        }
+    }
+}

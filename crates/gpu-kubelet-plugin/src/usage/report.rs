@@ -1,0 +1,680 @@
+//! The usage report: each device's sample joined with the claims that hold it and the pods
+//! whose processes run on it, and each claim's idleness ([`IdleTracker`]). Pure: the sampler
+//! ([`super::sampler`]) gathers the inputs.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use gpu_inventory::GpuUsage;
+use serde::{Deserialize, Serialize};
+
+use super::IdleThresholds;
+use super::cgroup::ContainerRef;
+use crate::checkpoint::ClaimRecord;
+use crate::hardware::NodeDevice;
+
+/// One GPU's sample: NVML's answer and, by PID, the pod and container of each of its processes
+/// that runs in one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GpuSample {
+    /// What NVML said.
+    pub usage: GpuUsage,
+    /// Pod and container by PID.
+    pub containers: BTreeMap<u32, ContainerRef>,
+}
+
+/// A pod that uses a claim (`status.reservedFor` of the claim).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodRef {
+    /// Its name.
+    pub name: String,
+    /// Its `metadata.uid`.
+    pub uid: String,
+}
+
+/// Everything the sampler saw at one moment. Served as JSON at `/usage` (camelCase).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    /// The node.
+    pub node: String,
+    /// When it was sampled, seconds since the Unix epoch.
+    pub sampled_at_unix: u64,
+    /// How idleness is judged: SM percent, memory-activity percent, window seconds.
+    pub idle_sm_percent: u32,
+    /// See `idle_sm_percent`.
+    pub idle_memory_percent: u32,
+    /// See `idle_sm_percent`.
+    pub idle_window_seconds: u64,
+    /// Every published device, and every device a prepared claim holds.
+    pub devices: Vec<DeviceReport>,
+    /// Every prepared claim.
+    pub claims: Vec<ClaimReport>,
+    /// GPUs whose sample failed, with the error; their devices are left out.
+    pub errors: Vec<String>,
+}
+
+/// One device in a sample.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceReport {
+    /// Its DRA device name.
+    pub device: String,
+    /// Its own UUID (a MIG device's `MIG-…`).
+    pub uuid: String,
+    /// Its GPU's NVML index.
+    pub gpu_index: u32,
+    /// Its GPU's UUID.
+    pub gpu_uuid: String,
+    /// Its GPU's minor number (`/dev/nvidia<minor>`).
+    pub minor: u32,
+    /// Its GPU's product name.
+    pub model: String,
+    /// Its GPU's PCI bus ID.
+    pub pci_bus_id: String,
+    /// A MIG device's profile, e.g. `1g.10gb`.
+    pub mig_profile: Option<String>,
+    /// A MIG device's GPU instance.
+    pub gpu_instance_id: Option<u32>,
+    /// SM utilization, percent; `None` where NVML has none (MIG devices).
+    pub sm_percent: Option<u32>,
+    /// Memory activity, percent; `None` as for `sm_percent`.
+    pub memory_percent: Option<u32>,
+    /// Device memory in use, bytes (for a MIG device: its processes' memory).
+    pub memory_used_bytes: u64,
+    /// Its memory, bytes, where known.
+    pub memory_total_bytes: Option<u64>,
+    /// Busy in this sample (see the module docs of [`super`]).
+    pub busy: bool,
+    /// UIDs of the prepared claims holding it.
+    pub claims: Vec<String>,
+    /// Its processes.
+    pub processes: Vec<ProcessReport>,
+}
+
+/// One process on a device.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessReport {
+    /// Host PID.
+    pub pid: u32,
+    /// Device memory, bytes, where NVML tells.
+    pub used_memory_bytes: Option<u64>,
+    /// Its pod's UID, when it runs in a pod.
+    pub pod_uid: Option<String>,
+    /// Its pod's name, when a claim on the device lists the pod.
+    pub pod: Option<String>,
+    /// Its pod's namespace, as `pod`.
+    pub namespace: Option<String>,
+    /// Its container's runtime ID.
+    pub container_id: Option<String>,
+    /// The UID of the claim it is attributed to.
+    pub claim: Option<String>,
+}
+
+/// One prepared claim in a sample.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimReport {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// Its UID.
+    pub uid: String,
+    /// Its devices (DRA device names).
+    pub devices: Vec<String>,
+    /// The pods that use it, where known.
+    pub pods: Vec<PodRef>,
+    /// Busy in this sample.
+    pub busy: bool,
+    /// Seconds since it was last busy (or since it was first seen).
+    pub idle_seconds: u64,
+    /// `idle_seconds` reached the window. Never for a claim of admin-access devices only.
+    pub idle: bool,
+    /// Device memory its processes use, bytes (a whole device: all of the device's).
+    pub memory_used_bytes: u64,
+    /// For a share: the memory it was allocated (`consumedCapacity.memory`), bytes.
+    pub share_memory_bytes: Option<u64>,
+}
+
+/// How long each claim has gone without a busy sample. Times are monotonic.
+#[derive(Debug, Default)]
+pub struct IdleTracker {
+    /// By claim UID: its last busy sample, or when it was first seen.
+    since: BTreeMap<String, Instant>,
+}
+
+impl IdleTracker {
+    /// Records claim `uid` as `busy` or not at `now`; returns how long it has been idle.
+    pub fn observe(&mut self, uid: &str, busy: bool, now: Instant) -> Duration {
+        let since = self.since.entry(uid.to_owned()).or_insert(now);
+        if busy {
+            *since = now;
+        }
+        now.saturating_duration_since(*since)
+    }
+
+    /// Forgets the claims not in `uids` (unprepared).
+    pub fn retain(&mut self, uids: &BTreeSet<&str>) {
+        self.since.retain(|uid, _| uids.contains(uid.as_str()));
+    }
+}
+
+/// The inputs of one report.
+pub struct Inputs<'a> {
+    /// This node.
+    pub node: &'a str,
+    /// Every device by name, published or retired.
+    pub devices: &'a BTreeMap<String, NodeDevice>,
+    /// The prepared claims by UID.
+    pub claims: &'a [(String, ClaimRecord)],
+    /// Samples by GPU index (an error: why the GPU could not be sampled).
+    pub samples: &'a BTreeMap<u32, Result<GpuSample, String>>,
+    /// The pods of each claim, by claim UID, where known.
+    pub pods: &'a BTreeMap<String, Vec<PodRef>>,
+    /// When a device is busy and a claim idle.
+    pub thresholds: IdleThresholds,
+}
+
+/// Builds the report of `inputs` at `now` (`unix`: the same moment in seconds since the epoch),
+/// updating `tracker`.
+pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix: u64) -> Report {
+    let t = inputs.thresholds;
+    let mut report = Report {
+        node: inputs.node.to_owned(),
+        sampled_at_unix: unix,
+        idle_sm_percent: t.sm_percent,
+        idle_memory_percent: t.memory_percent,
+        idle_window_seconds: t.window.as_secs(),
+        ..Report::default()
+    };
+    for (index, sample) in inputs.samples {
+        if let Err(e) = sample {
+            report.errors.push(format!("GPU {index}: {e}"));
+        }
+    }
+    // Which claims hold each device (admin access apart: it does not count as use).
+    let mut holders: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (uid, r) in inputs.claims {
+        for d in r.devices.iter().filter(|d| !d.admin_access) {
+            holders.entry(&d.device_name).or_default().push(uid);
+        }
+    }
+    // Pod UID -> (claim UID, pod name, namespace).
+    let mut pod_claims: BTreeMap<&str, (&str, &str, &str)> = BTreeMap::new();
+    for (uid, r) in inputs.claims {
+        for p in inputs.pods.get(uid).into_iter().flatten() {
+            pod_claims.insert(&p.uid, (uid, &p.name, &r.namespace));
+        }
+    }
+
+    for (name, device) in inputs.devices {
+        let claimed = holders.get(name.as_str());
+        let Some(mut d) = device_report(name, device, inputs) else {
+            continue;
+        };
+        if claimed.is_none() && matches!(device, NodeDevice::MigPlacement { .. }) {
+            continue;
+        }
+        let Some(Ok(_)) = inputs.samples.get(&device.gpu().raw.index) else {
+            continue;
+        };
+        d.claims = claimed
+            .map(|c| c.iter().map(|s| (*s).to_owned()).collect())
+            .unwrap_or_default();
+        for p in &mut d.processes {
+            let Some(pod) = p.pod_uid.as_deref() else {
+                continue;
+            };
+            if let Some((claim, pod_name, ns)) = pod_claims.get(pod) {
+                if d.claims.iter().any(|c| c == claim) {
+                    p.claim = Some((*claim).to_owned());
+                    p.pod = Some((*pod_name).to_owned());
+                    p.namespace = Some((*ns).to_owned());
+                }
+            } else if d.claims.len() == 1 {
+                // One holder: whatever pod runs on it uses that claim.
+                p.claim = Some(d.claims[0].clone());
+            }
+        }
+        d.busy = match (d.sm_percent, d.memory_percent) {
+            (None, None) => !d.processes.is_empty(),
+            (sm, mem) => {
+                sm.is_some_and(|s| s >= t.sm_percent) || mem.is_some_and(|m| m >= t.memory_percent)
+            }
+        };
+        report.devices.push(d);
+    }
+
+    let mut seen = BTreeSet::new();
+    for (uid, r) in inputs.claims {
+        seen.insert(uid.as_str());
+        let mut c = ClaimReport {
+            namespace: r.namespace.clone(),
+            name: r.name.clone(),
+            uid: uid.clone(),
+            devices: r.devices.iter().map(|d| d.device_name.clone()).collect(),
+            pods: inputs.pods.get(uid).cloned().unwrap_or_default(),
+            ..ClaimReport::default()
+        };
+        let mut counted = false;
+        for rd in r.devices.iter().filter(|d| !d.admin_access) {
+            let Some(d) = report.devices.iter().find(|d| d.device == rd.device_name) else {
+                continue;
+            };
+            counted = true;
+            let mine = d
+                .processes
+                .iter()
+                .filter(|p| p.claim.as_deref() == Some(uid));
+            if let Some(share) = rd.share.as_ref().filter(|s| !s.whole) {
+                c.share_memory_bytes = Some(share.memory_bytes);
+                c.memory_used_bytes += mine
+                    .clone()
+                    .filter_map(|p| p.used_memory_bytes)
+                    .sum::<u64>();
+                // In doubt (processes no claim is known for, or none listed), busy.
+                let unknown =
+                    d.processes.is_empty() || d.processes.iter().any(|p| p.claim.is_none());
+                c.busy |= d.busy && (mine.count() > 0 || unknown);
+            } else {
+                c.memory_used_bytes += d.memory_used_bytes;
+                c.busy |= d.busy;
+            }
+        }
+        // Devices not sampled (a failing GPU): in doubt, busy.
+        if r.devices.iter().any(|rd| {
+            !rd.admin_access && !report.devices.iter().any(|d| d.device == rd.device_name)
+        }) {
+            c.busy = true;
+        }
+        let idle_for = tracker.observe(uid, c.busy, now);
+        c.idle_seconds = idle_for.as_secs();
+        c.idle = counted && !c.busy && idle_for >= t.window;
+        report.claims.push(c);
+    }
+    tracker.retain(&seen);
+    report
+}
+
+/// The report of `device` from its GPU's sample, without claims; `None` when its GPU was not
+/// sampled or it is a placement no claim created.
+fn device_report(name: &str, device: &NodeDevice, inputs: &Inputs<'_>) -> Option<DeviceReport> {
+    let gpu = device.gpu();
+    let Some(Ok(sample)) = inputs.samples.get(&gpu.raw.index) else {
+        return None;
+    };
+    let mut d = DeviceReport {
+        device: name.to_owned(),
+        uuid: gpu.raw.uuid.clone(),
+        gpu_index: gpu.raw.index,
+        gpu_uuid: gpu.raw.uuid.clone(),
+        minor: gpu.raw.minor,
+        model: gpu.raw.name.clone(),
+        pci_bus_id: gpu.pci_bus_id.clone().unwrap_or_default(),
+        ..DeviceReport::default()
+    };
+    let gpu_instance = match device {
+        NodeDevice::Gpu(_) => None,
+        NodeDevice::Mig { mig, .. } => {
+            d.uuid = mig.uuid.clone().unwrap_or_default();
+            d.mig_profile = Some(mig.profile.clone());
+            d.memory_total_bytes = Some(mig.memory_bytes);
+            Some(mig.instance_ids?.0)
+        }
+        NodeDevice::MigPlacement { profile, .. } => {
+            // Exists only as a claim created it: its record says which instance.
+            let created = inputs
+                .claims
+                .iter()
+                .flat_map(|(_, r)| &r.devices)
+                .find(|rd| rd.device_name == name)
+                .and_then(|rd| rd.mig.as_ref())?;
+            d.uuid.clone_from(&created.uuid);
+            d.mig_profile = Some(profile.clone());
+            Some(created.gpu_instance_id)
+        }
+    };
+    d.gpu_instance_id = gpu_instance;
+    let processes = sample
+        .usage
+        .processes
+        .iter()
+        .filter(|p| gpu_instance.is_none() || p.gpu_instance_id == gpu_instance);
+    d.processes = processes
+        .map(|p| {
+            let container = sample.containers.get(&p.pid);
+            ProcessReport {
+                pid: p.pid,
+                used_memory_bytes: p.used_memory_bytes,
+                pod_uid: container.map(|c| c.pod_uid.clone()),
+                container_id: container
+                    .map(|c| c.container_id.clone())
+                    .filter(|id| !id.is_empty()),
+                ..ProcessReport::default()
+            }
+        })
+        .collect();
+    if gpu_instance.is_none() {
+        d.sm_percent = sample.usage.sm_percent;
+        d.memory_percent = sample.usage.memory_percent;
+        d.memory_used_bytes = sample.usage.memory_used_bytes;
+        d.memory_total_bytes = Some(gpu.raw.memory_total_bytes);
+    } else {
+        d.memory_used_bytes = d.processes.iter().filter_map(|p| p.used_memory_bytes).sum();
+    }
+    Some(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::{ClaimState, RecordedDevice, RecordedShare};
+    use gpu_inventory::{FakeBackend, MigStrategy, ProcessUsage};
+
+    const MIN: Duration = Duration::from_secs(60);
+
+    fn devices() -> BTreeMap<String, NodeDevice> {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../examples/topologies/dgx-a100-mig.yaml"
+        );
+        let inventory = gpu_inventory::discover(&FakeBackend::from_file(path).unwrap()).unwrap();
+        crate::hardware::node_devices(&inventory, MigStrategy::Existing)
+    }
+
+    /// The name of the whole GPU at `index`.
+    fn gpu(devices: &BTreeMap<String, NodeDevice>, index: u32) -> String {
+        devices
+            .iter()
+            .find(|(_, d)| !d.is_mig() && d.gpu().raw.index == index)
+            .map(|(n, _)| n.clone())
+            .unwrap()
+    }
+
+    fn record(name: &str, devices: Vec<RecordedDevice>) -> ClaimRecord {
+        ClaimRecord {
+            namespace: "team".into(),
+            name: name.into(),
+            state: ClaimState::PrepareCompleted,
+            devices,
+            cdi_spec_path: Default::default(),
+            cdi_spec: Default::default(),
+        }
+    }
+
+    fn held(device: &str, share: Option<(u64, u32)>) -> RecordedDevice {
+        RecordedDevice {
+            request_names: vec!["gpu".into()],
+            pool_name: "node".into(),
+            device_name: device.into(),
+            cdi_device_ids: Vec::new(),
+            uuid: String::new(),
+            admin_access: false,
+            sharing: None,
+            mig: None,
+            share: share.map(|(mib, pct)| RecordedShare {
+                id: format!("s{mib}"),
+                memory_bytes: mib << 20,
+                compute_percent: pct,
+                whole: false,
+            }),
+        }
+    }
+
+    fn pod_uid(n: u8) -> String {
+        format!("00000000-0000-4000-8000-0000000000{n:02}")
+    }
+
+    /// A sample with `sm` percent and processes `(pid, MiB, pod number, GPU instance)`.
+    fn sample(
+        sm: Option<u32>,
+        processes: &[(u32, u64, u8, Option<u32>)],
+    ) -> Result<GpuSample, String> {
+        Ok(GpuSample {
+            usage: GpuUsage {
+                sm_percent: sm,
+                memory_percent: sm.map(|_| 0),
+                memory_used_bytes: processes.iter().map(|p| p.1 << 20).sum(),
+                processes: processes
+                    .iter()
+                    .map(|&(pid, mib, _, gi)| ProcessUsage {
+                        pid,
+                        used_memory_bytes: Some(mib << 20),
+                        gpu_instance_id: gi,
+                        compute_instance_id: gi.map(|_| 0),
+                    })
+                    .collect(),
+            },
+            containers: processes
+                .iter()
+                .map(|&(pid, _, pod, _)| {
+                    (
+                        pid,
+                        ContainerRef {
+                            pod_uid: pod_uid(pod),
+                            container_id: format!("c{pod}"),
+                        },
+                    )
+                })
+                .collect(),
+        })
+    }
+
+    fn pods(entries: &[(&str, u8)]) -> BTreeMap<String, Vec<PodRef>> {
+        let mut m: BTreeMap<String, Vec<PodRef>> = BTreeMap::new();
+        for (claim, pod) in entries {
+            m.entry((*claim).to_owned()).or_default().push(PodRef {
+                name: format!("pod-{pod}"),
+                uid: pod_uid(*pod),
+            });
+        }
+        m
+    }
+
+    fn claim<'r>(r: &'r Report, uid: &str) -> &'r ClaimReport {
+        r.claims.iter().find(|c| c.uid == uid).unwrap()
+    }
+
+    #[test]
+    fn a_busy_claim_is_never_idle_and_an_idle_one_is_after_the_window() {
+        let devices = devices();
+        let (g4, g5) = (gpu(&devices, 4), gpu(&devices, 5));
+        let claims = vec![
+            ("busy".to_owned(), record("train", vec![held(&g4, None)])),
+            ("idle".to_owned(), record("notebook", vec![held(&g5, None)])),
+        ];
+        let samples = BTreeMap::from([
+            (4, sample(Some(80), &[(100, 30_000, 1, None)])),
+            // Holds 20 GiB, computes nothing.
+            (5, sample(Some(0), &[(200, 20_480, 2, None)])),
+        ]);
+        let pods = pods(&[("busy", 1), ("idle", 2)]);
+        let inputs = Inputs {
+            node: "node-a",
+            devices: &devices,
+            claims: &claims,
+            samples: &samples,
+            pods: &pods,
+            thresholds: IdleThresholds::default(),
+        };
+        let mut tracker = IdleTracker::default();
+        let t0 = Instant::now();
+        let first = build(&inputs, &mut tracker, t0, 1);
+        assert!(!claim(&first, "idle").idle, "not before the window");
+        let later = build(&inputs, &mut tracker, t0 + 31 * MIN, 2);
+        let (busy, idle) = (claim(&later, "busy"), claim(&later, "idle"));
+        assert!(busy.busy && !busy.idle && busy.idle_seconds == 0);
+        assert!(!idle.busy && idle.idle && idle.idle_seconds == 31 * 60);
+        assert_eq!(idle.memory_used_bytes, 20_480 << 20);
+        // The process is attributed to its pod and claim.
+        let d = later.devices.iter().find(|d| d.device == g5).unwrap();
+        assert_eq!(d.claims, ["idle"]);
+        let p = &d.processes[0];
+        assert_eq!(
+            (
+                p.pod.as_deref(),
+                p.namespace.as_deref(),
+                p.claim.as_deref(),
+                p.container_id.as_deref()
+            ),
+            (Some("pod-2"), Some("team"), Some("idle"), Some("c2"))
+        );
+        // Unclaimed GPUs are reported too, without claims.
+        assert!(
+            later
+                .devices
+                .iter()
+                .any(|d| d.gpu_index == 4 && d.claims.len() == 1)
+        );
+        // Busy again: the clock restarts.
+        let samples = BTreeMap::from([
+            (4, sample(Some(80), &[])),
+            (5, sample(Some(60), &[(200, 20_480, 2, None)])),
+        ]);
+        let again = build(
+            &Inputs {
+                samples: &samples,
+                ..inputs
+            },
+            &mut tracker,
+            t0 + 32 * MIN,
+            3,
+        );
+        assert!(!claim(&again, "idle").idle);
+        assert_eq!(claim(&again, "idle").idle_seconds, 0);
+    }
+
+    #[test]
+    fn shares_are_busy_by_their_own_pods_and_report_memory_against_their_limit() {
+        let devices = devices();
+        let g6 = gpu(&devices, 6);
+        let claims = vec![
+            (
+                "s1".to_owned(),
+                record("infer", vec![held(&g6, Some((10_240, 50)))]),
+            ),
+            (
+                "s2".to_owned(),
+                record("lab", vec![held(&g6, Some((20_480, 0)))]),
+            ),
+        ];
+        // Only s1's pod computes; s2's pod holds memory.
+        let samples = BTreeMap::from([(
+            6,
+            sample(Some(90), &[(1, 6_000, 1, None), (2, 1_000, 2, None)]),
+        )]);
+        let pods = pods(&[("s1", 1), ("s2", 2)]);
+        let inputs = Inputs {
+            node: "n",
+            devices: &devices,
+            claims: &claims,
+            samples: &samples,
+            pods: &pods,
+            thresholds: IdleThresholds::default(),
+        };
+        let mut tracker = IdleTracker::default();
+        let t0 = Instant::now();
+        build(&inputs, &mut tracker, t0, 0);
+        let r = build(&inputs, &mut tracker, t0 + 30 * MIN, 0);
+        // s2's pod has a process on the busy GPU: in doubt (NVML's per-GPU figure), busy.
+        assert!(claim(&r, "s1").busy && claim(&r, "s2").busy);
+        assert_eq!(claim(&r, "s1").memory_used_bytes, 6_000 << 20);
+        assert_eq!(claim(&r, "s1").share_memory_bytes, Some(10_240 << 20));
+        assert_eq!(claim(&r, "s2").memory_used_bytes, 1_000 << 20);
+
+        // s2's pod gone from the GPU: s2 idle after the window, s1 still busy.
+        let samples = BTreeMap::from([(6, sample(Some(90), &[(1, 6_000, 1, None)]))]);
+        let inputs = Inputs {
+            samples: &samples,
+            ..inputs
+        };
+        let mut tracker = IdleTracker::default();
+        build(&inputs, &mut tracker, t0, 0);
+        let r = build(&inputs, &mut tracker, t0 + 30 * MIN, 0);
+        assert!(claim(&r, "s1").busy);
+        assert!(claim(&r, "s2").idle);
+
+        // Pods not known (no reservedFor read yet) and a process on the busy GPU: in doubt, busy.
+        let unknown = BTreeMap::new();
+        let inputs = Inputs {
+            pods: &unknown,
+            ..inputs
+        };
+        let mut tracker = IdleTracker::default();
+        build(&inputs, &mut tracker, t0, 0);
+        let r = build(&inputs, &mut tracker, t0 + 30 * MIN, 0);
+        assert!(claim(&r, "s2").busy && !claim(&r, "s2").idle);
+    }
+
+    #[test]
+    fn a_mig_device_is_busy_while_a_process_runs_in_its_instance() {
+        let devices = devices();
+        let (name, gi) = devices
+            .iter()
+            .find_map(|(n, d)| match d {
+                NodeDevice::Mig { parent, mig } if parent.raw.index == 1 => {
+                    Some((n.clone(), mig.instance_ids?.0))
+                }
+                _ => None,
+            })
+            .unwrap();
+        let claims = vec![("m".to_owned(), record("mig", vec![held(&name, None)]))];
+        let pods = pods(&[("m", 3)]);
+        let run = |processes: &[(u32, u64, u8, Option<u32>)]| {
+            let samples = BTreeMap::from([(1, sample(None, processes))]);
+            let inputs = Inputs {
+                node: "n",
+                devices: &devices,
+                claims: &claims,
+                samples: &samples,
+                pods: &pods,
+                thresholds: IdleThresholds::default(),
+            };
+            build(&inputs, &mut IdleTracker::default(), Instant::now(), 0)
+        };
+        let r = run(&[(7, 512, 3, Some(gi)), (8, 256, 4, Some(gi + 100))]);
+        let d = r.devices.iter().find(|d| d.device == name).unwrap();
+        assert!(d.busy && d.sm_percent.is_none());
+        assert_eq!(d.processes.len(), 1, "only its own instance's process");
+        assert_eq!(d.memory_used_bytes, 512 << 20);
+        assert!(claim(&r, "m").busy);
+        let r = run(&[(8, 256, 4, Some(gi + 100))]);
+        assert!(!claim(&r, "m").busy);
+    }
+
+    #[test]
+    fn a_gpu_that_cannot_be_sampled_keeps_its_claims_busy() {
+        let devices = devices();
+        let g7 = gpu(&devices, 7);
+        let claims = vec![("c".to_owned(), record("c", vec![held(&g7, None)]))];
+        let samples = BTreeMap::from([(7, Err("NVML: GPU is lost".to_owned()))]);
+        let pods = BTreeMap::new();
+        let inputs = Inputs {
+            node: "n",
+            devices: &devices,
+            claims: &claims,
+            samples: &samples,
+            pods: &pods,
+            thresholds: IdleThresholds::default(),
+        };
+        let mut tracker = IdleTracker::default();
+        let t0 = Instant::now();
+        build(&inputs, &mut tracker, t0, 0);
+        let r = build(&inputs, &mut tracker, t0 + 60 * MIN, 0);
+        assert_eq!(r.errors, ["GPU 7: NVML: GPU is lost"]);
+        assert!(claim(&r, "c").busy && !claim(&r, "c").idle);
+        assert!(!r.devices.iter().any(|d| d.gpu_index == 7));
+    }
+
+    #[test]
+    fn unprepared_claims_are_forgotten() {
+        let mut tracker = IdleTracker::default();
+        let t0 = Instant::now();
+        tracker.observe("a", false, t0);
+        tracker.retain(&BTreeSet::new());
+        assert_eq!(tracker.observe("a", false, t0 + MIN), Duration::ZERO);
+    }
+}

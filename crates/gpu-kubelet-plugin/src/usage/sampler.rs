@@ -1,0 +1,200 @@
+//! The sampling loop: every interval, the GPUs' usage and their processes' cgroups on one
+//! blocking thread (never under a GPU lock), the pods of the prepared claims from the API
+//! server (`status.reservedFor`, cached), then a [`Report`] for `/metrics` and `/usage`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use gpu_inventory::GpuBackend;
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use super::UsageConfig;
+use super::cgroup::container_of_pid;
+use super::report::{GpuSample, IdleTracker, Inputs, PodRef, Report, build};
+use crate::claims::{ClaimController, Cluster};
+use crate::hardware::Hardware;
+
+/// How long one API read of a claim may take.
+const CLAIM_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a claim's pods are trusted before they are read again, whatever the samples show.
+const PODS_MAX_AGE: Duration = Duration::from_secs(600);
+
+/// Samples `gpus` (NVML indexes) of `backend`, reading each process's cgroup under
+/// `proc_root`. Blocking.
+pub fn sample_gpus(
+    backend: &dyn GpuBackend,
+    gpus: &BTreeSet<u32>,
+    proc_root: &Path,
+) -> BTreeMap<u32, Result<GpuSample, String>> {
+    gpus.iter()
+        .map(|&index| {
+            let sample = backend.usage(index).map(|usage| {
+                let containers = usage
+                    .processes
+                    .iter()
+                    .filter_map(|p| Some((p.pid, container_of_pid(proc_root, p.pid)?)))
+                    .collect();
+                GpuSample { usage, containers }
+            });
+            (index, sample.map_err(|e| e.to_string()))
+        })
+        .collect()
+}
+
+/// The pods of each prepared claim, read from the API server and kept until a sample shows a
+/// pod the claim's entry does not list (at most once per interval) or [`PODS_MAX_AGE`].
+#[derive(Default)]
+struct PodCache {
+    by_claim: BTreeMap<String, (Vec<PodRef>, Instant)>,
+}
+
+/// Runs the sampler of `controller`'s devices until the task is dropped, publishing each report
+/// on `reports`.
+pub async fn run<C: Cluster, H: Hardware>(
+    controller: ClaimController<C, H>,
+    backend: Arc<dyn GpuBackend>,
+    config: UsageConfig,
+    node: String,
+    reports: watch::Sender<Arc<Report>>,
+) {
+    let mut tick = tokio::time::interval(config.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tracker = IdleTracker::default();
+    let mut pods = PodCache::default();
+    loop {
+        tick.tick().await;
+        let (devices, claims) = controller.usage_view().await;
+        let gpus: BTreeSet<u32> = devices.values().map(|d| d.gpu().raw.index).collect();
+        let started = Instant::now();
+        let sampled = {
+            let backend = Arc::clone(&backend);
+            let proc_root = config.proc_root.clone();
+            tokio::task::spawn_blocking(move || sample_gpus(backend.as_ref(), &gpus, &proc_root))
+        };
+        // A hung NVML call keeps its thread; this loop waits for it rather than piling more up.
+        let samples = match sampled.await {
+            Ok(samples) => samples,
+            Err(e) => {
+                warn!(error = %e, "GPU usage sampling failed; retried at the next interval");
+                continue;
+            }
+        };
+        debug!(elapsed = ?started.elapsed(), gpus = samples.len(), "sampled GPU usage");
+        pods.refresh(&controller, &devices, &claims, &samples, config.interval)
+            .await;
+        let pod_map: BTreeMap<String, Vec<PodRef>> = pods
+            .by_claim
+            .iter()
+            .map(|(uid, (p, _))| (uid.clone(), p.clone()))
+            .collect();
+        let unix = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let report = build(
+            &Inputs {
+                node: &node,
+                devices: &devices,
+                claims: &claims,
+                samples: &samples,
+                pods: &pod_map,
+                thresholds: config.idle,
+            },
+            &mut tracker,
+            Instant::now(),
+            unix,
+        );
+        for e in &report.errors {
+            warn!(error = %e, "sampling a GPU's usage failed");
+        }
+        reports.send_replace(Arc::new(report));
+    }
+}
+
+impl PodCache {
+    /// Reads the pods of the claims that have none cached, whose entry is older than
+    /// [`PODS_MAX_AGE`], or (at most once per `interval`) on whose devices a pod runs that no
+    /// cached claim lists. Drops unprepared claims. A failed read keeps the old entry.
+    async fn refresh<C: Cluster, H: Hardware>(
+        &mut self,
+        controller: &ClaimController<C, H>,
+        devices: &BTreeMap<String, crate::hardware::NodeDevice>,
+        claims: &[(String, crate::checkpoint::ClaimRecord)],
+        samples: &BTreeMap<u32, Result<GpuSample, String>>,
+        interval: Duration,
+    ) {
+        let prepared: BTreeSet<&str> = claims.iter().map(|(u, _)| u.as_str()).collect();
+        self.by_claim
+            .retain(|uid, _| prepared.contains(uid.as_str()));
+        let known: BTreeSet<&str> = self
+            .by_claim
+            .values()
+            .flat_map(|(p, _)| p.iter().map(|p| p.uid.as_str()))
+            .collect();
+        // GPUs running a pod no cached claim lists: their claims' pods may have changed.
+        let unknown_on: BTreeSet<u32> = samples
+            .iter()
+            .filter_map(|(index, s)| Some((index, s.as_ref().ok()?)))
+            .filter(|(_, s)| {
+                s.containers
+                    .values()
+                    .any(|c| !known.contains(c.pod_uid.as_str()))
+            })
+            .map(|(index, _)| *index)
+            .collect();
+        let now = Instant::now();
+        let stale: Vec<&(String, crate::checkpoint::ClaimRecord)> = claims
+            .iter()
+            .filter(|(uid, r)| match self.by_claim.get(uid) {
+                None => true,
+                Some((_, at)) => {
+                    let age = now.saturating_duration_since(*at);
+                    let suspect = r.devices.iter().any(|d| {
+                        devices
+                            .get(&d.device_name)
+                            .is_some_and(|n| unknown_on.contains(&n.gpu().raw.index))
+                    });
+                    age >= PODS_MAX_AGE || (suspect && age >= interval)
+                }
+            })
+            .collect();
+        for (uid, r) in stale {
+            let read = tokio::time::timeout(
+                CLAIM_READ_TIMEOUT,
+                controller.cluster().get_claim(&r.namespace, &r.name),
+            )
+            .await;
+            let claim = match read {
+                Ok(Ok(Some(c))) if c.metadata.uid.as_deref() == Some(uid.as_str()) => c,
+                Ok(Ok(_)) => {
+                    // Gone or re-created: the stale-claim check unprepares it.
+                    self.by_claim.insert(uid.clone(), (Vec::new(), now));
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    debug!(claim = %uid, error = %e, "reading the claim's pods failed");
+                    continue;
+                }
+                Err(_) => {
+                    debug!(claim = %uid, "reading the claim's pods timed out");
+                    continue;
+                }
+            };
+            let pods = claim
+                .status
+                .and_then(|s| s.reserved_for)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|c| c.resource == "pods" && c.api_group.as_deref().unwrap_or("").is_empty())
+                .map(|c| PodRef {
+                    name: c.name,
+                    uid: c.uid,
+                })
+                .collect();
+            self.by_claim.insert(uid.clone(), (pods, now));
+        }
+    }
+}
