@@ -1,5 +1,5 @@
 //! `dractl explain`: why a pod's claims do not fit, node by node, offline from the same files
-//! as `dractl allocate` ([`dra_allocator::explain`]).
+//! as `dractl allocate` ([`dra_allocator::explain()`]).
 //!
 //! Human output first: a verdict line, then the nodes grouped by reason, each group with the
 //! funnel of its first node (devices left at each stage, what removed them). `-o json` is the
@@ -36,7 +36,7 @@ pub fn explain(inputs: Inputs, options: &Options) -> Result<ExplainReport, Input
     Ok(explain_objects(&objects, options).0)
 }
 
-/// [`dra_allocator::explain`] of defaulted `objects`, then the node plugin's own refusals: a
+/// [`dra_allocator::explain()`] of defaulted `objects`, then the node plugin's own refusals: a
 /// node where the claims fit only with an allocation the plugin will not prepare
 /// ([`gpu_inventory::shares::prepare_refusal`]) does not fit, with that reason. Also returns
 /// those refusals, by node.

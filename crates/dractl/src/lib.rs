@@ -11,6 +11,7 @@ pub mod lint;
 pub mod live;
 pub mod objects;
 pub mod simulate;
+pub mod top;
 
 use dra_cel::{CompileError, Compiler, Device, Environment, EvalOptions, Features, MatchError};
 use serde::{Deserialize, Serialize};
@@ -248,7 +249,7 @@ mod tests {
     }
 }
 
-/// Timing of [`bench`]: the same figures the oracle's `-bench` mode prints.
+/// Timing of [`bench()`]: the same figures the oracle's `-bench` mode prints.
 #[derive(Clone, Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Timing {

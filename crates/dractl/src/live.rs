@@ -121,7 +121,7 @@ pub async fn load_cluster(connection: &Connection) -> Result<dra_allocator::Obje
     Ok(objects)
 }
 
-async fn client(connection: &Connection) -> Result<kube::Client, LiveError> {
+pub(crate) async fn client(connection: &Connection) -> Result<kube::Client, LiveError> {
     let config = if connection.kubeconfig.is_none() && connection.context.is_none() {
         kube::Config::infer()
             .await
@@ -148,7 +148,7 @@ async fn client(connection: &Connection) -> Result<kube::Client, LiveError> {
     kube::Client::try_from(config).map_err(|e| LiveError::Config(e.to_string()))
 }
 
-async fn call<T>(
+pub(crate) async fn call<T>(
     what: &str,
     future: impl Future<Output = Result<T, kube::Error>>,
 ) -> Result<T, LiveError> {

@@ -108,6 +108,40 @@ enum Command {
         #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
         output: dractl::explain::Format,
     },
+    /// Who holds GPUs and does not use them: one line per pod with its claims' devices,
+    /// utilization, memory used against its limit, idle time and its cost; idle pods first.
+    ///
+    /// Reads each node plugin's usage report through the API server (kubeconfig as kubectl);
+    /// read-only, RBAC in `deploy/rbac/dractl-top.yaml`.
+    Top {
+        /// Only pods of this namespace (default: the kubeconfig context's, as kubectl).
+        #[arg(short = 'n', long = "namespace", conflicts_with = "all_namespaces")]
+        namespace: Option<String>,
+        /// Pods of every namespace.
+        #[arg(short = 'A', long = "all-namespaces")]
+        all_namespaces: bool,
+        /// Only idle pods.
+        #[arg(long)]
+        idle: bool,
+        /// Price of one GPU for one hour: adds the cost of each pod's idle time.
+        #[arg(long)]
+        price_per_gpu_hour: Option<f64>,
+        /// The namespace the node plugins run in (the chart's release namespace).
+        #[arg(long, default_value = "drust-system")]
+        plugin_namespace: String,
+        /// The label selector of the node plugins' pods.
+        #[arg(long, default_value = "app.kubernetes.io/component=kubelet-plugin")]
+        plugin_selector: String,
+        /// Kubeconfig file.
+        #[arg(long)]
+        kubeconfig: Option<std::path::PathBuf>,
+        /// Kubeconfig context.
+        #[arg(long)]
+        context: Option<String>,
+        /// Output format.
+        #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+        output: LintFormat,
+    },
     /// Check ResourceClaims, ResourceClaimTemplates and DeviceClasses before applying them.
     ///
     /// Selectors compiled with the API server's rules (syntax, types, length, cost), attribute
@@ -223,6 +257,50 @@ fn main() -> anyhow::Result<()> {
         };
         std::process::exit(simulate(files, templates, *count, &connection, *output));
     }
+    if let Command::Top {
+        namespace,
+        all_namespaces,
+        idle,
+        price_per_gpu_hour,
+        plugin_namespace,
+        plugin_selector,
+        kubeconfig,
+        context,
+        output,
+    } = &cli.command
+    {
+        let connection = dractl::live::Connection {
+            kubeconfig: kubeconfig.clone(),
+            context: context.clone(),
+        };
+        let options = dractl::top::Options {
+            scope: match (namespace, all_namespaces) {
+                (_, true) => dractl::top::Scope::All,
+                (Some(ns), false) => dractl::top::Scope::Namespace(ns.clone()),
+                (None, false) => dractl::top::Scope::Context,
+            },
+            idle_only: *idle,
+            price_per_gpu_hour: *price_per_gpu_hour,
+            plugin_namespace: plugin_namespace.clone(),
+            plugin_selector: plugin_selector.clone(),
+        };
+        let read =
+            tokio::runtime::Runtime::new()?.block_on(dractl::top::run(&connection, &options));
+        let code = match read {
+            Ok(top) => {
+                match output {
+                    LintFormat::Text => print!("{}", top.text(price_per_gpu_hour.is_some())),
+                    LintFormat::Json => println!("{}", serde_json::to_string_pretty(&top)?),
+                }
+                0
+            }
+            Err(e) => {
+                eprintln!("dractl top: {e}");
+                2
+            }
+        };
+        std::process::exit(code);
+    }
     if let Command::Lint {
         files,
         driver_name,
@@ -265,6 +343,7 @@ fn main() -> anyhow::Result<()> {
         Command::Allocate { .. }
         | Command::Explain { .. }
         | Command::Simulate { .. }
+        | Command::Top { .. }
         | Command::Lint { .. } => {}
         Command::Cel {
             command: CelCommand::Bench { .. },

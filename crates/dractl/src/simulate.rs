@@ -6,7 +6,7 @@
 //! allocations then count as in use for the next pod. A real scheduler scores nodes and may
 //! spread pods, so where a pod lands can differ; the count is that of a first-fit packing.
 //! When a pod no longer fits (or `--count` is reached), the next pod's explanation
-//! ([`dra_allocator::explain`]) says what ran out first, node by node.
+//! ([`dra_allocator::explain()`]) says what ran out first, node by node.
 
 use std::collections::BTreeMap;
 

@@ -96,6 +96,13 @@ struct Args {
     /// How long a claim must go without a busy sample to be idle, in seconds (1 to 86400).
     #[arg(long, default_value_t = 1800, value_parser = interval)]
     idle_window_seconds: u64,
+    /// The host's `/proc`, where each GPU process's cgroup names its pod (default: `--proc-root`).
+    #[arg(long)]
+    usage_proc_root: Option<PathBuf>,
+    /// Tell the pods of idle claims with a `GPUIdle` Warning event (once per idle spell, again
+    /// every idle window while it lasts).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    idle_events: bool,
     /// How MIG-capable GPUs are published: `existing` MIG devices (GPUs with MIG disabled as
     /// whole GPUs), or `partitionable`: every possible MIG placement of GPUs with MIG enabled,
     /// consuming shared counters (GPUs with MIG disabled as whole GPUs).
@@ -241,7 +248,11 @@ impl Args {
                     memory_percent: self.idle_memory_percent,
                     window: std::time::Duration::from_secs(self.idle_window_seconds),
                 },
-                proc_root: config.proc_root.clone(),
+                proc_root: self
+                    .usage_proc_root
+                    .clone()
+                    .unwrap_or_else(|| config.proc_root.clone()),
+                idle_events: self.idle_events,
             });
         config.kubeconfig = self.kubeconfig;
         config.mig_strategy = match self.mig_strategy {

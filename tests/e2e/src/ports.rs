@@ -82,6 +82,20 @@ fn random() -> u64 {
     hasher.finish()
 }
 
+/// This machine's first IPv4 address that the API server may proxy to (`IsProxyableIP`,
+/// `k8s.io/apimachinery/pkg/util/proxy`: not loopback, link-local or unspecified), for a Pod
+/// object whose `status.podIP` must reach a process of the test.
+///
+/// # Errors
+/// When the interfaces cannot be listed or none has such an address.
+pub fn proxyable_ipv4() -> io::Result<Ipv4Addr> {
+    nix::ifaddrs::getifaddrs()
+        .map_err(io::Error::from)?
+        .filter_map(|i| Some(i.address?.as_sockaddr_in()?.ip()))
+        .find(|ip| !ip.is_loopback() && !ip.is_link_local() && !ip.is_unspecified())
+        .ok_or_else(|| io::Error::other("no IPv4 address besides loopback and link-local"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

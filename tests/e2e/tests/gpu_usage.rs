@@ -6,7 +6,8 @@
 //! the first pod) and GPU 1 only holds 20 GiB for the second pod's process; the processes'
 //! cgroups (a fake `/proc`) name their pods the way the kubelet's cgroup driver does. Then, from
 //! the outside: `/metrics` carries DCGM exporter's series with the right pod and claim labels,
-//! the idle claim is flagged and the busy one is not, and `/usage` says the same as JSON; when
+//! the idle claim is flagged and the busy one is not, `/usage` says the same as JSON, and the
+//! idle pod (only it) gets a `GPUIdle` Warning event naming its claim, device and memory; when
 //! the idle pod starts computing, its claim is busy again.
 
 use std::path::Path;
@@ -22,9 +23,10 @@ use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::Backend;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "node-usage";
@@ -105,6 +107,7 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
                 window: Duration::from_secs(3),
             },
             proc_root: proc_dir.path().to_owned(),
+            idle_events: true,
         });
     })?;
     let slices = plugin.wait_ready(&client, TIMEOUT).await?;
@@ -233,6 +236,40 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
         "{nb}"
     );
     anyhow::ensure!(by_name("train").context("train")?["idle"] == false);
+
+    // The idle pod is told, through an Event the user sees in `kubectl describe pod`; the busy
+    // pod never is.
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    let told = until("a GPUIdle event on jupyter-0", TIMEOUT, || async {
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("GPUIdle")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("jupyter-0")
+        }))
+    })
+    .await?;
+    let note = told.note.clone().unwrap_or_default();
+    anyhow::ensure!(
+        told.type_.as_deref() == Some("Warning")
+            && note.contains("ResourceClaim default/notebook holds")
+            && note.contains(&gpu1)
+            && note.contains("20480 MiB"),
+        "{told:?}"
+    );
+    let on_busy = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some("GPUIdle")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("trainer-0")
+        })
+        .count();
+    anyhow::ensure!(on_busy == 0, "the busy pod got {on_busy} GPUIdle events");
 
     // The notebook starts computing: busy again, no longer idle.
     usage(&state, 1, 60, 4002, 20_480)?;

@@ -15,10 +15,10 @@ use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
-use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
+use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster, PodRef};
 use gpu_kubelet_plugin::mps::{DaemonPods, DaemonSetOwner, MpsControl, Protocol};
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod, Secret};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
@@ -123,8 +123,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         ("RoleBinding", 2),
         ("Service", 1),
         ("ServiceAccount", 1),
-        ("ValidatingAdmissionPolicy", 3),
-        ("ValidatingAdmissionPolicyBinding", 3),
+        ("ValidatingAdmissionPolicy", 4),
+        ("ValidatingAdmissionPolicyBinding", 4),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_owned(), n))
@@ -155,9 +155,34 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "--http-address=0.0.0.0:9477",
         "--mps-daemon-image=ghcr.io/drust/gpu-kubelet-plugin:0.1.0",
         "--mps-daemon-priority-class=system-node-critical",
+        "--usage-interval-seconds=10",
+        "--usage-proc-root=/host/proc",
+        "--idle-window-seconds=1800",
+        "--idle-events=true",
     ] {
         ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
     }
+    // Usage sampling reads the host's /proc, read-only; the GPUIdle events need the events rule.
+    let proc_mount = json!({"name": "host-proc", "mountPath": "/host/proc", "readOnly": true});
+    ensure!(
+        container(&docs)?["volumeMounts"]
+            .as_array()
+            .is_some_and(|m| m.contains(&proc_mount)),
+        "no read-only host /proc"
+    );
+    let events_rule = |docs: &[Value]| -> anyhow::Result<bool> {
+        Ok(find(docs, "ClusterRole", "drust-kubelet-plugin")?["rules"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|r| r["apiGroups"] == json!(["events.k8s.io"]))))
+    };
+    ensure!(events_rule(&docs)?, "no events rule with usage events on");
+    let off = documents(&template(RELEASE, NAMESPACE, &["usage.intervalSeconds=0"]).await?)?;
+    ensure!(
+        !events_rule(&off)?
+            && args(&off)?.contains(&"--usage-interval-seconds=0".to_owned())
+            && !serde_json::to_string(&off)?.contains("host-proc"),
+        "usage off still renders its flags, mount or events rule"
+    );
     let ds = find(&docs, "DaemonSet", "drust-kubelet-plugin")?;
     ensure!(
         ds["spec"]["updateStrategy"]
@@ -208,7 +233,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     ensure!(!kinds(&docs).contains_key("Service"), "{:?}", kinds(&docs));
     // Without sharing, no MPS daemon Pods: no Role, no policy for Pods, no daemon flags.
     ensure!(
-        kinds(&docs)["Role"] == 1 && kinds(&docs)["ValidatingAdmissionPolicy"] == 1,
+        kinds(&docs)["Role"] == 1 && kinds(&docs)["ValidatingAdmissionPolicy"] == 2,
         "{:?}",
         kinds(&docs)
     );
@@ -1002,12 +1027,73 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             "regarding": {"apiVersion": "v1", "kind": "Node", "name": "gpu-node-a"},
         }))?)
     };
+    // (An event about a Node outside default is invalid before admission: a cluster-scoped
+    // object's events live in default.) Another node's Node:
+    let mut other_node = event("default")?;
+    other_node.regarding = Some(ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Node".into()),
+        name: Some("gpu-node-b".into()),
+        ..Default::default()
+    });
     denied(
-        "create an Event outside default",
-        Api::<Event>::namespaced(plugin_client.clone(), NAMESPACE)
-            .create(&PostParams::default(), &event(NAMESPACE)?)
+        "create an Event about another Node",
+        Api::<Event>::namespaced(plugin_client.clone(), "default")
+            .create(&PostParams::default(), &other_node)
             .await,
-        &[&user, r#"cannot create resource "events""#],
+        &["drust-events-own-node", "about its own Node"],
+    )?;
+    // A GPUIdle event about a pod, in the pod's namespace, through the plugin's real code path
+    // (the usage sampler's); the events it may not write beside it.
+    let pod = PodRef {
+        namespace: NAMESPACE.into(),
+        name: "jupyter-0".into(),
+        uid: "0b3c2d1e-8f7a-4b6c-9d5e-1a2b3c4d5e6f".into(),
+    };
+    KubeCluster::new(plugin_client.clone(), DRIVER, "gpu-node-a")
+        .warn_pod(&pod, "GPUIdle", "SampleUsage", "helm_chart e2e: GPU idle")
+        .await;
+    let recorded = Api::<Event>::namespaced(admin.clone(), NAMESPACE)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    ensure!(
+        recorded
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("GPUIdle")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("jupyter-0")),
+        "the plugin's GPUIdle event was not recorded: {recorded:?}"
+    );
+    let pod_event = |reason: &str, instance: &str| -> anyhow::Result<Event> {
+        Ok(serde_json::from_value(json!({
+            "metadata": {"generateName": "jupyter-0-", "namespace": NAMESPACE},
+            "eventTime": "2026-01-01T00:00:00.000000Z",
+            "type": "Warning", "reason": reason, "action": "SampleUsage",
+            "reportingController": "gpu.drust.dev/kubelet-plugin",
+            "reportingInstance": instance,
+            "regarding": {"apiVersion": "v1", "kind": "Pod", "name": "jupyter-0",
+                          "namespace": NAMESPACE},
+        }))?)
+    };
+    denied(
+        "create a GPUIdle event as another node's plugin",
+        Api::<Event>::namespaced(plugin_client.clone(), NAMESPACE)
+            .create(
+                &PostParams::default(),
+                &pod_event("GPUIdle", "gpu.drust.dev/kubelet-plugin-gpu-node-b")?,
+            )
+            .await,
+        &["drust-events-own-node", "reports events as"],
+    )?;
+    denied(
+        "create an event about a Pod with another reason",
+        Api::<Event>::namespaced(plugin_client.clone(), NAMESPACE)
+            .create(
+                &PostParams::default(),
+                &pod_event("Evicted", "gpu.drust.dev/kubelet-plugin-gpu-node-a")?,
+            )
+            .await,
+        &["drust-events-own-node", "GPUIdle events about a Pod"],
     )?;
 
     // 7. A token of the same ServiceAccount that is bound to no pod (so to no node) may not

@@ -22,6 +22,30 @@ pub trait Cluster: Send + Sync + 'static {
 
     /// Reports a Warning event about this node (best effort: failures are logged).
     fn warn(&self, reason: &str, message: &str) -> impl Future<Output = ()> + Send;
+
+    /// Reports a Warning event about `pod` (best effort: failures are logged). The default
+    /// reports nothing.
+    fn warn_pod(
+        &self,
+        pod: &PodRef,
+        reason: &str,
+        action: &str,
+        message: &str,
+    ) -> impl Future<Output = ()> + Send {
+        let _ = (pod, reason, action, message);
+        async {}
+    }
+}
+
+/// A pod an event is about.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PodRef {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+    /// Its UID.
+    pub uid: String,
 }
 
 /// The API server, for one node.
@@ -58,6 +82,26 @@ impl Cluster for KubeCluster {
     async fn warn(&self, reason: &str, message: &str) {
         self.warning(reason, "Recover", message).await;
     }
+
+    async fn warn_pod(&self, pod: &PodRef, reason: &str, action: &str, message: &str) {
+        let regarding = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            namespace: Some(pod.namespace.clone()),
+            name: Some(pod.name.clone()),
+            uid: Some(pod.uid.clone()),
+            ..Default::default()
+        };
+        self.event(
+            &pod.namespace,
+            &pod.name,
+            regarding,
+            reason,
+            action,
+            message,
+        )
+        .await;
+    }
 }
 
 impl KubeCluster {
@@ -66,11 +110,38 @@ impl KubeCluster {
     /// are logged.
     pub async fn warning(&self, reason: &str, action: &str, message: &str) {
         warn!(reason, message, "warning event");
+        let regarding = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(self.node_name.clone()),
+            ..Default::default()
+        };
+        self.event(
+            "default",
+            &self.node_name,
+            regarding,
+            reason,
+            action,
+            message,
+        )
+        .await;
+    }
+
+    /// A Warning event in `namespace` about `regarding` (named `name`); best effort.
+    async fn event(
+        &self,
+        namespace: &str,
+        name: &str,
+        regarding: ObjectReference,
+        reason: &str,
+        action: &str,
+        message: &str,
+    ) {
         let now = k8s_openapi::jiff::Timestamp::now();
         let event = Event {
             metadata: ObjectMeta {
-                name: Some(event_name(&self.node_name, now.as_nanosecond())),
-                namespace: Some("default".into()),
+                name: Some(event_name(name, now.as_nanosecond())),
+                namespace: Some(namespace.into()),
                 ..Default::default()
             },
             event_time: Some(MicroTime(now)),
@@ -80,15 +151,10 @@ impl KubeCluster {
             action: Some(action.into()),
             reporting_controller: Some(self.controller.clone()),
             reporting_instance: Some(reporting_instance(&self.controller, &self.node_name)),
-            regarding: Some(ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Node".into()),
-                name: Some(self.node_name.clone()),
-                ..Default::default()
-            }),
+            regarding: Some(regarding),
             ..Default::default()
         };
-        if let Err(e) = Api::<Event>::namespaced(self.client.clone(), "default")
+        if let Err(e) = Api::<Event>::namespaced(self.client.clone(), namespace)
             .create(&PostParams::default(), &event)
             .await
         {

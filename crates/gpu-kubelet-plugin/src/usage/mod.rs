@@ -5,7 +5,8 @@
 //! ([`gpu_inventory::GpuBackend::usage`]: utilization, memory used, processes) on a blocking
 //! thread, without any GPU lock and apart from prepare and unprepare, reads each process's
 //! cgroup to find its pod and container ([`cgroup`]), and builds a [`Report`] ([`report`])
-//! that `/metrics` ([`collector`]) and `/usage` serve.
+//! that `/metrics` ([`collector`]) and `/usage` serve; the pods of idle claims get a `GPUIdle`
+//! Warning event ([`events`]).
 //!
 //! **Busy and idle.** A device is busy in a sample when its SM utilization or its memory
 //! activity reaches [`IdleThresholds`]; a device NVML gives no utilization for (a MIG device) is
@@ -17,6 +18,7 @@
 
 pub mod cgroup;
 pub mod collector;
+pub mod events;
 pub mod report;
 pub mod sampler;
 
@@ -57,6 +59,8 @@ pub struct UsageConfig {
     pub idle: IdleThresholds,
     /// The host's `/proc` as the plugin sees it (processes' cgroups).
     pub proc_root: PathBuf,
+    /// Send `GPUIdle` events to the pods of idle claims ([`events`]).
+    pub idle_events: bool,
 }
 
 impl Default for UsageConfig {
@@ -65,6 +69,7 @@ impl Default for UsageConfig {
             interval: Duration::from_secs(10),
             idle: IdleThresholds::default(),
             proc_root: PathBuf::from("/proc"),
+            idle_events: true,
         }
     }
 }

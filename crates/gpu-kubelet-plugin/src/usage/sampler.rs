@@ -13,12 +13,16 @@ use tracing::{debug, warn};
 
 use super::UsageConfig;
 use super::cgroup::container_of_pid;
+use super::events::{self, IdleEvents};
 use super::report::{GpuSample, IdleTracker, Inputs, PodRef, Report, build};
 use crate::claims::{ClaimController, Cluster};
 use crate::hardware::Hardware;
 
 /// How long one API read of a claim may take.
 const CLAIM_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// At most this many `GPUIdle` events per sample.
+const EVENTS_PER_ROUND: usize = 10;
 
 /// How long a claim's pods are trusted before they are read again, whatever the samples show.
 const PODS_MAX_AGE: Duration = Duration::from_secs(600);
@@ -65,6 +69,7 @@ pub async fn run<C: Cluster, H: Hardware>(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tracker = IdleTracker::default();
     let mut pods = PodCache::default();
+    let mut idle_events = IdleEvents::new(config.idle.window, EVENTS_PER_ROUND);
     loop {
         tick.tick().await;
         let (devices, claims) = controller.usage_view().await;
@@ -110,7 +115,23 @@ pub async fn run<C: Cluster, H: Hardware>(
         for e in &report.errors {
             warn!(error = %e, "sampling a GPU's usage failed");
         }
-        reports.send_replace(Arc::new(report));
+        let report = Arc::new(report);
+        reports.send_replace(Arc::clone(&report));
+        if config.idle_events {
+            for e in idle_events.due(&report, Instant::now()) {
+                let sent =
+                    controller
+                        .cluster()
+                        .warn_pod(&e.pod, events::REASON, events::ACTION, &e.note);
+                if tokio::time::timeout(CLAIM_READ_TIMEOUT, sent)
+                    .await
+                    .is_err()
+                {
+                    warn!(pod = %e.pod.name, namespace = %e.pod.namespace,
+                        "the GPUIdle event timed out");
+                }
+            }
+        }
     }
 }
 

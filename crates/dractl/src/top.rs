@@ -1,0 +1,468 @@
+//! `dractl top`: who holds GPUs and does not use them. One line per pod with its claims'
+//! devices, utilization, memory used against its limit, how long it has been idle and what that
+//! idle time cost; then the cluster's allocated and idle GPUs.
+//!
+//! It reads each node plugin's usage report (`/usage`, [`gpu_kubelet_plugin::usage::Report`])
+//! through the API server's pod proxy, so it needs no access to the nodes. Read-only; the RBAC
+//! it needs is `list` on `pods` and `get` on `pods/proxy` in the plugins' namespace
+//! (`deploy/rbac/dractl-top.yaml`).
+//!
+//! GPUs are counted in whole-GPU equivalents: a whole GPU is 1, a MIG device its compute slices
+//! out of 7 (`3g.40gb` is 3/7), a share its memory out of its device's.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use gpu_kubelet_plugin::usage::{ClaimReport, DeviceReport, Report};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use serde::Serialize;
+
+use crate::live::{Connection, LiveError, call, client};
+
+/// Time allowed for one plugin's report.
+pub const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What to show.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Which namespaces' pods.
+    pub scope: Scope,
+    /// Only idle pods.
+    pub idle_only: bool,
+    /// Price of one GPU for one hour, for the cost of idle time.
+    pub price_per_gpu_hour: Option<f64>,
+    /// The namespace the node plugins run in.
+    pub plugin_namespace: String,
+    /// The label selector of the node plugins' pods.
+    pub plugin_selector: String,
+}
+
+/// Which namespaces' pods are shown.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Every namespace (`-A`).
+    All,
+    /// One namespace (`-n`).
+    Namespace(String),
+    /// The kubeconfig context's namespace, as kubectl (`default` without one).
+    Context,
+}
+
+/// One pod.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Row {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name (empty when no claim names the pod).
+    pub pod: String,
+    /// The node it runs on.
+    pub node: String,
+    /// Its claims' names.
+    pub claims: Vec<String>,
+    /// Its claims' devices.
+    pub devices: Vec<String>,
+    /// Whole-GPU equivalents its claims hold.
+    pub gpus: f64,
+    /// The highest SM utilization of its devices, percent, where NVML has one.
+    pub sm_percent: Option<u32>,
+    /// Device memory its claims' processes use, bytes.
+    pub memory_used_bytes: u64,
+    /// The memory its claims hold (a share's allocation, else the devices' memory), bytes.
+    pub memory_limit_bytes: u64,
+    /// Every claim of the pod is idle.
+    pub idle: bool,
+    /// How long the pod's claims have been idle (the shortest), seconds.
+    pub idle_seconds: u64,
+    /// The cost of that idle time at `--price-per-gpu-hour`.
+    pub idle_cost: Option<f64>,
+}
+
+/// The whole answer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Top {
+    /// One line per pod.
+    pub rows: Vec<Row>,
+    /// Whole-GPU equivalents held by prepared claims (of the namespaces shown).
+    pub allocated_gpus: f64,
+    /// Of those, held by idle claims.
+    pub idle_gpus: f64,
+    /// The cost of the idle time so far, where a price was given.
+    pub idle_cost: Option<f64>,
+    /// Plugins whose report could not be read, with why.
+    pub unreachable: Vec<String>,
+}
+
+/// Reads every node plugin's report ([`read`]) and makes the table ([`top`]).
+///
+/// # Errors
+/// [`LiveError`] when the kubeconfig is unusable or the plugins' pods cannot be listed.
+pub async fn run(connection: &Connection, options: &Options) -> Result<Top, LiveError> {
+    let client = client(connection).await?;
+    let mut options = options.clone();
+    if options.scope == Scope::Context {
+        options.scope = Scope::Namespace(client.default_namespace().to_owned());
+    }
+    let (reports, unreachable) = read(&client, &options).await?;
+    Ok(top(&reports, unreachable, &options))
+}
+
+/// Reads every node plugin's report through the API server's pod proxy: the reports, and the
+/// plugins whose report could not be read, with why.
+///
+/// # Errors
+/// [`LiveError`] when the plugins' pods cannot be listed.
+pub async fn read(
+    client: &kube::Client,
+    options: &Options,
+) -> Result<(Vec<Report>, Vec<String>), LiveError> {
+    let ns = &options.plugin_namespace;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let list = call(
+        &format!(
+            "list the node plugins' pods in {ns} ({})",
+            options.plugin_selector
+        ),
+        pods.list(&ListParams::default().labels(&options.plugin_selector)),
+    )
+    .await?;
+    let (mut reports, mut unreachable) = (Vec::new(), Vec::new());
+    for pod in list.items {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+        let port = pod
+            .spec
+            .iter()
+            .flat_map(|s| &s.containers)
+            .flat_map(|c| c.ports.iter().flatten())
+            .find(|p| p.name.as_deref() == Some("http"))
+            .map(|p| p.container_port);
+        let (true, Some(port)) = (running, port) else {
+            unreachable.push(format!("{ns}/{name}: not running, or no port named http"));
+            continue;
+        };
+        let path = format!("/api/v1/namespaces/{ns}/pods/{name}:{port}/proxy/usage");
+        let request = match http::Request::get(&path).body(Vec::new()) {
+            Ok(r) => r,
+            Err(e) => {
+                unreachable.push(format!("{ns}/{name}: {e}"));
+                continue;
+            }
+        };
+        match tokio::time::timeout(REPORT_TIMEOUT, client.request_text(request)).await {
+            Ok(Ok(text)) => match serde_json::from_str::<Report>(&text) {
+                Ok(report) => reports.push(report),
+                Err(e) => unreachable.push(format!("{ns}/{name}: its /usage is not a report: {e}")),
+            },
+            Ok(Err(e)) => unreachable.push(format!("{ns}/{name}: {e}")),
+            Err(_) => unreachable.push(format!("{ns}/{name}: no answer within {REPORT_TIMEOUT:?}")),
+        }
+    }
+    Ok((reports, unreachable))
+}
+
+/// The whole-GPU equivalent of `device` held by `claim`.
+fn gpus(device: &DeviceReport, claim: &ClaimReport) -> f64 {
+    if let (Some(share), Some(total)) = (claim.share_memory_bytes, device.memory_total_bytes)
+        && total > 0
+    {
+        return (share as f64 / total as f64).min(1.0);
+    }
+    match device
+        .mig_profile
+        .as_deref()
+        .and_then(|p| p.split_once('g'))
+    {
+        Some((slices, _)) => slices.parse::<f64>().map_or(1.0, |n| (n / 7.0).min(1.0)),
+        None => 1.0,
+    }
+}
+
+/// The table of `reports` as `options` asks.
+pub fn top(reports: &[Report], unreachable: Vec<String>, options: &Options) -> Top {
+    let mut out = Top {
+        unreachable,
+        ..Top::default()
+    };
+    let mut rows: BTreeMap<(String, String), Row> = BTreeMap::new();
+    for report in reports {
+        for claim in &report.claims {
+            if matches!(&options.scope, Scope::Namespace(ns) if ns != &claim.namespace) {
+                continue;
+            }
+            let devices: Vec<&DeviceReport> = claim
+                .devices
+                .iter()
+                .filter_map(|n| report.devices.iter().find(|d| &d.device == n))
+                .collect();
+            let held: f64 = devices.iter().map(|d| gpus(d, claim)).sum();
+            out.allocated_gpus += held;
+            if claim.idle {
+                out.idle_gpus += held;
+            }
+            let limit = claim
+                .share_memory_bytes
+                .unwrap_or_else(|| devices.iter().filter_map(|d| d.memory_total_bytes).sum());
+            let sm = devices.iter().filter_map(|d| d.sm_percent).max();
+            let cost = options
+                .price_per_gpu_hour
+                .map(|price| claim.idle_seconds as f64 / 3600.0 * held * price);
+            let pods: Vec<String> = if claim.pods.is_empty() {
+                vec![String::new()]
+            } else {
+                claim.pods.iter().map(|p| p.name.clone()).collect()
+            };
+            for pod in pods {
+                let row = rows
+                    .entry((claim.namespace.clone(), pod.clone()))
+                    .or_insert_with(|| Row {
+                        namespace: claim.namespace.clone(),
+                        pod,
+                        node: report.node.clone(),
+                        idle: true,
+                        idle_seconds: u64::MAX,
+                        ..Row::default()
+                    });
+                row.claims.push(claim.name.clone());
+                row.devices.extend(devices.iter().map(|d| d.device.clone()));
+                row.gpus += held;
+                row.sm_percent = row.sm_percent.max(sm);
+                row.memory_used_bytes += claim.memory_used_bytes;
+                row.memory_limit_bytes += limit;
+                row.idle &= claim.idle;
+                row.idle_seconds = row.idle_seconds.min(claim.idle_seconds);
+                if let Some(c) = cost {
+                    *row.idle_cost.get_or_insert(0.0) += c;
+                }
+            }
+            if let (true, Some(c)) = (claim.idle, cost) {
+                *out.idle_cost.get_or_insert(0.0) += c;
+            }
+        }
+    }
+    out.rows = rows
+        .into_values()
+        .filter(|r| !options.idle_only || r.idle)
+        .collect();
+    // Idle first, longest first: the waste to act on.
+    out.rows.sort_by(|a, b| {
+        b.idle
+            .cmp(&a.idle)
+            .then(b.idle_seconds.cmp(&a.idle_seconds))
+    });
+    out
+}
+
+/// `3h 5m`, `12m`, `40s`.
+fn span(seconds: u64) -> String {
+    let (h, m, s) = (seconds / 3600, seconds % 3600 / 60, seconds % 60);
+    match (h, m) {
+        (0, 0) => format!("{s}s"),
+        (0, _) => format!("{m}m"),
+        _ => format!("{h}h {m}m"),
+    }
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / f64::from(1u32 << 30))
+}
+
+impl Top {
+    /// The table for a terminal.
+    pub fn text(&self, price: bool) -> String {
+        let mut lines = vec![{
+            let mut h = vec![
+                "NAMESPACE",
+                "POD",
+                "NODE",
+                "CLAIMS",
+                "DEVICES",
+                "GPUS",
+                "SM%",
+                "MEMORY GiB",
+                "IDLE FOR",
+            ];
+            if price {
+                h.push("IDLE COST");
+            }
+            h.into_iter().map(str::to_owned).collect::<Vec<_>>()
+        }];
+        for r in &self.rows {
+            let mut l = vec![
+                r.namespace.clone(),
+                if r.pod.is_empty() {
+                    "<no pod>".into()
+                } else {
+                    r.pod.clone()
+                },
+                r.node.clone(),
+                r.claims.join(","),
+                r.devices.join(","),
+                format!("{:.2}", r.gpus),
+                r.sm_percent.map_or_else(|| "-".into(), |p| p.to_string()),
+                format!("{}/{}", gib(r.memory_used_bytes), gib(r.memory_limit_bytes)),
+                if r.idle {
+                    span(r.idle_seconds)
+                } else {
+                    "busy".into()
+                },
+            ];
+            if price {
+                l.push(
+                    r.idle_cost
+                        .map_or_else(|| "-".into(), |c| format!("{c:.2}")),
+                );
+            }
+            lines.push(l);
+        }
+        let widths: Vec<usize> = (0..lines[0].len())
+            .map(|i| lines.iter().map(|l| l[i].len()).max().unwrap_or(0))
+            .collect();
+        let mut out = String::new();
+        for l in &lines {
+            let cells: Vec<String> = l
+                .iter()
+                .zip(&widths)
+                .map(|(c, w)| format!("{c:<w$}"))
+                .collect();
+            out.push_str(cells.join("  ").trim_end());
+            out.push('\n');
+        }
+        let share = if self.allocated_gpus > 0.0 {
+            self.idle_gpus / self.allocated_gpus * 100.0
+        } else {
+            0.0
+        };
+        out.push_str(&format!(
+            "\nGPUs allocated: {:.2}; idle: {:.2} ({share:.0}%)",
+            self.allocated_gpus, self.idle_gpus
+        ));
+        if let Some(c) = self.idle_cost {
+            out.push_str(&format!("; idle time so far cost {c:.2}"));
+        }
+        out.push('\n');
+        for u in &self.unreachable {
+            out.push_str(&format!("unreachable plugin: {u}\n"));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_kubelet_plugin::usage::report::PodRef;
+
+    fn device(name: &str, sm: Option<u32>, profile: Option<&str>) -> DeviceReport {
+        DeviceReport {
+            device: name.into(),
+            sm_percent: sm,
+            mig_profile: profile.map(str::to_owned),
+            memory_total_bytes: Some(80 << 30),
+            ..DeviceReport::default()
+        }
+    }
+
+    fn claim(ns: &str, name: &str, pods: &[&str], devices: &[&str], idle_s: u64) -> ClaimReport {
+        ClaimReport {
+            namespace: ns.into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            devices: devices.iter().map(|d| (*d).to_owned()).collect(),
+            pods: pods
+                .iter()
+                .map(|p| PodRef {
+                    name: (*p).into(),
+                    uid: format!("uid-{p}"),
+                })
+                .collect(),
+            busy: idle_s == 0,
+            idle: idle_s >= 1800,
+            idle_seconds: idle_s,
+            memory_used_bytes: 10 << 30,
+            ..ClaimReport::default()
+        }
+    }
+
+    fn report() -> Report {
+        let mut share = claim("lab", "share", &["infer-0"], &["gpu-2"], 0);
+        share.share_memory_bytes = Some(20 << 30);
+        Report {
+            node: "node-a".into(),
+            devices: vec![
+                device("gpu-0", Some(90), None),
+                device("gpu-1", Some(0), None),
+                device("gpu-2", Some(40), None),
+                device("gpu-3-mig-3g.40gb-0", None, Some("3g.40gb")),
+            ],
+            claims: vec![
+                claim("team", "train", &["trainer-0"], &["gpu-0"], 0),
+                claim("team", "notebook", &["jupyter-0"], &["gpu-1"], 7200),
+                share,
+                claim("team", "mig", &["eval-0"], &["gpu-3-mig-3g.40gb-0"], 3600),
+            ],
+            ..Report::default()
+        }
+    }
+
+    fn options(scope: Scope, idle_only: bool) -> Options {
+        Options {
+            scope,
+            idle_only,
+            price_per_gpu_hour: Some(2.0),
+            plugin_namespace: "drust-system".into(),
+            plugin_selector: "app.kubernetes.io/component=kubelet-plugin".into(),
+        }
+    }
+
+    #[test]
+    fn idle_pods_first_with_their_cost_and_the_cluster_totals() {
+        let t = top(&[report()], Vec::new(), &options(Scope::All, false));
+        let pods: Vec<&str> = t.rows.iter().map(|r| r.pod.as_str()).collect();
+        assert_eq!(pods, ["jupyter-0", "eval-0", "infer-0", "trainer-0"]);
+        let nb = &t.rows[0];
+        assert!(nb.idle && nb.idle_seconds == 7200 && nb.gpus == 1.0);
+        // Two hours of one GPU at 2.00 an hour.
+        assert_eq!(nb.idle_cost, Some(4.0));
+        let mig = &t.rows[1];
+        assert!((mig.gpus - 3.0 / 7.0).abs() < 1e-9, "{}", mig.gpus);
+        let share = &t.rows[2];
+        assert_eq!((share.gpus, share.memory_limit_bytes), (0.25, 20 << 30));
+        assert!(!t.rows[3].idle);
+        assert!((t.allocated_gpus - (1.0 + 1.0 + 0.25 + 3.0 / 7.0)).abs() < 1e-9);
+        assert!((t.idle_gpus - (1.0 + 3.0 / 7.0)).abs() < 1e-9);
+        let text = t.text(true);
+        assert!(text.starts_with("NAMESPACE"), "{text}");
+        assert!(
+            text.lines().any(|l| l.starts_with("team       jupyter-0")
+                && l.contains("2h 0m")
+                && l.ends_with("4.00")),
+            "{text}"
+        );
+        assert!(
+            text.contains("GPUs allocated: 2.68; idle: 1.43 (53%)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn namespace_and_idle_filters() {
+        let t = top(
+            &[report()],
+            Vec::new(),
+            &options(Scope::Namespace("lab".into()), false),
+        );
+        assert_eq!(t.rows.len(), 1);
+        assert_eq!(t.allocated_gpus, 0.25);
+        let t = top(
+            &[report()],
+            vec!["x: down".into()],
+            &options(Scope::All, true),
+        );
+        assert!(t.rows.iter().all(|r| r.idle));
+        assert_eq!(t.rows.len(), 2);
+        assert!(t.text(false).contains("unreachable plugin: x: down"));
+    }
+}

@@ -1,0 +1,274 @@
+//! `dractl top` against the real control plane (v1.36.3), run as a ServiceAccount that holds only
+//! `deploy/rbac/dractl-top.yaml`: it reads the node plugin's usage report through the API
+//! server's pod proxy and prints the idle pod first, with its device, memory, idle time and cost,
+//! and the busy pod as busy.
+//!
+//! The node plugin runs in-process on the fake DGX H100 (usage every second, a 2-second idle
+//! window); a Pod object in `drust-system` labelled as the chart labels the plugin's pods, with
+//! the plugin's port and this machine's address as its IP, stands for the DaemonSet's pod, so
+//! the API server proxies to the real plugin.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use drust_e2e::claims::allocated_claim;
+use drust_e2e::http::get;
+use drust_e2e::kubelet::Kubelet;
+use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+use drust_e2e::plugin::NodePlugin;
+use drust_e2e::wait::until;
+use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use gpu_kubelet_plugin::Backend;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const DRIVER: &str = "gpu.drust.dev";
+const NODE: &str = "node-top";
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn dractl(kubeconfig: &Path, args: &[&str]) -> anyhow::Result<std::process::Output> {
+    Ok(std::process::Command::new(env!("CARGO_BIN_EXE_dractl"))
+        .arg("top")
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .output()?)
+}
+
+/// Creates pod `name` in default using `claim`, bound to the node, and reserves the claim for
+/// it. Returns its UID.
+async fn pod_using(client: &kube::Client, name: &str, claim: &str) -> anyhow::Result<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": NODE,
+            "containers": [{"name": "main", "image": "busybox",
+                            "resources": {"claims": [{"name": "gpu"}]}}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+        },
+    }))?;
+    let uid = pods
+        .create(&PostParams::default(), &pod)
+        .await?
+        .metadata
+        .uid
+        .context("pod UID")?;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let status =
+        json!({"status": {"reservedFor": [{"resource": "pods", "name": name, "uid": uid}]}});
+    claims
+        .patch_status(claim, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(uid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_shows_the_idle_pod_first_with_only_the_documented_rbac() -> anyhow::Result<()> {
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let result = run(&cp).await;
+    cp.stop().await?;
+    result
+}
+
+async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
+    let client = cp.client().await?;
+    cp.register_node(NODE, &[]).await?;
+    let ip = drust_e2e::ports::proxyable_ipv4()?;
+    let port = drust_e2e::ports::free_port()?;
+    let proc_dir = tempfile::tempdir()?;
+    let topology = repo_path("examples/topologies/dgx-h100.yaml");
+    let mut plugin = NodePlugin::start_with(cp, DRIVER, NODE, &topology, |c| {
+        c.http_address = Some(([0, 0, 0, 0], port).into());
+        c.usage = Some(gpu_kubelet_plugin::usage::UsageConfig {
+            interval: Duration::from_secs(1),
+            idle: gpu_kubelet_plugin::usage::IdleThresholds {
+                sm_percent: 5,
+                memory_percent: 5,
+                window: Duration::from_secs(2),
+            },
+            proc_root: proc_dir.path().to_owned(),
+            idle_events: false,
+        });
+    })?;
+    let slices = plugin.wait_ready(&client, TIMEOUT).await?;
+    let Backend::Fake {
+        state_dir: Some(state),
+        ..
+    } = plugin.config().backend.clone()
+    else {
+        anyhow::bail!("the test plugin has a fake state dir");
+    };
+    let by_index = |index: i64| -> anyhow::Result<String> {
+        slices
+            .iter()
+            .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+            .find(|d| {
+                d.attributes
+                    .as_ref()
+                    .and_then(|a| a.get("index"))
+                    .and_then(|a| a.int)
+                    == Some(index)
+            })
+            .map(|d| d.name)
+            .context("device by index")
+    };
+    let (gpu0, gpu1) = (by_index(0)?, by_index(1)?);
+
+    // The plugin's pod, as the chart makes it, pointing at the in-process plugin.
+    apply_yaml(
+        &client,
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: drust-system}\n",
+        Path::new("namespace"),
+    )
+    .await?;
+    let plugin_pods: Api<Pod> = Api::namespaced(client.clone(), "drust-system");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "drust-kubelet-plugin-x1", "labels": {
+            "app.kubernetes.io/name": "drust", "app.kubernetes.io/component": "kubelet-plugin"}},
+        "spec": {"nodeName": NODE, "containers": [{"name": "plugin", "image": "drust",
+                 "ports": [{"name": "http", "containerPort": port}]}]},
+    }))?;
+    plugin_pods.create(&PostParams::default(), &pod).await?;
+    let status = json!({"status": {"phase": "Running", "podIP": ip.to_string(),
+                                   "podIPs": [{"ip": ip.to_string()}]}});
+    plugin_pods
+        .patch_status(
+            "drust-kubelet-plugin-x1",
+            &PatchParams::default(),
+            &Patch::Merge(&status),
+        )
+        .await?;
+
+    // A busy pod and an idle one.
+    let train =
+        allocated_claim(&client, "train", DRIVER, NODE, std::slice::from_ref(&gpu0)).await?;
+    let notebook = allocated_claim(
+        &client,
+        "notebook",
+        DRIVER,
+        NODE,
+        std::slice::from_ref(&gpu1),
+    )
+    .await?;
+    let busy_pod = pod_using(&client, "trainer-0", "train").await?;
+    let idle_pod = pod_using(&client, "jupyter-0", "notebook").await?;
+    std::fs::create_dir_all(state.join("usage"))?;
+    for (index, sm, pid, pod) in [(0, 90, 5001, &busy_pod), (1, 0, 5002, &idle_pod)] {
+        let usage = json!({"smPercent": sm, "memoryPercent": 0, "memoryUsedBytes": 8u64 << 30,
+                           "processes": [{"pid": pid, "usedMemoryBytes": 8u64 << 30}]});
+        std::fs::write(state.join(format!("usage/{index}.json")), usage.to_string())?;
+        let dir = proc_dir.path().join(pid.to_string());
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(
+            dir.join("cgroup"),
+            format!("0::/kubepods/burstable/pod{pod}/0123abcd\n"),
+        )?;
+    }
+    let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let answer = kubelet.prepare_v1(&[&train, &notebook]).await?;
+    ensure!(
+        answer.claims.values().all(|c| c.error.is_empty()),
+        "{answer:?}"
+    );
+    // The plugin answers on this machine's address, as the API server reaches it.
+    let (status, _) = get(port, "/healthz").await?;
+    ensure!(status == 200, "the plugin's /healthz: {status}");
+
+    // The documented role, and nothing else.
+    apply_file(&client, &repo_path("deploy/rbac/dractl-top.yaml")).await?;
+    apply_yaml(
+        &client,
+        r#"
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: topper, namespace: default}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: dractl-top, namespace: drust-system}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: dractl-top}
+subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
+"#,
+        Path::new("topper identity"),
+    )
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    cp.write_kubeconfig(
+        &kubeconfig,
+        &cp.service_account_token("default", "topper").await?,
+    )?;
+
+    let top: Value = until("dractl top showing the notebook idle", TIMEOUT, || async {
+        let out = dractl(
+            &kubeconfig,
+            &["-A", "-o", "json", "--price-per-gpu-hour", "3"],
+        )
+        .map_err(|e| e.to_string())?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            return Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let top: Value = serde_json::from_str(&stdout).map_err(|e| e.to_string())?;
+        let idle = top["rows"][0]["pod"] == "jupyter-0" && top["rows"][0]["idle"] == true;
+        if idle { Ok(Some(top)) } else { Err(stdout) }
+    })
+    .await?;
+    let rows = top["rows"].as_array().context("rows")?;
+    ensure!(rows.len() == 2, "{top:#}");
+    let (nb, tr) = (&rows[0], &rows[1]);
+    ensure!(
+        nb["namespace"] == "default"
+            && nb["node"] == NODE
+            && nb["claims"] == json!(["notebook"])
+            && nb["devices"] == json!([gpu1])
+            && nb["gpus"] == 1.0
+            && nb["smPercent"] == 0
+            && nb["memoryUsedBytes"] == (8u64 << 30)
+            && nb["idleSeconds"].as_u64() >= Some(2)
+            && nb["idleCost"].as_f64().is_some_and(|c| c > 0.0),
+        "{nb:#}"
+    );
+    ensure!(
+        tr["pod"] == "trainer-0" && tr["idle"] == false && tr["smPercent"] == 90,
+        "{tr:#}"
+    );
+    ensure!(
+        top["allocatedGpus"] == 2.0 && top["idleGpus"] == 1.0,
+        "{top:#}"
+    );
+    ensure!(top["unreachable"] == json!([]), "{top:#}");
+
+    // The table a person reads, namespace-scoped as kubectl is.
+    let out = dractl(&kubeconfig, &["-n", "default", "--idle"])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        text.lines().any(|l| l.starts_with("default    jupyter-0"))
+            && !text.contains("trainer-0")
+            && text.contains("GPUs allocated: 2.00; idle: 1.00 (50%)"),
+        "{text}"
+    );
+
+    // Without the role: refused, and said so.
+    let other = dir.path().join("other.kubeconfig");
+    cp.write_kubeconfig(
+        &other,
+        &cp.service_account_token("default", "default").await?,
+    )?;
+    let out = dractl(&other, &["-A"])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        out.status.code() == Some(2) && stderr.contains("forbidden"),
+        "{stderr}"
+    );
+    Ok(())
+}
