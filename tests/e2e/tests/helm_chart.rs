@@ -183,6 +183,57 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
             && !serde_json::to_string(&off)?.contains("host-proc"),
         "usage off still renders its flags, mount or events rule"
     );
+    // The dashboard and the alert, when asked for: every query and rule parses and validates as
+    // Prometheus itself reads it, and selects only metrics the plugin serves.
+    let on = documents(
+        &template(
+            RELEASE,
+            NAMESPACE,
+            &["metrics.grafanaDashboard.enabled=true,metrics.prometheusRule.enabled=true"],
+        )
+        .await?,
+    )?;
+    let rule = find(&on, "PrometheusRule", "drust-gpu-idle")?;
+    let dashboard = find(&on, "ConfigMap", "drust-grafana-dashboard")?;
+    ensure!(
+        dashboard["metadata"]["labels"]["grafana_dashboard"] == "1",
+        "{}",
+        dashboard["metadata"]
+    );
+    let scratch = tempfile::tempdir()?;
+    let (groups, dash) = (
+        scratch.path().join("groups.yaml"),
+        scratch.path().join("dashboard.json"),
+    );
+    std::fs::write(&groups, serde_json::to_string(&rule["spec"])?)?;
+    std::fs::write(
+        &dash,
+        dashboard["data"]["drust-gpu-usage.json"]
+            .as_str()
+            .context("the dashboard's JSON")?,
+    )?;
+    let promcheck = drust_gotools::go_module_tool("promcheck").map_err(anyhow::Error::msg)?;
+    let out = std::process::Command::new(promcheck)
+        .arg("-rules")
+        .arg(&groups)
+        .arg("-dashboard")
+        .arg(&dash)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "Prometheus's parsers refuse the chart's rule or dashboard: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let selected: Value = serde_json::from_slice(&out.stdout)?;
+    let selected = selected["metrics"].as_array().context("metric names")?;
+    ensure!(selected.len() >= 5, "{selected:?}");
+    for m in selected {
+        let m = m.as_str().unwrap_or_default();
+        ensure!(
+            gpu_kubelet_plugin::usage::collector::METRICS.contains(&m),
+            "the chart queries {m}, which the plugin does not serve"
+        );
+    }
     let ds = find(&docs, "DaemonSet", "drust-kubelet-plugin")?;
     ensure!(
         ds["spec"]["updateStrategy"]

@@ -62,6 +62,17 @@ pub fn go_library(name: &str, file: &str) -> Result<PathBuf, String> {
     build(&dir, ".", &[], name, file, &["-buildmode=c-shared"], true)
 }
 
+/// Builds the Go module `tests/gotools/<name>` (a module of its own, so its dependencies do not
+/// change the control plane's) as an executable, cached like [`go_tool`]:
+/// `tests/gotools/promcheck` (Prometheus's own rule and PromQL parsers).
+///
+/// # Errors
+/// A description of the failed read or build.
+pub fn go_module_tool(name: &str) -> Result<PathBuf, String> {
+    let dir = gotools_dir().join(name);
+    build(&dir, ".", &[], name, name, &[], false)
+}
+
 /// `go build` of package `package` (relative to `module`) into the cache, keyed by the hash of
 /// the package's files and `extra` files.
 fn build(

@@ -30,6 +30,20 @@ use tokio::sync::watch;
 
 use super::report::{DeviceReport, Report};
 
+/// Every metric name this collector serves.
+pub const METRICS: &[&str] = &[
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_MEM_COPY_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "drust_container_gpu_memory_bytes",
+    "drust_claim_idle_seconds",
+    "drust_claim_idle",
+    "drust_claim_gpu_memory_used_bytes",
+    "drust_share_memory_limit_bytes",
+    "drust_usage_gpus_failing",
+];
+
 /// Serves the latest report ([`super::sampler::run`]).
 #[derive(Debug)]
 pub struct UsageCollector {
@@ -319,6 +333,7 @@ mod tests {
                 idle_seconds: 1900,
                 idle: true,
                 memory_used_bytes: 20 << 30,
+                share_memory_bytes: Some(40 << 30),
                 ..ClaimReport::default()
             }],
             ..Report::default()
@@ -347,6 +362,12 @@ mod tests {
                 && container.ends_with(&format!(" {}", 20u64 << 30)),
             "{container}"
         );
+        for name in METRICS {
+            assert!(
+                text.lines().any(|l| l == format!("# TYPE {name} gauge")),
+                "{name} not served:\n{text}"
+            );
+        }
         // No utilization series for a MIG device (NVML has none); the old drust_ metrics stay.
         assert!(!text.contains(r#"DCGM_FI_DEV_GPU_UTIL{gpu="1""#));
         assert!(text.contains("drust_prepared_claims 0"));
