@@ -251,6 +251,9 @@ subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    eprintln!("dractl top -n default --idle:\n{text}");
+    let all = dractl(&kubeconfig, &["-A"])?;
+    eprintln!("dractl top -A:\n{}", String::from_utf8_lossy(&all.stdout));
     ensure!(
         text.lines().any(|l| l.starts_with("default    jupyter-0"))
             && !text.contains("trainer-0")
