@@ -202,38 +202,38 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
             holders.entry(&d.device_name).or_default().push(uid);
         }
     }
-    // Pod UID -> (claim UID, pod name, namespace).
-    let mut pod_claims: BTreeMap<&str, (&str, &str, &str)> = BTreeMap::new();
+    // Pod UID -> every (claim UID, pod name, namespace) the pod uses.
+    let mut pod_claims: BTreeMap<&str, Vec<(&str, &str, &str)>> = BTreeMap::new();
     for (uid, r) in inputs.claims {
         for p in inputs.pods.get(uid).into_iter().flatten() {
-            pod_claims.insert(&p.uid, (uid, &p.name, &r.namespace));
+            pod_claims
+                .entry(&p.uid)
+                .or_default()
+                .push((uid, &p.name, &r.namespace));
         }
     }
 
     for (name, device) in inputs.devices {
-        let claimed = holders.get(name.as_str());
+        // Unsampled GPUs and placements no claim created are left out.
         let Some(mut d) = device_report(name, device, inputs) else {
             continue;
         };
-        if claimed.is_none() && matches!(device, NodeDevice::MigPlacement { .. }) {
-            continue;
-        }
-        let Some(Ok(_)) = inputs.samples.get(&device.gpu().raw.index) else {
-            continue;
-        };
-        d.claims = claimed
+        d.claims = holders
+            .get(name.as_str())
             .map(|c| c.iter().map(|s| (*s).to_owned()).collect())
             .unwrap_or_default();
         for p in &mut d.processes {
             let Some(pod) = p.pod_uid.as_deref() else {
                 continue;
             };
-            if let Some((claim, pod_name, ns)) = pod_claims.get(pod) {
-                if d.claims.iter().any(|c| c == claim) {
-                    p.claim = Some((*claim).to_owned());
-                    p.pod = Some((*pod_name).to_owned());
-                    p.namespace = Some((*ns).to_owned());
-                }
+            let known = pod_claims.get(pod).map(Vec::as_slice).unwrap_or_default();
+            if let Some((claim, pod_name, ns)) = known
+                .iter()
+                .find(|(c, _, _)| d.claims.iter().any(|h| h == c))
+            {
+                p.claim = Some((*claim).to_owned());
+                p.pod = Some((*pod_name).to_owned());
+                p.namespace = Some((*ns).to_owned());
             } else if d.claims.len() == 1 {
                 // One holder: whatever pod runs on it uses that claim.
                 p.claim = Some(d.claims[0].clone());
@@ -545,6 +545,36 @@ mod tests {
         );
         assert!(!claim(&again, "idle").idle);
         assert_eq!(claim(&again, "idle").idle_seconds, 0);
+    }
+
+    #[test]
+    fn a_pod_with_two_claims_has_its_processes_attributed_on_both() {
+        let devices = devices();
+        let (g4, g5) = (gpu(&devices, 4), gpu(&devices, 5));
+        let claims = vec![
+            ("a".to_owned(), record("first", vec![held(&g4, None)])),
+            ("b".to_owned(), record("second", vec![held(&g5, None)])),
+        ];
+        let samples = BTreeMap::from([
+            (4, sample(Some(50), &[(1, 100, 1, None)])),
+            (5, sample(Some(0), &[(2, 100, 1, None)])),
+        ]);
+        let pods = pods(&[("a", 1), ("b", 1)]);
+        let inputs = Inputs {
+            node: "n",
+            devices: &devices,
+            claims: &claims,
+            samples: &samples,
+            pods: &pods,
+            thresholds: IdleThresholds::default(),
+        };
+        let r = build(&inputs, &mut IdleTracker::default(), Instant::now(), 0);
+        for (device, claim) in [(&g4, "a"), (&g5, "b")] {
+            let d = r.devices.iter().find(|d| &d.device == device).unwrap();
+            assert_eq!(d.processes[0].claim.as_deref(), Some(claim));
+            assert_eq!(d.processes[0].pod.as_deref(), Some("pod-1"));
+        }
+        assert!(claim(&r, "a").busy && !claim(&r, "b").busy);
     }
 
     #[test]
