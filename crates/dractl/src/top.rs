@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use gpu_kubelet_plugin::usage::events::span;
 use gpu_kubelet_plugin::usage::{ClaimReport, DeviceReport, Report};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
@@ -253,16 +254,6 @@ pub fn top(reports: &[Report], unreachable: Vec<String>, options: &Options) -> T
             .then(b.idle_seconds.cmp(&a.idle_seconds))
     });
     out
-}
-
-/// `3h 5m`, `12m`, `40s`.
-fn span(seconds: u64) -> String {
-    let (h, m, s) = (seconds / 3600, seconds % 3600 / 60, seconds % 60);
-    match (h, m) {
-        (0, 0) => format!("{s}s"),
-        (0, _) => format!("{m}m"),
-        _ => format!("{h}h {m}m"),
-    }
 }
 
 fn gib(bytes: u64) -> String {

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use drust_e2e::claims::allocated_claim;
+use drust_e2e::claims::{allocated_claim, pod_using};
 use drust_e2e::http::get;
 use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
@@ -21,7 +21,6 @@ use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::Backend;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
@@ -36,34 +35,6 @@ fn dractl(kubeconfig: &Path, args: &[&str]) -> anyhow::Result<std::process::Outp
         .arg("--kubeconfig")
         .arg(kubeconfig)
         .output()?)
-}
-
-/// Creates pod `name` in default using `claim`, bound to the node, and reserves the claim for
-/// it. Returns its UID.
-async fn pod_using(client: &kube::Client, name: &str, claim: &str) -> anyhow::Result<String> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "spec": {
-            "nodeName": NODE,
-            "containers": [{"name": "main", "image": "busybox",
-                            "resources": {"claims": [{"name": "gpu"}]}}],
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
-        },
-    }))?;
-    let uid = pods
-        .create(&PostParams::default(), &pod)
-        .await?
-        .metadata
-        .uid
-        .context("pod UID")?;
-    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let status =
-        json!({"status": {"reservedFor": [{"resource": "pods", "name": name, "uid": uid}]}});
-    claims
-        .patch_status(claim, &PatchParams::default(), &Patch::Merge(&status))
-        .await?;
-    Ok(uid)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,8 +125,8 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         std::slice::from_ref(&gpu1),
     )
     .await?;
-    let busy_pod = pod_using(&client, "trainer-0", "train").await?;
-    let idle_pod = pod_using(&client, "jupyter-0", "notebook").await?;
+    let busy_pod = pod_using(&client, "trainer-0", "train", NODE).await?;
+    let idle_pod = pod_using(&client, "jupyter-0", "notebook", NODE).await?;
     std::fs::create_dir_all(state.join("usage"))?;
     for (index, sm, pid, pod) in [(0, 90, 5001, &busy_pod), (1, 0, 5002, &idle_pod)] {
         let usage = json!({"smPercent": sm, "memoryPercent": 0, "memoryUsedBytes": 8u64 << 30,

@@ -100,3 +100,60 @@ pub fn allocation_results(claim: &ResourceClaim) -> Option<&[DeviceRequestAlloca
         .results
         .as_deref()
 }
+
+/// Creates pod `default/<name>` using claim `claim`, bound to `node` (`spec.nodeName`; no
+/// kubelet needs to run it), and reserves the claim for it (`status.reservedFor`) as the
+/// scheduler does. Returns the pod's UID.
+///
+/// # Errors
+/// The API error, when the create or the status write is refused.
+pub async fn pod_using(
+    client: &kube::Client,
+    name: &str,
+    claim: &str,
+    node: &str,
+) -> Result<String, kube::Error> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let pod = k8s_openapi::api::core::v1::Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: Some(k8s_openapi::api::core::v1::PodSpec {
+            node_name: Some(node.into()),
+            containers: vec![k8s_openapi::api::core::v1::Container {
+                name: "main".into(),
+                image: Some("busybox".into()),
+                resources: Some(k8s_openapi::api::core::v1::ResourceRequirements {
+                    claims: Some(vec![k8s_openapi::api::core::v1::ResourceClaim {
+                        name: "gpu".into(),
+                        ..Default::default()
+                    }]),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            resource_claims: Some(vec![k8s_openapi::api::core::v1::PodResourceClaim {
+                name: "gpu".into(),
+                resource_claim_name: Some(claim.into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let uid = pods
+        .create(&PostParams::default(), &pod)
+        .await?
+        .metadata
+        .uid
+        .unwrap_or_default();
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let status = serde_json::json!({"status": {"reservedFor": [
+        {"resource": "pods", "name": name, "uid": uid}
+    ]}});
+    claims
+        .patch_status(claim, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(uid)
+}

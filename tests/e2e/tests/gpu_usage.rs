@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use drust_e2e::claims::allocated_claim;
+use drust_e2e::claims::{allocated_claim, pod_using};
 use drust_e2e::http::{get, sample};
 use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::repo_path;
@@ -22,11 +22,10 @@ use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::Backend;
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::ListParams;
 
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "node-usage";
@@ -53,40 +52,6 @@ fn usage(state: &Path, index: u32, sm: u32, pid: u32, mib: u64) -> anyhow::Resul
         &format!("{index}.json"),
         &json.to_string(),
     )
-}
-
-/// Creates pod `name` using `claim`, bound to the node (no kubelet runs it), and reserves the
-/// claim for it as the scheduler does. Returns the pod's UID.
-async fn pod_using(client: &kube::Client, name: &str, claim: &str) -> anyhow::Result<String> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let pod: Pod = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": name},
-        "spec": {
-            "nodeName": NODE,
-            "containers": [{"name": "main", "image": "busybox",
-                            "resources": {"claims": [{"name": "gpu"}]}}],
-            "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
-        },
-    }))?;
-    let uid = pods
-        .create(&PostParams::default(), &pod)
-        .await?
-        .metadata
-        .uid
-        .context("the pod's UID")?;
-    reserve(client, claim, name, &uid).await?;
-    Ok(uid)
-}
-
-/// Reserves `claim` for pod `name` with `uid`, as the scheduler does.
-async fn reserve(client: &kube::Client, claim: &str, name: &str, uid: &str) -> anyhow::Result<()> {
-    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
-    let status = serde_json::json!({"status": {"reservedFor": [
-        {"resource": "pods", "name": name, "uid": uid}
-    ]}});
-    api.patch_status(claim, &PatchParams::default(), &Patch::Merge(&status))
-        .await?;
-    Ok(())
 }
 
 #[tokio::test]
@@ -151,8 +116,8 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
         std::slice::from_ref(&gpu1),
     )
     .await?;
-    let busy_pod = pod_using(&client, "trainer-0", "train").await?;
-    let idle_pod = pod_using(&client, "jupyter-0", "notebook").await?;
+    let busy_pod = pod_using(&client, "trainer-0", "train", NODE).await?;
+    let idle_pod = pod_using(&client, "jupyter-0", "notebook", NODE).await?;
 
     // What the GPUs do and whose processes they run.
     usage(&state, 0, 85, 4001, 30_000)?;

@@ -88,8 +88,8 @@ impl IdleEvents {
     }
 }
 
-/// `3h 5m`, `12m`, `40s`.
-fn span(seconds: u64) -> String {
+/// A duration for people: `3h 5m`, `12m`, `40s` (`seconds` rounded down to what it shows).
+pub fn span(seconds: u64) -> String {
     let (h, m, s) = (seconds / 3600, seconds % 3600 / 60, seconds % 60);
     match (h, m) {
         (0, 0) => format!("{s}s"),
