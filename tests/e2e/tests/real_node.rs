@@ -1563,3 +1563,203 @@ async fn an_xid_shows_in_the_running_pods_allocated_resources_status_and_recover
     );
     real.stop().await
 }
+
+/// The processes of container `container` (its runtime ID) on this machine: each PID whose
+/// cgroup names it.
+fn pids_of_container(container: &str) -> anyhow::Result<Vec<u32>> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cgroup) = std::fs::read_to_string(entry.path().join("cgroup")) else {
+            continue;
+        };
+        if cgroup.contains(container) {
+            pids.push(pid);
+        }
+    }
+    Ok(pids)
+}
+
+/// Issue 32 on the real node: two pods on two GPUs, real containers whose processes the
+/// kubelet placed in its cgroups. The fake backend says the first pod's process computes on its
+/// GPU and the second's only holds memory on its own; the plugin reads the real processes'
+/// cgroups. After the (shortened) window only the idle pod gets `GPUIdle`; `/metrics` labels
+/// each GPU with its pod, claim and the container ID containerd reports in the pod's status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_idle_pod_is_told_and_metrics_name_each_pods_real_container() -> anyhow::Result<()>
+{
+    let http = drust_e2e::ports::free_port()?;
+    let address = format!("127.0.0.1:{http}");
+    let real = RealNode::start_as(
+        "examples/topologies/dgx-h100.yaml",
+        "drust-real-node-usage-",
+        None,
+        DRIVER,
+        &[
+            "--usage-interval-seconds",
+            "1",
+            "--idle-window-seconds",
+            "3",
+            "--usage-proc-root",
+            "/proc",
+            "--http-address",
+            &address,
+        ],
+    )
+    .await?;
+    let result = usage_on_the_real_node(&real, http).await;
+    real.stop().await?;
+    result
+}
+
+async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()> {
+    apply_file(&real.client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+    let example = "examples/single-gpu/single-gpu.yaml";
+    let template = std::fs::read_to_string(repo_path(example))?
+        .split("\n---\n")
+        .next()
+        .context("the example's template")?
+        .to_owned();
+    apply_yaml(&real.client, &template, &repo_path(example)).await?;
+    let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
+    let claims: Api<ResourceClaim> = Api::namespaced(real.client.clone(), "default");
+    let gpus = drust_e2e::plugin::fake_gpus(&real.topology).map_err(anyhow::Error::msg)?;
+    let usage_dir = real.host.state_dir().join("usage");
+    std::fs::create_dir_all(&usage_dir)?;
+    // (pod, SM %, container ID, claim name, GPU index)
+    let mut seen = Vec::new();
+    for (name, sm) in [("busy-0", 85), ("idle-0", 0)] {
+        pods.create(&PostParams::default(), &sleeping_gpu_pod(name)?)
+            .await?;
+        let running = wait_running(&pods, name, &real.node).await?;
+        let container = running
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|c| c.first())
+            .and_then(|c| c.container_id.clone())
+            .context("container ID")?;
+        let container = container
+            .split_once("://")
+            .map_or(container.clone(), |(_, id)| id.to_owned());
+        let claim = pod_claim_name(&running)?;
+        let device = claims
+            .get(&claim)
+            .await?
+            .status
+            .and_then(|s| s.allocation)
+            .and_then(|a| a.devices)
+            .and_then(|d| d.results)
+            .and_then(|r| r.first().map(|r| r.device.clone()))
+            .context("allocated device")?;
+        let index = gpus
+            .iter()
+            .find(|g| g.name == device)
+            .context("allocated GPU")?
+            .raw
+            .index;
+        let pids = pids_of_container(&container)?;
+        ensure!(
+            !pids.is_empty(),
+            "no process of pod {name}'s container {container} found"
+        );
+        let processes: Vec<serde_json::Value> = pids
+            .iter()
+            .map(|pid| serde_json::json!({"pid": pid, "usedMemoryBytes": 4u64 << 30}))
+            .collect();
+        let usage = serde_json::json!({"smPercent": sm, "memoryPercent": 0,
+            "memoryUsedBytes": (4u64 << 30) * pids.len() as u64, "processes": processes});
+        std::fs::write(usage_dir.join(format!("{index}.json")), usage.to_string())?;
+        seen.push((name, sm, container, claim, index));
+    }
+
+    let (_, idle_claim) = (&seen[1].0, &seen[1].3);
+    let idle_line = format!("drust_claim_idle{{namespace=\"default\",claim=\"{idle_claim}\",");
+    let metrics = drust_e2e::wait::until("the idle pod's claim flagged", TIMEOUT, || async {
+        let (_, body) = drust_e2e::http::get(http, "/metrics")
+            .await
+            .map_err(|e| e.to_string())?;
+        let flagged = body
+            .lines()
+            .any(|l| l.starts_with(&idle_line) && l.ends_with(" 1"));
+        if flagged { Ok(Some(body)) } else { Err(body) }
+    })
+    .await?;
+    for (name, sm, container, claim, index) in &seen {
+        let util = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("DCGM_FI_DEV_GPU_UTIL{{gpu=\"{index}\"")))
+            .with_context(|| format!("GPU {index}'s utilization"))?;
+        ensure!(
+            util.contains(&format!("pod=\"{name}\""))
+                && util.contains(&format!("claim=\"{claim}\""))
+                && util.ends_with(&format!(" {sm}")),
+            "{util}"
+        );
+        let memory = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("drust_container_gpu_memory_bytes{")
+                    && l.contains(&format!("gpu=\"{index}\""))
+            })
+            .with_context(|| format!("GPU {index}'s container memory"))?;
+        ensure!(
+            memory.contains(&format!("pod=\"{name}\""))
+                && memory.contains(&format!("container_id=\"{container}\"")),
+            "the process is attributed to the container containerd reports for {name}: {memory}"
+        );
+        let busy = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "drust_claim_idle{{namespace=\"default\",claim=\"{claim}\","
+                ))
+            })
+            .context("claim idle line")?;
+        ensure!(busy.ends_with(if *sm > 0 { " 0" } else { " 1" }), "{busy}");
+    }
+
+    // Only the idle pod is told.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(real.client.clone(), "default");
+    let told = drust_e2e::wait::until("a GPUIdle event on idle-0", TIMEOUT, || async {
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("GPUIdle")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("idle-0")
+        }))
+    })
+    .await?;
+    ensure!(
+        told.note
+            .as_deref()
+            .unwrap_or_default()
+            .contains(idle_claim.as_str()),
+        "{told:?}"
+    );
+    let on_busy = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some("GPUIdle")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("busy-0")
+        })
+        .count();
+    ensure!(on_busy == 0, "the busy pod got {on_busy} GPUIdle events");
+    for (name, ..) in &seen {
+        pods.delete(name, &DeleteParams::default()).await?;
+    }
+    Ok(())
+}

@@ -78,15 +78,11 @@ fn device_labels(d: &DeviceReport, report: &Report) -> Labels {
         .iter()
         .filter(|c| d.claims.contains(&c.uid))
         .collect();
-    let mut pods: Vec<(String, String)> = d
+    // The pods with a process on the device (a pod's containers count once).
+    let mut pods: Vec<String> = d
         .processes
         .iter()
-        .filter_map(|p| {
-            Some((
-                p.pod_uid.clone()?,
-                p.container_id.clone().unwrap_or_default(),
-            ))
-        })
+        .filter_map(|p| p.pod_uid.clone())
         .collect();
     pods.sort();
     pods.dedup();
@@ -94,7 +90,7 @@ fn device_labels(d: &DeviceReport, report: &Report) -> Labels {
         ([c], []) if c.pods.len() == 1 => {
             (c.namespace.clone(), c.pods[0].name.clone(), c.name.clone())
         }
-        ([c], [(uid, _)]) => (
+        ([c], [uid]) => (
             c.namespace.clone(),
             c.pods
                 .iter()
