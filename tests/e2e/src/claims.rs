@@ -157,3 +157,46 @@ pub async fn pod_using(
         .await?;
     Ok(uid)
 }
+
+/// The device of the first allocation result of claim `name` (read from the API server), as
+/// the scheduler allocated it; `None` while it has none.
+///
+/// # Errors
+/// The API error, when the claim cannot be read.
+pub async fn allocated_device(
+    claims: &Api<ResourceClaim>,
+    name: &str,
+) -> Result<Option<String>, kube::Error> {
+    Ok(claims
+        .get(name)
+        .await?
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .and_then(|r| r.first().map(|r| r.device.clone())))
+}
+
+/// The events.k8s.io Events in `namespace` with `reason` about the object named `name`.
+///
+/// # Errors
+/// The API error, when the events cannot be listed.
+pub async fn events_about(
+    client: &kube::Client,
+    namespace: &str,
+    reason: &str,
+    name: &str,
+) -> Result<Vec<k8s_openapi::api::events::v1::Event>, kube::Error> {
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), namespace);
+    Ok(events
+        .list(&kube::api::ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+        })
+        .collect())
+}

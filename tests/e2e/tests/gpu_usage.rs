@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use drust_e2e::claims::{allocated_claim, pod_using};
+use drust_e2e::claims::{allocated_claim, events_about, pod_using};
 use drust_e2e::http::{get, sample};
 use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::repo_path;
@@ -22,10 +22,7 @@ use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::Backend;
-use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::Api;
-use kube::api::ListParams;
 
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "node-usage";
@@ -204,16 +201,11 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
 
     // The idle pod is told, through an Event the user sees in `kubectl describe pod`; the busy
     // pod never is.
-    let events: Api<Event> = Api::namespaced(client.clone(), "default");
     let told = until("a GPUIdle event on jupyter-0", TIMEOUT, || async {
-        let list = events
-            .list(&ListParams::default())
+        let found = events_about(&client, "default", "GPUIdle", "jupyter-0")
             .await
             .map_err(|e| e.to_string())?;
-        Ok(list.items.into_iter().find(|e| {
-            e.reason.as_deref() == Some("GPUIdle")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("jupyter-0")
-        }))
+        Ok(found.into_iter().next())
     })
     .await?;
     let note = told.note.clone().unwrap_or_default();
@@ -224,16 +216,9 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
             && note.contains("20480 MiB"),
         "{told:?}"
     );
-    let on_busy = events
-        .list(&ListParams::default())
+    let on_busy = events_about(&client, "default", "GPUIdle", "trainer-0")
         .await?
-        .items
-        .into_iter()
-        .filter(|e| {
-            e.reason.as_deref() == Some("GPUIdle")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("trainer-0")
-        })
-        .count();
+        .len();
     anyhow::ensure!(on_busy == 0, "the busy pod got {on_busy} GPUIdle events");
 
     // The notebook starts computing: busy again, no longer idle.

@@ -21,6 +21,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
+use drust_e2e::claims::{allocated_device, events_about};
 use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
@@ -1488,14 +1489,8 @@ async fn an_xid_shows_in_the_running_pods_allocated_resources_status_and_recover
     let claims: Api<ResourceClaim> = Api::namespaced(real.client.clone(), "default");
     let uid = claim_uid_of(&running, &claims).await?;
     let claim_name = pod_claim_name(&running)?;
-    let device = claims
-        .get(&claim_name)
+    let device = allocated_device(&claims, &claim_name)
         .await?
-        .status
-        .and_then(|s| s.allocation)
-        .and_then(|a| a.devices)
-        .and_then(|d| d.results)
-        .and_then(|r| r.first().map(|r| r.device.clone()))
         .context("allocated device")?;
     let gpus = drust_e2e::plugin::fake_gpus(&real.topology).map_err(anyhow::Error::msg)?;
     let gpu = gpus
@@ -1650,14 +1645,8 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
             .split_once("://")
             .map_or(container.clone(), |(_, id)| id.to_owned());
         let claim = pod_claim_name(&running)?;
-        let device = claims
-            .get(&claim)
+        let device = allocated_device(&claims, &claim)
             .await?
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .and_then(|r| r.first().map(|r| r.device.clone()))
             .context("allocated device")?;
         let index = gpus
             .iter()
@@ -1727,17 +1716,11 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
     }
 
     // Only the idle pod is told.
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(real.client.clone(), "default");
     let told = drust_e2e::wait::until("a GPUIdle event on idle-0", TIMEOUT, || async {
-        let list = events
-            .list(&ListParams::default())
+        let found = events_about(&real.client, "default", "GPUIdle", "idle-0")
             .await
             .map_err(|e| e.to_string())?;
-        Ok(list.items.into_iter().find(|e| {
-            e.reason.as_deref() == Some("GPUIdle")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("idle-0")
-        }))
+        Ok(found.into_iter().next())
     })
     .await?;
     ensure!(
@@ -1747,16 +1730,9 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
             .contains(idle_claim.as_str()),
         "{told:?}"
     );
-    let on_busy = events
-        .list(&ListParams::default())
+    let on_busy = events_about(&real.client, "default", "GPUIdle", "busy-0")
         .await?
-        .items
-        .into_iter()
-        .filter(|e| {
-            e.reason.as_deref() == Some("GPUIdle")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("busy-0")
-        })
-        .count();
+        .len();
     ensure!(on_busy == 0, "the busy pod got {on_busy} GPUIdle events");
     for (name, ..) in &seen {
         pods.delete(name, &DeleteParams::default()).await?;
