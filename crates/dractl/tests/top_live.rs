@@ -232,6 +232,35 @@ subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
         "{text}"
     );
 
+    // The role reaches no further: no proxy into another namespace's pods (the idle pod's), no
+    // write through the proxy to the plugin.
+    let topper = kube::Client::try_from(
+        kube::Config::from_custom_kubeconfig(
+            kube::config::Kubeconfig::read_from(&kubeconfig)?,
+            &kube::config::KubeConfigOptions::default(),
+        )
+        .await?,
+    )?;
+    for (what, request) in [
+        (
+            "GET through the proxy of a pod in default",
+            http::Request::get("/api/v1/namespaces/default/pods/jupyter-0:80/proxy/")
+                .body(Vec::new())?,
+        ),
+        (
+            "POST through the plugin pod's proxy",
+            http::Request::post(format!(
+                "/api/v1/namespaces/drust-system/pods/drust-kubelet-plugin-x1:{port}/proxy/usage"
+            ))
+            .body(Vec::new())?,
+        ),
+    ] {
+        match topper.request_text(request).await {
+            Err(kube::Error::Api(e)) if e.code == 403 => {}
+            other => anyhow::bail!("{what}: expected 403 Forbidden, got {other:?}"),
+        }
+    }
+
     // Without the role: refused, and said so.
     let other = dir.path().join("other.kubeconfig");
     cp.write_kubeconfig(
