@@ -36,6 +36,14 @@ pub fn example_driver_binary() -> Result<PathBuf, String> {
     )
 }
 
+/// Builds (if needed) and locates `dractl`, as [`plugin_binary`] does the GPU plugin.
+///
+/// # Errors
+/// A description of the failed build.
+pub fn dractl_binary() -> Result<PathBuf, String> {
+    workspace_binary("dractl", &["dractl"], "dractl")
+}
+
 /// Builds `bins` of workspace package `package` with the cargo that runs the tests (release
 /// when the caller is a release build) and returns the path of executable `want`.
 fn workspace_binary(package: &str, bins: &[&str], want: &str) -> Result<PathBuf, String> {

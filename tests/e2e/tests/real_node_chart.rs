@@ -16,18 +16,20 @@
 //! `extraEnv` (`KUBERNETES_SERVICE_HOST`/`_PORT`), as on clusters without kube-proxy.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use drust_e2e::helm::{chart_path, helm_in};
 use drust_e2e::host::BinaryHost;
 use drust_e2e::images;
-use drust_e2e::manifests::repo_path;
+use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::node_pods::{
     POD_TIMEOUT, apply_example, container_started, restarts, seen, sleeping_gpu_pod, succeeded,
     terminated_message, wait_pod_done, wait_running,
 };
+use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Event, Pod};
@@ -409,6 +411,71 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         .filter(|r| r.share_id.is_some())
         .map(|r| r.device.clone())
         .context("the share client's claim holds a share")?;
+    // `dractl top`, as a user holding only deploy/rbac/dractl-top.yaml, reads the chart's plugin
+    // pod through the API server's proxy: both pods, and the share against its allocation.
+    apply_file(&client, &repo_path("deploy/rbac/dractl-top.yaml")).await?;
+    apply_yaml(
+        &client,
+        r#"
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: topper, namespace: default}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: dractl-top, namespace: drust-system}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: dractl-top}
+subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
+"#,
+        Path::new("topper identity"),
+    )
+    .await?;
+    let top_kubeconfig = host.root().join("topper.kubeconfig");
+    cp.write_kubeconfig(
+        &top_kubeconfig,
+        &cp.service_account_token("default", "topper").await?,
+    )?;
+    let dractl = drust_e2e::binary::dractl_binary().map_err(anyhow::Error::msg)?;
+    let top: serde_json::Value = until("dractl top listing both pods", TIMEOUT, || async {
+        let out = std::process::Command::new(&dractl)
+            .args(["top", "-A", "-o", "json", "--kubeconfig"])
+            .arg(&top_kubeconfig)
+            .output()
+            .map_err(|e| e.to_string())?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let top: serde_json::Value = serde_json::from_str(&stdout)
+            .map_err(|e| format!("{e}: {stdout}{}", String::from_utf8_lossy(&out.stderr)))?;
+        let rows = top["rows"].as_array().map_or(0, Vec::len);
+        if rows == 2 {
+            Ok(Some(top))
+        } else {
+            Err(stdout)
+        }
+    })
+    .await?;
+    ensure!(top["unreachable"] == serde_json::json!([]), "{top:#}");
+    let row = |pod: &str| {
+        top["rows"]
+            .as_array()
+            .and_then(|r| r.iter().find(|r| r["pod"] == pod))
+            .cloned()
+            .with_context(|| format!("{pod} in {top:#}"))
+    };
+    let (mps_row, share_row) = (row("mps-client")?, row("share-client")?);
+    ensure!(
+        mps_row["node"] == NODE && mps_row["claims"] == serde_json::json!(["mps-gpu"]),
+        "{mps_row:#}"
+    );
+    ensure!(
+        share_row["devices"] == serde_json::json!([share_device])
+            // 20G, rounded up to the capacity's 1 GiB steps.
+            && share_row["memoryLimitBytes"]
+                .as_u64()
+                .is_some_and(|b| (20_000_000_000..=21_474_836_480).contains(&b))
+            && share_row["gpus"].as_f64().is_some_and(|g| g > 0.0 && g < 1.0),
+        "the share against its allocation: {share_row:#}"
+    );
+
     let share_key = drust_e2e::plugin::fake_gpus(&topology)
         .map_err(anyhow::Error::msg)?
         .into_iter()
