@@ -7,6 +7,7 @@ const PROTOS: &[&str] = &[
     "k8s.io/kubelet/pkg/apis/dra/v1beta1/api.proto",
     "k8s.io/kubelet/pkg/apis/pluginregistration/v1/api.proto",
     "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto",
+    "k8s.io/kubelet/pkg/apis/podresources/v1/api.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -21,6 +21,7 @@ pub mod client;
 mod convert;
 mod driver;
 pub mod health;
+pub mod pod_resources;
 pub mod proto;
 mod registration;
 mod server;

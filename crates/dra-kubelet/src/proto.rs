@@ -21,3 +21,8 @@ pub mod pluginregistration {
 pub mod health_v1alpha1 {
     tonic::include_proto!("v1alpha1");
 }
+
+/// `v1`: the kubelet's PodResources API, the part drust calls ([`crate::pod_resources`]).
+pub mod podresources_v1 {
+    tonic::include_proto!("v1");
+}

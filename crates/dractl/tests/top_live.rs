@@ -15,7 +15,7 @@ use anyhow::{Context, ensure};
 use drust_e2e::claims::{allocated_claim, pod_using};
 use drust_e2e::http::get;
 use drust_e2e::kubelet::Kubelet;
-use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+use drust_e2e::manifests::{apply_yaml, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
@@ -54,16 +54,11 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     let topology = repo_path("examples/topologies/dgx-h100.yaml");
     let mut plugin = NodePlugin::start_with(cp, DRIVER, NODE, &topology, |c| {
         c.http_address = Some(([0, 0, 0, 0], port).into());
-        c.usage = Some(gpu_kubelet_plugin::usage::UsageConfig {
-            interval: Duration::from_secs(1),
-            idle: gpu_kubelet_plugin::usage::IdleThresholds {
-                sm_percent: 5,
-                memory_percent: 5,
-                window: Duration::from_secs(2),
-            },
-            proc_root: proc_dir.path().to_owned(),
-            idle_events: false,
-        });
+        c.usage = Some(drust_e2e::plugin::fast_usage(
+            proc_dir.path(),
+            Duration::from_secs(2),
+            false,
+        ));
     })?;
     let slices = plugin.wait_ready(&client, TIMEOUT).await?;
     let Backend::Fake {
@@ -150,29 +145,9 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     ensure!(status == 200, "the plugin's /healthz: {status}");
 
     // The documented role, and nothing else.
-    apply_file(&client, &repo_path("deploy/rbac/dractl-top.yaml")).await?;
-    apply_yaml(
-        &client,
-        r#"
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: topper, namespace: default}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: dractl-top, namespace: drust-system}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: dractl-top}
-subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
-"#,
-        Path::new("topper identity"),
-    )
-    .await?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
-    cp.write_kubeconfig(
-        &kubeconfig,
-        &cp.service_account_token("default", "topper").await?,
-    )?;
+    drust_e2e::rbac::dractl_top_kubeconfig(cp, &client, &kubeconfig).await?;
 
     let top: Value = until("dractl top showing the notebook idle", TIMEOUT, || async {
         let out = dractl(

@@ -103,6 +103,10 @@ struct Args {
     /// every idle window while it lasts).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     idle_events: bool,
+    /// The kubelet's PodResources socket, asked which container holds each device (the
+    /// `container` label); empty: not asked.
+    #[arg(long, default_value = dra_kubelet::pod_resources::DEFAULT_SOCKET)]
+    pod_resources_socket: String,
     /// How MIG-capable GPUs are published: `existing` MIG devices (GPUs with MIG disabled as
     /// whole GPUs), or `partitionable`: every possible MIG placement of GPUs with MIG enabled,
     /// consuming shared counters (GPUs with MIG disabled as whole GPUs).
@@ -253,6 +257,8 @@ impl Args {
                     .clone()
                     .unwrap_or_else(|| config.proc_root.clone()),
                 idle_events: self.idle_events,
+                pod_resources_socket: (!self.pod_resources_socket.is_empty())
+                    .then(|| PathBuf::from(&self.pod_resources_socket)),
             });
         config.kubeconfig = self.kubeconfig;
         config.mig_strategy = match self.mig_strategy {

@@ -25,6 +25,7 @@ struct NodeDirs {
     plugin_dir: PathBuf,
     registry: PathBuf,
     cdi_root: PathBuf,
+    pod_resources: PathBuf,
 }
 
 /// The host could not be set up.
@@ -156,6 +157,7 @@ impl BinaryHost {
             plugin_dir: node.plugin_dir(&self.driver),
             registry: node.registry_dir(),
             cdi_root: node.cdi_root(),
+            pod_resources: node.pod_resources_socket(),
         });
         self
     }
@@ -180,6 +182,15 @@ impl BinaryHost {
         self.node_dirs
             .as_ref()
             .map_or_else(|| self.root().join("cdi"), |d| d.cdi_root.clone())
+    }
+
+    /// `--pod-resources-socket`: the kubelet's on a node; none (`""`) otherwise, so no test
+    /// reads this machine's `/var/lib/kubelet`.
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        self.node_dirs
+            .as_ref()
+            .map(|d| d.pod_resources.clone())
+            .unwrap_or_default()
     }
 
     /// `--fake-state-dir`, when a test passes it.
@@ -229,6 +240,8 @@ impl BinaryHost {
             .arg(self.root().join("mps"))
             .arg("--driver-root")
             .arg(self.driver_root())
+            .arg("--pod-resources-socket")
+            .arg(self.pod_resources_socket())
             .env("RUST_LOG", "info")
             .env_remove(failpoint::ENV)
             .env_remove("POD_UID")

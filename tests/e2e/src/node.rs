@@ -259,6 +259,13 @@ impl Node {
         self.kubelet_dir().join("plugins").join(driver)
     }
 
+    /// The kubelet's PodResources API socket (`<root-dir>/pod-resources/kubelet.sock`).
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        self.kubelet_dir()
+            .join("pod-resources")
+            .join("kubelet.sock")
+    }
+
     /// The CDI spec directory containerd reads (`cdi_spec_dirs`).
     pub fn cdi_root(&self) -> PathBuf {
         self.root.join("cdi")

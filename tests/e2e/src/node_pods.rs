@@ -176,3 +176,41 @@ pub fn terminated_message(pod: &Pod, name: &str) -> Option<String> {
         .message
         .clone()
 }
+
+/// The runtime ID of `pod`'s container `name` (its status's `containerID` without the
+/// `containerd://` scheme).
+pub fn container_id(pod: &Pod, name: &str) -> anyhow::Result<String> {
+    let id = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.iter().find(|c| c.name == name))
+        .and_then(|c| c.container_id.clone())
+        .with_context(|| format!("container {name}'s ID in the pod's status"))?;
+    Ok(id
+        .split_once("://")
+        .map_or(id.clone(), |(_, id)| id.to_owned()))
+}
+
+/// The processes of the container with runtime ID `container` on this machine: each PID whose
+/// cgroup names it.
+pub fn pids_of_container(container: &str) -> anyhow::Result<Vec<u32>> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cgroup) = std::fs::read_to_string(entry.path().join("cgroup")) else {
+            continue;
+        };
+        if cgroup.contains(container) {
+            pids.push(pid);
+        }
+    }
+    Ok(pids)
+}

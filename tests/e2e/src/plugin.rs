@@ -217,6 +217,27 @@ impl NodePlugin {
     }
 }
 
+/// Usage sampling for a test: every second, busy from 5 % SM or memory activity, idle after
+/// `window`, processes' cgroups under `proc_root`, `GPUIdle` events when `idle_events`, no
+/// kubelet asked for container names.
+pub fn fast_usage(
+    proc_root: &Path,
+    window: Duration,
+    idle_events: bool,
+) -> gpu_kubelet_plugin::usage::UsageConfig {
+    gpu_kubelet_plugin::usage::UsageConfig {
+        interval: Duration::from_secs(1),
+        idle: gpu_kubelet_plugin::usage::IdleThresholds {
+            sm_percent: 5,
+            memory_percent: 5,
+            window,
+        },
+        proc_root: proc_root.to_owned(),
+        idle_events,
+        pod_resources_socket: None,
+    }
+}
+
 /// The GPUs the fake backend discovers from the topology file `topology`, as the plugin publishes
 /// them (names, indices, minors, UUIDs).
 ///

@@ -61,16 +61,11 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
     let topology = repo_path("examples/topologies/dgx-h100.yaml");
     let mut plugin = NodePlugin::start_with(&cp, DRIVER, NODE, &topology, |c| {
         c.http_address = Some(([127, 0, 0, 1], http).into());
-        c.usage = Some(gpu_kubelet_plugin::usage::UsageConfig {
-            interval: Duration::from_secs(1),
-            idle: gpu_kubelet_plugin::usage::IdleThresholds {
-                sm_percent: 5,
-                memory_percent: 5,
-                window: Duration::from_secs(3),
-            },
-            proc_root: proc_dir.path().to_owned(),
-            idle_events: true,
-        });
+        c.usage = Some(drust_e2e::plugin::fast_usage(
+            proc_dir.path(),
+            Duration::from_secs(3),
+            true,
+        ));
     })?;
     let slices = plugin.wait_ready(&client, TIMEOUT).await?;
     let Backend::Fake {

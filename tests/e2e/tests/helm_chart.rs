@@ -159,17 +159,24 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "--usage-proc-root=/host/proc",
         "--idle-window-seconds=1800",
         "--idle-events=true",
+        "--pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock",
     ] {
         ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
     }
-    // Usage sampling reads the host's /proc, read-only; the GPUIdle events need the events rule.
-    let proc_mount = json!({"name": "host-proc", "mountPath": "/host/proc", "readOnly": true});
-    ensure!(
-        container(&docs)?["volumeMounts"]
-            .as_array()
-            .is_some_and(|m| m.contains(&proc_mount)),
-        "no read-only host /proc"
-    );
+    // Usage sampling reads the host's /proc and the kubelet's PodResources socket, read-only;
+    // the GPUIdle events need the events rule.
+    for mount in [
+        json!({"name": "host-proc", "mountPath": "/host/proc", "readOnly": true}),
+        json!({"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources",
+            "readOnly": true}),
+    ] {
+        ensure!(
+            container(&docs)?["volumeMounts"]
+                .as_array()
+                .is_some_and(|m| m.contains(&mount)),
+            "no read-only {mount}"
+        );
+    }
     let events_rule = |docs: &[Value]| -> anyhow::Result<bool> {
         Ok(find(docs, "ClusterRole", "drust-kubelet-plugin")?["rules"]
             .as_array()
@@ -180,7 +187,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     ensure!(
         !events_rule(&off)?
             && args(&off)?.contains(&"--usage-interval-seconds=0".to_owned())
-            && !serde_json::to_string(&off)?.contains("host-proc"),
+            && !serde_json::to_string(&off)?.contains("host-proc")
+            && !serde_json::to_string(&off)?.contains("pod-resources"),
         "usage off still renders its flags, mount or events rule"
     );
     // The dashboard and the alert, when asked for: every query and rule parses and validates as

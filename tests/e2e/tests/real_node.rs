@@ -27,8 +27,9 @@ use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::node_pods::{
-    SCRIPT, apply_example, claim_uid_of, container_started, container_status, pod_claim_name,
-    restarts, seen, sleeping_gpu_pod, succeeded, terminated_message, wait_pod_done, wait_running,
+    SCRIPT, apply_example, claim_uid_of, container_id, container_started, container_status,
+    pids_of_container, pod_claim_name, restarts, seen, sleeping_gpu_pod, succeeded,
+    terminated_message, wait_pod_done, wait_running,
 };
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_kubelet_plugin::claims::device_env;
@@ -1559,29 +1560,6 @@ async fn an_xid_shows_in_the_running_pods_allocated_resources_status_and_recover
     real.stop().await
 }
 
-/// The processes of container `container` (its runtime ID) on this machine: each PID whose
-/// cgroup names it.
-fn pids_of_container(container: &str) -> anyhow::Result<Vec<u32>> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc")? {
-        let entry = entry?;
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(cgroup) = std::fs::read_to_string(entry.path().join("cgroup")) else {
-            continue;
-        };
-        if cgroup.contains(container) {
-            pids.push(pid);
-        }
-    }
-    Ok(pids)
-}
-
 /// Issue 32 on the real node: two pods on two GPUs, real containers whose processes the
 /// kubelet placed in its cgroups. The fake backend says the first pod's process computes on its
 /// GPU and the second's only holds memory on its own; the plugin reads the real processes'
@@ -1631,19 +1609,17 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
     // (pod, SM %, container ID, claim name, GPU index)
     let mut seen = Vec::new();
     for (name, sm) in [("busy-0", 85), ("idle-0", 0)] {
-        pods.create(&PostParams::default(), &sleeping_gpu_pod(name)?)
-            .await?;
+        // The claim's container is named after its pod; a sidecar holds no claim.
+        let mut pod = sleeping_gpu_pod(name)?;
+        let spec = pod.spec.as_mut().context("pod spec")?;
+        let mut sidecar = spec.containers[0].clone();
+        spec.containers[0].name = format!("{name}-cuda");
+        sidecar.name = "log-shipper".into();
+        sidecar.resources = None;
+        spec.containers.push(sidecar);
+        pods.create(&PostParams::default(), &pod).await?;
         let running = wait_running(&pods, name, &real.node).await?;
-        let container = running
-            .status
-            .as_ref()
-            .and_then(|s| s.container_statuses.as_ref())
-            .and_then(|c| c.first())
-            .and_then(|c| c.container_id.clone())
-            .context("container ID")?;
-        let container = container
-            .split_once("://")
-            .map_or(container.clone(), |(_, id)| id.to_owned());
+        let container = container_id(&running, &format!("{name}-cuda"))?;
         let claim = pod_claim_name(&running)?;
         let device = allocated_device(&claims, &claim)
             .await?
@@ -1686,8 +1662,10 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
             .lines()
             .find(|l| l.starts_with(&format!("DCGM_FI_DEV_GPU_UTIL{{gpu=\"{index}\"")))
             .with_context(|| format!("GPU {index}'s utilization"))?;
+        // The container's name is the kubelet's (its PodResources API), never the sidecar.
         ensure!(
             util.contains(&format!("pod=\"{name}\""))
+                && util.contains(&format!("container=\"{name}-cuda\""))
                 && util.contains(&format!("claim=\"{claim}\""))
                 && util.ends_with(&format!(" {sm}")),
             "{util}"
@@ -1701,6 +1679,7 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
             .with_context(|| format!("GPU {index}'s container memory"))?;
         ensure!(
             memory.contains(&format!("pod=\"{name}\""))
+                && memory.contains(&format!("container=\"{name}-cuda\""))
                 && memory.contains(&format!("container_id=\"{container}\"")),
             "the process is attributed to the container containerd reports for {name}: {memory}"
         );

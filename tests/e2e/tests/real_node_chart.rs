@@ -16,18 +16,17 @@
 //! `extraEnv` (`KUBERNETES_SERVICE_HOST`/`_PORT`), as on clusters without kube-proxy.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use drust_e2e::helm::{chart_path, helm_in};
 use drust_e2e::host::BinaryHost;
 use drust_e2e::images;
-use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
+use drust_e2e::manifests::repo_path;
 use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::node_pods::{
-    POD_TIMEOUT, apply_example, container_started, restarts, seen, sleeping_gpu_pod, succeeded,
-    terminated_message, wait_pod_done, wait_running,
+    POD_TIMEOUT, apply_example, container_id, container_started, pids_of_container, restarts, seen,
+    sleeping_gpu_pod, succeeded, terminated_message, wait_pod_done, wait_running,
 };
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
@@ -272,6 +271,10 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         node.import(&archive).await?;
     }
 
+    // The fake GPUs' state (their usage files) where host and plugin pod both see it: in the
+    // plugin directory, which the chart mounts at the host's path.
+    let fake_state = node.plugin_dir(DRIVER).join("fake-state");
+
     // helm install as the README says, with this node's paths and the local image.
     let chart = chart_path();
     let helm_home = host.root().join("helm-home");
@@ -289,8 +292,9 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         "features.consumableCapacity=true".to_owned(),
         // A daemon Pod's start is part of a prepare: give this 2-core machine's kubelet room.
         format!(
-            "extraArgs={{--fake-topology={},--claim-timeout-seconds=40,--mps-start-timeout-seconds=30}}",
-            images::PLUGIN_TOPOLOGY
+            "extraArgs={{--fake-topology={},--fake-state-dir={},--claim-timeout-seconds=40,--mps-start-timeout-seconds=30}}",
+            images::PLUGIN_TOPOLOGY,
+            fake_state.display()
         ),
     ];
     let env = serde_json::json!([
@@ -411,30 +415,38 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         .filter(|r| r.share_id.is_some())
         .map(|r| r.device.clone())
         .context("the share client's claim holds a share")?;
+    // The share's processes hold 6 GiB of its GPU (the fake NVML's usage file): the chart's
+    // plugin attributes them, through the host's /proc and the kubelet's PodResources socket
+    // (both mounted read-only), to the share's pod, claim and container.
+    let share_gpu = drust_e2e::plugin::fake_gpus(&topology)
+        .map_err(anyhow::Error::msg)?
+        .into_iter()
+        .find(|g| g.name == share_device)
+        .context("the share's GPU")?;
+    let share_pod = pods.get("share-client").await?;
+    let share_pids = pids_of_container(&container_id(&share_pod, "cuda")?)?;
+    ensure!(
+        !share_pids.is_empty(),
+        "no process of the share's container"
+    );
+    let per_process = (6u64 << 30) / share_pids.len() as u64;
+    let processes: Vec<serde_json::Value> = share_pids
+        .iter()
+        .map(|pid| serde_json::json!({"pid": pid, "usedMemoryBytes": per_process}))
+        .collect();
+    std::fs::create_dir_all(fake_state.join("usage"))?;
+    std::fs::write(
+        fake_state.join(format!("usage/{}.json", share_gpu.raw.index)),
+        serde_json::json!({"smPercent": 40, "memoryPercent": 10,
+            "memoryUsedBytes": per_process * share_pids.len() as u64, "processes": processes})
+        .to_string(),
+    )?;
+    let share_used = per_process * share_pids.len() as u64;
+
     // `dractl top`, as a user holding only deploy/rbac/dractl-top.yaml, reads the chart's plugin
     // pod through the API server's proxy: both pods, and the share against its allocation.
-    apply_file(&client, &repo_path("deploy/rbac/dractl-top.yaml")).await?;
-    apply_yaml(
-        &client,
-        r#"
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: topper, namespace: default}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: dractl-top, namespace: drust-system}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: dractl-top}
-subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
-"#,
-        Path::new("topper identity"),
-    )
-    .await?;
     let top_kubeconfig = host.root().join("topper.kubeconfig");
-    cp.write_kubeconfig(
-        &top_kubeconfig,
-        &cp.service_account_token("default", "topper").await?,
-    )?;
+    drust_e2e::rbac::dractl_top_kubeconfig(&cp, &client, &top_kubeconfig).await?;
     let dractl = drust_e2e::binary::dractl_binary().map_err(anyhow::Error::msg)?;
     let top: serde_json::Value = until("dractl top listing both pods", TIMEOUT, || async {
         let out = std::process::Command::new(&dractl)
@@ -446,7 +458,11 @@ subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
         let top: serde_json::Value = serde_json::from_str(&stdout)
             .map_err(|e| format!("{e}: {stdout}{}", String::from_utf8_lossy(&out.stderr)))?;
         let rows = top["rows"].as_array().map_or(0, Vec::len);
-        if rows == 2 {
+        let share_sampled = top["rows"].as_array().is_some_and(|r| {
+            r.iter()
+                .any(|r| r["pod"] == "share-client" && r["memoryUsedBytes"] == share_used)
+        });
+        if rows == 2 && share_sampled {
             Ok(Some(top))
         } else {
             Err(stdout)
@@ -475,15 +491,35 @@ subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
             && share_row["gpus"].as_f64().is_some_and(|g| g > 0.0 && g < 1.0),
         "the share against its allocation: {share_row:#}"
     );
-
-    let share_key = drust_e2e::plugin::fake_gpus(&topology)
-        .map_err(anyhow::Error::msg)?
+    // The process is named by its container, as the kubelet answered the plugin pod.
+    let plugin_pod = v1.metadata.name.clone().context("plugin pod name")?;
+    let usage: serde_json::Value = serde_json::from_str(
+        &client
+            .request_text(
+                http::Request::get(format!(
+                    "/api/v1/namespaces/{NAMESPACE}/pods/{plugin_pod}:9477/proxy/usage"
+                ))
+                .body(Vec::new())?,
+            )
+            .await?,
+    )?;
+    let share_processes: Vec<&serde_json::Value> = usage["devices"]
+        .as_array()
         .into_iter()
-        .find(|g| g.name == share_device)
-        .context("the share's GPU")?
-        .raw
-        .uuid
-        .to_ascii_lowercase();
+        .flatten()
+        .filter(|d| d["device"] == share_device.as_str())
+        .flat_map(|d| d["processes"].as_array().into_iter().flatten())
+        .collect();
+    ensure!(
+        share_processes.len() == share_pids.len()
+            && share_processes.iter().all(|p| p["pod"] == "share-client"
+                && p["container"] == "cuda"
+                && p["namespace"] == "default")
+            && usage["podResourcesError"].is_null(),
+        "the share's processes by container: {usage:#}"
+    );
+
+    let share_key = share_gpu.raw.uuid.to_ascii_lowercase();
     let share_daemon = system_pods
         .get(&format!("mps-control-daemon-{share_key}"))
         .await

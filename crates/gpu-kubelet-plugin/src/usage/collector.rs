@@ -5,7 +5,9 @@
 //! `modelName`, `GPU_I_PROFILE` and `GPU_I_ID` on MIG devices, `Hostname`, then `namespace`,
 //! `pod`, `container`), plus `claim` and `dra_device` (the DRA device name). A device's pod
 //! labels are set when one pod uses it (its processes run in one pod, or, with no process, its
-//! one claim names one pod); otherwise they are empty and the per-container metric tells.
+//! one claim names one pod); otherwise they are empty and the per-container metric tells. The
+//! `container` label is the container's name from the kubelet's PodResources API: the one
+//! container of that pod holding the device (see [`super::report::Containers`]).
 //!
 //! | name | type | unit | labels | meaning |
 //! |---|---|---|---|---|
@@ -13,12 +15,13 @@
 //! | `DCGM_FI_DEV_MEM_COPY_UTIL` | gauge | % | device | memory activity (whole GPUs) |
 //! | `DCGM_FI_DEV_FB_USED` | gauge | MiB | device | device memory used |
 //! | `DCGM_FI_DEV_FB_FREE` | gauge | MiB | device | device memory free, where its size is known |
-//! | `drust_container_gpu_memory_bytes` | gauge | bytes | device, `namespace`, `pod`, `container_id`, `claim` | memory of one container's processes on the device |
+//! | `drust_container_gpu_memory_bytes` | gauge | bytes | device, `namespace`, `pod`, `container`, `pod_uid`, `container_id`, `claim` | memory of one container's processes on the device |
 //! | `drust_claim_idle_seconds` | gauge | s | `namespace`, `claim`, `claim_uid` | time since the claim was last busy |
 //! | `drust_claim_idle` | gauge | | as above | 1 once idle for the window |
 //! | `drust_claim_gpu_memory_used_bytes` | gauge | bytes | as above | memory its processes use |
 //! | `drust_share_memory_limit_bytes` | gauge | bytes | as above | a share's allocated memory |
 //! | `drust_usage_gpus_failing` | gauge | | | GPUs whose last sample failed |
+//! | `drust_usage_pod_resources_failing` | gauge | | | 1 when the last PodResources `List` failed (container names left out) |
 
 use std::sync::Arc;
 
@@ -42,6 +45,7 @@ pub const METRICS: &[&str] = &[
     "drust_claim_gpu_memory_used_bytes",
     "drust_share_memory_limit_bytes",
     "drust_usage_gpus_failing",
+    "drust_usage_pod_resources_failing",
 ];
 
 /// Serves the latest report ([`super::sampler::run`]).
@@ -102,12 +106,38 @@ fn device_labels(d: &DeviceReport, report: &Report) -> Labels {
         ([c], _) => (c.namespace.clone(), String::new(), c.name.clone()),
         _ => Default::default(),
     };
+    let container = device_container(d, &namespace, &pod);
     l.push(("namespace", namespace));
     l.push(("pod", pod));
-    l.push(("container", String::new()));
+    l.push(("container", container));
     l.push(("claim", claim));
     l.push(("dra_device", d.device.clone()));
     l
+}
+
+/// The container of `pod` (in `namespace`) on `d`: the one its processes there run in, or with
+/// no process on `d`, the one the kubelet says holds `d`; empty when that is not one container.
+fn device_container(d: &DeviceReport, namespace: &str, pod: &str) -> String {
+    if pod.is_empty() {
+        return String::new();
+    }
+    let names: std::collections::BTreeSet<Option<&str>> = if d.processes.is_empty() {
+        d.containers
+            .iter()
+            .filter(|c| c.pod == pod && c.namespace == namespace)
+            .map(|c| Some(c.container.as_str()))
+            .collect()
+    } else {
+        d.processes
+            .iter()
+            .filter(|p| p.pod.as_deref() == Some(pod))
+            .map(|p| p.container.as_deref())
+            .collect()
+    };
+    match names.into_iter().collect::<Vec<_>>().as_slice() {
+        [Some(only)] => (*only).to_owned(),
+        _ => String::new(),
+    }
 }
 
 fn gauge(
@@ -185,17 +215,18 @@ impl Collector for UsageCollector {
 
         let mut containers: Vec<(Labels, i64)> = Vec::new();
         for (labels, d) in &devices {
-            let mut by_container: std::collections::BTreeMap<(String, String, String), u64> =
-                Default::default();
+            type Key = (String, String, String, String);
+            let mut by_container: std::collections::BTreeMap<Key, u64> = Default::default();
             for p in &d.processes {
                 let key = (
                     p.pod_uid.clone().unwrap_or_default(),
                     p.container_id.clone().unwrap_or_default(),
+                    p.container.clone().unwrap_or_default(),
                     p.claim.clone().unwrap_or_default(),
                 );
                 *by_container.entry(key).or_default() += p.used_memory_bytes.unwrap_or(0);
             }
-            for ((pod_uid, container_id, claim_uid), bytes) in by_container {
+            for ((pod_uid, container_id, container, claim_uid), bytes) in by_container {
                 let claim = report.claims.iter().find(|c| c.uid == claim_uid);
                 let pod = claim
                     .and_then(|c| c.pods.iter().find(|p| p.uid == pod_uid))
@@ -211,6 +242,7 @@ impl Collector for UsageCollector {
                     claim.map(|c| c.namespace.clone()).unwrap_or_default(),
                 ));
                 l.push(("pod", pod));
+                l.push(("container", container));
                 l.push(("pod_uid", pod_uid));
                 l.push(("container_id", container_id));
                 l.push(("claim", claim.map(|c| c.name.clone()).unwrap_or_default()));
@@ -268,13 +300,19 @@ impl Collector for UsageCollector {
             "GPUs whose last usage sample failed",
             &[(Vec::new(), count(report.errors.len() as u64))],
         )?;
+        gauge(
+            &mut encoder,
+            "drust_usage_pod_resources_failing",
+            "1 when the kubelet's PodResources API (container names) could not be read last time",
+            &[(Vec::new(), i64::from(report.pod_resources_error.is_some()))],
+        )?;
         Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::report::{ClaimReport, PodRef, ProcessReport};
+    use super::super::report::{ClaimReport, ContainerUse, PodRef, ProcessReport};
     use super::*;
     use crate::metrics::Metrics;
 
@@ -304,9 +342,11 @@ mod tests {
                         pid: 7,
                         used_memory_bytes: Some(20 << 30),
                         pod_uid: Some("p-1".into()),
+                        pod: Some("jupyter-0".into()),
+                        namespace: Some("team".into()),
                         container_id: Some("abc".into()),
+                        container: Some("lab".into()),
                         claim: Some("c-1".into()),
-                        ..ProcessReport::default()
                     }],
                     ..DeviceReport::default()
                 },
@@ -336,7 +376,7 @@ mod tests {
         };
         metrics.usage_reports().send_replace(Arc::new(report));
         let text = metrics.encode();
-        let device0 = r#"gpu="0",UUID="GPU-1",pci_bus_id="0000:18:00.0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="node-a",namespace="team",pod="jupyter-0",container="",claim="notebook",dra_device="gpu-0000-18-00-0""#;
+        let device0 = r#"gpu="0",UUID="GPU-1",pci_bus_id="0000:18:00.0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="node-a",namespace="team",pod="jupyter-0",container="lab",claim="notebook",dra_device="gpu-0000-18-00-0""#;
         for line in [
             format!("DCGM_FI_DEV_GPU_UTIL{{{device0}}} 3"),
             format!("DCGM_FI_DEV_FB_USED{{{device0}}} 20480"),
@@ -345,6 +385,7 @@ mod tests {
             r#"drust_claim_idle_seconds{namespace="team",claim="notebook",claim_uid="c-1"} 1900"#.into(),
             r#"drust_claim_idle{namespace="team",claim="notebook",claim_uid="c-1"} 1"#.into(),
             "drust_usage_gpus_failing 0".into(),
+            "drust_usage_pod_resources_failing 0".into(),
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in:\n{text}");
         }
@@ -354,7 +395,7 @@ mod tests {
             .unwrap();
         assert!(
             container
-                .contains(r#"pod="jupyter-0",pod_uid="p-1",container_id="abc",claim="notebook""#)
+                .contains(r#"pod="jupyter-0",container="lab",pod_uid="p-1",container_id="abc",claim="notebook""#)
                 && container.ends_with(&format!(" {}", 20u64 << 30)),
             "{container}"
         );
@@ -367,5 +408,92 @@ mod tests {
         // No utilization series for a MIG device (NVML has none); the old drust_ metrics stay.
         assert!(!text.contains(r#"DCGM_FI_DEV_GPU_UTIL{gpu="1""#));
         assert!(text.contains("drust_prepared_claims 0"));
+    }
+
+    /// Report with one device held by claim `c-1` of pod `jupyter-0`, with `processes` on it
+    /// and `containers` holding it as the kubelet says.
+    fn one_device(processes: Vec<ProcessReport>, containers: &[&str]) -> Report {
+        Report {
+            devices: vec![DeviceReport {
+                device: "gpu-0".into(),
+                claims: vec!["c-1".into()],
+                containers: containers
+                    .iter()
+                    .map(|c| ContainerUse {
+                        namespace: "team".into(),
+                        pod: "jupyter-0".into(),
+                        container: (*c).into(),
+                    })
+                    .collect(),
+                processes,
+                ..DeviceReport::default()
+            }],
+            claims: vec![ClaimReport {
+                namespace: "team".into(),
+                name: "notebook".into(),
+                uid: "c-1".into(),
+                pods: vec![PodRef {
+                    name: "jupyter-0".into(),
+                    uid: "p-1".into(),
+                }],
+                ..ClaimReport::default()
+            }],
+            ..Report::default()
+        }
+    }
+
+    fn container_label(report: Report) -> String {
+        let metrics = Metrics::new();
+        metrics.usage_reports().send_replace(Arc::new(report));
+        let text = metrics.encode();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("DCGM_FI_DEV_FB_USED{"))
+            .unwrap()
+            .to_owned();
+        let (_, rest) = line.split_once("container=\"").unwrap();
+        rest.split_once('"').unwrap().0.to_owned()
+    }
+
+    #[test]
+    fn the_container_label_names_one_container_or_none() {
+        let process = |pid, container: Option<&str>| ProcessReport {
+            pid,
+            pod_uid: Some("p-1".into()),
+            pod: Some("jupyter-0".into()),
+            namespace: Some("team".into()),
+            container: container.map(Into::into),
+            claim: Some("c-1".into()),
+            ..ProcessReport::default()
+        };
+        // No process: the one container the kubelet says holds the device.
+        assert_eq!(container_label(one_device(Vec::new(), &["lab"])), "lab");
+        // No process and two containers holding it: none.
+        assert_eq!(
+            container_label(one_device(Vec::new(), &["lab", "sidecar"])),
+            ""
+        );
+        // Processes in one named container.
+        let both = vec![process(1, Some("lab")), process(2, Some("lab"))];
+        assert_eq!(container_label(one_device(both, &["lab"])), "lab");
+        // A process whose container is not known beside a named one: none.
+        let mixed = vec![process(1, Some("lab")), process(2, None)];
+        assert_eq!(container_label(one_device(mixed, &["lab"])), "");
+    }
+
+    #[test]
+    fn a_failing_pod_resources_api_is_a_metric() {
+        let metrics = Metrics::new();
+        let report = Report {
+            pod_resources_error: Some("dialing the kubelet's PodResources socket".into()),
+            ..Report::default()
+        };
+        metrics.usage_reports().send_replace(Arc::new(report));
+        let text = metrics.encode();
+        assert!(
+            text.lines()
+                .any(|l| l == "drust_usage_pod_resources_failing 1"),
+            "{text}"
+        );
     }
 }

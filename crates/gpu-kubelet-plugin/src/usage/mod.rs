@@ -4,7 +4,8 @@
 //! Every [`UsageConfig::interval`] the active instance samples each GPU it publishes
 //! ([`gpu_inventory::GpuBackend::usage`]: utilization, memory used, processes) on a blocking
 //! thread, without any GPU lock and apart from prepare and unprepare, reads each process's
-//! cgroup to find its pod and container ([`cgroup`]), and builds a [`Report`] ([`report`])
+//! cgroup to find its pod and container ([`cgroup`]), asks the kubelet which container of each
+//! pod holds each device (its PodResources API, for container names), and builds a [`Report`] ([`report`])
 //! that `/metrics` ([`collector`]) and `/usage` serve; the pods of idle claims get a `GPUIdle`
 //! Warning event ([`events`]).
 //!
@@ -25,7 +26,7 @@ pub mod sampler;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use report::{ClaimReport, DeviceReport, ProcessReport, Report};
+pub use report::{ClaimReport, ContainerUse, DeviceReport, ProcessReport, Report};
 
 /// When a claim counts as idle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +62,10 @@ pub struct UsageConfig {
     pub proc_root: PathBuf,
     /// Send `GPUIdle` events to the pods of idle claims ([`events`]).
     pub idle_events: bool,
+    /// The kubelet's PodResources socket, asked at each sample which container holds each
+    /// device (container names); `None`: not asked, names left out. The binary's default is
+    /// [`dra_kubelet::pod_resources::DEFAULT_SOCKET`].
+    pub pod_resources_socket: Option<PathBuf>,
 }
 
 impl Default for UsageConfig {
@@ -70,6 +75,7 @@ impl Default for UsageConfig {
             idle: IdleThresholds::default(),
             proc_root: PathBuf::from("/proc"),
             idle_events: true,
+            pod_resources_socket: None,
         }
     }
 }

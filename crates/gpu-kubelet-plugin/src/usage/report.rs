@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use dra_kubelet::pod_resources::PodDevices;
 use gpu_inventory::GpuUsage;
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +34,77 @@ pub struct PodRef {
     pub uid: String,
 }
 
+/// A container the kubelet says holds a device (its PodResources API).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerUse {
+    /// Its pod's namespace.
+    pub namespace: String,
+    /// Its pod's name.
+    pub pod: String,
+    /// Its name in the pod spec.
+    pub container: String,
+}
+
+/// Which containers hold each device of each claim, from the kubelet's PodResources `List`
+/// ([`dra_kubelet::pod_resources`]): the only source of container *names* (a process's cgroup
+/// gives its container's runtime ID).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Containers {
+    /// By (claim namespace, claim name, pool, device).
+    by_device: BTreeMap<(String, String, String, String), BTreeSet<ContainerUse>>,
+}
+
+impl Containers {
+    /// No container known.
+    pub fn none() -> &'static Containers {
+        static NONE: Containers = Containers {
+            by_device: BTreeMap::new(),
+        };
+        &NONE
+    }
+
+    /// The devices of `driver` in the kubelet's answer `pods`.
+    pub fn from_kubelet(pods: &[PodDevices], driver: &str) -> Self {
+        let mut by_device: BTreeMap<_, BTreeSet<ContainerUse>> = BTreeMap::new();
+        for pod in pods {
+            for c in &pod.containers {
+                for d in c.devices.iter().filter(|d| d.driver == driver) {
+                    by_device
+                        .entry((
+                            d.claim_namespace.clone(),
+                            d.claim_name.clone(),
+                            d.pool.clone(),
+                            d.device.clone(),
+                        ))
+                        .or_default()
+                        .insert(ContainerUse {
+                            namespace: pod.namespace.clone(),
+                            pod: pod.name.clone(),
+                            container: c.name.clone(),
+                        });
+                }
+            }
+        }
+        Self { by_device }
+    }
+
+    /// The containers holding `device` of `pool` through the claim `record`.
+    fn of(&self, record: &ClaimRecord, pool: &str, device: &str) -> Vec<&ContainerUse> {
+        // One lookup per process and device: the key is built, not borrowed.
+        let key = (
+            record.namespace.clone(),
+            record.name.clone(),
+            pool.to_owned(),
+            device.to_owned(),
+        );
+        self.by_device
+            .get(&key)
+            .map(|s| s.iter().collect())
+            .unwrap_or_default()
+    }
+}
+
 /// Everything the sampler saw at one moment. Served as JSON at `/usage` (camelCase).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -53,6 +125,9 @@ pub struct Report {
     pub claims: Vec<ClaimReport>,
     /// GPUs whose sample failed, with the error; their devices are left out.
     pub errors: Vec<String>,
+    /// Why the kubelet's PodResources API could not be read this time (container names are
+    /// then left out); `None` when it was, or when it is not configured.
+    pub pod_resources_error: Option<String>,
 }
 
 /// One device in a sample.
@@ -89,6 +164,8 @@ pub struct DeviceReport {
     pub busy: bool,
     /// UIDs of the prepared claims holding it.
     pub claims: Vec<String>,
+    /// The containers the kubelet says hold it through those claims.
+    pub containers: Vec<ContainerUse>,
     /// Its processes.
     pub processes: Vec<ProcessReport>,
 }
@@ -109,6 +186,9 @@ pub struct ProcessReport {
     pub namespace: Option<String>,
     /// Its container's runtime ID.
     pub container_id: Option<String>,
+    /// Its container's name: the one container of its pod the kubelet says holds the device
+    /// through its claim (none when several do, or the kubelet was not asked).
+    pub container: Option<String>,
     /// The UID of the claim it is attributed to.
     pub claim: Option<String>,
 }
@@ -174,6 +254,8 @@ pub struct Inputs<'a> {
     pub samples: &'a BTreeMap<u32, Result<GpuSample, String>>,
     /// The pods of each claim, by claim UID, where known.
     pub pods: &'a BTreeMap<String, Vec<PodRef>>,
+    /// The containers holding each device, as the kubelet says.
+    pub containers: &'a Containers,
     /// When a device is busy and a claim idle.
     pub thresholds: IdleThresholds,
 }
@@ -222,6 +304,26 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
             .get(name.as_str())
             .map(|c| c.iter().map(|s| (*s).to_owned()).collect())
             .unwrap_or_default();
+        // The record of each holder and the pool it holds this device in.
+        let held: Vec<(&str, &ClaimRecord, &str)> = inputs
+            .claims
+            .iter()
+            .filter(|(uid, _)| d.claims.contains(uid))
+            .flat_map(|(uid, r)| {
+                r.devices
+                    .iter()
+                    .filter(|rd| rd.device_name == *name)
+                    .map(move |rd| (uid.as_str(), r, rd.pool_name.as_str()))
+            })
+            .collect();
+        let mut containers: Vec<ContainerUse> = held
+            .iter()
+            .flat_map(|(_, r, pool)| inputs.containers.of(r, pool, name))
+            .cloned()
+            .collect();
+        containers.sort();
+        containers.dedup();
+        d.containers = containers;
         for p in &mut d.processes {
             let Some(pod) = p.pod_uid.as_deref() else {
                 continue;
@@ -234,6 +336,14 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
                 p.claim = Some((*claim).to_owned());
                 p.pod = Some((*pod_name).to_owned());
                 p.namespace = Some((*ns).to_owned());
+                let mut named = held
+                    .iter()
+                    .filter(|(uid, _, _)| uid == claim)
+                    .flat_map(|(_, r, pool)| inputs.containers.of(r, pool, name))
+                    .filter(|c| c.pod == *pod_name && c.namespace == *ns);
+                if let (Some(only), None) = (named.next(), named.next()) {
+                    p.container = Some(only.container.clone());
+                }
             } else if d.claims.len() == 1 {
                 // One holder: whatever pod runs on it uses that claim.
                 p.claim = Some(d.claims[0].clone());
@@ -474,6 +584,24 @@ mod tests {
         m
     }
 
+    /// The inputs of a report on node `n` with the default thresholds and no container names.
+    fn inputs<'a>(
+        devices: &'a BTreeMap<String, NodeDevice>,
+        claims: &'a [(String, ClaimRecord)],
+        samples: &'a BTreeMap<u32, Result<GpuSample, String>>,
+        pods: &'a BTreeMap<String, Vec<PodRef>>,
+    ) -> Inputs<'a> {
+        Inputs {
+            node: "n",
+            devices,
+            claims,
+            samples,
+            pods,
+            containers: Containers::none(),
+            thresholds: IdleThresholds::default(),
+        }
+    }
+
     fn claim<'r>(r: &'r Report, uid: &str) -> &'r ClaimReport {
         r.claims.iter().find(|c| c.uid == uid).unwrap()
     }
@@ -492,14 +620,7 @@ mod tests {
             (5, sample(Some(0), &[(200, 20_480, 2, None)])),
         ]);
         let pods = pods(&[("busy", 1), ("idle", 2)]);
-        let inputs = Inputs {
-            node: "node-a",
-            devices: &devices,
-            claims: &claims,
-            samples: &samples,
-            pods: &pods,
-            thresholds: IdleThresholds::default(),
-        };
+        let inputs = inputs(&devices, &claims, &samples, &pods);
         let mut tracker = IdleTracker::default();
         let t0 = Instant::now();
         let first = build(&inputs, &mut tracker, t0, 1);
@@ -560,14 +681,7 @@ mod tests {
             (5, sample(Some(0), &[(2, 100, 1, None)])),
         ]);
         let pods = pods(&[("a", 1), ("b", 1)]);
-        let inputs = Inputs {
-            node: "n",
-            devices: &devices,
-            claims: &claims,
-            samples: &samples,
-            pods: &pods,
-            thresholds: IdleThresholds::default(),
-        };
+        let inputs = inputs(&devices, &claims, &samples, &pods);
         let r = build(&inputs, &mut IdleTracker::default(), Instant::now(), 0);
         for (device, claim) in [(&g4, "a"), (&g5, "b")] {
             let d = r.devices.iter().find(|d| &d.device == device).unwrap();
@@ -597,14 +711,7 @@ mod tests {
             sample(Some(90), &[(1, 6_000, 1, None), (2, 1_000, 2, None)]),
         )]);
         let pods = pods(&[("s1", 1), ("s2", 2)]);
-        let inputs = Inputs {
-            node: "n",
-            devices: &devices,
-            claims: &claims,
-            samples: &samples,
-            pods: &pods,
-            thresholds: IdleThresholds::default(),
-        };
+        let inputs = inputs(&devices, &claims, &samples, &pods);
         let mut tracker = IdleTracker::default();
         let t0 = Instant::now();
         build(&inputs, &mut tracker, t0, 0);
@@ -655,14 +762,7 @@ mod tests {
         let pods = pods(&[("m", 3)]);
         let run = |processes: &[(u32, u64, u8, Option<u32>)]| {
             let samples = BTreeMap::from([(1, sample(None, processes))]);
-            let inputs = Inputs {
-                node: "n",
-                devices: &devices,
-                claims: &claims,
-                samples: &samples,
-                pods: &pods,
-                thresholds: IdleThresholds::default(),
-            };
+            let inputs = inputs(&devices, &claims, &samples, &pods);
             build(&inputs, &mut IdleTracker::default(), Instant::now(), 0)
         };
         let r = run(&[(7, 512, 3, Some(gi)), (8, 256, 4, Some(gi + 100))]);
@@ -682,14 +782,7 @@ mod tests {
         let claims = vec![("c".to_owned(), record("c", vec![held(&g7, None)]))];
         let samples = BTreeMap::from([(7, Err("NVML: GPU is lost".to_owned()))]);
         let pods = BTreeMap::new();
-        let inputs = Inputs {
-            node: "n",
-            devices: &devices,
-            claims: &claims,
-            samples: &samples,
-            pods: &pods,
-            thresholds: IdleThresholds::default(),
-        };
+        let inputs = inputs(&devices, &claims, &samples, &pods);
         let mut tracker = IdleTracker::default();
         let t0 = Instant::now();
         build(&inputs, &mut tracker, t0, 0);
@@ -697,6 +790,78 @@ mod tests {
         assert_eq!(r.errors, ["GPU 7: NVML: GPU is lost"]);
         assert!(claim(&r, "c").busy && !claim(&r, "c").idle);
         assert!(!r.devices.iter().any(|d| d.gpu_index == 7));
+    }
+
+    #[test]
+    fn a_process_is_named_by_the_one_container_the_kubelet_says_holds_its_device() {
+        use dra_kubelet::pod_resources::{ClaimDevice, ContainerDevices, PodDevices};
+        let devices = devices();
+        let g4 = gpu(&devices, 4);
+        let claims = vec![("a".to_owned(), record("first", vec![held(&g4, None)]))];
+        let samples = BTreeMap::from([(4, sample(Some(50), &[(1, 100, 1, None)]))]);
+        let pods = pods(&[("a", 1)]);
+        let holding = |container: &str, driver: &str| ContainerDevices {
+            name: container.into(),
+            devices: vec![ClaimDevice {
+                claim_namespace: "team".into(),
+                claim_name: "first".into(),
+                driver: driver.into(),
+                pool: "node".into(),
+                device: g4.clone(),
+                share_id: None,
+            }],
+        };
+        let answer = |containers: Vec<ContainerDevices>| {
+            vec![PodDevices {
+                namespace: "team".into(),
+                name: "pod-1".into(),
+                containers,
+            }]
+        };
+        let named = |containers: Vec<ContainerDevices>| {
+            let known = Containers::from_kubelet(&answer(containers), "gpu.example.com");
+            let r = build(
+                &Inputs {
+                    containers: &known,
+                    ..inputs(&devices, &claims, &samples, &pods)
+                },
+                &mut IdleTracker::default(),
+                Instant::now(),
+                0,
+            );
+            let d = r.devices.iter().find(|d| d.device == g4).unwrap().clone();
+            let listed: Vec<String> = d.containers.iter().map(|c| c.container.clone()).collect();
+            (d.processes[0].container.clone(), listed)
+        };
+        // Another driver's device of the same name, and a container without devices, aside.
+        let (process, listed) = named(vec![
+            holding("main", "gpu.example.com"),
+            holding("other", "other.example.com"),
+            ContainerDevices {
+                name: "sidecar".into(),
+                devices: Vec::new(),
+            },
+        ]);
+        assert_eq!(
+            (process.as_deref(), listed.as_slice()),
+            (Some("main"), &["main".to_owned()][..])
+        );
+        // Two containers hold it: the process's container cannot be told.
+        let (process, listed) = named(vec![
+            holding("main", "gpu.example.com"),
+            holding("helper", "gpu.example.com"),
+        ]);
+        assert_eq!(process, None);
+        assert_eq!(listed, ["helper", "main"]);
+        // The kubelet not asked (or failing): no names.
+        let r = build(
+            &inputs(&devices, &claims, &samples, &pods),
+            &mut IdleTracker::default(),
+            Instant::now(),
+            0,
+        );
+        let d = r.devices.iter().find(|d| d.device == g4).unwrap();
+        assert!(d.containers.is_empty() && d.processes[0].container.is_none());
     }
 
     #[test]

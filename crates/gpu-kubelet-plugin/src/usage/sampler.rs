@@ -9,17 +9,20 @@ use std::time::{Duration, Instant, SystemTime};
 
 use gpu_inventory::GpuBackend;
 use tokio::sync::watch;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::UsageConfig;
 use super::cgroup::container_of_pid;
 use super::events::{self, IdleEvents};
-use super::report::{GpuSample, IdleTracker, Inputs, PodRef, Report, build};
+use super::report::{Containers, GpuSample, IdleTracker, Inputs, PodRef, Report, build};
 use crate::claims::{ClaimController, Cluster};
 use crate::hardware::Hardware;
 
 /// How long one API read of a claim may take.
 const CLAIM_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the kubelet's PodResources `List` may take, dial included.
+const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// At most this many `GPUIdle` events per sample.
 const EVENTS_PER_ROUND: usize = 10;
@@ -56,13 +59,21 @@ struct PodCache {
     by_claim: BTreeMap<String, (Vec<PodRef>, Instant)>,
 }
 
-/// Runs the sampler of `controller`'s devices until the task is dropped, publishing each report
-/// on `reports`.
+/// Which containers hold `driver`'s devices, from the kubelet at `socket`; the error as text.
+async fn containers(socket: &Path, driver: &str) -> Result<Containers, String> {
+    dra_kubelet::pod_resources::list(socket, POD_RESOURCES_TIMEOUT)
+        .await
+        .map(|pods| Containers::from_kubelet(&pods, driver))
+        .map_err(|e| e.to_string())
+}
+
+/// Runs the sampler of `controller`'s devices (published by `driver` on `node`) until the task
+/// is dropped, publishing each report on `reports`.
 pub async fn run<C: Cluster, H: Hardware>(
     controller: ClaimController<C, H>,
     backend: Arc<dyn GpuBackend>,
     config: UsageConfig,
-    node: String,
+    (driver, node): (String, String),
     reports: watch::Sender<Arc<Report>>,
 ) {
     let mut tick = tokio::time::interval(config.interval);
@@ -70,6 +81,7 @@ pub async fn run<C: Cluster, H: Hardware>(
     let mut tracker = IdleTracker::default();
     let mut pods = PodCache::default();
     let mut idle_events = IdleEvents::new(config.idle.window, EVENTS_PER_ROUND);
+    let mut pod_resources_failed = false;
     loop {
         tick.tick().await;
         let (devices, claims) = controller.usage_view().await;
@@ -96,6 +108,18 @@ pub async fn run<C: Cluster, H: Hardware>(
             .iter()
             .map(|(uid, (p, _))| (uid.clone(), p.clone()))
             .collect();
+        let named = match &config.pod_resources_socket {
+            Some(socket) => Some(containers(socket, &driver).await),
+            None => None,
+        };
+        match (&named, &pod_resources_failed) {
+            (Some(Err(e)), false) => {
+                warn!(error = %e, "container names are left out until the kubelet answers");
+            }
+            (Some(Ok(_)), true) => info!("the kubelet's PodResources API answers again"),
+            _ => {}
+        }
+        pod_resources_failed = matches!(named, Some(Err(_)));
         let unix = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -106,12 +130,18 @@ pub async fn run<C: Cluster, H: Hardware>(
                 claims: &claims,
                 samples: &samples,
                 pods: &pod_map,
+                containers: match &named {
+                    Some(Ok(c)) => c,
+                    _ => Containers::none(),
+                },
                 thresholds: config.idle,
             },
             &mut tracker,
             Instant::now(),
             unix,
         );
+        let mut report = report;
+        report.pod_resources_error = named.and_then(Result::err);
         for e in &report.errors {
             warn!(error = %e, "sampling a GPU's usage failed");
         }

@@ -21,7 +21,7 @@ use anyhow::Context;
 use gpu_inventory::{GpuBackend, MigStrategy, NvmlBackend};
 use gpu_kubelet_plugin::checkpoint::{ClaimRecord, ClaimState, RecordedDevice};
 use gpu_kubelet_plugin::usage::IdleThresholds;
-use gpu_kubelet_plugin::usage::report::{IdleTracker, Inputs, PodRef, build};
+use gpu_kubelet_plugin::usage::report::{Containers, IdleTracker, Inputs, PodRef, build};
 use gpu_kubelet_plugin::usage::sampler::sample_gpus;
 
 fn arg(name: &str, default: u64) -> anyhow::Result<u64> {
@@ -168,6 +168,7 @@ fn main() -> anyhow::Result<()> {
             claims: &claims,
             samples: &samples,
             pods: &pods,
+            containers: Containers::none(),
             thresholds: IdleThresholds::default(),
         };
         build(&inputs, &mut tracker, Instant::now(), 0)
