@@ -5,7 +5,9 @@
 //! name the container of a GPU.
 //!
 //! Each [`list`] dials the socket afresh (the kubelet re-creates it when it restarts) and is
-//! bounded by one timeout, dial included.
+//! bounded by one timeout, dial included. The kubelet rate-limits the API for all its callers
+//! together (100 calls/s, burst 10, in `pkg/kubelet/apis/podresources/constants.go`) and
+//! answers the excess `ResourceExhausted` ([`PodResourcesError::Call`]).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -206,7 +206,11 @@ pub fn top(reports: &[Report], unreachable: Vec<String>, options: &Options) -> T
             let limit = claim
                 .share_memory_bytes
                 .unwrap_or_else(|| devices.iter().filter_map(|d| d.memory_total_bytes).sum());
-            let sm = devices.iter().filter_map(|d| d.sm_percent).max();
+            // A share's own figure where the plugin has one; else its devices' (a share's: its
+            // whole GPU's).
+            let sm = claim
+                .sm_percent
+                .or_else(|| devices.iter().filter_map(|d| d.sm_percent).max());
             let cost = options
                 .price_per_gpu_hour
                 .map(|price| claim.idle_seconds as f64 / 3600.0 * held * price);

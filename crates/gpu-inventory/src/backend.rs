@@ -456,6 +456,13 @@ pub struct ProcessUsage {
     /// On a GPU in MIG mode: the compute instance it runs in.
     #[serde(default)]
     pub compute_instance_id: Option<u32>,
+    /// Its SM utilization, percent (0..=100), since the previous query of the GPU
+    /// (`nvmlDeviceGetProcessUtilization`, `smUtil`, the mean of its samples; 0 for a process
+    /// without samples, which NVML returns only for processes that computed). `None` where
+    /// NVML has no per-process figures (MIG mode, NOT_SUPPORTED). Under MPS, NVML may count a
+    /// client's work to the MPS server's process.
+    #[serde(default)]
+    pub sm_percent: Option<u32>,
 }
 
 /// NVML-shaped hardware queries. Implementations: [`crate::NvmlBackend`] (the real library,

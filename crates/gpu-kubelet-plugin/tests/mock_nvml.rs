@@ -172,7 +172,8 @@ fn the_nvml_backend_publishes_nvidias_mock_gpus_as_the_fake_backend_does() {
 }
 
 /// Usage through the real NVML backend against the mock (`DRUST_MOCK_NVML_USAGE`): the
-/// utilization, memory and processes its usage file gives GPU 0, each process's pod and
+/// utilization, memory and processes (with per-process SM utilization) its usage file gives
+/// GPU 0, each process's pod and
 /// container read from its cgroup, and GPU 1 (no file) idle. Run in a child process of this
 /// test binary, since the mock reads its environment when it is loaded.
 #[test]
@@ -184,7 +185,8 @@ fn usage_through_nvml_is_what_the_gpu_reports_with_each_process_s_pod() {
     std::fs::write(
         usage.join("0.json"),
         r#"{"smPercent": 73, "memoryPercent": 12, "memoryUsedBytes": 3221225472,
-            "processes": [{"pid": 4242, "usedMemoryBytes": 1073741824}, {"pid": 4343}]}"#,
+            "processes": [{"pid": 4242, "usedMemoryBytes": 1073741824, "smPercent": 61},
+                {"pid": 4343}]}"#,
     )
     .expect("usage file");
     let proc_root = dir.path().join("proc");
@@ -228,6 +230,10 @@ fn usage_in_a_child() {
         .map(|p| (p.pid, p.used_memory_bytes))
         .collect();
     assert_eq!(procs, [(4242, Some(1 << 30)), (4343, None)]);
+    // Per-process SM utilization (nvmlDeviceGetProcessUtilization): the computing process's
+    // figure, 0 for one without samples.
+    let sm: Vec<Option<u32>> = gpu0.usage.processes.iter().map(|p| p.sm_percent).collect();
+    assert_eq!(sm, [Some(61), Some(0)]);
     assert_eq!(gpu0.usage.processes[0].gpu_instance_id, None);
     let pod = &gpu0.containers[&4242];
     assert_eq!(

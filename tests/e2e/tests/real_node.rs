@@ -1694,6 +1694,47 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
         ensure!(busy.ends_with(if *sm > 0 { " 0" } else { " 1" }), "{busy}");
     }
 
+    // The kubelet's PodResources answer as our client reads it: each pod's claim container
+    // holds its device, the sidecar none. Timed: the plugin makes this call once per sample.
+    // Paced at 50 calls/s: the kubelet refuses more than 100/s (burst 10) with
+    // ResourceExhausted.
+    let socket = real.node.pod_resources_socket();
+    let rounds = 20u32;
+    let mut answer = Vec::new();
+    let mut spent = Duration::ZERO;
+    for _ in 0..rounds {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let started = Instant::now();
+        answer = dra_kubelet::pod_resources::list(&socket, Duration::from_secs(5)).await?;
+        spent += started.elapsed();
+    }
+    eprintln!(
+        "PodResources List from the real kubelet: {:.2} ms per call, dial included ({} pods)",
+        spent.as_secs_f64() * 1e3 / f64::from(rounds),
+        answer.len()
+    );
+    for (name, .., claim, _) in &seen {
+        let pod = answer
+            .iter()
+            .find(|p| p.name == *name && p.namespace == "default")
+            .with_context(|| format!("{name} in the kubelet's answer: {answer:?}"))?;
+        let cuda = format!("{name}-cuda");
+        let claim_holds = pod.containers.iter().any(|c| {
+            c.name == cuda
+                && matches!(c.devices.as_slice(), [d] if d.claim_name == *claim
+                    && d.driver == DRIVER && d.pool == NODE)
+        });
+        let sidecar_holds_none = pod
+            .containers
+            .iter()
+            .any(|c| c.name == "log-shipper" && c.devices.is_empty());
+        ensure!(
+            pod.containers.len() == 2 && claim_holds && sidecar_holds_none,
+            "{name}: {:?}",
+            pod.containers
+        );
+    }
+
     // Only the idle pod is told.
     let told = drust_e2e::wait::until("a GPUIdle event on idle-0", TIMEOUT, || async {
         let found = events_about(&real.client, "default", "GPUIdle", "idle-0")

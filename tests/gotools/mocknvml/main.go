@@ -27,8 +27,10 @@
 // "processes": [{"pid": 1234, "usedMemoryBytes": n}]}`, answers nvmlDeviceGetUtilizationRates,
 // the `used` of nvmlDeviceGetMemoryInfo_v2 and nvmlDeviceGetComputeRunningProcesses_v3 of GPU
 // index (nvmlDeviceGetMPSComputeRunningProcesses_v3 lists none); without the file the GPU is
-// idle (0 %, no memory used, no process). A GPU in MIG mode answers NOT_SUPPORTED to the
-// utilization query, as a real one does.
+// idle (0 %, no memory used, no process). A process's `smPercent` answers
+// nvmlDeviceGetProcessUtilization: one sample, stamped now, per process with a non-zero figure,
+// NOT_FOUND when none has one, as the real library answers. A GPU in MIG mode answers
+// NOT_SUPPORTED to both utilization queries, as a real one does.
 // Where the mock has no answer for a call the backend makes, this bridge gives one and says so
 // here (and in tests/gpu/README.md):
 //   - PCI bus IDs: the mock's PciInfo carries only the device ID. The bridge gives GPU i the
@@ -1101,6 +1103,7 @@ type usage struct {
 		UsedMemoryBytes   *uint64 `json:"usedMemoryBytes"`
 		GpuInstanceId     *uint32 `json:"gpuInstanceId"`
 		ComputeInstanceId *uint32 `json:"computeInstanceId"`
+		SmPercent         *uint32 `json:"smPercent"`
 	} `json:"processes"`
 }
 
@@ -1180,6 +1183,36 @@ func nvmlDeviceGetComputeRunningProcesses_v3(h unsafe.Pointer, count *C.uint, pt
 		out[i] = info
 	}
 	*count = C.uint(n)
+	return success
+}
+
+//export nvmlDeviceGetProcessUtilization
+func nvmlDeviceGetProcessUtilization(h unsafe.Pointer, ptr unsafe.Pointer, count *C.uint, lastSeen C.ulonglong) C.int {
+	d, ok := device(h)
+	if !ok || count == nil {
+		return invalidArgument
+	}
+	if migEnabled(d) {
+		return notSupported
+	}
+	u, _ := usageOf(index(h))
+	now := uint64(time.Now().UnixMicro())
+	var samples []nvml.ProcessUtilizationSample
+	for _, p := range u.Processes {
+		if p.SmPercent != nil && *p.SmPercent > 0 && now > uint64(lastSeen) {
+			samples = append(samples, nvml.ProcessUtilizationSample{Pid: p.Pid, TimeStamp: now, SmUtil: *p.SmPercent})
+		}
+	}
+	if len(samples) == 0 {
+		*count = 0
+		return C.int(nvml.ERROR_NOT_FOUND)
+	}
+	if ptr == nil || int(*count) < len(samples) {
+		*count = C.uint(len(samples))
+		return insufficientSize
+	}
+	copy(unsafe.Slice((*nvml.ProcessUtilizationSample)(ptr), len(samples)), samples)
+	*count = C.uint(len(samples))
 	return success
 }
 

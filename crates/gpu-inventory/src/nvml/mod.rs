@@ -68,6 +68,9 @@ struct Events {
 pub struct NvmlBackend {
     // Declared before `nvml`: the event set must be freed while the library is loaded.
     events: Mutex<Events>,
+    /// By GPU index: when its per-process utilization was last read, microseconds since the
+    /// Unix epoch (NVML's `lastSeenTimeStamp`).
+    process_samples_read: Mutex<std::collections::BTreeMap<u32, u64>>,
     nvml: Nvml,
     /// `nvmlDeviceSetMemoryLimits_v1`, where the library has it (r615 and later).
     memory_limits: Option<ffi::MemoryLimitsEntry>,
@@ -84,6 +87,44 @@ impl std::fmt::Debug for NvmlBackend {
 }
 
 impl NvmlBackend {
+    /// Mean SM utilization of each process with samples on GPU `d` (`index`) since the last
+    /// read (the first read: the last 10 s); `None` where NVML has no per-process figures.
+    fn process_sm_percent(
+        &self,
+        d: &Device<'_>,
+        index: u32,
+    ) -> Result<Option<std::collections::BTreeMap<u32, u32>>, BackendError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |t| u64::try_from(t.as_micros()).unwrap_or(u64::MAX));
+        let since = {
+            let mut read = self
+                .process_samples_read
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            read.insert(index, now)
+                .unwrap_or_else(|| now.saturating_sub(10_000_000))
+        };
+        let samples = match d.process_utilization_stats(since) {
+            Ok(samples) => samples,
+            // No process computed since then.
+            Err(NvmlError::NotFound) => Vec::new(),
+            Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => return Ok(None),
+            Err(e) => return Err(query("nvmlDeviceGetProcessUtilization", index)(e)),
+        };
+        let mut sums: std::collections::BTreeMap<u32, (u64, u64)> = Default::default();
+        for s in samples {
+            let (total, n) = sums.entry(s.pid).or_default();
+            *total += u64::from(s.sm_util.min(100));
+            *n += 1;
+        }
+        Ok(Some(
+            sums.into_iter()
+                .map(|(pid, (total, n))| (pid, u32::try_from(total / n).unwrap_or(100)))
+                .collect(),
+        ))
+    }
+
     /// Loads and initializes NVML from `library` (default [`DEFAULT_LIBRARY`]), reading the
     /// values NVML lacks under `sysfs_root` (default `/sys`).
     ///
@@ -101,6 +142,7 @@ impl NvmlBackend {
                 })?;
         Ok(Self {
             events: Mutex::new(Events::default()),
+            process_samples_read: Mutex::default(),
             nvml,
             memory_limits: ffi::MemoryLimitsEntry::find(library),
             sysfs_root,
@@ -389,6 +431,7 @@ impl GpuBackend for NvmlBackend {
                 ));
             }
         }
+        let busy = self.process_sm_percent(&d, index)?;
         let processes = listed
             .into_iter()
             .map(|p| ProcessUsage {
@@ -399,6 +442,7 @@ impl GpuBackend for NvmlBackend {
                 },
                 gpu_instance_id: p.gpu_instance_id,
                 compute_instance_id: p.compute_instance_id,
+                sm_percent: busy.as_ref().map(|b| b.get(&p.pid).copied().unwrap_or(0)),
             })
             .collect();
         Ok(GpuUsage {

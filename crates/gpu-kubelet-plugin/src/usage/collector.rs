@@ -18,6 +18,7 @@
 //! | `drust_container_gpu_memory_bytes` | gauge | bytes | device, `namespace`, `pod`, `container`, `pod_uid`, `container_id`, `claim` | memory of one container's processes on the device |
 //! | `drust_claim_idle_seconds` | gauge | s | `namespace`, `claim`, `claim_uid` | time since the claim was last busy |
 //! | `drust_claim_idle` | gauge | | as above | 1 once idle for the window |
+//! | `drust_claim_sm_percent` | gauge | % | as above | its whole devices' SM utilization, or a share's processes' where NVML gives per-process figures that account for the GPU's work |
 //! | `drust_claim_gpu_memory_used_bytes` | gauge | bytes | as above | memory its processes use |
 //! | `drust_share_memory_limit_bytes` | gauge | bytes | as above | a share's allocated memory |
 //! | `drust_usage_gpus_failing` | gauge | | | GPUs whose last sample failed |
@@ -42,6 +43,7 @@ pub const METRICS: &[&str] = &[
     "drust_container_gpu_memory_bytes",
     "drust_claim_idle_seconds",
     "drust_claim_idle",
+    "drust_claim_sm_percent",
     "drust_claim_gpu_memory_used_bytes",
     "drust_share_memory_limit_bytes",
     "drust_usage_gpus_failing",
@@ -284,6 +286,12 @@ impl Collector for UsageCollector {
         )?;
         gauge(
             &mut encoder,
+            "drust_claim_sm_percent",
+            "SM utilization of the claim's devices, or of a share's processes, percent",
+            &claims(&|c| c.sm_percent.map(i64::from)),
+        )?;
+        gauge(
+            &mut encoder,
             "drust_claim_gpu_memory_used_bytes",
             "Device memory the claim's processes use, bytes",
             &claims(&|c| Some(count(c.memory_used_bytes))),
@@ -347,6 +355,7 @@ mod tests {
                         container_id: Some("abc".into()),
                         container: Some("lab".into()),
                         claim: Some("c-1".into()),
+                        sm_percent: None,
                     }],
                     ..DeviceReport::default()
                 },
@@ -368,6 +377,7 @@ mod tests {
                 pods: vec![pod],
                 idle_seconds: 1900,
                 idle: true,
+                sm_percent: Some(3),
                 memory_used_bytes: 20 << 30,
                 share_memory_bytes: Some(40 << 30),
                 ..ClaimReport::default()
@@ -384,6 +394,7 @@ mod tests {
             r#"DCGM_FI_DEV_FB_USED{gpu="1",UUID="MIG-2",pci_bus_id="",device="nvidia1",modelName="NVIDIA A100-SXM4-80GB",GPU_I_PROFILE="1g.10gb",GPU_I_ID="9",Hostname="node-a",namespace="",pod="",container="",claim="",dra_device="gpu-0000-2a-00-0-mig-1g.10gb-0"} 0"#.into(),
             r#"drust_claim_idle_seconds{namespace="team",claim="notebook",claim_uid="c-1"} 1900"#.into(),
             r#"drust_claim_idle{namespace="team",claim="notebook",claim_uid="c-1"} 1"#.into(),
+            r#"drust_claim_sm_percent{namespace="team",claim="notebook",claim_uid="c-1"} 3"#.into(),
             "drust_usage_gpus_failing 0".into(),
             "drust_usage_pod_resources_failing 0".into(),
         ] {

@@ -11,9 +11,13 @@
 //!
 //! **Busy and idle.** A device is busy in a sample when its SM utilization or its memory
 //! activity reaches [`IdleThresholds`]; a device NVML gives no utilization for (a MIG device) is
-//! busy while a process runs on it. A share (consumable capacity) is busy when its GPU is and
-//! a process of the share's pods runs on it, or, when the pods of the GPU's shares cannot be
-//! told apart, whenever its GPU is busy: in doubt, busy. A claim is busy when one of its
+//! busy while a process runs on it. A share (consumable capacity) is busy when its own
+//! processes' SM utilization reaches the threshold, where NVML gives per-process figures
+//! (`nvmlDeviceGetProcessUtilization`) that account for all of the GPU's work; otherwise (no
+//! per-process figures, or work NVML counts to a process outside any claim, as it may count
+//! MPS clients' work to the server) when its GPU is busy and a process of the share's pods runs
+//! on it, or, when the pods of the GPU's shares cannot be told apart, whenever its GPU is
+//! busy: in doubt, busy. A claim is busy when one of its
 //! devices is; it is idle once it has not been busy for [`IdleThresholds::window`] since it
 //! was prepared (or since the plugin started, for a claim prepared before).
 

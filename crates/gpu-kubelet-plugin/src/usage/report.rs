@@ -105,9 +105,10 @@ impl Containers {
     }
 }
 
-/// Everything the sampler saw at one moment. Served as JSON at `/usage` (camelCase).
+/// Everything the sampler saw at one moment. Served as JSON at `/usage` (camelCase; a field a
+/// reader does not find, from an older plugin, reads as its default).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", default)]
 pub struct Report {
     /// The node.
     pub node: String,
@@ -132,7 +133,7 @@ pub struct Report {
 
 /// One device in a sample.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", default)]
 pub struct DeviceReport {
     /// Its DRA device name.
     pub device: String,
@@ -172,12 +173,14 @@ pub struct DeviceReport {
 
 /// One process on a device.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", default)]
 pub struct ProcessReport {
     /// Host PID.
     pub pid: u32,
     /// Device memory, bytes, where NVML tells.
     pub used_memory_bytes: Option<u64>,
+    /// SM utilization, percent, where NVML gives per-process figures.
+    pub sm_percent: Option<u32>,
     /// Its pod's UID, when it runs in a pod.
     pub pod_uid: Option<String>,
     /// Its pod's name, when a claim on the device lists the pod.
@@ -195,7 +198,7 @@ pub struct ProcessReport {
 
 /// One prepared claim in a sample.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", default)]
 pub struct ClaimReport {
     /// Its namespace.
     pub namespace: String,
@@ -209,6 +212,9 @@ pub struct ClaimReport {
     pub pods: Vec<PodRef>,
     /// Busy in this sample.
     pub busy: bool,
+    /// SM utilization, percent: its whole devices' (the highest), or a share's processes' (their
+    /// sum) where NVML gives per-process figures that account for all of its GPU's work.
+    pub sm_percent: Option<u32>,
     /// Seconds since it was last busy (or since it was first seen).
     pub idle_seconds: u64,
     /// `idle_seconds` reached the window. Never for a claim of admin-access devices only.
@@ -385,12 +391,21 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
                     .clone()
                     .filter_map(|p| p.used_memory_bytes)
                     .sum::<u64>();
-                // In doubt (processes no claim is known for, or none listed), busy.
-                let unknown =
-                    d.processes.is_empty() || d.processes.iter().any(|p| p.claim.is_none());
-                c.busy |= d.busy && (mine.count() > 0 || unknown);
+                match share_sm_percent(d, uid) {
+                    Some(sm) => {
+                        c.sm_percent = c.sm_percent.max(Some(sm));
+                        c.busy |= sm >= t.sm_percent;
+                    }
+                    None => {
+                        // In doubt (processes no claim is known for, or none listed), busy.
+                        let unknown =
+                            d.processes.is_empty() || d.processes.iter().any(|p| p.claim.is_none());
+                        c.busy |= d.busy && (mine.count() > 0 || unknown);
+                    }
+                }
             } else {
                 c.memory_used_bytes += d.memory_used_bytes;
+                c.sm_percent = c.sm_percent.max(d.sm_percent);
                 c.busy |= d.busy;
             }
         }
@@ -407,6 +422,27 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
     }
     tracker.retain(&seen);
     report
+}
+
+/// The SM utilization of claim `uid`'s share of `d`: the sum of its processes' figures, where
+/// NVML gave every process on `d` one and no process outside a claim computed (under MPS, NVML
+/// may count the clients' work to the server's process: then the share's own figure is not
+/// known). `None`: not known.
+fn share_sm_percent(d: &DeviceReport, uid: &str) -> Option<u32> {
+    if d.processes.is_empty()
+        || d.processes.iter().any(|p| {
+            p.sm_percent.is_none() || (p.claim.is_none() && p.sm_percent.is_some_and(|s| s > 0))
+        })
+    {
+        return None;
+    }
+    let sum: u32 = d
+        .processes
+        .iter()
+        .filter(|p| p.claim.as_deref() == Some(uid))
+        .filter_map(|p| p.sm_percent)
+        .sum();
+    Some(sum.min(100))
 }
 
 /// The report of `device` from its GPU's sample, without claims; `None` when its GPU was not
@@ -459,6 +495,7 @@ fn device_report(name: &str, device: &NodeDevice, inputs: &Inputs<'_>) -> Option
             ProcessReport {
                 pid: p.pid,
                 used_memory_bytes: p.used_memory_bytes,
+                sm_percent: p.sm_percent,
                 pod_uid: container.map(|c| c.pod_uid.clone()),
                 container_id: container
                     .map(|c| c.container_id.clone())
@@ -555,6 +592,7 @@ mod tests {
                         used_memory_bytes: Some(mib << 20),
                         gpu_instance_id: gi,
                         compute_instance_id: gi.map(|_| 0),
+                        sm_percent: None,
                     })
                     .collect(),
             },
@@ -744,6 +782,74 @@ mod tests {
         build(&inputs, &mut tracker, t0, 0);
         let r = build(&inputs, &mut tracker, t0 + 30 * MIN, 0);
         assert!(claim(&r, "s2").busy && !claim(&r, "s2").idle);
+    }
+
+    /// `sample` with each process's per-process SM figure set from `sm` (by PID).
+    fn with_process_sm(
+        mut sample: Result<GpuSample, String>,
+        sm: &[(u32, u32)],
+    ) -> Result<GpuSample, String> {
+        if let Ok(s) = &mut sample {
+            for p in &mut s.usage.processes {
+                p.sm_percent = sm.iter().find(|(pid, _)| *pid == p.pid).map(|(_, v)| *v);
+            }
+        }
+        sample
+    }
+
+    #[test]
+    fn shares_with_per_process_figures_are_busy_by_their_own_work() {
+        let devices = devices();
+        let g6 = gpu(&devices, 6);
+        let claims = vec![
+            (
+                "s1".to_owned(),
+                record("infer", vec![held(&g6, Some((10_240, 50)))]),
+            ),
+            (
+                "s2".to_owned(),
+                record("lab", vec![held(&g6, Some((20_480, 0)))]),
+            ),
+        ];
+        let pods = pods(&[("s1", 1), ("s2", 2)]);
+        let twice = |samples: &BTreeMap<u32, Result<GpuSample, String>>| {
+            let inputs = inputs(&devices, &claims, samples, &pods);
+            let mut tracker = IdleTracker::default();
+            let t0 = Instant::now();
+            build(&inputs, &mut tracker, t0, 0);
+            build(&inputs, &mut tracker, t0 + 30 * MIN, 0)
+        };
+        // s2's pod holds memory on the busy GPU but computes nothing: idle, with its own 0 %.
+        let both = sample(Some(90), &[(1, 6_000, 1, None), (2, 1_000, 2, None)]);
+        let r = twice(&BTreeMap::from([(
+            6,
+            with_process_sm(both.clone(), &[(1, 88), (2, 0)]),
+        )]));
+        assert!(claim(&r, "s1").busy && claim(&r, "s1").sm_percent == Some(88));
+        assert!(claim(&r, "s2").idle && claim(&r, "s2").sm_percent == Some(0));
+        // A process outside any claim computes (MPS's server, in its own pod, where NVML counts
+        // the clients' work to it): the shares' own figures are not known; in doubt, busy.
+        let mut with_server = both.clone().unwrap();
+        with_server.usage.processes.push(ProcessUsage {
+            pid: 3,
+            ..ProcessUsage::default()
+        });
+        with_server.containers.insert(
+            3,
+            ContainerRef {
+                pod_uid: pod_uid(9),
+                container_id: "mps".into(),
+            },
+        );
+        let r = twice(&BTreeMap::from([(
+            6,
+            with_process_sm(Ok(with_server), &[(1, 0), (2, 0), (3, 90)]),
+        )]));
+        assert!(claim(&r, "s1").busy && claim(&r, "s2").busy);
+        assert_eq!(claim(&r, "s2").sm_percent, None);
+        // No per-process figures (MIG mode, NOT_SUPPORTED): as before, in doubt, busy.
+        let r = twice(&BTreeMap::from([(6, both)]));
+        assert!(claim(&r, "s2").busy && claim(&r, "s2").sm_percent.is_none());
     }
 
     #[test]

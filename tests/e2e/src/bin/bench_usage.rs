@@ -73,7 +73,8 @@ fn main() -> anyhow::Result<()> {
             let procs: Vec<serde_json::Value> = (0..processes)
                 .map(|p| {
                     let pid = 10_000 + gpu as u64 * 100 + p;
-                    serde_json::json!({"pid": pid, "usedMemoryBytes": 1u64 << 30})
+                    serde_json::json!({"pid": pid, "usedMemoryBytes": 1u64 << 30,
+                        "smPercent": 10 + p})
                 })
                 .collect();
             let json = serde_json::json!({"smPercent": 40 + gpu, "memoryPercent": 10,
