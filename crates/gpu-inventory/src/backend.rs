@@ -427,6 +427,26 @@ pub struct GpuUsage {
     /// (`nvmlDeviceGetComputeRunningProcesses_v3`; MPS clients included).
     #[serde(default)]
     pub processes: Vec<ProcessUsage>,
+    /// On a GPU in MIG mode, each GPU instance's activity where the GPU has GPM (GPU
+    /// Performance Monitoring, Hopper and later): what NVML gives no whole-GPU figure for.
+    #[serde(default)]
+    pub mig: Vec<MigUsage>,
+}
+
+/// One GPU instance's activity between two samples ([`GpuUsage::mig`]), from GPM
+/// (`nvmlGpmMigSampleGet`, `nvmlGpmMetricsGet`): the first sample of an instance has no
+/// figures (GPM compares two).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigUsage {
+    /// The GPU instance.
+    pub gpu_instance_id: u32,
+    /// Percent (0..=100) of the time its SMs were busy (`NVML_GPM_METRIC_SM_UTIL`).
+    #[serde(default)]
+    pub sm_percent: Option<u32>,
+    /// Percent (0..=100) of its memory bandwidth used (`NVML_GPM_METRIC_DRAM_BW_UTIL`).
+    #[serde(default)]
+    pub memory_percent: Option<u32>,
 }
 
 impl GpuUsage {

@@ -56,7 +56,8 @@ pub mod validate;
 pub mod yaml;
 
 pub use backend::{
-    BackendError, GpuBackend, GpuState, GpuUsage, MemoryLimits, ProcessUsage, RawGpu, SystemInfo,
+    BackendError, GpuBackend, GpuState, GpuUsage, MemoryLimits, MigUsage, ProcessUsage, RawGpu,
+    SystemInfo,
 };
 pub use fake::{FakeBackend, Topology, TopologyError};
 pub use health::{HealthEvent, HealthEventKind, RecoveryProbe};

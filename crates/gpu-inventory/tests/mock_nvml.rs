@@ -310,3 +310,87 @@ fn memory_limits_run_through_nvml() {
         "{text}"
     );
 }
+
+/// MIG instances' activity through GPM (`nvmlGpmMigSampleGet`, `nvmlGpmMetricsGet`) on the
+/// mock's DGX H100 in MIG mode: no figure from an instance's first sample, the usage file's SM
+/// and memory-bandwidth figures from the second, no per-process SM figure in MIG mode, and an
+/// instance's kept sample dropped with the instance.
+#[test]
+fn mig_instances_report_their_activity_through_gpm() {
+    use gpu_inventory::MigUsage;
+    let Some(lib) = std::env::var_os(CHILD) else {
+        let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
+        let usage = tempfile::tempdir().expect("usage dir");
+        run_in_child(
+            "mig_instances_report_their_activity_through_gpm",
+            &[
+                (CHILD, lib.as_os_str()),
+                ("DRUST_MOCK_NVML_MACHINE", "dgxh100".as_ref()),
+                ("DRUST_MOCK_NVML_MIG", "1".as_ref()),
+                ("DRUST_MOCK_NVML_USAGE", usage.path().as_os_str()),
+            ],
+        );
+        return;
+    };
+    let usage_dir = std::env::var_os("DRUST_MOCK_NVML_USAGE").expect("set by the parent");
+    let nvml = NvmlBackend::load(Some(&lib), "/sys".into()).expect("load the mock");
+    let gpu = nvml.gpu(0).expect("GPU 0");
+    let one = gpu
+        .mig_profiles
+        .iter()
+        .find(|p| p.profile == 0)
+        .expect("the 1-slice profile")
+        .clone();
+    let made = nvml
+        .create_mig_device(0, one.id, MigPlacement { start: 0, size: 1 })
+        .expect("create 1g");
+    let gi = made.gpu_instance_id;
+    std::fs::write(
+        std::path::Path::new(&usage_dir).join("0.json"),
+        serde_json::json!({
+            "memoryUsedBytes": 1u64 << 30,
+            "processes": [{"pid": 77, "usedMemoryBytes": 1u64 << 30, "gpuInstanceId": gi,
+                "computeInstanceId": 0, "smPercent": 50}],
+            "mig": [{"gpuInstanceId": gi, "smPercent": 37, "memoryPercent": 4}],
+        })
+        .to_string(),
+    )
+    .expect("usage file");
+
+    let first = nvml.usage(0).expect("first usage");
+    assert_eq!(first.sm_percent, None, "no whole-GPU figure in MIG mode");
+    assert_eq!(
+        first.mig,
+        [MigUsage {
+            gpu_instance_id: gi,
+            sm_percent: None,
+            memory_percent: None,
+        }],
+        "GPM compares two samples: none from the first"
+    );
+    let second = nvml.usage(0).expect("second usage");
+    assert_eq!(
+        second.mig,
+        [MigUsage {
+            gpu_instance_id: gi,
+            sm_percent: Some(37),
+            memory_percent: Some(4),
+        }]
+    );
+    assert_eq!(
+        second
+            .processes
+            .iter()
+            .map(|p| (p.pid, p.gpu_instance_id, p.sm_percent))
+            .collect::<Vec<_>>(),
+        [(77, Some(gi), None)],
+        "NVML has no per-process SM figures in MIG mode"
+    );
+    assert!(
+        nvml.destroy_mig_device(0, gi, made.compute_instance_id)
+            .expect("destroy")
+    );
+    assert!(nvml.usage(0).expect("after").mig.is_empty());
+    // A GPU in MIG mode with no instance: none.
+    assert!(nvml.usage(1).expect("GPU 1").mig.is_empty());
+}

@@ -10,6 +10,10 @@
 // nvmlEventSetWait_v2 of a set the GPU is registered with, in name order. A file
 // `remap-pending-<index>` there makes nvmlDeviceGetRemappedRows of that GPU report rows waiting
 // for a reset (what a GPU reports after an uncorrectable memory error until it is reset).
+// The file's `mig`, `[{"gpuInstanceId": 9, "smPercent": 40, "memoryPercent": 5}]`, answers
+// GPM (nvmlGpmMigSampleGet, nvmlGpmMetricsGet: SM_UTIL and DRAM_BW_UTIL of the instance as the
+// later sample saw them) on a GPU in MIG mode of a Hopper or later machine (not dgxa100, which
+// answers that GPM is unsupported, as an A100 does).
 // DRUST_MOCK_NVML_MIG=1 enables MIG mode on every GPU at init (the mock's SetMigMode), as an
 // administrator would before partitionable mode; no MIG device exists then.
 // DRUST_MOCK_NVML_CALLS names a file to which every setting call is appended, one line each,
@@ -63,6 +67,31 @@ package main
 /*
 #include <stdlib.h>
 #include <string.h>
+
+// A GPM sample of this mock: what the usage file said of one GPU instance when it was taken.
+typedef struct {
+    int gpu;
+    unsigned int gi;
+    int taken;
+    int hasSm, hasMemory;
+    unsigned int sm, memory;
+} mockGpmSample;
+
+// nvmlGpmMetric_t and nvmlGpmMetricsGet_t (nvml.h): the metrics array is as long as the
+// caller made it (numMetrics entries are read and written).
+typedef struct {
+    unsigned int metricId;
+    int nvmlReturn;
+    double value;
+    struct { char* shortName; char* longName; char* unit; } metricInfo;
+} mockGpmMetric;
+typedef struct {
+    unsigned int version;
+    unsigned int numMetrics;
+    mockGpmSample* sample1;
+    mockGpmSample* sample2;
+    mockGpmMetric metrics[1];
+} mockGpmMetricsGet;
 
 // nvmlSetMemoryLimits_v1_t (nvml.h, CUDA 13.4).
 typedef struct {
@@ -1105,6 +1134,11 @@ type usage struct {
 		ComputeInstanceId *uint32 `json:"computeInstanceId"`
 		SmPercent         *uint32 `json:"smPercent"`
 	} `json:"processes"`
+	Mig []struct {
+		GpuInstanceId uint32  `json:"gpuInstanceId"`
+		SmPercent     *uint32 `json:"smPercent"`
+		MemoryPercent *uint32 `json:"memoryPercent"`
+	} `json:"mig"`
 }
 
 // usageOf reads GPU i's usage file; false without DRUST_MOCK_NVML_USAGE. A missing file is an
@@ -1213,6 +1247,95 @@ func nvmlDeviceGetProcessUtilization(h unsafe.Pointer, ptr unsafe.Pointer, count
 	}
 	copy(unsafe.Slice((*nvml.ProcessUtilizationSample)(ptr), len(samples)), samples)
 	*count = C.uint(len(samples))
+	return success
+}
+
+//export nvmlGpmQueryDeviceSupport
+func nvmlGpmQueryDeviceSupport(h unsafe.Pointer, ptr unsafe.Pointer) C.int {
+	support := (*nvml.GpmSupport)(ptr)
+	if _, ok := device(h); !ok || support == nil || support.Version != nvml.GPM_SUPPORT_VERSION {
+		return invalidArgument
+	}
+	support.IsSupportedDevice = 1
+	if os.Getenv("DRUST_MOCK_NVML_MACHINE") == "dgxa100" {
+		support.IsSupportedDevice = 0
+	}
+	return success
+}
+
+//export nvmlGpmSampleAlloc
+func nvmlGpmSampleAlloc(out **C.mockGpmSample) C.int {
+	if out == nil {
+		return invalidArgument
+	}
+	*out = (*C.mockGpmSample)(C.calloc(1, C.size_t(unsafe.Sizeof(C.mockGpmSample{}))))
+	return success
+}
+
+//export nvmlGpmSampleFree
+func nvmlGpmSampleFree(sample *C.mockGpmSample) C.int {
+	if sample == nil {
+		return invalidArgument
+	}
+	C.free(unsafe.Pointer(sample))
+	return success
+}
+
+//export nvmlGpmMigSampleGet
+func nvmlGpmMigSampleGet(h unsafe.Pointer, gi C.uint, sample *C.mockGpmSample) C.int {
+	d, ok := device(h)
+	if !ok || sample == nil {
+		return invalidArgument
+	}
+	if os.Getenv("DRUST_MOCK_NVML_MACHINE") == "dgxa100" {
+		return notSupported
+	}
+	if !migEnabled(d) {
+		return invalidArgument
+	}
+	*sample = C.mockGpmSample{gpu: C.int(index(h)), gi: gi, taken: 1}
+	u, _ := usageOf(index(h))
+	for _, m := range u.Mig {
+		if m.GpuInstanceId != uint32(gi) {
+			continue
+		}
+		if m.SmPercent != nil {
+			sample.hasSm, sample.sm = 1, C.uint(*m.SmPercent)
+		}
+		if m.MemoryPercent != nil {
+			sample.hasMemory, sample.memory = 1, C.uint(*m.MemoryPercent)
+		}
+	}
+	return success
+}
+
+//export nvmlGpmMetricsGet
+func nvmlGpmMetricsGet(get *C.mockGpmMetricsGet) C.int {
+	if get == nil || get.version != nvml.GPM_METRICS_GET_VERSION || get.sample1 == nil || get.sample2 == nil {
+		return invalidArgument
+	}
+	before, after := get.sample1, get.sample2
+	if before.taken == 0 || after.taken == 0 || before.gpu != after.gpu || before.gi != after.gi {
+		return invalidArgument
+	}
+	metrics := unsafe.Slice(&get.metrics[0], int(get.numMetrics))
+	for i := range metrics {
+		m := &metrics[i]
+		m.metricInfo.shortName, m.metricInfo.longName, m.metricInfo.unit = nil, nil, nil
+		m.nvmlReturn, m.value = C.int(nvml.SUCCESS), 0
+		switch nvml.GpmMetricId(m.metricId) {
+		case nvml.GPM_METRIC_SM_UTIL:
+			if after.hasSm != 0 {
+				m.value = C.double(after.sm)
+			}
+		case nvml.GPM_METRIC_DRAM_BW_UTIL:
+			if after.hasMemory != 0 {
+				m.value = C.double(after.memory)
+			}
+		default:
+			m.nvmlReturn = notSupported
+		}
+	}
 	return success
 }
 

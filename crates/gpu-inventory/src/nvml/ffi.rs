@@ -6,7 +6,7 @@
 use std::mem;
 
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try, nvml_try_count};
-use nvml_wrapper::{Device, Nvml};
+use nvml_wrapper::{Device, GpmSample, Nvml};
 use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
     NVML_GPU_FABRIC_STATE_COMPLETED, NVML_GPU_FABRIC_STATE_IN_PROGRESS,
@@ -447,5 +447,71 @@ mod tests {
             super::uuid_string(&b),
             "12345678-9abc-def0-0001-020304050607"
         );
+    }
+}
+
+/// The last GPM sample of each MIG instance (by GPU index and GPU instance), kept between two
+/// usage queries so that the next figures compare it with a new one. The samples are NVML's
+/// (`nvmlGpmSampleAlloc`), held as raw handles because a `GpmSample` borrows the `Nvml` that
+/// owns this store; each is freed when taken back, when its instance is gone, or by
+/// [`GpmSamples::free_all`].
+#[derive(Default)]
+pub(super) struct GpmSamples(std::sync::Mutex<std::collections::BTreeMap<(u32, u32), RawSample>>);
+
+/// A sample's handle; owned by the store alone.
+struct RawSample(nvml_wrapper_sys::bindings::nvmlGpmSample_t);
+
+// SAFETY: an opaque pointer NVML allocated, used only under the store's mutex; NVML's GPM calls
+// are not tied to the thread that allocated the sample.
+unsafe impl Send for RawSample {}
+
+impl GpmSamples {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<(u32, u32), RawSample>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Takes back the sample kept for `key`; the caller owns (and frees) it.
+    pub(super) fn take<'n>(&self, nvml: &'n Nvml, key: (u32, u32)) -> Option<GpmSample<'n>> {
+        let raw = self.lock().remove(&key)?;
+        // SAFETY: allocated by `nvml`'s nvmlGpmSampleAlloc (see `keep`) and owned by the map
+        // alone until this removal: one owner again.
+        Some(unsafe { GpmSample::from_handle(nvml, raw.0) })
+    }
+
+    /// Keeps `sample` for `key`, freeing any sample kept before.
+    pub(super) fn keep(&self, nvml: &Nvml, key: (u32, u32), sample: GpmSample<'_>) {
+        let old = self.lock().insert(key, RawSample(sample.into_handle()));
+        if let Some(old) = old {
+            // SAFETY: as in `take`.
+            drop(unsafe { GpmSample::from_handle(nvml, old.0) });
+        }
+    }
+
+    /// Frees the samples of GPU `index` whose instance is not in `instances`.
+    pub(super) fn retain(&self, nvml: &Nvml, index: u32, instances: &[u32]) {
+        let gone: Vec<RawSample> = {
+            let mut held = self.lock();
+            let keys: Vec<(u32, u32)> = held
+                .keys()
+                .filter(|(i, gi)| *i == index && !instances.contains(gi))
+                .copied()
+                .collect();
+            keys.iter().filter_map(|k| held.remove(k)).collect()
+        };
+        for raw in gone {
+            // SAFETY: as in `take`.
+            drop(unsafe { GpmSample::from_handle(nvml, raw.0) });
+        }
+    }
+
+    /// Frees every sample (before `nvml` is shut down).
+    pub(super) fn free_all(&self, nvml: &Nvml) {
+        let all = std::mem::take(&mut *self.lock());
+        for (_, raw) in all {
+            // SAFETY: as in `take`.
+            drop(unsafe { GpmSample::from_handle(nvml, raw.0) });
+        }
     }
 }

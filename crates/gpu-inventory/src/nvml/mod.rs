@@ -48,7 +48,8 @@ use nvml_wrapper::{Device, Nvml};
 
 use crate::backend::{
     BackendError, ComputeMode, GpuBackend, GpuState, GpuUsage, MemoryLimits, MigAttributes,
-    MigMode, MigPlacement, MigProfile, NvLinkGroup, ProcessUsage, RawGpu, RawMigDevice, SystemInfo,
+    MigMode, MigPlacement, MigProfile, MigUsage, NvLinkGroup, ProcessUsage, RawGpu, RawMigDevice,
+    SystemInfo,
 };
 use crate::health::{HealthEvent, HealthEventKind, RecoveryProbe};
 use crate::mig_tables::PROFILE_COUNT;
@@ -71,11 +72,20 @@ pub struct NvmlBackend {
     /// By GPU index: when its per-process utilization was last read, microseconds since the
     /// Unix epoch (NVML's `lastSeenTimeStamp`).
     process_samples_read: Mutex<std::collections::BTreeMap<u32, u64>>,
+    /// By (GPU index, GPU instance): the last GPM sample taken of a MIG instance, the earlier
+    /// of the two the next figures compare. Freed when the instance is gone or on drop.
+    gpm_samples: ffi::GpmSamples,
     nvml: Nvml,
     /// `nvmlDeviceSetMemoryLimits_v1`, where the library has it (r615 and later).
     memory_limits: Option<ffi::MemoryLimitsEntry>,
     sysfs_root: PathBuf,
     tool_timeout: Duration,
+}
+
+impl Drop for NvmlBackend {
+    fn drop(&mut self) {
+        self.gpm_samples.free_all(&self.nvml);
+    }
 }
 
 impl std::fmt::Debug for NvmlBackend {
@@ -87,6 +97,69 @@ impl std::fmt::Debug for NvmlBackend {
 }
 
 impl NvmlBackend {
+    /// Each GPU instance's activity on GPU `d` (`index`) in MIG mode, from GPM: the figures
+    /// between the instance's previous sample (kept in `gpm_samples`) and one taken now. Empty
+    /// when MIG is off or the GPU has no GPM (before Hopper; a library without the calls).
+    fn mig_usage(&self, d: &Device<'_>, index: u32) -> Result<Vec<MigUsage>, BackendError> {
+        use nvml_wrapper::enums::gpm::GpmMetricId;
+        let enabled = d
+            .mig_mode()
+            .is_ok_and(|m| m.current == nvml_wrapper_sys::bindings::NVML_DEVICE_MIG_ENABLE);
+        if !enabled {
+            return Ok(Vec::new());
+        }
+        match d.gpm_support() {
+            Ok(true) => {}
+            Ok(false) | Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => {
+                return Ok(Vec::new());
+            }
+            Err(e) => return Err(query("nvmlGpmQueryDeviceSupport", index)(e)),
+        }
+        let mut instances: Vec<u32> = self
+            .mig_devices(d, index)?
+            .iter()
+            .map(|m| m.gpu_instance_id)
+            .collect();
+        instances.sort_unstable();
+        instances.dedup();
+        self.gpm_samples.retain(&self.nvml, index, &instances);
+        let mut usage = Vec::new();
+        for gi in instances {
+            let now = d
+                .gpm_mig_sample(gi)
+                .map_err(query("nvmlGpmMigSampleGet", index))?;
+            let before = self.gpm_samples.take(&self.nvml, (index, gi));
+            let mut u = MigUsage {
+                gpu_instance_id: gi,
+                ..MigUsage::default()
+            };
+            if let Some(before) = before {
+                let figures = nvml_wrapper::gpm::gpm_metrics_get(
+                    &self.nvml,
+                    &before,
+                    &now,
+                    &[GpmMetricId::SmUtil, GpmMetricId::DramBwUtil],
+                )
+                .map_err(query("nvmlGpmMetricsGet", index))?;
+                let percent = |i: usize| {
+                    let value = figures.get(i)?.as_ref().ok()?.value;
+                    // A percentage: rounded into 0..=100 (NaN: no figure).
+                    (!value.is_nan()).then(|| {
+                        let clamped = value.clamp(0.0, 100.0).round();
+                        (0..=100u32)
+                            .find(|p| f64::from(*p) >= clamped)
+                            .unwrap_or(100)
+                    })
+                };
+                u.sm_percent = percent(0);
+                u.memory_percent = percent(1);
+            }
+            self.gpm_samples.keep(&self.nvml, (index, gi), now);
+            usage.push(u);
+        }
+        Ok(usage)
+    }
+
     /// Mean SM utilization of each process with samples on GPU `d` (`index`) since the last
     /// read (the first read: the last 10 s); `None` where NVML has no per-process figures.
     fn process_sm_percent(
@@ -143,6 +216,7 @@ impl NvmlBackend {
         Ok(Self {
             events: Mutex::new(Events::default()),
             process_samples_read: Mutex::default(),
+            gpm_samples: ffi::GpmSamples::default(),
             nvml,
             memory_limits: ffi::MemoryLimitsEntry::find(library),
             sysfs_root,
@@ -445,11 +519,17 @@ impl GpuBackend for NvmlBackend {
                 sm_percent: busy.as_ref().map(|b| b.get(&p.pid).copied().unwrap_or(0)),
             })
             .collect();
+        let mig = if sm_percent.is_none() {
+            self.mig_usage(&d, index)?
+        } else {
+            Vec::new()
+        };
         Ok(GpuUsage {
             sm_percent,
             memory_percent,
             memory_used_bytes,
             processes,
+            mig,
         })
     }
 

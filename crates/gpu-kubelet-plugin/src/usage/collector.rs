@@ -13,6 +13,8 @@
 //! |---|---|---|---|---|
 //! | `DCGM_FI_DEV_GPU_UTIL` | gauge | % | device | SM utilization (whole GPUs) |
 //! | `DCGM_FI_DEV_MEM_COPY_UTIL` | gauge | % | device | memory activity (whole GPUs) |
+//! | `DCGM_FI_PROF_SM_ACTIVE` | gauge | ratio 0..1 | device | a MIG device's SM activity (GPM, Hopper and later) |
+//! | `DCGM_FI_PROF_DRAM_ACTIVE` | gauge | ratio 0..1 | device | a MIG device's memory bandwidth use (GPM) |
 //! | `DCGM_FI_DEV_FB_USED` | gauge | MiB | device | device memory used |
 //! | `DCGM_FI_DEV_FB_FREE` | gauge | MiB | device | device memory free, where its size is known |
 //! | `drust_container_gpu_memory_bytes` | gauge | bytes | device, `namespace`, `pod`, `container`, `pod_uid`, `container_id`, `claim` | memory of one container's processes on the device |
@@ -40,6 +42,8 @@ pub const METRICS: &[&str] = &[
     "DCGM_FI_DEV_MEM_COPY_UTIL",
     "DCGM_FI_DEV_FB_USED",
     "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_PROF_SM_ACTIVE",
+    "DCGM_FI_PROF_DRAM_ACTIVE",
     "drust_container_gpu_memory_bytes",
     "drust_claim_idle_seconds",
     "drust_claim_idle",
@@ -163,6 +167,23 @@ fn gauge(
     Ok(())
 }
 
+/// As [`gauge`], with fractional values.
+fn gauge_f64(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: &[(Labels, f64)],
+) -> Result<(), std::fmt::Error> {
+    if series.is_empty() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in series {
+        ConstGauge::new(*value).encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
 /// Whole MiB, rounded down (DCGM's unit for framebuffer memory).
 fn mib(bytes: u64) -> i64 {
     count(bytes >> 20)
@@ -187,17 +208,39 @@ impl Collector for UsageCollector {
                 .filter_map(|(l, d)| Some((l.clone(), f(d)?)))
                 .collect()
         };
+        let whole = |d: &DeviceReport| d.gpu_instance_id.is_none();
         gauge(
             &mut encoder,
             "DCGM_FI_DEV_GPU_UTIL",
             "GPU utilization (in %).",
-            &per(&|d| d.sm_percent.map(i64::from)),
+            &per(&|d| d.sm_percent.filter(|_| whole(d)).map(i64::from)),
         )?;
         gauge(
             &mut encoder,
             "DCGM_FI_DEV_MEM_COPY_UTIL",
             "Memory utilization (in %).",
-            &per(&|d| d.memory_percent.map(i64::from)),
+            &per(&|d| d.memory_percent.filter(|_| whole(d)).map(i64::from)),
+        )?;
+        // MIG devices: DCGM's profiling fields, ratios, as DCGM exporter serves per instance.
+        let ratio = |percent: Option<u32>| percent.map(|p| f64::from(p) / 100.0);
+        let per_mig = |f: &dyn Fn(&DeviceReport) -> Option<f64>| -> Vec<(Labels, f64)> {
+            devices
+                .iter()
+                .filter(|(_, d)| !whole(d))
+                .filter_map(|(l, d)| Some((l.clone(), f(d)?)))
+                .collect()
+        };
+        gauge_f64(
+            &mut encoder,
+            "DCGM_FI_PROF_SM_ACTIVE",
+            "The ratio of cycles an SM has at least 1 warp assigned (in %).",
+            &per_mig(&|d| ratio(d.sm_percent)),
+        )?;
+        gauge_f64(
+            &mut encoder,
+            "DCGM_FI_PROF_DRAM_ACTIVE",
+            "Ratio of cycles the device memory interface is active sending or receiving data (in %).",
+            &per_mig(&|d| ratio(d.memory_percent)),
         )?;
         gauge(
             &mut encoder,
@@ -367,6 +410,8 @@ mod tests {
                     model: "NVIDIA A100-SXM4-80GB".into(),
                     mig_profile: Some("1g.10gb".into()),
                     gpu_instance_id: Some(9),
+                    sm_percent: Some(42),
+                    memory_percent: Some(7),
                     ..DeviceReport::default()
                 },
             ],
@@ -392,6 +437,8 @@ mod tests {
             format!("DCGM_FI_DEV_FB_USED{{{device0}}} 20480"),
             format!("DCGM_FI_DEV_FB_FREE{{{device0}}} 61440"),
             r#"DCGM_FI_DEV_FB_USED{gpu="1",UUID="MIG-2",pci_bus_id="",device="nvidia1",modelName="NVIDIA A100-SXM4-80GB",GPU_I_PROFILE="1g.10gb",GPU_I_ID="9",Hostname="node-a",namespace="",pod="",container="",claim="",dra_device="gpu-0000-2a-00-0-mig-1g.10gb-0"} 0"#.into(),
+            r#"DCGM_FI_PROF_SM_ACTIVE{gpu="1",UUID="MIG-2",pci_bus_id="",device="nvidia1",modelName="NVIDIA A100-SXM4-80GB",GPU_I_PROFILE="1g.10gb",GPU_I_ID="9",Hostname="node-a",namespace="",pod="",container="",claim="",dra_device="gpu-0000-2a-00-0-mig-1g.10gb-0"} 0.42"#.into(),
+            r#"DCGM_FI_PROF_DRAM_ACTIVE{gpu="1",UUID="MIG-2",pci_bus_id="",device="nvidia1",modelName="NVIDIA A100-SXM4-80GB",GPU_I_PROFILE="1g.10gb",GPU_I_ID="9",Hostname="node-a",namespace="",pod="",container="",claim="",dra_device="gpu-0000-2a-00-0-mig-1g.10gb-0"} 0.07"#.into(),
             r#"drust_claim_idle_seconds{namespace="team",claim="notebook",claim_uid="c-1"} 1900"#.into(),
             r#"drust_claim_idle{namespace="team",claim="notebook",claim_uid="c-1"} 1"#.into(),
             r#"drust_claim_sm_percent{namespace="team",claim="notebook",claim_uid="c-1"} 3"#.into(),
@@ -416,8 +463,10 @@ mod tests {
                 "{name} not served:\n{text}"
             );
         }
-        // No utilization series for a MIG device (NVML has none); the old drust_ metrics stay.
+        // A MIG device's figures are DCGM's profiling fields, never the whole-GPU ones; the old
+        // drust_ metrics stay.
         assert!(!text.contains(r#"DCGM_FI_DEV_GPU_UTIL{gpu="1""#));
+        assert!(!text.contains(r#"DCGM_FI_PROF_SM_ACTIVE{gpu="0""#));
         assert!(text.contains("drust_prepared_claims 0"));
     }
 

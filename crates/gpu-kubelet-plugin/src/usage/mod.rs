@@ -10,8 +10,9 @@
 //! Warning event ([`events`]).
 //!
 //! **Busy and idle.** A device is busy in a sample when its SM utilization or its memory
-//! activity reaches [`IdleThresholds`]; a device NVML gives no utilization for (a MIG device) is
-//! busy while a process runs on it. A share (consumable capacity) is busy when its own
+//! activity reaches [`IdleThresholds`]; a MIG device by GPM's figures of its GPU instance
+//! (SM utilization, memory bandwidth; Hopper and later), and where there are none (an A100, or
+//! the instance's first sample) while a process runs on it. A share (consumable capacity) is busy when its own
 //! processes' SM utilization reaches the threshold, where NVML gives per-process figures
 //! (`nvmlDeviceGetProcessUtilization`) that account for all of the GPU's work; otherwise (no
 //! per-process figures, or work NVML counts to a process outside any claim, as it may count

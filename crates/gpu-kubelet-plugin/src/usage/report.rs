@@ -153,7 +153,8 @@ pub struct DeviceReport {
     pub mig_profile: Option<String>,
     /// A MIG device's GPU instance.
     pub gpu_instance_id: Option<u32>,
-    /// SM utilization, percent; `None` where NVML has none (MIG devices).
+    /// SM utilization, percent; for a MIG device, GPM's SM utilization of its instance (Hopper
+    /// and later, from the second sample); `None` where NVML has none.
     pub sm_percent: Option<u32>,
     /// Memory activity, percent; `None` as for `sm_percent`.
     pub memory_percent: Option<u32>,
@@ -504,13 +505,18 @@ fn device_report(name: &str, device: &NodeDevice, inputs: &Inputs<'_>) -> Option
             }
         })
         .collect();
-    if gpu_instance.is_none() {
+    if let Some(gi) = gpu_instance {
+        d.memory_used_bytes = d.processes.iter().filter_map(|p| p.used_memory_bytes).sum();
+        // GPM's figures of the instance, where the GPU has GPM (Hopper and later).
+        if let Some(m) = sample.usage.mig.iter().find(|m| m.gpu_instance_id == gi) {
+            d.sm_percent = m.sm_percent;
+            d.memory_percent = m.memory_percent;
+        }
+    } else {
         d.sm_percent = sample.usage.sm_percent;
         d.memory_percent = sample.usage.memory_percent;
         d.memory_used_bytes = sample.usage.memory_used_bytes;
         d.memory_total_bytes = Some(gpu.raw.memory_total_bytes);
-    } else {
-        d.memory_used_bytes = d.processes.iter().filter_map(|p| p.used_memory_bytes).sum();
     }
     Some(d)
 }
@@ -595,6 +601,7 @@ mod tests {
                         sm_percent: None,
                     })
                     .collect(),
+                mig: Vec::new(),
             },
             containers: processes
                 .iter()
@@ -879,6 +886,29 @@ mod tests {
         assert!(claim(&r, "m").busy);
         let r = run(&[(8, 256, 4, Some(gi + 100))]);
         assert!(!claim(&r, "m").busy);
+
+        // With GPM's figures of the instance (Hopper and later), those decide: a process that
+        // holds memory and computes nothing leaves it idle; work with no process listed is busy.
+        let with_gpm = |processes: &[(u32, u64, u8, Option<u32>)], sm: u32| {
+            let mut s = sample(None, processes).unwrap();
+            s.usage.mig = vec![gpu_inventory::MigUsage {
+                gpu_instance_id: gi,
+                sm_percent: Some(sm),
+                memory_percent: Some(0),
+            }];
+            let samples = BTreeMap::from([(1, Ok(s))]);
+            build(
+                &inputs(&devices, &claims, &samples, &pods),
+                &mut IdleTracker::default(),
+                Instant::now(),
+                0,
+            )
+        };
+        let r = with_gpm(&[(7, 512, 3, Some(gi))], 0);
+        let d = r.devices.iter().find(|d| d.device == name).unwrap();
+        assert_eq!((d.sm_percent, d.busy), (Some(0), false));
+        assert!(!claim(&r, "m").busy);
+        assert!(claim(&with_gpm(&[], 60), "m").busy);
     }
 
     #[test]
