@@ -272,7 +272,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
     }
 
     /// What the usage sampler joins ([`crate::usage`]): every device by name, published or
-    /// retired, and the prepared claims.
+    /// retired, and the prepared claims without their CDI specs (the sampler has no use for
+    /// them, and copying them under the journal's lock would hold prepares back).
     pub async fn usage_view(&self) -> (BTreeMap<String, NodeDevice>, Vec<(String, ClaimRecord)>) {
         let catalogue = self.catalogue();
         let devices = catalogue
@@ -281,7 +282,26 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .chain(&catalogue.devices)
             .map(|(n, d)| (n.clone(), d.clone()))
             .collect();
-        (devices, self.lifecycle.completed_records().await)
+        let claims = self
+            .lifecycle
+            .records()
+            .await
+            .claims
+            .iter()
+            .filter(|(_, r)| r.state == crate::checkpoint::ClaimState::PrepareCompleted)
+            .map(|(uid, r)| {
+                let record = ClaimRecord {
+                    namespace: r.namespace.clone(),
+                    name: r.name.clone(),
+                    state: r.state,
+                    devices: r.devices.clone(),
+                    cdi_spec_path: std::path::PathBuf::new(),
+                    cdi_spec: Default::default(),
+                };
+                (uid.clone(), record)
+            })
+            .collect();
+        (devices, claims)
     }
 
     /// The API server, as the controller reads it.
