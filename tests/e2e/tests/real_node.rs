@@ -1694,10 +1694,10 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
         ensure!(busy.ends_with(if *sm > 0 { " 0" } else { " 1" }), "{busy}");
     }
 
-    // The kubelet's PodResources answer as our client reads it: each pod's claim container
-    // holds its device, the sidecar none. Timed: the plugin makes this call once per sample.
-    // Paced at 50 calls/s: the kubelet refuses more than 100/s (burst 10) with
-    // ResourceExhausted.
+    // The kubelet's PodResources answer as our client reads it, against the kubelet's own
+    // client (tests/gotools/cmd/podresourceslist) on the same kubelet: the same pods,
+    // containers and devices. Timed: the plugin makes this call once per sample. Paced at
+    // 50 calls/s: the kubelet refuses more than 100/s (burst 10) with ResourceExhausted.
     let socket = real.node.pod_resources_socket();
     let rounds = 20u32;
     let mut answer = Vec::new();
@@ -1708,10 +1708,56 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
         answer = dra_kubelet::pod_resources::list(&socket, Duration::from_secs(5)).await?;
         spent += started.elapsed();
     }
+    let ours_ms = spent.as_secs_f64() * 1e3 / f64::from(rounds);
+    let peer = drust_gotools::go_tool("podresourceslist").map_err(anyhow::Error::msg)?;
+    let out = std::process::Command::new(&peer)
+        .arg("-socket")
+        .arg(&socket)
+        .args(["-rounds", &rounds.to_string(), "-pace", "20ms"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let upstream: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let sorted = |mut pods: Vec<serde_json::Value>| {
+        for p in &mut pods {
+            if let Some(containers) = p["containers"].as_array_mut() {
+                for c in containers.iter_mut() {
+                    if let Some(d) = c["devices"].as_array_mut() {
+                        d.sort_by_key(|d| d.to_string());
+                    }
+                }
+                containers.sort_by_key(|c| c["name"].to_string());
+            }
+        }
+        pods.sort_by_key(|p| format!("{}/{}", p["namespace"], p["name"]));
+        pods
+    };
+    let ours: Vec<serde_json::Value> = answer
+        .iter()
+        .map(|p| {
+            serde_json::json!({"namespace": p.namespace, "name": p.name,
+                "containers": p.containers.iter().map(|c| serde_json::json!({"name": c.name,
+                    "devices": c.devices.iter().map(|d| serde_json::json!({
+                        "claimNamespace": d.claim_namespace, "claimName": d.claim_name,
+                        "driver": d.driver, "pool": d.pool, "device": d.device,
+                        "shareId": d.share_id})).collect::<Vec<_>>()}))
+                    .collect::<Vec<_>>()})
+        })
+        .collect();
+    let theirs = upstream["pods"].as_array().cloned().unwrap_or_default();
+    ensure!(
+        sorted(ours.clone()) == sorted(theirs.clone()),
+        "drust's client read {ours:#?}\nthe kubelet's client read {theirs:#?}"
+    );
+    let peer_ms = upstream["millisPerCall"].as_f64().unwrap_or(f64::NAN);
     eprintln!(
-        "PodResources List from the real kubelet: {:.2} ms per call, dial included ({} pods)",
-        spent.as_secs_f64() * 1e3 / f64::from(rounds),
-        answer.len()
+        "PodResources List from the real kubelet, dial included, {} pods: drust {ours_ms:.2} ms, \
+         the kubelet's client {peer_ms:.2} ms per call (ratio {:.2})",
+        answer.len(),
+        ours_ms / peer_ms
     );
     for (name, .., claim, _) in &seen {
         let pod = answer
