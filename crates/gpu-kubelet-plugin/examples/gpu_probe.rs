@@ -11,6 +11,10 @@
 //! gpu_probe mps-namespace --driver-root DIR --mps-root DIR --uid KEY --claim UID --pinned-mib M [--threads N]
 //! gpu_probe mps-namespace-delete --driver-root DIR --mps-root DIR --uid KEY --claim UID
 //! gpu_probe mig       --driver-root DIR            # create and destroy one MIG device
+//! gpu_probe usage     --driver-root DIR [--rounds N] [--interval-ms M]
+//!                     # N samples (default 3) of every GPU as the usage sampler takes them,
+//!                     # M ms apart (default 1000): NVML's answer, each process's pod and
+//!                     # container from /proc/<pid>/cgroup, the time each took, the RSS
 //! ```
 //!
 //! Nothing here changes a GPU's settings: no MIG mode, no time slice, no clocks. `mig` needs a
@@ -37,6 +41,8 @@ struct Args {
     threads: Option<u32>,
     pinned_mib: Option<u64>,
     claim: String,
+    rounds: u32,
+    interval_ms: u64,
 }
 
 fn args() -> anyhow::Result<Args> {
@@ -52,6 +58,8 @@ fn args() -> anyhow::Result<Args> {
         threads: None,
         pinned_mib: None,
         claim: String::new(),
+        rounds: 3,
+        interval_ms: 1000,
     };
     while let Some(flag) = it.next() {
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -62,6 +70,8 @@ fn args() -> anyhow::Result<Args> {
             "--threads" => a.threads = Some(value.parse().context("--threads")?),
             "--pinned-mib" => a.pinned_mib = Some(value.parse().context("--pinned-mib")?),
             "--claim" => a.claim = value,
+            "--rounds" => a.rounds = value.parse().context("--rounds")?,
+            "--interval-ms" => a.interval_ms = value.parse().context("--interval-ms")?,
             other => bail!("unknown flag {other}"),
         }
     }
@@ -262,6 +272,58 @@ async fn mps(a: &Args) -> anyhow::Result<serde_json::Value> {
     }))
 }
 
+/// This process's resident set, KiB (`VmRSS` of `/proc/self/status`).
+fn rss_kib() -> Option<u64> {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// `rounds` samples of every GPU through the sampler's own code, `interval_ms` apart.
+fn probe_usage(a: &Args) -> anyhow::Result<serde_json::Value> {
+    use gpu_kubelet_plugin::usage::sampler::sample_gpus;
+    let backend = nvml(&a.driver_root)?;
+    let gpus: std::collections::BTreeSet<u32> =
+        (0..backend.device_count().context("device_count")?).collect();
+    let rss_before = rss_kib();
+    let mut rounds = Vec::new();
+    for round in 0..a.rounds {
+        if round > 0 {
+            std::thread::sleep(Duration::from_millis(a.interval_ms));
+        }
+        let started = Instant::now();
+        let samples = sample_gpus(&backend, &gpus, Path::new("/proc"));
+        let micros = started.elapsed().as_micros();
+        let samples: serde_json::Map<String, serde_json::Value> = samples
+            .into_iter()
+            .map(|(index, sample)| {
+                let value = match sample {
+                    Ok(s) => json!({
+                        "usage": s.usage,
+                        "pods": s.containers.iter().map(|(pid, c)| (pid.to_string(),
+                            json!({"podUid": c.pod_uid, "containerId": c.container_id})))
+                            .collect::<serde_json::Map<_, _>>(),
+                    }),
+                    Err(e) => json!({"error": e}),
+                };
+                (index.to_string(), value)
+            })
+            .collect();
+        rounds.push(json!({"micros": micros, "gpus": samples}));
+    }
+    Ok(json!({
+        "rounds": rounds,
+        "rssKibBefore": rss_before,
+        "rssKibAfter": rss_kib(),
+    }))
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -270,11 +332,12 @@ fn main() -> anyhow::Result<()> {
     let out = match a.command.as_str() {
         "nvml" => probe_nvml(&a.driver_root)?,
         "mig" => probe_mig(&a.driver_root)?,
+        "usage" => probe_usage(&a)?,
         "mps-start" | "mps-stop" | "mps-start-v3" | "mps-namespace" | "mps-namespace-delete" => {
             tokio::runtime::Runtime::new()?.block_on(mps(&a))?
         }
         other => bail!(
-            "unknown command {other}: nvml, mig, mps-start, mps-stop, mps-start-v3, \
+            "unknown command {other}: nvml, mig, usage, mps-start, mps-stop, mps-start-v3, \
              mps-namespace or mps-namespace-delete"
         ),
     };
