@@ -19,7 +19,6 @@ use drust_e2e::manifests::{apply_yaml, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
-use gpu_kubelet_plugin::Backend;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -61,13 +60,7 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         ));
     })?;
     let slices = plugin.wait_ready(&client, TIMEOUT).await?;
-    let Backend::Fake {
-        state_dir: Some(state),
-        ..
-    } = plugin.config().backend.clone()
-    else {
-        anyhow::bail!("the test plugin has a fake state dir");
-    };
+    let state = plugin.fake_state_dir()?;
     let by_index = |index: i64| -> anyhow::Result<String> {
         slices
             .iter()

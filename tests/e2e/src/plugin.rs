@@ -103,6 +103,23 @@ impl NodePlugin {
         &self.config
     }
 
+    /// The fake backend's state dir (its usage files, MIG devices, health events), which
+    /// every plugin this harness starts has.
+    ///
+    /// # Errors
+    /// The plugin runs another backend, or the fake one without a state dir.
+    pub fn fake_state_dir(&self) -> anyhow::Result<PathBuf> {
+        match &self.config.backend {
+            Backend::Fake {
+                state_dir: Some(state),
+                ..
+            } => Ok(state.clone()),
+            other => anyhow::bail!(
+                "the e2e plugin runs the fake backend with a state dir, not {other:?}"
+            ),
+        }
+    }
+
     /// Drops a health event for the fake backend into `<state_dir>/events/<seq>.json` (written
     /// under a temporary name and renamed, so the plugin never reads half a file). Events are
     /// consumed in `seq` order.

@@ -20,7 +20,6 @@ use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::backend::RawMigDevice;
 use gpu_inventory::fake::mig::{MigState, capability_minor};
 use gpu_inventory::{MigStrategy, Topology};
-use gpu_kubelet_plugin::Backend;
 use gpu_kubelet_plugin::claims::device_env;
 use gpu_kubelet_plugin::failpoint;
 use k8s_openapi::api::core::v1::Pod;
@@ -122,13 +121,7 @@ async fn a_scheduled_1g_claim_creates_its_mig_device_at_prepare_and_destroys_it_
         c.mig_strategy = MigStrategy::Partitionable;
     })?;
     plugin.wait_ready(&client, TIMEOUT).await?;
-    let Backend::Fake {
-        state_dir: Some(state),
-        ..
-    } = plugin.config().backend.clone()
-    else {
-        bail!("the e2e plugin runs the fake backend with a state dir");
-    };
+    let state = plugin.fake_state_dir()?;
     let cdi_root = plugin.config().cdi_root.clone();
     let scratch = tempfile::tempdir()?;
     apply_file(&client, &repo_path("deploy/deviceclasses/mig.yaml")).await?;

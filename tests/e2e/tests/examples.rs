@@ -317,13 +317,7 @@ async fn every_example_is_allocated_by_the_real_scheduler_or_pending_for_its_rea
     .map(|g| g.raw.index)
     .context("the shared GPU")?;
     let time_slice = || -> anyhow::Result<Option<u64>> {
-        let gpu_kubelet_plugin::Backend::Fake {
-            state_dir: Some(state),
-            ..
-        } = &plugin.config().backend
-        else {
-            bail!("fake state dir expected");
-        };
+        let state = plugin.fake_state_dir()?;
         let Ok(text) = std::fs::read_to_string(state.join("time-slices.json")) else {
             return Ok(None);
         };

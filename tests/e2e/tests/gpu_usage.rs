@@ -21,7 +21,6 @@ use drust_e2e::manifests::repo_path;
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
-use gpu_kubelet_plugin::Backend;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 
 const DRIVER: &str = "gpu.drust.dev";
@@ -68,13 +67,7 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
         ));
     })?;
     let slices = plugin.wait_ready(&client, TIMEOUT).await?;
-    let Backend::Fake {
-        state_dir: Some(state),
-        ..
-    } = plugin.config().backend.clone()
-    else {
-        anyhow::bail!("the test plugin runs the fake backend with a state dir");
-    };
+    let state = plugin.fake_state_dir()?;
     let mut devices: Vec<(String, String)> = slices
         .iter()
         .flat_map(|s: &ResourceSlice| s.spec.devices.clone().unwrap_or_default())

@@ -16,7 +16,6 @@ use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::fake::mig::MigState;
-use gpu_kubelet_plugin::Backend;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
@@ -70,13 +69,7 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     plugin.wait_ready(&client, TIMEOUT).await?;
     dcgm_contract(&client).await?;
 
-    let Backend::Fake {
-        state_dir: Some(state),
-        ..
-    } = plugin.config().backend.clone()
-    else {
-        anyhow::bail!("the e2e plugin runs the fake backend with a state dir");
-    };
+    let state = plugin.fake_state_dir()?;
     let mps_root = plugin.config().mps_root.clone();
     let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");

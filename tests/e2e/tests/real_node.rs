@@ -551,12 +551,8 @@ async fn a_cdi_spec_alone_gives_a_container_the_driver_files_and_runs_the_hooks(
             "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-h100"}],
         },
     });
-    let example = repo_path("examples/single-gpu/single-gpu.yaml");
-    let template = std::fs::read_to_string(&example)?
-        .split("\n---\n")
-        .next()
-        .context("the example's template")?
-        .to_owned();
+    let example = repo_path(SINGLE_GPU);
+    let template = single_gpu_template()?;
     apply_yaml(
         &real.client,
         &format!("{template}\n---\n{}", serde_yaml_ng::to_string(&pod)?),
@@ -1476,13 +1472,12 @@ fn allocated_health(pod: &Pod) -> Option<(String, String, String)> {
 async fn an_xid_shows_in_the_running_pods_allocated_resources_status_and_recovery_clears_it()
 -> anyhow::Result<()> {
     let real = RealNode::start("drust-real-node-health-", None).await?;
-    let example = "examples/single-gpu/single-gpu.yaml";
-    let template = std::fs::read_to_string(repo_path(example))?
-        .split("\n---\n")
-        .next()
-        .context("the example's template")?
-        .to_owned();
-    apply_yaml(&real.client, &template, &repo_path(example)).await?;
+    apply_yaml(
+        &real.client,
+        &single_gpu_template()?,
+        &repo_path(SINGLE_GPU),
+    )
+    .await?;
     let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
     pods.create(&PostParams::default(), &sleeping_gpu_pod("health-watch")?)
         .await?;
@@ -1592,15 +1587,26 @@ async fn only_the_idle_pod_is_told_and_metrics_name_each_pods_real_container() -
     result
 }
 
-async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()> {
-    apply_file(&real.client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
-    let example = "examples/single-gpu/single-gpu.yaml";
-    let template = std::fs::read_to_string(repo_path(example))?
+/// The single-GPU example, whose first document is the `one-h100` ResourceClaimTemplate.
+const SINGLE_GPU: &str = "examples/single-gpu/single-gpu.yaml";
+
+/// The `one-h100` ResourceClaimTemplate of [`SINGLE_GPU`], without its pod.
+fn single_gpu_template() -> anyhow::Result<String> {
+    Ok(std::fs::read_to_string(repo_path(SINGLE_GPU))?
         .split("\n---\n")
         .next()
         .context("the example's template")?
-        .to_owned();
-    apply_yaml(&real.client, &template, &repo_path(example)).await?;
+        .to_owned())
+}
+
+async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()> {
+    apply_file(&real.client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+    apply_yaml(
+        &real.client,
+        &single_gpu_template()?,
+        &repo_path(SINGLE_GPU),
+    )
+    .await?;
     let pods: Api<Pod> = Api::namespaced(real.client.clone(), "default");
     let claims: Api<ResourceClaim> = Api::namespaced(real.client.clone(), "default");
     let gpus = drust_e2e::plugin::fake_gpus(&real.topology).map_err(anyhow::Error::msg)?;

@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use drust_e2e::claims::allocation_results;
 use drust_e2e::kubelet::{Kubelet, v1_claim};
 use drust_e2e::manifests::{apply_file, repo_path};
@@ -18,7 +18,6 @@ use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use gpu_inventory::fake::mig::MigState;
 use gpu_inventory::{HealthEvent, HealthEventKind, MigStrategy};
-use gpu_kubelet_plugin::Backend;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
@@ -71,13 +70,7 @@ async fn a_claim_shares_a_dynamic_mig_device_through_mps_while_health_is_monitor
         c.health_monitoring = true;
     })?;
     plugin.wait_ready(&client, TIMEOUT).await?;
-    let Backend::Fake {
-        state_dir: Some(state),
-        ..
-    } = plugin.config().backend.clone()
-    else {
-        bail!("the e2e plugin runs the fake backend with a state dir");
-    };
+    let state = plugin.fake_state_dir()?;
     let (cdi_root, mps_root) = (
         plugin.config().cdi_root.clone(),
         plugin.config().mps_root.clone(),
