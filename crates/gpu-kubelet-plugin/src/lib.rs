@@ -867,7 +867,8 @@ impl Active {
                 self.controller.clone(),
                 Arc::clone(backend),
                 usage.clone(),
-                (config.driver_name.clone(), config.node_name.clone()),
+                config.driver_name.clone(),
+                config.node_name.clone(),
                 health.metrics.usage_reports(),
             );
             self.tasks.push(AbortOnDrop(tokio::spawn(sampler)));

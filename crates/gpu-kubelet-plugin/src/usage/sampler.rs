@@ -73,7 +73,8 @@ pub async fn run<C: Cluster, H: Hardware>(
     controller: ClaimController<C, H>,
     backend: Arc<dyn GpuBackend>,
     config: UsageConfig,
-    (driver, node): (String, String),
+    driver: String,
+    node: String,
     reports: watch::Sender<Arc<Report>>,
 ) {
     let mut tick = tokio::time::interval(config.interval);
@@ -123,7 +124,7 @@ pub async fn run<C: Cluster, H: Hardware>(
         let unix = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let report = build(
+        let mut report = build(
             &Inputs {
                 node: &node,
                 devices: &devices,
@@ -140,7 +141,6 @@ pub async fn run<C: Cluster, H: Hardware>(
             Instant::now(),
             unix,
         );
-        let mut report = report;
         report.pod_resources_error = named.and_then(Result::err);
         for e in &report.errors {
             warn!(error = %e, "sampling a GPU's usage failed");
