@@ -29,7 +29,7 @@
 use std::sync::Arc;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tokio::sync::watch;
@@ -146,11 +146,13 @@ fn device_container(d: &DeviceReport, namespace: &str, pod: &str) -> String {
     }
 }
 
-fn gauge(
+/// Encodes gauge `name` with one sample per series (whole or fractional values); nothing when
+/// there is none.
+fn gauge<N: EncodeGaugeValue + Copy>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    series: &[(Labels, i64)],
+    series: &[(Labels, N)],
 ) -> Result<(), std::fmt::Error> {
     if series.is_empty() {
         return Ok(());
@@ -161,23 +163,6 @@ fn gauge(
     {
         return ConstGauge::new(*value).encode(family);
     }
-    for (labels, value) in series {
-        ConstGauge::new(*value).encode(family.encode_family(labels)?)?;
-    }
-    Ok(())
-}
-
-/// As [`gauge`], with fractional values.
-fn gauge_f64(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    series: &[(Labels, f64)],
-) -> Result<(), std::fmt::Error> {
-    if series.is_empty() {
-        return Ok(());
-    }
-    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
     for (labels, value) in series {
         ConstGauge::new(*value).encode(family.encode_family(labels)?)?;
     }
@@ -230,13 +215,13 @@ impl Collector for UsageCollector {
                 .filter_map(|(l, d)| Some((l.clone(), f(d)?)))
                 .collect()
         };
-        gauge_f64(
+        gauge(
             &mut encoder,
             "DCGM_FI_PROF_SM_ACTIVE",
             "The ratio of cycles an SM has at least 1 warp assigned (in %).",
             &per_mig(&|d| ratio(d.sm_percent)),
         )?;
-        gauge_f64(
+        gauge(
             &mut encoder,
             "DCGM_FI_PROF_DRAM_ACTIVE",
             "Ratio of cycles the device memory interface is active sending or receiving data (in %).",

@@ -873,11 +873,26 @@ mod tests {
             .unwrap();
         let claims = vec![("m".to_owned(), record("mig", vec![held(&name, None)]))];
         let pods = pods(&[("m", 3)]);
-        let run = |processes: &[(u32, u64, u8, Option<u32>)]| {
-            let samples = BTreeMap::from([(1, sample(None, processes))]);
-            let inputs = inputs(&devices, &claims, &samples, &pods);
-            build(&inputs, &mut IdleTracker::default(), Instant::now(), 0)
+        // GPU 1 sampled with `processes` and, where given, GPM's SM figure of the instance.
+        let with_gpm = |processes: &[(u32, u64, u8, Option<u32>)], sm: Option<u32>| {
+            let mut s = sample(None, processes).unwrap();
+            s.usage.mig = sm
+                .map(|sm| gpu_inventory::MigUsage {
+                    gpu_instance_id: gi,
+                    sm_percent: Some(sm),
+                    memory_percent: Some(0),
+                })
+                .into_iter()
+                .collect();
+            let samples = BTreeMap::from([(1, Ok(s))]);
+            build(
+                &inputs(&devices, &claims, &samples, &pods),
+                &mut IdleTracker::default(),
+                Instant::now(),
+                0,
+            )
         };
+        let run = |processes: &[(u32, u64, u8, Option<u32>)]| with_gpm(processes, None);
         let r = run(&[(7, 512, 3, Some(gi)), (8, 256, 4, Some(gi + 100))]);
         let d = r.devices.iter().find(|d| d.device == name).unwrap();
         assert!(d.busy && d.sm_percent.is_none());
@@ -889,26 +904,11 @@ mod tests {
 
         // With GPM's figures of the instance (Hopper and later), those decide: a process that
         // holds memory and computes nothing leaves it idle; work with no process listed is busy.
-        let with_gpm = |processes: &[(u32, u64, u8, Option<u32>)], sm: u32| {
-            let mut s = sample(None, processes).unwrap();
-            s.usage.mig = vec![gpu_inventory::MigUsage {
-                gpu_instance_id: gi,
-                sm_percent: Some(sm),
-                memory_percent: Some(0),
-            }];
-            let samples = BTreeMap::from([(1, Ok(s))]);
-            build(
-                &inputs(&devices, &claims, &samples, &pods),
-                &mut IdleTracker::default(),
-                Instant::now(),
-                0,
-            )
-        };
-        let r = with_gpm(&[(7, 512, 3, Some(gi))], 0);
+        let r = with_gpm(&[(7, 512, 3, Some(gi))], Some(0));
         let d = r.devices.iter().find(|d| d.device == name).unwrap();
         assert_eq!((d.sm_percent, d.busy), (Some(0), false));
         assert!(!claim(&r, "m").busy);
-        assert!(claim(&with_gpm(&[], 60), "m").busy);
+        assert!(claim(&with_gpm(&[], Some(60)), "m").busy);
     }
 
     #[test]
