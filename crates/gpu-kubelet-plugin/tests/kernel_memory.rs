@@ -879,7 +879,13 @@ async fn a_legacy_daemon_keeps_its_share_and_new_kernel_level_shares_wait_for_it
     before.quiesce().await;
     drop(before);
 
-    let c = node.controller(cluster, Some(node.kernel())).await;
+    // Issue 41, defect 3: start-up revives the old share through its legacy daemon (it used
+    // to fail with a protocol mismatch, retried forever), and the kubelet preparing it again
+    // gets it.
+    let (c, report) = node.start(cluster, Some(node.kernel())).await;
+    assert!(report.failed.is_empty(), "{report:?}");
+    let again = c.prepare(vec![claim_ref("old", "uo")]).await;
+    assert!(again["uo"].is_ok(), "{again:?}");
     let refused = c.prepare(vec![claim_ref("new", "un")]).await;
     let err = refused["un"]
         .as_ref()

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use common::*;
 use dra_kubelet::Driver;
+use gpu_kubelet_plugin::hardware::NodeDevice;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 const SHARE: &str = "00000000-0000-4000-8000-0000000000";
@@ -373,11 +374,31 @@ async fn a_gpu_hosting_shares_admits_only_its_daemon_until_the_last_share_goes()
         .iter()
         .filter(|c| c.starts_with("compute-mode"))
         .count();
-    assert_eq!(first_exclusive, 1, "set once, for the first share");
+    assert_eq!(
+        first_exclusive, 2,
+        "set at each share's prepare, whichever found the daemon running"
+    );
+
+    // Issue 41, defect 1: reset behind the plugin's back (a GPU reset, `nvidia-smi -c`). The
+    // periodic check sees it and puts it right; a GPU held whole is not its business.
+    hardware
+        .compute_modes
+        .lock()
+        .unwrap()
+        .insert(gpu(0), ComputeMode::Default);
+    assert_eq!(c.reassert_compute_modes().await, [gpu(0)]);
+    assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::ExclusiveProcess));
+    assert!(c.reassert_compute_modes().await.is_empty(), "already right");
+    assert_eq!(modes().get(&gpu(1)), None);
 
     assert!(c.unprepare(vec![claim_ref("a", "ua")]).await["ua"].is_ok());
     assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::ExclusiveProcess));
     assert!(c.unprepare(vec![claim_ref("b", "ub")]).await["ub"].is_ok());
+    assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::Default));
+    assert!(
+        c.reassert_compute_modes().await.is_empty(),
+        "no share left: the default mode stays"
+    );
     assert_eq!(modes().get(&gpu(0)), Some(&ComputeMode::Default));
 
     // A share again on GPU 0; GPU 3 left exclusive by a crash. A restart keeps the one and
@@ -556,4 +577,59 @@ async fn start_up_leaves_an_administrators_prohibited_gpu_alone() {
     let modes = hardware.compute_modes.lock().unwrap().clone();
     assert_eq!(modes.get(&gpu(2)), Some(&ComputeMode::Prohibited));
     assert_eq!(modes.get(&gpu(3)), Some(&ComputeMode::Default));
+}
+
+/// Issue 41: MPS on a GPU older than Volta has neither the client limits a share relies on nor
+/// a protocol that leaves each container its own /dev/shm. A share of such a GPU, and an MPS
+/// config on it, are refused naming the result and the GPU's compute capability; time slicing
+/// and the whole GPU still prepare, and no daemon starts.
+#[tokio::test]
+async fn mps_on_a_gpu_older_than_volta_is_refused_naming_its_compute_capability() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut devices = node_devices();
+    if let NodeDevice::Gpu(g) = &mut devices[0] {
+        // A Tesla P100's.
+        g.raw.cuda_compute_capability_major = 6;
+        g.raw.cuda_compute_capability_minor = 0;
+    }
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "s",
+        "us",
+        dev(0),
+        &format!("{SHARE}01"),
+        "20Gi",
+    ));
+    cluster.put(with_configs(
+        claim("m", "um", &[(DRIVER, NODE, dev(0))]),
+        &[(
+            "FromClaim",
+            serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1", "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 50}}}),
+        )],
+    ));
+    cluster.put(with_configs(
+        claim("t", "ut", &[(DRIVER, NODE, dev(0))]),
+        &[("FromClaim", time_slicing())],
+    ));
+    let c = controller_over(
+        dir.path(),
+        cluster,
+        Arc::new(ScriptedHardware::default()),
+        devices,
+    )
+    .await;
+    for (name, uid) in [("s", "us"), ("m", "um")] {
+        let r = c.prepare(vec![claim_ref(name, uid)]).await;
+        let e = r[uid].as_ref().expect_err("refused").to_string();
+        assert!(
+            e.contains("status.allocation.devices.results[0]")
+                && e.contains("compute capability 7.0 or higher")
+                && e.contains("this GPU's is 6.0"),
+            "{e}"
+        );
+    }
+    assert!(daemons(dir.path()).is_empty());
+    let r = c.prepare(vec![claim_ref("t", "ut")]).await;
+    assert!(r["ut"].is_ok(), "{r:?}");
 }

@@ -875,7 +875,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     )?;
     // Each escalation the issue names, as a change to the plugin's own Pod.
     type Change = fn(&mut Value);
-    let escalations: [(&str, Change, &str); 15] = [
+    let escalations: [(&str, Change, &str); 17] = [
         (
             "run the daemon with flags of its own choosing",
             |p| {
@@ -902,7 +902,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
                     v.push(json!({"name": "s", "secret": {"secretName": "anything"}}));
                 }
             },
-            "exactly three host directories",
+            "exactly three volumes",
         ),
         (
             "mount a projected token in place of its shared memory",
@@ -910,7 +910,20 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
                 p["spec"]["volumes"][2] = json!({"name": "shm", "projected": {"sources": [
                     {"serviceAccountToken": {"path": "token"}}]}});
             },
-            "exactly three host directories",
+            "exactly three volumes",
+        ),
+        (
+            "use the host's /run as its shared memory",
+            |p| {
+                p["spec"]["volumes"][2] =
+                    json!({"name": "shm", "hostPath": {"path": "/run", "type": "Directory"}});
+            },
+            "exactly three volumes",
+        ),
+        (
+            "an unbounded tmpfs as its shared memory",
+            |p| p["spec"]["volumes"][2] = json!({"name": "shm", "emptyDir": {"medium": "Memory"}}),
+            "exactly three volumes",
         ),
         (
             "mount the host's / writable",
@@ -920,7 +933,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         (
             "mount / as its claim directory",
             |p| p["spec"]["volumes"][1]["hostPath"]["path"] = json!("/"),
-            "exactly three host directories",
+            "exactly three volumes",
         ),
         (
             "use the host's PID namespace",

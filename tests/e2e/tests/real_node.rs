@@ -969,9 +969,13 @@ async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> a
         if let Some(c) = compute {
             requests["computePercent"] = c.into();
         }
+        // Each writes a segment to its /dev/shm and lists what it sees there (issue 41: the
+        // shares of one GPU shared the daemon's /dev/shm, so each saw the others').
         let script = format!(
-            "{{ env | grep -E '^(CUDA_MPS|DRUST)_' | sort | sed 's/^/env /'; }} > \
-             /dev/termination-log; [ -e /usr/bin/nvidia-cuda-mps-control ] && echo 'env \
+            "echo secret > /dev/shm/{name}-segment; \
+             {{ env | grep -E '^(CUDA_MPS|DRUST)_' | sort | sed 's/^/env /'; }} > \
+             /dev/termination-log; ls /dev/shm | sed 's/^/shm /' >> /dev/termination-log; \
+             [ -e /usr/bin/nvidia-cuda-mps-control ] && echo 'env \
              MPS_TOOL=mounted' >> /dev/termination-log; (echo fake_client_attach | \
              {client_env} /usr/local/bin/fake-cuda-client) \
              & sleep {}; exit 0",
@@ -1016,6 +1020,15 @@ spec:
     )
     .await?;
     wait_running(&pods, "quarter", &real.node).await?;
+    // The quarter's segment is in its container's own /dev/shm, found through its process.
+    drust_e2e::wait::until("the quarter share's segment", TIMEOUT, || async {
+        let found = std::fs::read_dir("/proc")
+            .map_err(|e| e.to_string())?
+            .flatten()
+            .any(|p| p.path().join("root/dev/shm/quarter-segment").exists());
+        Ok(found.then_some(()))
+    })
+    .await?;
     apply_yaml(
         &real.client,
         &pod("plain", None, false, ""),
@@ -1024,7 +1037,20 @@ spec:
     .await?;
     let done = wait_pod_done(&pods, "plain", &real.node).await?;
     ensure!(succeeded(&done), "plain failed: {:?}", done.status);
-    let (_, env) = seen(&terminated_message(&done, "cuda").unwrap_or_default());
+    let message = terminated_message(&done, "cuda").unwrap_or_default();
+    let shm: Vec<&str> = message
+        .lines()
+        .filter_map(|l| l.strip_prefix("shm "))
+        .collect();
+    ensure!(
+        shm == ["plain-segment"],
+        "the plain share's /dev/shm holds {shm:?}: a tenant sees only its own segments"
+    );
+    ensure!(
+        !std::path::Path::new("/dev/shm/quarter-segment").exists(),
+        "a share's segment landed in the host's /dev/shm"
+    );
+    let (_, env) = seen(&message);
     ensure!(
         env.iter()
             .any(|e| e == "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=19456M")

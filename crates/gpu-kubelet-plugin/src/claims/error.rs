@@ -88,6 +88,27 @@ pub enum ClaimError {
         /// What is wrong, naming the field.
         problem: String,
     },
+    /// A device that would run under MPS (an MPS config, or a share of it) is on a GPU older
+    /// than Volta ([`crate::mps::MIN_MPS_COMPUTE_CAPABILITY`]), whose MPS has neither the
+    /// per-client limits drust sets nor a protocol that leaves each container its own
+    /// `/dev/shm`.
+    #[error(
+        "ResourceClaim {claim}: status.allocation.devices.results[{index}] (device {device:?}): \
+         MPS sharing needs a Volta or later GPU (CUDA compute capability 7.0 or higher); this \
+         GPU's is {major}.{minor}: use time slicing or the whole GPU"
+    )]
+    MpsUnsupported {
+        /// The claim.
+        claim: ClaimRef,
+        /// Index in `results`.
+        index: usize,
+        /// The device name.
+        device: String,
+        /// The GPU's CUDA compute capability, major.
+        major: u32,
+        /// The GPU's CUDA compute capability, minor.
+        minor: u32,
+    },
     /// An allocated device is prepared for another claim, and neither has admin access.
     #[error(
         "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
@@ -146,6 +167,7 @@ impl ClaimError {
             ClaimError::UnknownDevice { .. } => "unknown-device",
             ClaimError::DeviceGone { .. } => "device-gone",
             ClaimError::Share { .. } => "share",
+            ClaimError::MpsUnsupported { .. } => "mps-unsupported",
             ClaimError::DeviceInUse { .. } => "device-in-use",
             ClaimError::Config { .. } => "config",
             ClaimError::Mps { .. } => "mps",

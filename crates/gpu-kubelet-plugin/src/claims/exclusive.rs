@@ -28,7 +28,7 @@ use tracing::warn;
 
 use super::error::ClaimError;
 use super::{ClaimController, Cluster};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, ClaimRecord, ClaimState};
 use crate::claim_config::Sharing;
 use crate::hardware::{Hardware, NodeDevice};
 
@@ -38,9 +38,29 @@ pub(crate) fn gpus_under_mps(
     checkpoint: &Checkpoint,
     catalogue: &super::Catalogue,
 ) -> BTreeSet<String> {
-    checkpoint
-        .claims
-        .values()
+    gpus_under_mps_of(checkpoint.claims.values(), catalogue)
+}
+
+/// [`gpus_under_mps`] of the prepared claims alone (`PrepareCompleted`): the GPUs whose daemon
+/// runs now and must, whatever happens to the claims being prepared or unprepared.
+fn gpus_under_prepared_mps(
+    checkpoint: &Checkpoint,
+    catalogue: &super::Catalogue,
+) -> BTreeSet<String> {
+    gpus_under_mps_of(
+        checkpoint
+            .claims
+            .values()
+            .filter(|r| r.state == ClaimState::PrepareCompleted),
+        catalogue,
+    )
+}
+
+fn gpus_under_mps_of<'r>(
+    records: impl Iterator<Item = &'r ClaimRecord>,
+    catalogue: &super::Catalogue,
+) -> BTreeSet<String> {
+    records
         .flat_map(|r| &r.devices)
         .filter(|d| {
             matches!(d.sharing, Some(Sharing::Mps(_)))
@@ -86,6 +106,73 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 message: format!("device {name}: {e}"),
             })),
         }
+    }
+
+    /// The periodic check: puts back in [`ComputeMode::ExclusiveProcess`] every full GPU that a
+    /// prepared claim runs an MPS daemon on and that left that mode behind the plugin's back (a
+    /// GPU reset, `nvidia-smi -c`): else a process of any tenant could bypass the daemon and
+    /// take the whole GPU. Each GPU under its lock, re-checked there against the records (a
+    /// claim being unprepared may have just stopped the daemon). Failures are logged and tried
+    /// again at the next check. Returns the GPUs put right.
+    pub async fn reassert_compute_modes(&self) -> Vec<String> {
+        let catalogue = self.catalogue();
+        let node = ClaimRef {
+            namespace: String::new(),
+            name: "compute-mode check".into(),
+            uid: String::new(),
+        };
+        let wanted =
+            gpus_under_prepared_mps(&*self.lifecycle.journal().records().await, &catalogue);
+        let mut put_right = Vec::new();
+        for name in wanted {
+            let Some(d) = catalogue
+                .devices
+                .values()
+                .find(|d| !d.is_mig() && d.gpu().name == name)
+                .cloned()
+            else {
+                continue;
+            };
+            let _guard = self.gpu_lock(&name).lock_owned().await;
+            let still =
+                gpus_under_prepared_mps(&*self.lifecycle.journal().records().await, &catalogue)
+                    .contains(&name);
+            if !still {
+                continue;
+            }
+            let hw = Arc::clone(&self.gpu().hardware);
+            let gpu = d.gpu().clone();
+            let mode = self
+                .lifecycle
+                .background()
+                .spawn_blocking(move || hw.compute_mode(&gpu))
+                .await;
+            match mode {
+                Ok(Ok(ComputeMode::ExclusiveProcess)) => continue,
+                Ok(Ok(found)) => {
+                    warn!(device = %name, ?found,
+                        "a GPU hosting an MPS daemon left EXCLUSIVE_PROCESS behind the plugin's \
+                         back; setting it again");
+                }
+                Ok(Err(e)) => {
+                    warn!(device = %name, error = %e, "cannot read the GPU's compute mode");
+                    continue;
+                }
+                Err(e) => {
+                    warn!(device = %name, error = %e, "reading the compute mode failed");
+                    continue;
+                }
+            }
+            match self
+                .compute_mode_locked(&node, d.name(), ComputeMode::ExclusiveProcess)
+                .await
+            {
+                Ok(()) => put_right.push(name),
+                Err(e) => warn!(device = d.name(), error = %e,
+                    "setting EXCLUSIVE_PROCESS again failed; retried at the next check"),
+            }
+        }
+        put_right
     }
 
     /// Start-up: puts every full GPU no recorded claim runs MPS on back in

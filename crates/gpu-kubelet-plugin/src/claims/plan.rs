@@ -173,6 +173,20 @@ pub(crate) fn plan(
         d.sharing = s;
     }
     super::shares::check(claim, &devices, &result_index)?;
+    for ((d, n), &index) in devices.iter().zip(&used).zip(&result_index) {
+        let mps = matches!(d.sharing, Some(Sharing::Mps(_)))
+            || d.share.as_ref().is_some_and(|s| s.uses_mps());
+        let raw = &n.gpu().raw;
+        if mps && raw.cuda_compute_capability_major < crate::mps::MIN_MPS_COMPUTE_CAPABILITY {
+            return Err(ClaimError::MpsUnsupported {
+                claim: claim.clone(),
+                index,
+                device: d.device_name.clone(),
+                major: raw.cuda_compute_capability_major,
+                minor: raw.cuda_compute_capability_minor,
+            });
+        }
+    }
     let created_later = used
         .iter()
         .any(|d| matches!(d, NodeDevice::MigPlacement { .. }));

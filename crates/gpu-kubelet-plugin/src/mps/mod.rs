@@ -5,16 +5,25 @@
 //! stdin), as NVIDIA documents it (MPS guide, "Control daemon"):
 //!
 //! - `CUDA_VISIBLE_DEVICES` lists the claim's GPU or MIG UUIDs, so the daemon serves only them;
-//! - its pipe, log and shared-memory directories are `<root>/<claim-uid>/{pipe,log,shm}`:
-//!   derived from the claim UID, so undoing never needs a record;
+//! - its pipe and log directories are `<root>/<claim-uid>/{pipe,log}`: derived from the claim
+//!   UID, so undoing never needs a record;
 //! - limits: `set_default_active_thread_percentage <pct>` and, per device ordinal,
 //!   `set_default_device_pinned_mem_limit <ordinal> <MiB>M`; both are read back
 //!   (`get_default_*`) and a daemon that does not report them is stopped and the prepare fails;
 //! - start is bounded: the daemon must answer `get_server_list` within the start timeout.
 //!
-//! Containers reach the daemon through the pipe directory, mounted at [`CONTAINER_PIPE_DIR`]
-//! with `CUDA_MPS_PIPE_DIRECTORY` pointing there, and share its `/dev/shm`
-//! ([`MpsControl::container_edits`]).
+//! Containers reach the daemon through the pipe directory alone, mounted at
+//! [`CONTAINER_PIPE_DIR`] with `CUDA_MPS_PIPE_DIRECTORY` pointing there
+//! ([`MpsControl::container_edits`]). Each keeps its own `/dev/shm`: Volta and later MPS (every
+//! GPU drust shares through MPS, [`MIN_MPS_COMPUTE_CAPABILITY`]) passes nothing through
+//! `/dev/shm` between a server and its clients. Seen on an H100, driver 580.159.04
+//! (`tests/gpu/mps_shm.sh`, fixture `h100-580.159.04/shm.txt`): clients in their own mount,
+//! PID and IPC namespaces, each with a private tmpfs (or the host's, or the daemon's mounted
+//! read-only) as `/dev/shm`, all ran through the server on a GPU in `EXCLUSIVE_PROCESS`, and
+//! no file appeared in any `/dev/shm`. (NVIDIA's plugins share one `/dev/shm` between a daemon
+//! and its clients; a `cuda.shm.*` file there was reported of MPS in 2024,
+//! NVIDIA/k8s-device-plugin#467, GPU and driver not stated, and pre-Volta MPS on P4 GPUs
+//! needs the shared directory, kubernetes-sigs/dra-driver-nvidia-gpu#978.)
 //!
 //! # Where a daemon runs
 //!
@@ -22,10 +31,11 @@
 //! created through the API server: `chroot <driver root> nvidia-cuda-mps-control -f` in the
 //! plugin's own image, privileged, owned by the plugin's DaemonSet (so uninstalling the chart
 //! deletes it), with no ServiceAccount token, the driver root read-only, the claim's directory
-//! over the driver root's `/tmp` and
-//! its `shm` over the driver root's `/dev/shm`, so the daemon, the servers it spawns and the
-//! clients in the claim's containers share one pipe directory and one `/dev/shm` (as NVIDIA's
-//! DRA driver runs its daemons, in `cmd/gpu-kubelet-plugin/sharing.go`). The daemon is then not
+//! over the driver root's `/tmp`, so the daemon, the servers it spawns and the clients in the
+//! claim's containers share one pipe directory (as NVIDIA's DRA driver runs its daemons, in
+//! `cmd/gpu-kubelet-plugin/sharing.go`), and a size-limited tmpfs of its own
+//! ([`DAEMON_SHM_SIZE`], a memory `emptyDir`) over the driver root's `/dev/shm`, so that
+//! nothing the daemon or its servers write lands on the host's. The daemon is then not
 //! the plugin's child: a plugin restart or a rolling update of the DaemonSet leaves it running
 //! and its clients connected; the next instance finds it answering and adopts it. Why a Pod per
 //! claim, not a Deployment: the plugin already decides when a daemon must run (prepare,
@@ -70,6 +80,17 @@ pub use v3::{NamespaceLimits, V3_SERVER, namespace_name, namespace_sockets_fit};
 
 /// Where containers see the claim's MPS pipe directory.
 pub const CONTAINER_PIPE_DIR: &str = "/run/nvidia-mps";
+
+/// The size of a daemon Pod's own `/dev/shm` (a memory `emptyDir`, Kubernetes quantity): a
+/// bound on what the daemon and its servers can put in memory there. Volta and later MPS
+/// writes nothing there (module docs); the admission policy pins this value.
+pub const DAEMON_SHM_SIZE: &str = "16Mi";
+
+/// The lowest CUDA compute capability (major) whose MPS drust runs: Volta (7.0). Its clients'
+/// limits (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`) and its
+/// server-client protocol without shared `/dev/shm` are Volta MPS's (NVIDIA's MPS guide,
+/// "Volta MPS"); pre-Volta MPS has neither.
+pub const MIN_MPS_COMPUTE_CAPABILITY: u32 = 7;
 
 /// One device an MPS daemon serves: its UUID (`CUDA_VISIBLE_DEVICES` entry) and its own
 /// default pinned-memory limit in bytes (`None`: no limit).
@@ -247,11 +268,6 @@ impl MpsControl {
         self.claim_dir(uid).join("pipe")
     }
 
-    /// `<root>/<uid>/shm`: the `/dev/shm` of the daemon, its servers and its clients.
-    pub fn shm_dir(&self, uid: &str) -> PathBuf {
-        self.claim_dir(uid).join("shm")
-    }
-
     /// `<root>/<uid>/protocol`: `3` for a v3 daemon; absent for a legacy one ([`Protocol`]).
     fn protocol_file(&self, uid: &str) -> PathBuf {
         self.claim_dir(uid).join("protocol")
@@ -285,26 +301,20 @@ impl MpsControl {
 
     /// The CDI edits that connect a container to the claim's daemon.
     pub fn container_edits(&self, uid: &str) -> ContainerEdits {
-        self.client_edits(uid, &self.pipe_dir(uid))
+        Self::client_edits(&self.pipe_dir(uid))
     }
 
-    /// The CDI edits that connect a container to daemon `uid` through the socket directory
-    /// `pipe` (its pipe directory, or one namespace's), with the daemon's shared memory.
-    fn client_edits(&self, uid: &str, pipe: &Path) -> ContainerEdits {
+    /// The CDI edits that connect a container to a daemon through the socket directory `pipe`
+    /// (its pipe directory, or one namespace's): that directory alone; the container keeps its
+    /// own `/dev/shm` (module docs).
+    fn client_edits(pipe: &Path) -> ContainerEdits {
         ContainerEdits {
             env: vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")],
-            mounts: vec![
-                Mount {
-                    host_path: pipe.display().to_string(),
-                    container_path: CONTAINER_PIPE_DIR.to_owned(),
-                    options: vec!["rbind".into(), "rw".into()],
-                },
-                Mount {
-                    host_path: self.shm_dir(uid).display().to_string(),
-                    container_path: "/dev/shm".to_owned(),
-                    options: vec!["rbind".into(), "rw".into(), "nosuid".into(), "nodev".into()],
-                },
-            ],
+            mounts: vec![Mount {
+                host_path: pipe.display().to_string(),
+                container_path: CONTAINER_PIPE_DIR.to_owned(),
+                options: vec!["rbind".into(), "rw".into()],
+            }],
             ..ContainerEdits::default()
         }
     }
@@ -399,12 +409,11 @@ impl MpsControl {
         let pipe = self.pipe_dir(uid);
         let log = self.claim_dir(uid).join("log");
         // Containers of any user reach the daemon through the pipe directory; the plugin's own
-        // umask (077) would shut them out. Shared memory is writable by all, as /dev/shm is.
+        // umask (077) would shut them out.
         let dirs = [
             (self.claim_dir(uid), 0o755),
             (pipe.clone(), 0o755),
             (log.clone(), 0o755),
-            (self.shm_dir(uid), 0o1777),
         ];
         let protocol_file = self.protocol_file(uid);
         // Directory work blocks on a slow disk: off the async workers.

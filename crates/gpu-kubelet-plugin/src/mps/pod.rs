@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::DeleteParams;
 
-use super::{CLAIM_UID_LABEL, MpsControl, MpsError, Protocol};
+use super::{CLAIM_UID_LABEL, DAEMON_SHM_SIZE, MpsControl, MpsError, Protocol};
 
 /// Where and how daemon Pods run.
 #[derive(Clone)]
@@ -186,7 +186,8 @@ impl MpsControl {
                     "securityContext": {"privileged": true},
                     "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
                     "volumeMounts": [
-                        // Read-only: the daemon writes only its pipes, log and shared memory.
+                        // Read-only: the daemon writes only its pipes and log (and, in its
+                        // own tmpfs, any shared memory).
                         {"name": "driver-root", "mountPath": "/driver-root", "readOnly": true,
                          "mountPropagation": "HostToContainer"},
                         {"name": "claim", "mountPath": "/driver-root/tmp"},
@@ -198,8 +199,10 @@ impl MpsControl {
                      "hostPath": {"path": pods.host_driver_root, "type": "Directory"}},
                     {"name": "claim",
                      "hostPath": {"path": self.claim_dir(uid), "type": "Directory"}},
+                    // The daemon's /dev/shm: a tmpfs of its own, size-limited, shared with
+                    // no client (Volta and later MPS needs none: `DAEMON_SHM_SIZE`).
                     {"name": "shm",
-                     "hostPath": {"path": self.shm_dir(uid), "type": "Directory"}},
+                     "emptyDir": {"medium": "Memory", "sizeLimit": DAEMON_SHM_SIZE}},
                 ],
             },
         });

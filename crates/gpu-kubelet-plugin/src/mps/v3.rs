@@ -101,8 +101,7 @@ impl MpsControl {
     }
 
     /// The CDI edits of one share's containers at v3: the namespace's socket directory as the
-    /// pipe directory (nothing else of the daemon's), the daemon's shared memory, and the
-    /// share's limits in the environment as at the legacy level ([`Self::share_edits`]; the
+    /// pipe directory (nothing else of the daemon's) and the share's limits in the environment as at the legacy level ([`Self::share_edits`]; the
     /// namespace holds them whatever the environment says).
     ///
     pub fn namespace_edits(
@@ -113,7 +112,7 @@ impl MpsControl {
         compute_percent: u32,
     ) -> ContainerEdits {
         let dir = self.namespace_dir(key, &namespace_name(claim_uid));
-        Self::with_share_env(self.client_edits(key, &dir), memory_bytes, compute_percent)
+        Self::with_share_env(Self::client_edits(&dir), memory_bytes, compute_percent)
     }
 
     /// Creates server [`V3_SERVER`] (root's, allowed `devices`) on the v3 daemon of `pipe`.

@@ -156,6 +156,21 @@ impl Hardware for ScriptedHardware {
         Ok(())
     }
 
+    /// Logs `mig-devices <gpu>`, then waits while `mig-devices` is held (as a slow NVML).
+    fn mig_devices(&self, gpu: &Gpu) -> Result<Vec<CreatedMig>, HardwareError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("mig-devices {}", gpu.name));
+        let held = self.held.lock().unwrap();
+        drop(
+            self.released
+                .wait_while(held, |held| held.contains("mig-devices"))
+                .unwrap(),
+        );
+        Ok(Vec::new())
+    }
+
     fn compute_mode(&self, gpu: &Gpu) -> Result<ComputeMode, HardwareError> {
         Ok(self
             .compute_modes
@@ -333,6 +348,16 @@ pub async fn controller_in(
     cluster: Shared,
     hardware: Arc<ScriptedHardware>,
 ) -> ClaimController<Shared, ScriptedHardware> {
+    controller_over(dir, cluster, hardware, node_devices()).await
+}
+
+/// [`controller_in`] over `devices` in place of the fake DGX H100's.
+pub async fn controller_over<C: Cluster>(
+    dir: &Path,
+    cluster: C,
+    hardware: Arc<ScriptedHardware>,
+    devices: Vec<NodeDevice>,
+) -> ClaimController<C, ScriptedHardware> {
     ClaimController::start(
         cluster,
         hardware,
@@ -346,7 +371,7 @@ pub async fn controller_in(
             driver_edits: Default::default(),
             kernel_memory: None,
         },
-        node_devices(),
+        devices,
         CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),
         CheckpointFile::new(Arc::new(RealFs), dir.join("plugin/checkpoint.json")),
     )

@@ -22,7 +22,9 @@
 //!   one server for all shares of a GPU, so this is the strongest server-side limit it allows:
 //!   a tenant that raises its own variables gets at most the largest share, not the GPU.
 //! - At the `kernel` level (the controller has [`crate::memory_limits::KernelMemory`]) the
-//!   daemon runs on MPS v3 instead: no ceiling and no `start_server`; each share gets its own
+//!   daemon runs on MPS v3 instead: no ceiling, and root's server is started with the daemon by
+//!   `server create` (the v3 form of `start_server`; a start whose server is not listed
+//!   fails); each share gets its own
 //!   namespace with its limits (set at its prepare, deleted at its unprepare; all recorded
 //!   shares' namespaces set again when a dead daemon is started again), and its containers
 //!   reach only that namespace's socket ([`crate::mps::MpsControl::namespace_edits`]).
@@ -218,10 +220,17 @@ impl<'a, N: Node, D: Daemons> ShareDaemons<'a, N, D> {
     /// state cannot be told (a slow answer) is left alone and fails the call, to be retried:
     /// quitting it would cut every running share of the GPU off its daemon. Returns whether one
     /// was started.
+    ///
+    /// A daemon of the other protocol (the node's level changed since it started) keeps the
+    /// shares prepared under it: for a claim already `prepared` (revived at start-up, or
+    /// prepared again by the kubelet) its per-share work is that daemon's (the ceiling, or the
+    /// share's namespace), as its containers' CDI edits are; a new share waits for it to go
+    /// ([`MpsError::ProtocolMismatch`]).
     async fn ensure(
         &self,
         claim: &ClaimRef,
         devices: &[RecordedDevice],
+        prepared: bool,
     ) -> Result<bool, ClaimError> {
         let mut started = false;
         for d in mps_shares(devices) {
@@ -242,14 +251,20 @@ impl<'a, N: Node, D: Daemons> ShareDaemons<'a, N, D> {
                         .await
                         .map_err(mps_error(claim))?
                         .unwrap_or(Protocol::Legacy);
-                    if running != wanted {
+                    if running != wanted && !prepared {
                         return Err(mps_error(claim)(MpsError::ProtocolMismatch {
                             pipe_dir: self.daemons.pipe_dir(&key),
                             running,
                             wanted,
                         }));
                     }
-                    if !self.v3 {
+                    // Whichever branch: the mode may have been reset behind the plugin's back
+                    // (a GPU reset, `nvidia-smi -c`, a failed stop of the last share's undo),
+                    // and this share's containers must not be able to bypass the daemon.
+                    self.node
+                        .set_compute_mode(claim, &d.device_name, ComputeMode::ExclusiveProcess)
+                        .await?;
+                    if running == Protocol::Legacy {
                         self.set_ceiling(claim, &key, d.share.as_ref(), None)
                             .await?;
                     } else if let Some(share) = &d.share {
@@ -293,6 +308,10 @@ impl<'a, N: Node, D: Daemons> ShareDaemons<'a, N, D> {
             info!(claim = %claim, device = %d.device_name, daemon = %key, v3 = self.v3,
                 "started the device's MPS daemon");
             if self.v3 {
+                // No `start_server` here: `start_v3` already started root's server ahead of any
+                // client, with `server create drust --uid=0` (NVIDIA's MPS guide, release 615,
+                // "Explicitly starting an MPS server": the v3 form of `start_server -uid`), and
+                // failed the start unless `server list` then names it.
                 self.set_all_namespaces(claim, &key, d.share.as_ref())
                     .await?;
                 continue;
@@ -400,7 +419,7 @@ impl<N: Node, D: Daemons> Strategy for ShareDaemons<'_, N, D> {
         claim: &'a ClaimRef,
         devices: &'a [RecordedDevice],
     ) -> BoxFuture<'a, Result<(), ClaimError>> {
-        Box::pin(async move { self.ensure(claim, devices).await.map(drop) })
+        Box::pin(async move { self.ensure(claim, devices, false).await.map(drop) })
     }
 
     /// Stops the MPS daemon of every device `devices` hold a share of that no other claim's
@@ -446,7 +465,20 @@ impl<N: Node, D: Daemons> Strategy for ShareDaemons<'_, N, D> {
                 self.node
                     .set_compute_mode(claim, &d.device_name, ComputeMode::Default)
                     .await?;
-                self.daemons.stop(&key).await.map_err(mps_error(claim))?;
+                if let Err(e) = self.daemons.stop(&key).await {
+                    // The daemon may still serve (a share prepared next finds it answering):
+                    // the GPU goes back to EXCLUSIVE_PROCESS so nothing bypasses it meanwhile.
+                    if let Err(m) = self
+                        .node
+                        .set_compute_mode(claim, &d.device_name, ComputeMode::ExclusiveProcess)
+                        .await
+                    {
+                        warn!(claim = %claim, daemon = %key, error = %m,
+                            "putting the GPU back in EXCLUSIVE_PROCESS after a failed daemon stop \
+                             failed; the next share's prepare sets it");
+                    }
+                    return Err(mps_error(claim)(e));
+                }
                 info!(claim = %claim, device = %d.device_name, daemon = %key,
                     "stopped the device's MPS daemon with its last share");
             }
@@ -461,7 +493,7 @@ impl<N: Node, D: Daemons> Strategy for ShareDaemons<'_, N, D> {
         claim: &'a ClaimRef,
         devices: &'a [RecordedDevice],
     ) -> BoxFuture<'a, Result<bool, ClaimError>> {
-        Box::pin(self.ensure(claim, devices))
+        Box::pin(self.ensure(claim, devices, true))
     }
 }
 
@@ -506,6 +538,7 @@ mod tests {
             [
                 "lock gpu-0",
                 "liveness uuid-gpu-0",
+                "mode gpu-0 ExclusiveProcess",
                 "ceiling uuid-gpu-0 4096M pinned, 50% threads",
             ]
         );
@@ -526,6 +559,46 @@ mod tests {
         assert_eq!(
             rec.take(),
             ["lock gpu-0", "mode gpu-0 Default", "stop uuid-gpu-0"]
+        );
+    }
+
+    /// Issue 41, defect 1: the last share's daemon fails to stop (its `quit` timed out) after
+    /// the mode went back to DEFAULT. The GPU is put back in EXCLUSIVE_PROCESS at once, and the
+    /// next share, finding the daemon answering, sets the mode again all the same (it may have
+    /// been reset behind the plugin's back).
+    #[tokio::test]
+    async fn a_daemon_that_outlives_its_last_share_keeps_its_gpu_exclusive() {
+        let rec = Recorder::new(false);
+        let s = ShareDaemons::new(&rec, &rec, false);
+        let a = [share_of("gpu-0", 1024, 0)];
+        preparing(&rec, "a", &a);
+        s.apply(&claim("a"), &a).await.unwrap();
+        rec.record("a", ClaimState::UnprepareStarted, &a);
+        rec.take();
+        rec.fail("stop uuid-gpu-0");
+        s.undo(&claim("a"), &a).await.unwrap_err();
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0",
+                "mode gpu-0 Default",
+                "stop uuid-gpu-0",
+                "mode gpu-0 ExclusiveProcess",
+            ]
+        );
+        rec.forget("a");
+
+        let b = [share_of("gpu-0", 2048, 0)];
+        preparing(&rec, "b", &b);
+        s.apply(&claim("b"), &b).await.unwrap();
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0",
+                "liveness uuid-gpu-0",
+                "mode gpu-0 ExclusiveProcess",
+                "ceiling uuid-gpu-0 2048M pinned, 100% threads",
+            ]
         );
     }
 
@@ -580,6 +653,42 @@ mod tests {
             }
         ));
         assert_eq!(rec.take(), ["lock gpu-0", "liveness uuid-gpu-0"]);
+    }
+
+    /// Issue 41, defect 3: after the node's level changed, a share prepared under the old
+    /// level's daemon is revived (at start-up, or prepared again by the kubelet) through that
+    /// daemon, as its containers' edits are; only a new share waits.
+    #[tokio::test]
+    async fn a_share_prepared_before_the_level_changed_revives_through_its_daemon() {
+        let rec = Recorder::new(true);
+        let old = [share_of("gpu-0", 1024, 0)];
+        preparing(&rec, "old", &old);
+        ShareDaemons::new(&rec, &rec, false)
+            .apply(&claim("old"), &old)
+            .await
+            .unwrap();
+        rec.record("old", ClaimState::PrepareCompleted, &old);
+        rec.take();
+        let v3 = ShareDaemons::new(&rec, &rec, true);
+        assert!(!v3.revive(&claim("old"), &old).await.unwrap());
+        assert_eq!(
+            rec.take(),
+            [
+                "lock gpu-0",
+                "liveness uuid-gpu-0",
+                "mode gpu-0 ExclusiveProcess",
+                "ceiling uuid-gpu-0 1024M pinned, 100% threads",
+            ]
+        );
+        let new = [share_of("gpu-0", 2048, 0)];
+        preparing(&rec, "new", &new);
+        assert!(matches!(
+            v3.apply(&claim("new"), &new).await.unwrap_err(),
+            ClaimError::Mps {
+                source: MpsError::ProtocolMismatch { .. },
+                ..
+            }
+        ));
     }
 
     #[tokio::test]
@@ -649,6 +758,7 @@ mod tests {
             [
                 "lock gpu-0".to_owned(),
                 "liveness uuid-gpu-0".to_owned(),
+                "mode gpu-0 ExclusiveProcess".to_owned(),
                 format!("namespace uuid-gpu-0 {} 2048M -", ns("b")),
             ]
         );
