@@ -68,6 +68,9 @@ pub struct Config {
     pub claim_timeout: Duration,
     /// How often claims that vanished from the API server are unprepared.
     pub stale_claim_interval: Duration,
+    /// Deadline of one API server call (a claim read, an event, a slice or Pod write), and the
+    /// client's connect, read and write timeouts ([`crate::claims::DEFAULT_API_TIMEOUT`]).
+    pub api_timeout: Duration,
     /// GPU usage sampling, idle claims ([`crate::usage`]); `None`: off.
     pub usage: Option<crate::usage::UsageConfig>,
     /// How MIG-capable GPUs are published (existing MIG devices, or partitionable placements).
@@ -135,6 +138,7 @@ impl Config {
             boot_id_path: PathBuf::from("/proc/sys/kernel/random/boot_id"),
             claim_timeout: crate::claims::DEFAULT_TIMEOUT,
             stale_claim_interval: Duration::from_secs(60),
+            api_timeout: crate::claims::DEFAULT_API_TIMEOUT,
             usage: Some(crate::usage::UsageConfig::default()),
             mig_strategy: gpu_inventory::MigStrategy::Existing,
             naming: gpu_inventory::Naming::Drust,

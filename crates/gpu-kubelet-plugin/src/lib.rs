@@ -347,7 +347,14 @@ pub async fn kube_client(config: &Config) -> Result<kube::Client, Error> {
             }),
         ),
     };
-    kube::Client::try_from(cfg?).map_err(|e| Error::KubeConfig {
+    // kube's own default has no read or write timeout: a blackholed API server would hold a
+    // claim's lock (and start-up) for ever. The plugin makes no watches, so one deadline bounds
+    // every call's reads; `KubeCluster` bounds each claim read and event as a whole too.
+    let mut cfg = cfg?;
+    cfg.connect_timeout = Some(config.api_timeout);
+    cfg.read_timeout = Some(config.api_timeout);
+    cfg.write_timeout = Some(config.api_timeout);
+    kube::Client::try_from(cfg).map_err(|e| Error::KubeConfig {
         origin,
         message: e.to_string(),
     })
@@ -397,7 +404,8 @@ pub async fn run(
     secure_state(&config)?;
     if config.consumable_capacity && !publishing.shares {
         // Said where an operator looks (`kubectl describe node`), not only in the log.
-        let cluster = KubeCluster::new(client.clone(), &config.driver_name, &config.node_name);
+        let cluster = KubeCluster::new(client.clone(), &config.driver_name, &config.node_name)
+            .with_timeout(config.api_timeout);
         let message = format!(
             "fractional GPUs are on (--consumable-capacity) but the MPS control tool {} is not \
              found: shares could not be enforced, so this node's GPUs are published for \
@@ -695,7 +703,8 @@ async fn take_over(
     let driver_edits = driver_files(config, backend).await?;
     let fs: Arc<dyn Fs> = Arc::new(RealFs);
     let (controller, _report) = ClaimController::start(
-        KubeCluster::new(client.clone(), &config.driver_name, &config.node_name),
+        KubeCluster::new(client.clone(), &config.driver_name, &config.node_name)
+            .with_timeout(config.api_timeout),
         Arc::new(
             BackendHardware::new(Arc::clone(backend), &config.dev_root, &config.proc_root)
                 .with_host_dev_root(
@@ -848,6 +857,8 @@ impl Active {
                 }
             });
         self.tasks.push(AbortOnDrop(rediscovery));
+        // Two loops: the stale-claim check waits on the API server (each read bounded by
+        // `api_timeout`), which must never hold back the daemons' and GPUs' own checks.
         let stale = {
             let controller = self.controller.clone();
             let period = config.stale_claim_interval;
@@ -857,11 +868,24 @@ impl Active {
                 loop {
                     tick.tick().await;
                     controller.unprepare_stale().await;
-                    controller.restart_dead_daemons().await;
                 }
             })
         };
         self.tasks.push(AbortOnDrop(stale));
+        let daemons = {
+            let controller = self.controller.clone();
+            let period = config.stale_claim_interval;
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(period);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    controller.restart_dead_daemons().await;
+                    controller.reassert_compute_modes().await;
+                }
+            })
+        };
+        self.tasks.push(AbortOnDrop(daemons));
         if let Some(usage) = &config.usage {
             let sampler = usage::sampler::run(
                 self.controller.clone(),

@@ -83,6 +83,10 @@ struct Args {
     /// 86400).
     #[arg(long, default_value_t = 60, value_parser = interval)]
     stale_claim_interval_seconds: u64,
+    /// Deadline of one call to the API server, in seconds (1 to 44, within the kubelet's
+    /// deadline for one call): a claim read, an event, a ResourceSlice or Pod write.
+    #[arg(long, default_value_t = 5, value_parser = claim_deadline)]
+    api_timeout_seconds: u64,
     /// How often each GPU's usage (utilization, memory, processes by pod) is sampled, in
     /// seconds (1 to 86400); 0 turns sampling, its metrics and idle detection off.
     #[arg(long, default_value_t = 10, value_parser = interval_or_off)]
@@ -244,6 +248,7 @@ impl Args {
         config.claim_timeout = std::time::Duration::from_secs(self.claim_timeout_seconds);
         config.stale_claim_interval =
             std::time::Duration::from_secs(self.stale_claim_interval_seconds);
+        config.api_timeout = std::time::Duration::from_secs(self.api_timeout_seconds);
         config.usage =
             (self.usage_interval_seconds > 0).then(|| gpu_kubelet_plugin::usage::UsageConfig {
                 interval: std::time::Duration::from_secs(self.usage_interval_seconds),

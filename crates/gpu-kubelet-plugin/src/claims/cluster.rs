@@ -1,7 +1,14 @@
 //! What the claim controller needs from the cluster: reading ResourceClaims and reporting
 //! warnings. The API server in production, an in-memory double in unit tests.
+//!
+//! Every call to the API server has a deadline ([`KubeCluster::with_timeout`]): a claim read
+//! that misses it fails (the caller's retry policy applies: the kubelet calls prepare again,
+//! the stale-claim check and usage sampling try at their next round, recovery keeps a claim it
+//! cannot look up as its CDI spec shows), and a warning event is written in the background,
+//! so a slow API server never delays the work it reports on.
 
 use std::future::Future;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
@@ -48,22 +55,55 @@ pub struct PodRef {
     pub uid: String,
 }
 
+/// Default deadline of one API server call: half the default claim deadline
+/// ([`super::DEFAULT_TIMEOUT`]), so a prepare that reads its claim still has time for its
+/// devices.
+pub const DEFAULT_API_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The API server, for one node.
 #[derive(Clone)]
 pub struct KubeCluster {
     client: kube::Client,
     node_name: String,
     controller: String,
+    timeout: Duration,
 }
 
 impl KubeCluster {
     /// Reads claims through `client`; events are about Node `node_name`, reported by
-    /// `<driver>/kubelet-plugin`.
+    /// `<driver>/kubelet-plugin`. Each call's deadline is [`DEFAULT_API_TIMEOUT`].
     pub fn new(client: kube::Client, driver_name: &str, node_name: &str) -> Self {
         Self {
             client,
             node_name: node_name.to_owned(),
             controller: format!("{driver_name}/kubelet-plugin"),
+            timeout: DEFAULT_API_TIMEOUT,
+        }
+    }
+
+    /// The same with each call's deadline `timeout`.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// `call` within the deadline; a call that misses it is a [`kube::Error::Service`] holding
+    /// an `io::ErrorKind::TimedOut` that names the deadline and what was asked.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        call: impl Future<Output = Result<T, kube::Error>>,
+    ) -> Result<T, kube::Error> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(kube::Error::Service(Box::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "the API server did not answer {what} within {} ms",
+                    self.timeout.as_millis()
+                ),
+            )))),
         }
     }
 }
@@ -74,16 +114,31 @@ impl Cluster for KubeCluster {
         namespace: &str,
         name: &str,
     ) -> Result<Option<ResourceClaim>, kube::Error> {
-        Api::<ResourceClaim>::namespaced(self.client.clone(), namespace)
-            .get_opt(name)
-            .await
+        let api = Api::<ResourceClaim>::namespaced(self.client.clone(), namespace);
+        self.bounded(
+            &format!("a read of ResourceClaim {namespace}/{name}"),
+            api.get_opt(name),
+        )
+        .await
     }
 
+    /// In the background: the caller goes on at once.
     async fn warn(&self, reason: &str, message: &str) {
-        self.warning(reason, "Recover", message).await;
+        let (this, reason, message) = (self.clone(), reason.to_owned(), message.to_owned());
+        tokio::spawn(async move { this.warning(&reason, "Recover", &message).await });
     }
 
+    /// In the background: the caller goes on at once.
     async fn warn_pod(&self, pod: &PodRef, reason: &str, action: &str, message: &str) {
+        let (this, pod) = (self.clone(), pod.clone());
+        let (reason, action, message) = (reason.to_owned(), action.to_owned(), message.to_owned());
+        tokio::spawn(async move { this.pod_warning(&pod, &reason, &action, &message).await });
+    }
+}
+
+impl KubeCluster {
+    /// A Warning event about `pod`; best effort, within the deadline, failures are logged.
+    pub async fn pod_warning(&self, pod: &PodRef, reason: &str, action: &str, message: &str) {
         let regarding = ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Pod".into()),
@@ -102,12 +157,10 @@ impl Cluster for KubeCluster {
         )
         .await;
     }
-}
 
-impl KubeCluster {
     /// A Warning event about this node with `reason`, `action` (what the plugin was doing, e.g.
     /// `Recover`, `Publish`) and `message` (cut to the API's 1 KiB); best effort, failures
-    /// are logged.
+    /// are logged. Within the deadline.
     pub async fn warning(&self, reason: &str, action: &str, message: &str) {
         warn!(reason, message, "warning event");
         let regarding = ObjectReference {
@@ -154,8 +207,11 @@ impl KubeCluster {
             regarding: Some(regarding),
             ..Default::default()
         };
-        if let Err(e) = Api::<Event>::namespaced(self.client.clone(), namespace)
-            .create(&PostParams::default(), &event)
+        let api = Api::<Event>::namespaced(self.client.clone(), namespace);
+        let params = PostParams::default();
+        let create = api.create(&params, &event);
+        if let Err(e) = self
+            .bounded(&format!("an event about {name}"), create)
             .await
         {
             warn!(error = %e, reason, "could not record the warning event");
