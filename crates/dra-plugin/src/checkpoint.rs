@@ -249,6 +249,35 @@ impl<F: Format> SlotFile<F> {
         &self.paths
     }
 
+    /// `<first slot>.boot`: the boot ID of the last start that recovered this checkpoint. It
+    /// outlives a damaged checkpoint, so a rebuild from CDI specs knows whether the specs were
+    /// written in this boot (no start of this boot yet: they were not).
+    pub fn boot_marker_path(&self) -> PathBuf {
+        let mut name = self.paths[0].as_os_str().to_owned();
+        name.push(".boot");
+        PathBuf::from(name)
+    }
+
+    /// The boot ID [`Self::write_boot_marker`] last wrote; `None` when there is none or it
+    /// cannot be read (then nothing is known of the specs' boot). Blocking.
+    pub fn read_boot_marker(&self) -> Option<String> {
+        let bytes = self.fs.read(&self.boot_marker_path()).ok()?;
+        let id = String::from_utf8(bytes).ok()?.trim().to_owned();
+        (!id.is_empty()).then_some(id)
+    }
+
+    /// Records `boot_id` as the boot of the last start, durably. Blocking.
+    ///
+    /// # Errors
+    /// The filesystem's.
+    pub fn write_boot_marker(&self, boot_id: &str) -> std::io::Result<()> {
+        crate::storage::replace(
+            self.fs.as_ref(),
+            &self.boot_marker_path(),
+            format!("{boot_id}\n").as_bytes(),
+        )
+    }
+
     fn read_slot(&self, slot: usize) -> Result<SlotRead<F>, CheckpointError> {
         let path = &self.paths[slot];
         match self.fs.read(path) {

@@ -433,6 +433,44 @@ async fn a_corrupt_checkpoint_is_rebuilt_from_cdi_specs_and_the_api_server_with_
     assert_eq!(r["uk"].as_ref().expect("prepared")[0].device_name, dev(4));
 }
 
+/// Issue 41, defect 13: a checkpoint damaged across a reboot (the CDI directory persistent) used
+/// to be rebuilt stamped with the new boot, so the previous boot's claims were kept and revived
+/// though their devices were reset. The last start's boot is recorded beside the checkpoint;
+/// the rebuilt claims carry it and are released as any previous boot's are.
+#[tokio::test]
+async fn a_checkpoint_damaged_across_a_reboot_releases_the_previous_boots_claims() {
+    let mut f = Fixture::new(vec![
+        claim("a", "ua", &[(DRIVER, NODE, dev(1))]),
+        claim("b", "ub", &[(DRIVER, NODE, dev(2))]),
+    ]);
+    let c = f.controller().await;
+    let r = c
+        .prepare(vec![claim_ref("a", "ua"), claim_ref("b", "ub")])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    drop(c);
+    for slot in f.checkpoint().slot_paths() {
+        std::fs::write(slot, b"{\"version\":2,\"chec").unwrap();
+    }
+    f.boot_id = "boot-2".into();
+    let (c, report) = f.start().await;
+    assert!(report.corrupt_checkpoint.is_some());
+    assert_eq!(report.previous_boot, ["ua", "ub"], "{report:?}");
+    assert!(c.prepared_claims().await.is_empty());
+    assert!(f.cdi_files().is_empty(), "{:?}", f.cdi_files());
+    // This boot's start is recorded: a damage now keeps what this boot prepared.
+    let r = c.prepare(vec![claim_ref("a", "ua")]).await;
+    assert!(r["ua"].is_ok(), "{r:?}");
+    drop(c);
+    for slot in f.checkpoint().slot_paths() {
+        std::fs::write(slot, b"{\"version\":2,\"chec").unwrap();
+    }
+    let (c, report) = f.start().await;
+    assert_eq!(report.rebuilt, ["ua"]);
+    assert!(report.previous_boot.is_empty(), "{report:?}");
+    assert_eq!(c.prepared_claims().await, ["ua"]);
+}
+
 #[tokio::test]
 async fn claims_that_vanished_from_the_api_server_are_unprepared() {
     let f = Fixture::new(vec![
@@ -651,6 +689,13 @@ async fn a_share_of_an_existing_mig_device_runs_under_that_mig_devices_daemon() 
     let key = mig.uuid.clone().unwrap().to_ascii_lowercase();
     let pipe = edits["mounts"][0]["hostPath"].as_str().unwrap();
     assert!(pipe.ends_with(&format!("mps/{key}/pipe")), "{pipe}");
+    // Issue 41: the pipe directory alone; the container keeps its own /dev/shm.
+    assert_eq!(
+        edits["mounts"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        edits["mounts"]
+    );
     assert_eq!(
         edits["deviceNodes"][0]["path"],
         format!("/dev/nvidia{minor}").as_str()

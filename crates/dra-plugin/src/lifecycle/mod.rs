@@ -351,9 +351,27 @@ impl<D: Driver> Lifecycle<D> {
                 return Err(missed(&claim));
             }
         };
-        // Undo what this attempt made; a claim that was never started has nothing.
-        if let Err(rollback) = self.release_locked(&claim).await {
-            tracing::warn!(claim = %claim, error = %rollback, "rollback after a failed prepare failed");
+        // Undo what this attempt made (a claim that was never started has nothing) as its own
+        // task holding the claim's lock, as a missed deadline's rollback runs: awaited until the
+        // deadline, then left to finish in the background. Never dropped half-way with the
+        // kubelet's call (a driver's tool killed mid-command), and never past the deadline:
+        // the kubelet gets the failure, and its retry waits for the lock.
+        let rollback = {
+            let this = self.clone();
+            let c = claim.clone();
+            self.inner.background.spawn(
+                async move {
+                    let _guard = guard;
+                    if let Err(e) = this.release_locked(&c).await {
+                        tracing::warn!(claim = %c, error = %e, "rollback after a failed prepare failed");
+                    }
+                }
+                .in_current_span(),
+            )
+        };
+        if tokio::time::timeout_at(deadline, rollback).await.is_err() {
+            tracing::warn!(claim = %claim,
+                "the rollback of a failed prepare runs past the deadline; finishing it in the background");
         }
         Err(failed)
     }

@@ -140,7 +140,13 @@ impl<D: Driver> Lifecycle<D> {
                 );
                 self.driver().warn("CheckpointRecovered", &message).await;
                 report.corrupt_checkpoint = Some(message);
-                let rebuilt = self.rebuild_from_specs().await;
+                // The boot the specs were written in: the last start's, if one is recorded.
+                let file = self.journal().file().clone();
+                let written_in = tokio::task::spawn_blocking(move || file.read_boot_marker())
+                    .await
+                    .ok()
+                    .flatten();
+                let rebuilt = self.rebuild_from_specs(written_in).await;
                 report.rebuilt = rebuilt.claims.keys().cloned().collect();
                 rebuilt
             }
@@ -196,11 +202,22 @@ impl<D: Driver> Lifecycle<D> {
         }
 
         let boot_id = boot_id.clone();
+        let marker = boot_id.clone();
         self.update(&node, |c| {
             c.boot_id = boot_id;
             Ok(())
         })
         .await?;
+        // Before any prepare of this boot can write a spec: from now on a rebuild knows the
+        // specs on disk may be this boot's.
+        let file = self.journal().file().clone();
+        match tokio::task::spawn_blocking(move || file.write_boot_marker(&marker)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e,
+                "cannot record this boot beside the checkpoint; a later rebuild from CDI specs \
+                 will not tell this boot's specs from a previous one's"),
+            Err(e) => warn!(error = %e, "recording this boot beside the checkpoint failed"),
+        }
         if !report.failed.is_empty() {
             self.spawn_recovery_retries();
         }
@@ -309,8 +326,13 @@ impl<D: Driver> Lifecycle<D> {
     }
 
     /// After a damaged checkpoint: every CDI spec of ours names its claim; the driver decides
-    /// which to keep, as completed, and with which devices ([`Driver::rebuild_claim`]).
-    async fn rebuild_from_specs(&self) -> Records<D::Device> {
+    /// which to keep, as completed, and with which devices ([`Driver::rebuild_claim`]). The
+    /// records are stamped with the boot the specs were `written_in` (the last start's, from
+    /// [`SlotFile::write_boot_marker`](crate::checkpoint::SlotFile::write_boot_marker)): claims
+    /// of a previous boot are then released as any previous boot's are, never revived (their
+    /// specs may name device instances a new boot reuses). Unknown (no marker: a first start,
+    /// or an older build): this boot, as before.
+    async fn rebuild_from_specs(&self, written_in: Option<String>) -> Records<D::Device> {
         let mut claims = BTreeMap::new();
         // Every spec of ours with its claim UID, read on the blocking pool.
         let specs = self
@@ -332,17 +354,28 @@ impl<D: Driver> Lifecycle<D> {
                 return Records::default();
             }
         };
-        for (uid, spec) in specs {
-            let get = |k: &str| spec.annotations.get(k).cloned().unwrap_or_default();
-            let claim = ClaimRef {
-                namespace: get(ANNOTATION_NAMESPACE),
-                name: get(ANNOTATION_NAME),
-                uid: get(ANNOTATION_UID),
-            };
-            if claim.uid != uid || claim.name.is_empty() {
-                continue;
-            }
-            let Some(devices) = self.driver().rebuild_claim(self, &claim, &spec).await else {
+        let named: Vec<(String, ClaimRef, _)> = specs
+            .into_iter()
+            .filter_map(|(uid, spec)| {
+                let get = |k: &str| spec.annotations.get(k).cloned().unwrap_or_default();
+                let claim = ClaimRef {
+                    namespace: get(ANNOTATION_NAMESPACE),
+                    name: get(ANNOTATION_NAME),
+                    uid: get(ANNOTATION_UID),
+                };
+                (claim.uid == uid && !claim.name.is_empty()).then_some((uid, claim, spec))
+            })
+            .collect();
+        // All at once: each may wait on the API server up to the driver's deadline, and one
+        // unanswering server must not delay start-up once per claim.
+        let rebuilt = futures::future::join_all(
+            named
+                .iter()
+                .map(|(_, claim, spec)| self.driver().rebuild_claim(self, claim, spec)),
+        )
+        .await;
+        for ((uid, claim, spec), devices) in named.into_iter().zip(rebuilt) {
+            let Some(devices) = devices else {
                 continue;
             };
             claims.insert(
@@ -358,7 +391,7 @@ impl<D: Driver> Lifecycle<D> {
             );
         }
         Records {
-            boot_id: self.inner.settings.boot_id.clone(),
+            boot_id: written_in.unwrap_or_else(|| self.inner.settings.boot_id.clone()),
             claims,
         }
     }

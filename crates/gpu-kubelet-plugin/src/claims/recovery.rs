@@ -13,6 +13,7 @@
 //! settled once the API server answers.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use dra_kubelet::ClaimRef;
 use tracing::{info, warn};
@@ -116,11 +117,21 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             daemons
         };
 
-        if let Ok(dirs) = std::fs::read_dir(&gpu.config.mps.root) {
-            for uid in dirs
-                .flatten()
-                .filter_map(|e| e.file_name().into_string().ok())
-            {
+        // The directory listing blocks on a slow disk: on the blocking pool.
+        let root = gpu.config.mps.root.clone();
+        let listed = self
+            .lifecycle
+            .background()
+            .spawn_blocking(move || {
+                std::fs::read_dir(root).map(|dirs| {
+                    dirs.flatten()
+                        .filter_map(|e| e.file_name().into_string().ok())
+                        .collect::<Vec<String>>()
+                })
+            })
+            .await;
+        if let Ok(Ok(dirs)) = listed {
+            for uid in dirs {
                 if !kept.contains(&uid) && !share_daemons.contains(&uid) {
                     let orphan = ClaimRef {
                         uid: uid.clone(),
@@ -252,34 +263,28 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     .or_insert_with(|| parent.clone());
             }
         }
-        let mut destroyed = Vec::new();
-        for gpu in gpus.values() {
-            let found = match hardware.mig_devices(gpu) {
-                Ok(found) => found,
-                Err(e) => {
-                    warn!(gpu = %gpu.name, error = %e, "listing MIG devices for orphans failed");
-                    continue;
-                }
-            };
-            for mig in found.iter().filter(|m| !owned.contains(&m.uuid)) {
-                match hardware.destroy_mig(gpu, mig) {
-                    Ok(()) => {
-                        warn!(gpu = %gpu.name, mig = %mig,
-                            "destroyed a MIG device no prepared claim owns (partitionable mode \
-                             owns every MIG device on this GPU)");
-                        destroyed.push(format!("{mig} on {}", gpu.name));
-                    }
-                    Err(e) => warn!(gpu = %gpu.name, mig = %mig, error = %e,
-                        "destroying an orphaned MIG device failed; retried at the next start"),
-                }
+        // NVML: on the blocking pool, all GPUs in one task.
+        let hardware = Arc::clone(hardware);
+        let work = move || {
+            let mut destroyed = Vec::new();
+            for gpu in gpus.values() {
+                destroy_orphans_of(hardware.as_ref(), gpu, &owned, &mut destroyed);
+            }
+            destroyed
+        };
+        match self.lifecycle.background().spawn_blocking(work).await {
+            Ok(destroyed) => destroyed,
+            Err(e) => {
+                warn!(error = %e, "destroying orphaned MIG devices failed; retried at the next start");
+                Vec::new()
             }
         }
-        destroyed
     }
 
     /// For a record rebuilt without the checkpoint: the MIG device now at each placement it
     /// holds is taken to be the one its prepare created, so it is kept and later destroyed.
-    fn adopt_mig_devices(&self, devices: &mut [crate::checkpoint::RecordedDevice]) {
+    /// NVML's lookups run on the blocking pool.
+    async fn adopt_mig_devices(&self, devices: &mut [crate::checkpoint::RecordedDevice]) {
         for d in devices.iter_mut().filter(|d| d.mig.is_none()) {
             let Some(NodeDevice::MigPlacement {
                 parent,
@@ -290,10 +295,20 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             else {
                 continue;
             };
-            let found: Vec<CreatedMig> = match self.gpu().hardware.mig_devices(&parent) {
-                Ok(found) => found,
-                Err(e) => {
+            let hardware = Arc::clone(&self.gpu().hardware);
+            let looked_up = self
+                .lifecycle
+                .background()
+                .spawn_blocking(move || hardware.mig_devices(&parent))
+                .await;
+            let found: Vec<CreatedMig> = match looked_up {
+                Ok(Ok(found)) => found,
+                Ok(Err(e)) => {
                     warn!(device = %d.device_name, error = %e, "cannot look up its MIG device");
+                    continue;
+                }
+                Err(e) => {
+                    warn!(device = %d.device_name, error = %e, "looking up its MIG device failed");
                     continue;
                 }
             };
@@ -423,8 +438,37 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 self.devices_from_spec(claim, spec)
             }
         };
-        self.adopt_mig_devices(&mut devices);
+        self.adopt_mig_devices(&mut devices).await;
         Some(devices)
+    }
+}
+
+/// Destroys the MIG devices on `gpu` not in `owned` (by UUID), adding each to `destroyed`;
+/// failures are logged. Blocking (NVML).
+fn destroy_orphans_of<H: Hardware>(
+    hardware: &H,
+    gpu: &gpu_inventory::Gpu,
+    owned: &BTreeSet<String>,
+    destroyed: &mut Vec<String>,
+) {
+    let found = match hardware.mig_devices(gpu) {
+        Ok(found) => found,
+        Err(e) => {
+            warn!(gpu = %gpu.name, error = %e, "listing MIG devices for orphans failed");
+            return;
+        }
+    };
+    for mig in found.iter().filter(|m| !owned.contains(&m.uuid)) {
+        match hardware.destroy_mig(gpu, mig) {
+            Ok(()) => {
+                warn!(gpu = %gpu.name, mig = %mig,
+                    "destroyed a MIG device no prepared claim owns (partitionable mode owns \
+                     every MIG device on this GPU)");
+                destroyed.push(format!("{mig} on {}", gpu.name));
+            }
+            Err(e) => warn!(gpu = %gpu.name, mig = %mig, error = %e,
+                "destroying an orphaned MIG device failed; retried at the next start"),
+        }
     }
 }
 
@@ -465,7 +509,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         };
         match plan::plan(&claim, rc, &self.plan_context()) {
             Ok(mut p) => {
-                self.adopt_mig_devices(&mut p.devices);
+                self.adopt_mig_devices(&mut p.devices).await;
                 let devices = p.devices;
                 let key = uid.to_owned();
                 let settled = self
