@@ -25,8 +25,15 @@
 //! Requirements, checked at start-up ([`KernelMemory::detect`]): a backend with memory
 //! partitioning (driver r615+ with the entry point), cgroup v2 at the cgroup root (the driver
 //! requires it at `/sys/fs/cgroup`), and the hook binary installed where the runtime can run it
-//! (`<plugin dir>/bin/drust-cdi-hook`, a host path). MIG devices are excluded: NVML refuses MIG
-//! handles, and their MIG partition already bounds them.
+//! (`<plugin dir>/bin/drust-cdi-hook-<digest>`, a host path). MIG devices are excluded: NVML
+//! refuses MIG handles, and their MIG partition already bounds them.
+//!
+//! The installed hook's name carries the first 16 hex digits of its SHA-256
+//! ([`installed_hook_name`]): during a rolling update the new plugin (a standby) installs its
+//! own hook beside the running one's, never over it, so each CDI spec keeps running the hook of
+//! the plugin that wrote it, with the arguments that hook parses. The active plugin removes,
+//! at start-up, every installed hook that is neither its own nor named by a CDI spec it keeps
+//! ([`remove_unused_hooks`]).
 
 use std::collections::BTreeSet;
 use std::io::Read;
@@ -111,7 +118,8 @@ impl KernelMemory {
     /// driver (r615 and later, which also bring MPS v3), cgroup v2 at `config.cgroup_root`
     /// (with NVML, exactly `/sys/fs/cgroup`, the driver's requirement), MPS v3 namespace sockets
     /// that fit under `config.mps_root`, and, with `install`, the hook `config.cdi_hook_binary` copied to
-    /// `<plugin dir>/bin/` (replaced atomically, mode 0755; `--dry-run` writes nothing).
+    /// `<plugin dir>/bin/` under its digest ([`installed_hook_name`]; written atomically, mode
+    /// 0755, never over an installed hook; `--dry-run` writes nothing).
     /// Blocking (NVML, file copies).
     ///
     /// # Errors
@@ -142,7 +150,13 @@ impl KernelMemory {
         crate::mps::namespace_sockets_fit(&config.mps_root, config.mps_daemon_pods.is_some())
             .map_err(Unavailable::MpsSockets)?;
         let dir = config.sockets.plugin_dir.join("bin");
-        let hook = dir.join(HOOK_BINARY);
+        let name =
+            installed_hook_name(&config.cdi_hook_binary).map_err(|source| Unavailable::Hook {
+                from: config.cdi_hook_binary.clone(),
+                to: dir.clone(),
+                source,
+            })?;
+        let hook = dir.join(name);
         if install_hook {
             install(&config.cdi_hook_binary, &hook).map_err(|source| Unavailable::Hook {
                 from: config.cdi_hook_binary.clone(),
@@ -156,6 +170,11 @@ impl KernelMemory {
             cgroup_root: root.clone(),
             records: config.sockets.plugin_dir.join("memory-limits"),
         })
+    }
+
+    /// The installed hook this plugin's specs run, a host path.
+    pub fn hook_path(&self) -> &Path {
+        &self.hook
     }
 
     /// The `createRuntime` hook that limits the container of `claim_uid`'s share on GPU
@@ -297,10 +316,54 @@ fn backend_args(config: &Config) -> Vec<String> {
 }
 
 /// Copies `from` to `to` (atomically replaced, mode 0755).
+/// `drust-cdi-hook-<the first 16 hex digits of the SHA-256 of the binary at from>`: the name
+/// it is installed under (module docs). Blocking (reads the binary).
+///
+/// # Errors
+/// The binary cannot be read.
+pub fn installed_hook_name(from: &Path) -> std::io::Result<String> {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(std::fs::read(from)?);
+    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    Ok(format!("{HOOK_BINARY}-{hex}"))
+}
+
+/// Removes the installed hooks in `dir` (files named `drust-cdi-hook` or `drust-cdi-hook-*`)
+/// other than `keep` and those `specs_name` names (the hook paths of the CDI specs kept).
+/// Returns the paths removed; failures are logged. Blocking.
+pub fn remove_unused_hooks(dir: &Path, keep: &Path, specs_name: &BTreeSet<String>) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        let ours = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+            n == HOOK_BINARY
+                || n.strip_prefix(HOOK_BINARY)
+                    .is_some_and(|r| r.starts_with('-'))
+        });
+        let shown = path.display().to_string();
+        if !ours || path == keep || specs_name.contains(&shown) {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed.push(shown),
+            Err(e) => tracing::warn!(path = %shown, error = %e,
+                "removing an unused CDI hook binary failed; retried at the next start"),
+        }
+    }
+    removed
+}
+
+/// Copies the hook to `to` unless a file with its name (its digest) is there already: an
+/// installed hook is never replaced while a container start may run it.
 fn install(from: &Path, to: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let dir = to.parent().unwrap_or(Path::new("/"));
     std::fs::create_dir_all(dir)?;
+    if to.is_file() {
+        return Ok(());
+    }
     let tmp = to.with_extension(format!("new{}", std::process::id()));
     std::fs::copy(from, &tmp)?;
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;

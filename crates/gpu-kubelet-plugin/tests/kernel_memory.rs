@@ -281,7 +281,10 @@ async fn a_share_container_gets_its_hard_limit_on_its_own_cgroup_until_unprepare
     assert_eq!(hooks.len(), 1, "{hooks:?}");
     let hook = &hooks[0];
     assert_eq!(hook["hookName"], "createRuntime");
-    let installed = node.dir.path().join("plugin/bin/drust-cdi-hook");
+    let installed = node.dir.path().join("plugin/bin").join(
+        gpu_kubelet_plugin::memory_limits::installed_hook_name(&node.config.cdi_hook_binary)
+            .expect("the hook binary"),
+    );
     assert_eq!(hook["path"], installed.display().to_string());
     assert!(hook["timeout"].as_u64().is_some_and(|t| t > 0), "{hook}");
 
@@ -919,4 +922,71 @@ async fn a_legacy_daemon_keeps_its_share_and_new_kernel_level_shares_wait_for_it
         .map(|(n, _)| n)
         .collect();
     assert_eq!(names, [namespace_name("un")]);
+}
+
+/// Issue 41, defect 10: a rolling update runs a new plugin (a standby) beside the active old one,
+/// and the new one detected the level by copying its hook over the old one's, whose specs then
+/// ran the new binary with the old arguments. Each version's hook has a path of its own: the
+/// new plugin's install leaves the old hook as it was, the old claim's spec keeps running the
+/// old hook, and the old hook goes only once no kept spec names it.
+#[tokio::test]
+async fn a_new_plugins_hook_is_installed_beside_the_running_ones() {
+    let root = cgroup2_root();
+    let mut node = Node::new(&root);
+    let gpu = node.gpu(2);
+    let cluster = Shared::default();
+    cluster.put(share_claim(
+        "old",
+        "uo",
+        &gpu.name,
+        &format!("{SHARE}07"),
+        "8Gi",
+    ));
+    cluster.put(share_claim(
+        "new",
+        "un",
+        &gpu.name,
+        &format!("{SHARE}08"),
+        "8Gi",
+    ));
+    let old = node.controller(cluster.clone(), Some(node.kernel())).await;
+    assert!(old.prepare(vec![claim_ref("old", "uo")]).await["uo"].is_ok());
+    let old_hook = PathBuf::from(node.hooks("uo")[0]["path"].as_str().expect("path"));
+    let old_bytes = std::fs::read(&old_hook).expect("the old hook");
+
+    // The next version's hook: another binary (here the same one with a byte appended).
+    let next = node.dir.path().join("next-drust-cdi-hook");
+    let mut bytes = old_bytes.clone();
+    bytes.push(0);
+    std::fs::write(&next, &bytes).expect("next hook");
+    node.config.cdi_hook_binary = next;
+    let standby = node.kernel();
+    assert_eq!(
+        std::fs::read(&old_hook).expect("the old hook"),
+        old_bytes,
+        "the standby's install left the running hook alone"
+    );
+    assert_ne!(standby.hook_path(), old_hook.as_path());
+    old.quiesce().await;
+    drop(old);
+
+    // The new plugin takes over: the old claim's spec still names the old hook, which stays;
+    // a new claim runs the new one.
+    let c = node
+        .controller(cluster.clone(), Some(standby.clone()))
+        .await;
+    assert!(old_hook.is_file(), "a kept spec names it");
+    assert_eq!(node.hooks("uo")[0]["path"], old_hook.display().to_string());
+    assert!(c.prepare(vec![claim_ref("new", "un")]).await["un"].is_ok());
+    assert_eq!(
+        node.hooks("un")[0]["path"],
+        standby.hook_path().display().to_string()
+    );
+    // Once the old claim is gone, the next start removes the old hook.
+    assert!(c.unprepare(vec![claim_ref("old", "uo")]).await["uo"].is_ok());
+    c.quiesce().await;
+    drop(c);
+    let (_c, report) = node.start(cluster, Some(standby.clone())).await;
+    assert!(!old_hook.exists(), "{report:?}");
+    assert!(standby.hook_path().is_file());
 }

@@ -13,6 +13,7 @@
 //! settled once the API server answers.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::sync::Arc;
 
 use dra_kubelet::ClaimRef;
@@ -167,6 +168,37 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                         "clearing an orphaned claim's memory limits failed; retried at the next start"),
                 }
             }
+        }
+
+        // Installed hooks neither this plugin's nor named by a kept claim's spec (a previous
+        // version's, once its last claim is gone).
+        if let Some(kernel) = &gpu.config.kernel_memory {
+            let named: BTreeSet<String> = {
+                let checkpoint = self.lifecycle.records().await;
+                checkpoint
+                    .claims
+                    .values()
+                    .flat_map(|r| {
+                        let spec = &r.cdi_spec;
+                        spec.container_edits
+                            .hooks
+                            .iter()
+                            .chain(spec.devices.iter().flat_map(|d| &d.container_edits.hooks))
+                            .map(|h| h.path.clone())
+                    })
+                    .collect()
+            };
+            let keep = kernel.hook_path().to_owned();
+            let removed = self
+                .lifecycle
+                .background()
+                .spawn_blocking(move || {
+                    let dir = keep.parent().map(Path::to_owned).unwrap_or_default();
+                    crate::memory_limits::remove_unused_hooks(&dir, &keep, &named)
+                })
+                .await
+                .unwrap_or_default();
+            report.removed.extend(removed);
         }
 
         // MPS v3 namespaces of claims not kept, on the daemons kept.
