@@ -114,8 +114,8 @@ pub struct Config {
     /// The cgroup v2 root the `kernel` level's memory limits are set under (default
     /// `/sys/fs/cgroup`, which the driver requires): [`crate::memory_limits`].
     pub cgroup_root: PathBuf,
-    /// The `drust-cdi-hook` binary shipped with the plugin, installed into `<plugin dir>/bin/` under its digest
-    /// for the `kernel` level (default: beside the plugin's own binary).
+    /// The `drust-cdi-hook` binary shipped with the plugin, installed into `<plugin dir>/bin/`
+    /// under its digest for the `kernel` level (default: beside the plugin's own binary).
     pub cdi_hook_binary: PathBuf,
 }
 
