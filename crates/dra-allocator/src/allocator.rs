@@ -1728,7 +1728,7 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
             };
             for (name, value) in counters {
                 let c = entry.entry(name.clone()).or_insert_with(quantity::zero);
-                *c = quantity::sub(c, value);
+                *c = quantity::sub_released(c, value);
             }
         }
     }
@@ -1763,7 +1763,7 @@ impl Allocator<'_> {
                     };
                     for (name, value) in counters {
                         if let Some(a) = avail.get_mut(name) {
-                            *a = quantity::sub(a, value);
+                            *a = quantity::sub_left(a, value);
                         }
                     }
                 }

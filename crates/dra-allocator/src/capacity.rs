@@ -89,7 +89,7 @@ pub(crate) fn shortfall(
         }
         let total = quantity::add(&used, consumed.exact());
         if total.compare(cap.value.exact()) == Ordering::Greater {
-            let left = quantity::sub(cap.value.exact(), &used);
+            let left = quantity::sub_left(cap.value.exact(), &used);
             return Some(format!(
                 "{name}: {} of {} left, the request consumes {}",
                 readable(&left),
@@ -226,7 +226,7 @@ pub(crate) fn insert(entry: &mut ConsumedCapacity, consumed: &ConsumedCapacity) 
 pub(crate) fn remove(entry: &mut ConsumedCapacity, consumed: &ConsumedCapacity) -> bool {
     for (name, q) in consumed {
         if let Some(existing) = entry.get_mut(name) {
-            *existing = quantity::sub(existing, q);
+            *existing = quantity::sub_released(existing, q);
         }
     }
     entry.values().all(|q| q.sign() == 0)

@@ -434,13 +434,29 @@ impl fmt::Display for Quantity {
     }
 }
 
-/// Sums of quantities (`ConsumedCapacity`, counters): exact values only.
-pub(crate) fn add(a: &Exact, b: &Exact) -> Exact {
-    a.add(b).unwrap_or_else(|_| a.clone())
+/// A quantity above any capacity or counter a slice can publish (9 * 10^2147483647, the largest
+/// exponent a quantity has), for sums that exact arithmetic cannot hold.
+fn saturated() -> Exact {
+    Exact::parse("9e2147483647").unwrap_or_else(|_| Exact::from_int(i64::MAX))
 }
 
-/// `a - b`.
-pub(crate) fn sub(a: &Exact, b: &Exact) -> Exact {
+/// Sums of quantities (`ConsumedCapacity`, counters): exact values only. Where the exact sum
+/// is beyond what the arithmetic holds (more than 10,000 digits: `1e20000` + `1`, which a
+/// tenant's request may carry), the sum is taken as larger than any capacity, so the device
+/// does not fit: never the first operand, which would under-count what is consumed.
+pub(crate) fn add(a: &Exact, b: &Exact) -> Exact {
+    a.add(b).unwrap_or_else(|_| saturated())
+}
+
+/// `a - b` for what is left of `a` (a counter's or capacity's availability): where the
+/// arithmetic cannot hold it, nothing is left (zero), never `a`.
+pub(crate) fn sub_left(a: &Exact, b: &Exact) -> Exact {
+    a.sub(b).unwrap_or_else(|_| zero())
+}
+
+/// `a - b` for what is still consumed after releasing `b` from `a`: where the arithmetic cannot
+/// hold it, `a` stays consumed (over-counted, never under).
+pub(crate) fn sub_released(a: &Exact, b: &Exact) -> Exact {
     a.sub(b).unwrap_or_else(|_| a.clone())
 }
 
@@ -509,6 +525,22 @@ mod tests {
         assert_eq!(Quantity::parse("1.5Gi").unwrap().value_i64(), 1610612736);
         assert_eq!(Quantity::parse("1e-10").unwrap().value_i64(), 1);
         assert_eq!(Quantity::parse("10Gi").unwrap().value_i64(), 10 << 30);
+    }
+
+    /// Issue 41, defect 12: a sum the arithmetic cannot hold used to be the first operand,
+    /// under-counting what is consumed; it is now above any capacity.
+    #[test]
+    fn sums_beyond_the_arithmetic_never_under_count() {
+        let big = Exact::parse("1e20000").unwrap();
+        let one = Exact::from_int(1);
+        assert!(big.add(&one).is_err(), "the case under test");
+        let capacity = Exact::parse("80Gi").unwrap();
+        let used = add(&Exact::parse("1Gi").unwrap(), &one);
+        assert_eq!(used.compare(&capacity), Ordering::Less, "an ordinary sum");
+        assert_eq!(add(&big, &one).compare(&big), Ordering::Greater);
+        assert_eq!(add(&one, &big).compare(&capacity), Ordering::Greater);
+        assert_eq!(sub_left(&big, &one).sign(), 0, "nothing left");
+        assert_eq!(sub_released(&big, &one).compare(&big), Ordering::Equal);
     }
 
     #[test]
