@@ -689,13 +689,27 @@ async fn a_share_of_an_existing_mig_device_runs_under_that_mig_devices_daemon() 
     let key = mig.uuid.clone().unwrap().to_ascii_lowercase();
     let pipe = edits["mounts"][0]["hostPath"].as_str().unwrap();
     assert!(pipe.ends_with(&format!("mps/{key}/pipe")), "{pipe}");
-    // Issue 41: the pipe directory alone; the container keeps its own /dev/shm.
+    // Issue 41: the pipe directory, and again read-only as the share's mark; the container
+    // keeps its own /dev/shm.
+    let mounts: Vec<(&str, &str)> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["hostPath"].as_str().unwrap(),
+                m["containerPath"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let mark = format!("{}/um", gpu_kubelet_plugin::mps::SHARE_MARK_DIR);
     assert_eq!(
-        edits["mounts"].as_array().map(Vec::len),
-        Some(1),
+        mounts,
+        [(pipe, "/run/nvidia-mps"), (pipe, mark.as_str())],
         "{}",
         edits["mounts"]
     );
+    assert_eq!(edits["mounts"][1]["options"][1], "ro");
     assert_eq!(
         edits["deviceNodes"][0]["path"],
         format!("/dev/nvidia{minor}").as_str()

@@ -349,7 +349,7 @@ pub(crate) fn spec(
                     Some(_) => mps
                         .control
                         .namespace_edits(key, &claim.uid, *memory, *compute),
-                    None => mps.control.share_edits(key, *memory, *compute),
+                    None => mps.control.share_edits(key, &claim.uid, *memory, *compute),
                 };
                 // NVML refuses MIG handles; a MIG device's partition bounds its shares.
                 if let Some(kernel) = mps.kernel.filter(|_| !d.is_mig()) {

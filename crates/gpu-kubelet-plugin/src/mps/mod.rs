@@ -81,6 +81,11 @@ pub use v3::{NamespaceLimits, V3_SERVER, namespace_name, namespace_sockets_fit};
 /// Where containers see the claim's MPS pipe directory.
 pub const CONTAINER_PIPE_DIR: &str = "/run/nvidia-mps";
 
+/// Where a share's containers find its mark: a read-only mount at `<this>/<claim UID>` of the
+/// socket directory they already have, so that the usage sampler can tell which share a
+/// process's container holds ([`crate::usage::share_mounts`]).
+pub const SHARE_MARK_DIR: &str = "/run/drust/shares";
+
 /// The size of a daemon Pod's own `/dev/shm` (a memory `emptyDir`, Kubernetes quantity): a
 /// bound on what the daemon and its servers can put in memory there. Volta and later MPS
 /// writes nothing there (module docs); the admission policy pins this value.
@@ -325,13 +330,32 @@ impl MpsControl {
     /// variables"): `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` (the daemon serves one device,
     /// ordinal 0; rounded down to whole MiB so the share is never exceeded) and, when
     /// `compute_percent` is not 0, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`.
+    /// The share's mark ([`SHARE_MARK_DIR`]) names `claim_uid`.
     pub fn share_edits(
         &self,
         key: &str,
+        claim_uid: &str,
         memory_bytes: u64,
         compute_percent: u32,
     ) -> ContainerEdits {
-        Self::with_share_env(self.container_edits(key), memory_bytes, compute_percent)
+        let mut edits = self.container_edits(key);
+        Self::mark_share(&mut edits, claim_uid);
+        Self::with_share_env(edits, memory_bytes, compute_percent)
+    }
+
+    /// Adds the mark of claim `claim_uid`'s share to `edits`: its socket directory (their
+    /// first mount) again, read-only, at `<SHARE_MARK_DIR>/<claim_uid>`.
+    fn mark_share(edits: &mut ContainerEdits, claim_uid: &str) {
+        let Some(socket_dir) = edits.mounts.first().map(|m| m.host_path.clone()) else {
+            return;
+        };
+        edits.mounts.push(Mount {
+            host_path: socket_dir,
+            container_path: format!("{SHARE_MARK_DIR}/{claim_uid}"),
+            options: ["bind", "ro", "nosuid", "nodev", "noexec"]
+                .map(String::from)
+                .to_vec(),
+        });
     }
 
     /// `edits` with a share's client limits in the environment ([`Self::share_edits`]).

@@ -112,7 +112,9 @@ impl MpsControl {
         compute_percent: u32,
     ) -> ContainerEdits {
         let dir = self.namespace_dir(key, &namespace_name(claim_uid));
-        Self::with_share_env(Self::client_edits(&dir), memory_bytes, compute_percent)
+        let mut edits = Self::client_edits(&dir);
+        Self::mark_share(&mut edits, claim_uid);
+        Self::with_share_env(edits, memory_bytes, compute_percent)
     }
 
     /// Creates server [`V3_SERVER`] (root's, allowed `devices`) on the v3 daemon of `pipe`.
