@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gpu_kubelet_plugin::usage::events::span;
+use gpu_kubelet_plugin::usage::idle_status::span;
 use gpu_kubelet_plugin::usage::{ClaimReport, DeviceReport, Report};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
@@ -144,7 +144,12 @@ pub async fn read(
             unreachable.push(format!("{ns}/{name}: not running, or no port named http"));
             continue;
         };
-        let path = format!("/api/v1/namespaces/{ns}/pods/{name}:{port}/proxy/usage");
+        // One namespace: the plugin answers with that namespace's claims and processes alone.
+        let query = match &options.scope {
+            Scope::Namespace(only) => format!("?namespace={only}"),
+            Scope::All | Scope::Context => String::new(),
+        };
+        let path = format!("/api/v1/namespaces/{ns}/pods/{name}:{port}/proxy/usage{query}");
         let request = match http::Request::get(&path).body(Vec::new()) {
             Ok(r) => r,
             Err(e) => {

@@ -3,7 +3,8 @@
 //! pod, where `kubectl describe pod` shows it. And for every claim the scheduler allocated in a
 //! way drust's kubelet plugin refuses to prepare ([`gpu_inventory::shares::prepare_refusal`]:
 //! two shares smaller than a GPU), a Warning event [`REFUSED_REASON`] on the claim and on each
-//! pod it is reserved for, before they wait at prepare forever ([`watch_refusals`]).
+//! pod it is reserved for, before they wait at prepare forever ([`watch_refusals`]). And the
+//! kubelet plugins' `GPUIdle` marks on claims relayed to the claims' pods ([`relay_idle`]).
 //!
 //! Shape: kube-runtime's [`Controller`] over pods not yet bound (`spec.nodeName=`), a reconcile
 //! function and an error policy. ResourceClaims, ResourceSlices, DeviceClasses and Nodes come
@@ -42,6 +43,11 @@ pub const REASON: &str = "CannotAllocateDevices";
 pub const ACTION: &str = "ExplainPending";
 /// The reason of the event on a claim (and its pods) allocated as the plugin will not prepare.
 pub const REFUSED_REASON: &str = "DevicesWillNotBePrepared";
+/// The reason of the event relayed from a plugin's `GPUIdle` mark on a claim, and the mark's
+/// condition type (`gpu_kubelet_plugin::usage::idle_status::REASON`).
+pub const IDLE_REASON: &str = "GPUIdle";
+/// The action of that event.
+pub const IDLE_ACTION: &str = "RelayIdle";
 /// The most bytes of an event note the API server accepts.
 pub const NOTE_LIMIT: usize = 1024;
 
@@ -58,6 +64,9 @@ pub struct Settings {
     pub burst: u32,
     /// Who reports the events.
     pub reporter: Reporter,
+    /// The DRA drivers whose `GPUIdle` device-status conditions are relayed to the claims'
+    /// pods ([`relay_idle`]); empty: none.
+    pub idle_drivers: Vec<String>,
 }
 
 /// Why a reconcile failed (the error policy retries it).
@@ -227,6 +236,9 @@ pub async fn run(
         status,
     });
     tokio::spawn(watch_refusals(Arc::clone(&context)));
+    if !context.settings.idle_drivers.is_empty() {
+        tokio::spawn(relay_idle(Arc::clone(&context)));
+    }
     let pods: Api<Pod> = Api::all(client);
     // Only pods not bound to a node: those are the ones a scheduler may have given up on.
     Controller::new(pods, watcher::Config::default().fields("spec.nodeName="))
@@ -529,49 +541,76 @@ async fn watch_refusals(ctx: Arc<Context>) {
                 continue;
             }
             let mut regarding = vec![claim.object_ref(&())];
-            regarding.extend(
-                claim
-                    .status
-                    .iter()
-                    .flat_map(|s| s.reserved_for.iter().flatten())
-                    .filter(|r| {
-                        r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty()
-                    })
-                    .map(|r| k8s_openapi::api::core::v1::ObjectReference {
-                        api_version: Some("v1".into()),
-                        kind: Some("Pod".into()),
-                        name: Some(r.name.clone()),
-                        namespace: Some(namespace.clone()),
-                        uid: Some(r.uid.clone()),
-                        ..Default::default()
-                    }),
-            );
-            let mut published = true;
-            for object in &regarding {
-                ctx.bucket.take().await;
-                let event = Event {
-                    type_: EventType::Warning,
-                    reason: REFUSED_REASON.into(),
-                    note: Some(note.clone()),
-                    action: ACTION.into(),
-                    secondary: None,
-                };
-                match Recorder::new(ctx.client.clone(), ctx.settings.reporter.clone())
-                    .publish(&event, object)
-                    .await
-                {
-                    Ok(()) => {
-                        ctx.status.published.inc();
-                    }
-                    Err(e) => {
-                        published = false;
-                        ctx.status.errors.inc();
-                        tracing::warn!(claim = %key, error = %e, "publishing a refusal failed; retrying");
-                    }
-                }
-            }
+            regarding.extend(reserved_pods(&claim));
+            let published = ctx
+                .publish_all(&regarding, REFUSED_REASON, ACTION, &note, &key)
+                .await;
             if published {
                 tracing::info!(claim = %format!("{namespace}/{}", claim.name_any()), "refusal published");
+                ctx.remember(key, (0, Vec::new()), note);
+            }
+        }
+        tokio::time::sleep(ctx.settings.resync).await;
+    }
+}
+
+/// The pods `claim` is reserved for, as event subjects.
+fn reserved_pods(claim: &ResourceClaim) -> Vec<k8s_openapi::api::core::v1::ObjectReference> {
+    let namespace = claim.namespace().unwrap_or_default();
+    claim
+        .status
+        .iter()
+        .flat_map(|s| s.reserved_for.iter().flatten())
+        .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
+        .map(|r| k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: Some(r.name.clone()),
+            namespace: Some(namespace.clone()),
+            uid: Some(r.uid.clone()),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// The `GPUIdle` condition (status `True`) of `claim`'s device-status entries of one of
+/// `drivers`, if any: its message. The API server lets only the kubelet plugin of the claim's
+/// node write such an entry (`DRAResourceClaimGranularStatusAuthorization`).
+pub fn idle_message<'c>(claim: &'c ResourceClaim, drivers: &[String]) -> Option<&'c str> {
+    claim
+        .status
+        .as_ref()?
+        .devices
+        .iter()
+        .flatten()
+        .filter(|d| drivers.contains(&d.driver))
+        .flat_map(|d| d.conditions.iter().flatten())
+        .find(|c| c.type_ == IDLE_REASON && c.status == "True")
+        .map(|c| c.message.as_str())
+}
+
+/// Relays the kubelet plugins' `GPUIdle` marks on claims (a condition on the claim's device
+/// status, which only the plugin of the claim's node may write) to each pod the claim is
+/// reserved for, as a Warning event [`IDLE_REASON`]: the pod's `kubectl describe` tells its
+/// user, while the plugins themselves write no event about a pod. Deduplicated by the mark's
+/// message (it carries the idle time), every `resync`.
+async fn relay_idle(ctx: Arc<Context>) {
+    loop {
+        for claim in ctx.claims.state() {
+            let Some(message) = idle_message(&claim, &ctx.settings.idle_drivers) else {
+                continue;
+            };
+            let note: String = message.chars().take(NOTE_LIMIT).collect();
+            let key = format!("idle:{}", claim.uid().unwrap_or_default());
+            if !ctx.should_publish(&key, &note) {
+                ctx.status.deduplicated.inc();
+                continue;
+            }
+            let pods = reserved_pods(&claim);
+            if ctx
+                .publish_all(&pods, IDLE_REASON, IDLE_ACTION, &note, &key)
+                .await
+            {
                 ctx.remember(key, (0, Vec::new()), note);
             }
         }
@@ -645,6 +684,43 @@ impl Context {
         self.published()
             .get(uid)
             .is_some_and(|p| &p.inputs == inputs && p.at.elapsed() < self.settings.republish_after)
+    }
+
+    /// Publishes one Warning event (`reason`, `action`, `note`) about each of `objects`, each
+    /// through the token bucket; whether all went out (failures are logged under `key`).
+    async fn publish_all(
+        &self,
+        objects: &[k8s_openapi::api::core::v1::ObjectReference],
+        reason: &str,
+        action: &str,
+        note: &str,
+        key: &str,
+    ) -> bool {
+        let mut published = true;
+        for object in objects {
+            self.bucket.take().await;
+            let event = Event {
+                type_: EventType::Warning,
+                reason: reason.into(),
+                note: Some(note.to_owned()),
+                action: action.into(),
+                secondary: None,
+            };
+            match Recorder::new(self.client.clone(), self.settings.reporter.clone())
+                .publish(&event, object)
+                .await
+            {
+                Ok(()) => {
+                    self.status.published.inc();
+                }
+                Err(e) => {
+                    published = false;
+                    self.status.errors.inc();
+                    tracing::warn!(key, error = %e, reason, "publishing an event failed; retrying");
+                }
+            }
+        }
+        published
     }
 
     fn should_publish(&self, uid: &str, note: &str) -> bool {

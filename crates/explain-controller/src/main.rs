@@ -31,6 +31,10 @@ struct Args {
     /// Serve /metrics, /healthz and /readyz on this address (e.g. 0.0.0.0:9478); off if unset.
     #[arg(long)]
     http_address: Option<std::net::SocketAddr>,
+    /// Relay this DRA driver's `GPUIdle` device-status conditions to the claims' pods as
+    /// Warning events (repeatable; none: no relay).
+    #[arg(long)]
+    idle_driver: Vec<String>,
 }
 
 #[tokio::main]
@@ -58,6 +62,7 @@ async fn main() -> anyhow::Result<()> {
         republish_after: args.republish_after,
         events_per_second: args.events_per_second,
         burst: args.event_burst,
+        idle_drivers: args.idle_driver,
         reporter: Reporter {
             controller: "drust-explain-controller".into(),
             instance: args.instance,

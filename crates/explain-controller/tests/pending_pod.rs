@@ -220,3 +220,120 @@ spec:
     cp.stop().await?;
     result
 }
+
+/// Issue 41, defect 8: the kubelet plugin no longer writes events about pods (nothing can tie
+/// such an event to the pod's node); it marks an idle claim with a `GPUIdle` condition on the
+/// claim's device status, which the API server lets only the plugin of the claim's node write.
+/// The controller, run as the chart runs it (`--idle-driver=gpu.drust.dev`), relays the mark to
+/// the pod the claim is reserved for as a Warning event, once per message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_idle_mark_on_a_claim_reaches_its_pod() -> anyhow::Result<()> {
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
+    let result = async {
+        cp.register_node("gpu-node-0", &[]).await?;
+        let client = cp.client().await?;
+        apply_file(&client, &repo_path("deploy/deviceclasses/gpu.yaml")).await?;
+        support::create_slices(&client, "gpu-node-0").await?;
+        let controller = support::start(&cp, &["explainController.resync=1s"]).await?;
+        ready(&controller).await?;
+        let manifest = std::env::temp_dir().join(format!("idle-{}.yaml", std::process::id()));
+        std::fs::write(
+            &manifest,
+            "apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: notebook, namespace: default}
+spec:
+  devices:
+    requests:
+      - name: gpu
+        exactly: {deviceClassName: gpu.drust.dev}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: jupyter-0, namespace: default}
+spec:
+  containers: [{name: c, image: busybox, resources: {claims: [{name: gpu}]}}]
+  resourceClaims: [{name: gpu, resourceClaimName: notebook}]
+",
+        )?;
+        apply_file(&client, &manifest).await?;
+        let _ = std::fs::remove_file(&manifest);
+        let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+        let allocated = drust_e2e::wait::until(
+            "the claim allocated and reserved for its pod",
+            Duration::from_secs(60),
+            || async {
+                let c = claims.get("notebook").await.map_err(|e| e.to_string())?;
+                let reserved = c
+                    .status
+                    .as_ref()
+                    .is_some_and(|s| s.reserved_for.as_ref().is_some_and(|r| !r.is_empty()));
+                Ok(reserved.then_some(c))
+            },
+        )
+        .await?;
+        let result = allocated
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+            .and_then(|r| r.first())
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("no allocation result"))?;
+        // What the plugin of gpu-node-0 writes (here as the cluster's admin).
+        let note = "GPU idle for 31m (no sample at or above 5% SM or 5% memory activity): \
+                    ResourceClaim default/notebook holds a GPU.";
+        let status = serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": "notebook", "namespace": "default"},
+            "status": {"devices": [{
+                "driver": result.driver, "pool": result.pool, "device": result.device,
+                "conditions": [{"type": "GPUIdle", "status": "True", "reason": "NoActivity",
+                    "message": note, "lastTransitionTime": "2026-11-27T12:00:00Z"}]}]}
+        });
+        claims
+            .patch_status(
+                "notebook",
+                &kube::api::PatchParams::apply("gpu.drust.dev/kubelet-plugin").force(),
+                &kube::api::Patch::Apply(&status),
+            )
+            .await?;
+        let events = drust_e2e::wait::until(
+            "the GPUIdle event on the pod",
+            Duration::from_secs(60),
+            || async {
+                let events = events_on(&client, "jupyter-0")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let idle: Vec<Event> = events
+                    .into_iter()
+                    .filter(|e| e.reason.as_deref() == Some("GPUIdle"))
+                    .collect();
+                Ok((!idle.is_empty()).then_some(idle))
+            },
+        )
+        .await?;
+        ensure!(
+            events[0].type_.as_deref() == Some("Warning")
+                && events[0].note.as_deref() == Some(note),
+            "{events:?}"
+        );
+        // Checked again every second: relayed once.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let again = events_on(&client, "jupyter-0").await?;
+        ensure!(
+            again
+                .iter()
+                .filter(|e| e.reason.as_deref() == Some("GPUIdle"))
+                .count()
+                == 1,
+            "{again:?}"
+        );
+        Ok(())
+    }
+    .await;
+    cp.stop().await?;
+    result
+}

@@ -145,7 +145,10 @@ impl Probes {
                 );
                 r
             }
-            "/usage" => match serde_json::to_string(&*self.metrics.usage_report()) {
+            "/usage" => match serde_json::to_string(&usage_for(
+                &self.metrics.usage_report(),
+                req.uri().query(),
+            )) {
                 Ok(json) => {
                     let mut r = text(StatusCode::OK, json);
                     r.headers_mut().insert(
@@ -160,6 +163,19 @@ impl Probes {
             "/readyz" => probe(self.ready()),
             _ => text(StatusCode::NOT_FOUND, "not found\n".into()),
         }
+    }
+}
+
+/// The usage report `/usage?<query>` answers: the whole report, or with `namespace=<ns>` only
+/// that namespace's ([`crate::usage::Report::only_namespace`]).
+fn usage_for(report: &crate::usage::Report, query: Option<&str>) -> crate::usage::Report {
+    let namespace = query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .find_map(|pair| pair.strip_prefix("namespace="));
+    match namespace {
+        Some(ns) => report.only_namespace(ns),
+        None => report.clone(),
     }
 }
 

@@ -103,8 +103,9 @@ struct Args {
     /// The host's `/proc`, where each GPU process's cgroup names its pod (default: `--proc-root`).
     #[arg(long)]
     usage_proc_root: Option<PathBuf>,
-    /// Tell the pods of idle claims with a `GPUIdle` Warning event (once per idle spell, again
-    /// every idle window while it lasts).
+    /// Mark idle claims with a `GPUIdle` condition on their device status (once per idle
+    /// spell, again every idle window while it lasts), which the explain controller relays to
+    /// their pods as a Warning event.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     idle_events: bool,
     /// The kubelet's PodResources socket, asked which container holds each device (the

@@ -177,26 +177,32 @@ pub async fn allocated_device(
         .and_then(|r| r.first().map(|r| r.device.clone())))
 }
 
-/// The events.k8s.io Events in `namespace` with `reason` about the object named `name`.
+/// The message of the `GPUIdle` condition (status `True`) on any of claim `namespace/name`'s
+/// device-status entries of `driver` (the kubelet plugin's idle mark), if any.
 ///
 /// # Errors
-/// The API error, when the events cannot be listed.
-pub async fn events_about(
+/// The API error, when the claim cannot be read.
+pub async fn idle_mark(
     client: &kube::Client,
     namespace: &str,
-    reason: &str,
     name: &str,
-) -> Result<Vec<k8s_openapi::api::events::v1::Event>, kube::Error> {
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(client.clone(), namespace);
-    Ok(events
-        .list(&kube::api::ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| {
-            e.reason.as_deref() == Some(reason)
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-        })
-        .collect())
+    driver: &str,
+) -> Result<Option<String>, kube::Error> {
+    let claim = Api::<ResourceClaim>::namespaced(client.clone(), namespace)
+        .get(name)
+        .await?;
+    Ok(idle_message(&claim, driver))
+}
+
+fn idle_message(claim: &ResourceClaim, driver: &str) -> Option<String> {
+    claim
+        .status
+        .as_ref()?
+        .devices
+        .iter()
+        .flatten()
+        .filter(|d| d.driver == driver)
+        .flat_map(|d| d.conditions.iter().flatten())
+        .find(|c| c.type_ == "GPUIdle" && c.status == "True")
+        .map(|c| c.message.clone())
 }

@@ -7,14 +7,15 @@
 //! cgroups (a fake `/proc`) name their pods the way the kubelet's cgroup driver does. Then, from
 //! the outside: `/metrics` carries DCGM exporter's series with the right pod and claim labels,
 //! the idle claim is flagged and the busy one is not, `/usage` says the same as JSON, and the
-//! idle pod (only it) gets a `GPUIdle` Warning event naming its claim, device and memory; when
-//! the idle pod starts computing, its claim is busy again.
+//! idle claim (only it) gets a `GPUIdle` condition on its device status naming its claim,
+//! device and memory (the explain controller relays it to the pod: its own tests); when the
+//! idle pod starts computing, its claim is busy again and the mark goes.
 
 use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use drust_e2e::claims::{allocated_claim, events_about, pod_using};
+use drust_e2e::claims::{allocated_claim, idle_mark, pod_using};
 use drust_e2e::http::{get, sample};
 use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::repo_path;
@@ -187,27 +188,22 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
     );
     anyhow::ensure!(by_name("train").context("train")?["idle"] == false);
 
-    // The idle pod is told, through an Event the user sees in `kubectl describe pod`; the busy
-    // pod never is.
-    let told = until("a GPUIdle event on jupyter-0", TIMEOUT, || async {
-        let found = events_about(&client, "default", "GPUIdle", "jupyter-0")
+    // The idle claim is marked on its device status (`kubectl describe resourceclaim`; the
+    // explain controller relays it to the pod); the busy claim never is.
+    let note = until("a GPUIdle mark on the notebook claim", TIMEOUT, || async {
+        idle_mark(&client, "default", "notebook", DRIVER)
             .await
-            .map_err(|e| e.to_string())?;
-        Ok(found.into_iter().next())
+            .map_err(|e| e.to_string())
     })
     .await?;
-    let note = told.note.clone().unwrap_or_default();
     anyhow::ensure!(
-        told.type_.as_deref() == Some("Warning")
-            && note.contains("ResourceClaim default/notebook holds")
+        note.contains("ResourceClaim default/notebook holds")
             && note.contains(&gpu1)
             && note.contains("20480 MiB"),
-        "{told:?}"
+        "{note}"
     );
-    let on_busy = events_about(&client, "default", "GPUIdle", "trainer-0")
-        .await?
-        .len();
-    anyhow::ensure!(on_busy == 0, "the busy pod got {on_busy} GPUIdle events");
+    let on_busy = idle_mark(&client, "default", "train", DRIVER).await?;
+    anyhow::ensure!(on_busy.is_none(), "the busy claim was marked: {on_busy:?}");
 
     // The notebook starts computing: busy again, no longer idle.
     usage(&state, 1, 60, 4002, 20_480)?;
@@ -217,6 +213,13 @@ async fn the_idle_claim_is_flagged_with_its_pod_and_the_busy_one_is_not() -> any
             .lines()
             .any(|l| l.starts_with(idle) && l.ends_with(" 0"))
             .then_some(()))
+    })
+    .await?;
+    until("the notebook's mark gone", TIMEOUT, || async {
+        let mark = idle_mark(&client, "default", "notebook", DRIVER)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(mark.is_none().then_some(()))
     })
     .await?;
     anyhow::ensure!(sample(&metrics, "drust_usage_gpus_failing") == Some(0.0));

@@ -15,7 +15,7 @@ use drust_e2e::manifests::{apply_file, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
-use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster, PodRef};
+use gpu_kubelet_plugin::claims::{Cluster as _, KubeCluster};
 use gpu_kubelet_plugin::mps::{DaemonPods, DaemonSetOwner, MpsControl, Protocol};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod, Secret};
@@ -164,7 +164,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
     }
     // Usage sampling reads the host's /proc and the kubelet's PodResources socket, read-only;
-    // the GPUIdle events need the events rule.
+    // the GPUIdle marks need the claim status rules, and no events rule.
     for mount in [
         json!({"name": "host-proc", "mountPath": "/host/proc", "readOnly": true}),
         json!({"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources",
@@ -177,19 +177,53 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
             "no read-only {mount}"
         );
     }
-    let events_rule = |docs: &[Value]| -> anyhow::Result<bool> {
+    let rules = |docs: &[Value]| -> anyhow::Result<Vec<Value>> {
         Ok(find(docs, "ClusterRole", "drust-kubelet-plugin")?["rules"]
             .as_array()
-            .is_some_and(|r| r.iter().any(|r| r["apiGroups"] == json!(["events.k8s.io"]))))
+            .cloned()
+            .unwrap_or_default())
     };
-    ensure!(events_rule(&docs)?, "no events rule with usage events on");
+    let mark_rule = json!({"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"],
+        "resourceNames": ["gpu.drust.dev"], "verbs": ["associated-node:patch"]});
+    let on_rules = rules(&docs)?;
+    ensure!(
+        on_rules.contains(&mark_rule)
+            && !on_rules
+                .iter()
+                .any(|r| r["apiGroups"] == json!(["events.k8s.io"])),
+        "the idle marks' rules: {on_rules:?}"
+    );
     let off = documents(&template(RELEASE, NAMESPACE, &["usage.intervalSeconds=0"]).await?)?;
     ensure!(
-        !events_rule(&off)?
+        !rules(&off)?.contains(&mark_rule)
             && args(&off)?.contains(&"--usage-interval-seconds=0".to_owned())
             && !serde_json::to_string(&off)?.contains("host-proc")
             && !serde_json::to_string(&off)?.contains("pod-resources"),
-        "usage off still renders its flags, mount or events rule"
+        "usage off still renders its flags, mount or status rules"
+    );
+    // The optional NetworkPolicy (issue 41, defect 9): off by default; on, the plugins' HTTP
+    // port answers only the peers given, and no other ingress reaches the plugin pods.
+    ensure!(
+        find(&docs, "NetworkPolicy", "drust-kubelet-plugin").is_err(),
+        "a NetworkPolicy by default"
+    );
+    let fenced = documents(
+        &template(
+            RELEASE,
+            NAMESPACE,
+            &["http.networkPolicy.enabled=true,http.networkPolicy.from[0].namespaceSelector.matchLabels.team=monitoring"],
+        )
+        .await?,
+    )?;
+    let policy = find(&fenced, "NetworkPolicy", "drust-kubelet-plugin")?;
+    ensure!(
+        policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+            == "kubelet-plugin"
+            && policy["spec"]["policyTypes"] == json!(["Ingress"])
+            && policy["spec"]["ingress"]
+                == json!([{"from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}],
+                    "ports": [{"protocol": "TCP", "port": 9477}]}]),
+        "{policy}"
     );
     // The dashboard and the alert, when asked for: every query and rule parses and validates as
     // Prometheus itself reads it, and selects only metrics the plugin serves.
@@ -1071,10 +1105,12 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         )?;
     }
     // The plugin's own Warning event about its Node (what it reports after rebuilding a damaged
-    // checkpoint), through its real code path.
+    // checkpoint), through its real code path (awaited here; the controller's warnings write it
+    // in the background).
     KubeCluster::new(plugin_client.clone(), DRIVER, "gpu-node-a")
-        .warn(
+        .warning(
             "CheckpointRecovered",
+            "Recover",
             "helm_chart e2e: RBAC allows this event",
         )
         .await;
@@ -1115,57 +1151,128 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             .await,
         &["drust-events-own-node", "about its own Node"],
     )?;
-    // A GPUIdle event about a pod, in the pod's namespace, through the plugin's real code path
-    // (the usage sampler's); the events it may not write beside it.
-    let pod = PodRef {
-        namespace: NAMESPACE.into(),
-        name: "jupyter-0".into(),
-        uid: "0b3c2d1e-8f7a-4b6c-9d5e-1a2b3c4d5e6f".into(),
+    // Issue 41, defect 8: idle claims are marked through the claim, never with an event about a
+    // pod. The plugin's real code path (the usage sampler's) marks the claim allocated on its
+    // node; the API server refuses the same on a claim allocated on another node, and the
+    // plugin may write no event about a pod at all.
+    let idle = |message: &str| -> anyhow::Result<Vec<k8s_openapi::api::resource::v1::AllocatedDeviceStatus>> {
+        let result = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+            .and_then(|r| r.first())
+            .context("the claim's allocation")?;
+        Ok(vec![serde_json::from_value(json!({
+            "driver": DRIVER, "pool": result.pool, "device": result.device,
+            "conditions": [{"type": "GPUIdle", "status": "True", "reason": "NoActivity",
+                "message": message, "lastTransitionTime": "2026-11-27T12:00:00Z"}],
+        }))?])
     };
+    let claim_name = claim.metadata.name.clone().unwrap_or_default();
     KubeCluster::new(plugin_client.clone(), DRIVER, "gpu-node-a")
-        .warn_pod(&pod, "GPUIdle", "SampleUsage", "helm_chart e2e: GPU idle")
-        .await;
-    let recorded = Api::<Event>::namespaced(admin.clone(), NAMESPACE)
-        .list(&ListParams::default())
-        .await?
-        .items;
+        .set_device_status("default", &claim_name, idle("helm_chart e2e: GPU idle")?)
+        .await
+        .context("the plugin marks a claim allocated on its own node")?;
+    let marked = Api::<ResourceClaim>::namespaced(admin.clone(), "default")
+        .get(&claim_name)
+        .await?;
     ensure!(
-        recorded
-            .iter()
-            .any(|e| e.reason.as_deref() == Some("GPUIdle")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("jupyter-0")),
-        "the plugin's GPUIdle event was not recorded: {recorded:?}"
+        serde_json::to_string(&marked.status)?.contains("helm_chart e2e: GPU idle"),
+        "the mark was not stored: {:?}",
+        marked.status
     );
-    let pod_event = |reason: &str, instance: &str| -> anyhow::Result<Event> {
-        Ok(serde_json::from_value(json!({
-            "metadata": {"generateName": "jupyter-0-", "namespace": NAMESPACE},
-            "eventTime": "2026-01-01T00:00:00.000000Z",
-            "type": "Warning", "reason": reason, "action": "SampleUsage",
-            "reportingController": "gpu.drust.dev/kubelet-plugin",
-            "reportingInstance": instance,
-            "regarding": {"apiVersion": "v1", "kind": "Pod", "name": "jupyter-0",
-                          "namespace": NAMESPACE},
-        }))?)
-    };
+    // The same claim, allocated elsewhere: the admin moves it to gpu-node-b (a test-only
+    // allocation of the slice the admin wrote above).
+    let elsewhere: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "on-node-b", "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu",
+            "exactly": {"deviceClassName": "gpu.drust.dev"}}]}},
+    }))?;
+    let admin_claims = Api::<ResourceClaim>::namespaced(admin.clone(), "default");
+    admin_claims
+        .create(&PostParams::default(), &elsewhere)
+        .await?;
+    admin_claims
+        .patch_status(
+            "on-node-b",
+            &PatchParams::apply("helm-chart-e2e").force(),
+            &Patch::Apply(json!({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": "on-node-b", "namespace": "default"},
+                "status": {"allocation": {
+                    "devices": {"results": [{"request": "gpu", "driver": DRIVER,
+                        "pool": "gpu-node-b", "device": "gpu-1"}]},
+                    "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [{
+                        "key": "metadata.name", "operator": "In",
+                        "values": ["gpu-node-b"]}]}]}}},
+            })),
+        )
+        .await?;
+    let b_status: Vec<k8s_openapi::api::resource::v1::AllocatedDeviceStatus> =
+        vec![serde_json::from_value(json!({
+            "driver": DRIVER, "pool": "gpu-node-b", "device": "gpu-1",
+            "conditions": [{"type": "GPUIdle", "status": "True", "reason": "NoActivity",
+                "message": "forged", "lastTransitionTime": "2026-11-27T12:00:00Z"}],
+        }))?];
+    match KubeCluster::new(plugin_client.clone(), DRIVER, "gpu-node-a")
+        .set_device_status("default", "on-node-b", b_status)
+        .await
+    {
+        Err(kube::Error::Api(e)) if e.message.contains("resourceclaims/driver") => {
+            eprintln!(
+                "denied as expected: mark a claim allocated on gpu-node-b: {}",
+                e.message
+            );
+        }
+        other => bail!("marking a claim on another node was not refused: {other:?}"),
+    }
+    // Nor may the plugin change a claim's allocation or reservations through its status.
+    let moved = json!({"status": {"reservedFor": []}});
+    match Api::<ResourceClaim>::namespaced(plugin_client.clone(), "default")
+        .patch_status(&claim_name, &PatchParams::default(), &Patch::Merge(&moved))
+        .await
+    {
+        Err(kube::Error::Api(e))
+            if e.code == 403 || e.message.contains("resourceclaims/binding") =>
+        {
+            eprintln!(
+                "denied as expected: change a claim's reservations: {}",
+                e.message
+            );
+        }
+        other => bail!("changing a claim's reservations was not refused: {other:?}"),
+    }
+    let pod_event = json!({
+        "metadata": {"generateName": "jupyter-0-", "namespace": NAMESPACE},
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "type": "Warning", "reason": "GPUIdle", "action": "SampleUsage",
+        "reportingController": "gpu.drust.dev/kubelet-plugin",
+        "reportingInstance": "gpu.drust.dev/kubelet-plugin-gpu-node-a",
+        "regarding": {"apiVersion": "v1", "kind": "Pod", "name": "jupyter-0",
+                      "namespace": NAMESPACE},
+    });
     denied(
-        "create a GPUIdle event as another node's plugin",
+        "create a GPUIdle event about a pod in its namespace",
         Api::<Event>::namespaced(plugin_client.clone(), NAMESPACE)
             .create(
                 &PostParams::default(),
-                &pod_event("GPUIdle", "gpu.drust.dev/kubelet-plugin-gpu-node-b")?,
+                &serde_json::from_value(pod_event.clone())?,
             )
             .await,
-        &["drust-events-own-node", "reports events as"],
+        &[&user, r#"cannot create resource "events""#],
     )?;
+    let mut in_default = pod_event;
+    in_default["metadata"]["namespace"] = json!("default");
+    in_default["regarding"]["namespace"] = json!("default");
     denied(
-        "create an event about a Pod with another reason",
-        Api::<Event>::namespaced(plugin_client.clone(), NAMESPACE)
-            .create(
-                &PostParams::default(),
-                &pod_event("Evicted", "gpu.drust.dev/kubelet-plugin-gpu-node-a")?,
-            )
+        "create a GPUIdle event about a pod in default",
+        Api::<Event>::namespaced(plugin_client.clone(), "default")
+            .create(&PostParams::default(), &serde_json::from_value(in_default)?)
             .await,
-        &["drust-events-own-node", "GPUIdle events about a Pod"],
+        &["drust-events-own-node", "about its own Node"],
     )?;
 
     // 7. A token of the same ServiceAccount that is bound to no pod (so to no node) may not

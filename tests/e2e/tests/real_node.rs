@@ -21,7 +21,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use drust_e2e::claims::{allocated_device, events_about};
+use drust_e2e::claims::allocated_device;
 use drust_e2e::host::{BinaryHost, PluginProcess, expect_killed, stop};
 use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
@@ -975,6 +975,8 @@ async fn fractional_gpu_shares_run_with_their_own_limits_on_the_real_node() -> a
             "echo secret > /dev/shm/{name}-segment; \
              {{ env | grep -E '^(CUDA_MPS|DRUST)_' | sort | sed 's/^/env /'; }} > \
              /dev/termination-log; ls /dev/shm | sed 's/^/shm /' >> /dev/termination-log; \
+             grep -o '/run/drust/shares/[^ ]*' /proc/self/mountinfo | sed 's/^/mark /' \
+             >> /dev/termination-log; \
              [ -e /usr/bin/nvidia-cuda-mps-control ] && echo 'env \
              MPS_TOOL=mounted' >> /dev/termination-log; (echo fake_client_attach | \
              {client_env} /usr/local/bin/fake-cuda-client) \
@@ -1049,6 +1051,21 @@ spec:
     ensure!(
         !std::path::Path::new("/dev/shm/quarter-segment").exists(),
         "a share's segment landed in the host's /dev/shm"
+    );
+    // Its own share's mark alone (never the running quarter's), which the usage sampler reads
+    // from the container's mount table.
+    let quarter_uid = claim_uid_of(
+        &pods.get("quarter").await?,
+        &Api::<ResourceClaim>::namespaced(real.client.clone(), "default"),
+    )
+    .await?;
+    let marks: Vec<&str> = message
+        .lines()
+        .filter_map(|l| l.strip_prefix("mark /run/drust/shares/"))
+        .collect();
+    ensure!(
+        marks.len() == 1 && marks[0].len() == 36 && marks[0] != quarter_uid,
+        "the plain share's container has the marks {marks:?} (the quarter's claim: {quarter_uid})"
     );
     let (_, env) = seen(&message);
     ensure!(
@@ -1584,7 +1601,7 @@ async fn an_xid_shows_in_the_running_pods_allocated_resources_status_and_recover
 /// Issue 32 on the real node: two pods on two GPUs, real containers whose processes the
 /// kubelet placed in its cgroups. The fake backend says the first pod's process computes on its
 /// GPU and the second's only holds memory on its own; the plugin reads the real processes'
-/// cgroups. After the (shortened) window only the idle pod gets `GPUIdle`; `/metrics` labels
+/// cgroups. After the (shortened) window only the idle pod's claim gets `GPUIdle`; `/metrics` labels
 /// each GPU with its pod, claim and the container ID containerd reports in the pod's status.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_idle_pod_is_told_and_metrics_name_each_pods_real_container() -> anyhow::Result<()>
@@ -1813,25 +1830,18 @@ async fn usage_on_the_real_node(real: &RealNode, http: u16) -> anyhow::Result<()
         );
     }
 
-    // Only the idle pod is told.
-    let told = drust_e2e::wait::until("a GPUIdle event on idle-0", TIMEOUT, || async {
-        let found = events_about(&real.client, "default", "GPUIdle", "idle-0")
+    // Only the idle pod's claim is marked (on its device status, which the explain controller
+    // relays to the pod).
+    let told = drust_e2e::wait::until("a GPUIdle mark on the idle claim", TIMEOUT, || async {
+        drust_e2e::claims::idle_mark(&real.client, "default", idle_claim, DRIVER)
             .await
-            .map_err(|e| e.to_string())?;
-        Ok(found.into_iter().next())
+            .map_err(|e| e.to_string())
     })
     .await?;
-    ensure!(
-        told.note
-            .as_deref()
-            .unwrap_or_default()
-            .contains(idle_claim.as_str()),
-        "{told:?}"
-    );
-    let on_busy = events_about(&real.client, "default", "GPUIdle", "busy-0")
-        .await?
-        .len();
-    ensure!(on_busy == 0, "the busy pod got {on_busy} GPUIdle events");
+    ensure!(told.contains(idle_claim.as_str()), "{told}");
+    let busy_claim = &seen[0].3;
+    let on_busy = drust_e2e::claims::idle_mark(&real.client, "default", busy_claim, DRIVER).await?;
+    ensure!(on_busy.is_none(), "the busy claim was marked: {on_busy:?}");
     for (name, ..) in &seen {
         pods.delete(name, &DeleteParams::default()).await?;
     }

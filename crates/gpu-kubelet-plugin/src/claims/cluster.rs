@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{AllocatedDeviceStatus, ResourceClaim};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Api;
-use kube::api::PostParams;
+use kube::api::{Patch, PatchParams, PostParams};
 use tracing::warn;
 
 /// The cluster, as the claim controller sees it.
@@ -30,29 +30,20 @@ pub trait Cluster: Send + Sync + 'static {
     /// Reports a Warning event about this node (best effort: failures are logged).
     fn warn(&self, reason: &str, message: &str) -> impl Future<Output = ()> + Send;
 
-    /// Reports a Warning event about `pod` (best effort: failures are logged). The default
-    /// reports nothing.
-    fn warn_pod(
+    /// Makes `devices` this driver's entries of claim `namespace/name`'s `status.devices`
+    /// (KEP-4817), replacing the ones it wrote before; none removes them. The API server lets
+    /// a plugin's token write them only for claims allocated on its own node
+    /// (`DRAResourceClaimGranularStatusAuthorization`, beta in 1.36: `associated-node:patch` on
+    /// `resourceclaims/driver`). The default writes nothing.
+    fn set_device_status(
         &self,
-        pod: &PodRef,
-        reason: &str,
-        action: &str,
-        message: &str,
-    ) -> impl Future<Output = ()> + Send {
-        let _ = (pod, reason, action, message);
-        async {}
+        namespace: &str,
+        name: &str,
+        devices: Vec<AllocatedDeviceStatus>,
+    ) -> impl Future<Output = Result<(), kube::Error>> + Send {
+        let _ = (namespace, name, devices);
+        async { Ok(()) }
     }
-}
-
-/// A pod an event is about.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct PodRef {
-    /// Its namespace.
-    pub namespace: String,
-    /// Its name.
-    pub name: String,
-    /// Its UID.
-    pub uid: String,
 }
 
 /// Default deadline of one API server call: half the default claim deadline
@@ -128,36 +119,33 @@ impl Cluster for KubeCluster {
         tokio::spawn(async move { this.warning(&reason, "Recover", &message).await });
     }
 
-    /// In the background: the caller goes on at once.
-    async fn warn_pod(&self, pod: &PodRef, reason: &str, action: &str, message: &str) {
-        let (this, pod) = (self.clone(), pod.clone());
-        let (reason, action, message) = (reason.to_owned(), action.to_owned(), message.to_owned());
-        tokio::spawn(async move { this.pod_warning(&pod, &reason, &action, &message).await });
+    /// A server-side apply of the claim's status, field manager `<driver>/kubelet-plugin`:
+    /// the entries it names become this manager's, those it wrote before and leaves out go.
+    async fn set_device_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        devices: Vec<AllocatedDeviceStatus>,
+    ) -> Result<(), kube::Error> {
+        let api = Api::<ResourceClaim>::namespaced(self.client.clone(), namespace);
+        let body = serde_json::json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace},
+            "status": {"devices": devices},
+        });
+        let params = PatchParams::apply(&self.controller).force();
+        let patch = Patch::Apply(&body);
+        self.bounded(
+            &format!("the status of ResourceClaim {namespace}/{name}"),
+            api.patch_status(name, &params, &patch),
+        )
+        .await
+        .map(drop)
     }
 }
 
 impl KubeCluster {
-    /// A Warning event about `pod`; best effort, within the deadline, failures are logged.
-    pub async fn pod_warning(&self, pod: &PodRef, reason: &str, action: &str, message: &str) {
-        let regarding = ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            namespace: Some(pod.namespace.clone()),
-            name: Some(pod.name.clone()),
-            uid: Some(pod.uid.clone()),
-            ..Default::default()
-        };
-        self.event(
-            &pod.namespace,
-            &pod.name,
-            regarding,
-            reason,
-            action,
-            message,
-        )
-        .await;
-    }
-
     /// A Warning event about this node with `reason`, `action` (what the plugin was doing, e.g.
     /// `Recover`, `Publish`) and `message` (cut to the API's 1 KiB); best effort, failures
     /// are logged. Within the deadline.

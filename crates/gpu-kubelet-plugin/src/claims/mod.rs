@@ -35,7 +35,7 @@ use std::time::Duration;
 use dra_kubelet::{ClaimRef, Driver, PrepareResult, UnprepareResult};
 use tokio::sync::Mutex;
 
-pub use cluster::{Cluster, DEFAULT_API_TIMEOUT, KubeCluster, PodRef};
+pub use cluster::{Cluster, DEFAULT_API_TIMEOUT, KubeCluster};
 pub use error::ClaimError;
 pub use plan::{DEVICE_ENV_PREFIX, device_env};
 pub use recovery::RecoveryReport;

@@ -1,90 +1,173 @@
-//! `GPUIdle` Warning events on the pods of idle claims: which device, for how long, and what
-//! it holds, so `kubectl describe pod` tells the user.
+//! `GPUIdle` on idle claims, written through the claim: a condition on each of the claim's
+//! entries in its `status.devices` (KEP-4817), which `kubectl describe resourceclaim` shows and
+//! the explain controller relays to the claim's pods as a Warning event (`kubectl describe
+//! pod`). Which device, for how long, and what it holds: a share's own figures, never its GPU's
+//! (those would tell a tenant what its co-tenants use).
 //!
-//! Deduplicated and rate-limited as the explain controller's events are: a pod is told once
-//! when its claim becomes idle and again every [`IdleEvents::repeat`] while it stays idle; a
-//! claim that is busy again is forgotten, so its next idle spell is told anew; at most
-//! [`IdleEvents::per_round`] events go out per sample, the rest the next. A busy claim's pods
-//! never get one.
+//! Why through the claim and not as an event about the pod: the API server lets a plugin's
+//! token write a claim's device status only for claims allocated on the token's node
+//! (`DRAResourceClaimGranularStatusAuthorization`, beta and on in 1.36: `associated-node:patch`
+//! on `resourceclaims/driver`, `pkg/registry/resource/utils.go`), while nothing can tie an
+//! event about a Pod to the Pod's node: a ValidatingAdmissionPolicy cannot read the Pod, so a
+//! token allowed to write such events could write them about any pod in any namespace.
+//!
+//! Deduplicated and rate-limited: a claim is marked when it becomes idle and again every
+//! [`IdleMarks::repeat`] while it stays idle (its idle time brought up to date, the condition's
+//! `lastTransitionTime` kept); a claim that is busy again is unmarked (its entries removed) and
+//! its next idle spell is marked anew; at most [`IdleMarks::per_round`] writes go out per
+//! sample, the rest the next. A busy claim is never marked.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::resource::v1::AllocatedDeviceStatus;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
 use super::report::{ClaimReport, Report};
-use crate::claims::PodRef;
+use crate::checkpoint::ClaimRecord;
 
-/// The event's reason.
+/// The condition's type, and the reason of the event the explain controller relays.
 pub const REASON: &str = "GPUIdle";
-/// The event's action.
-pub const ACTION: &str = "SampleUsage";
+/// The condition's reason.
+pub const CONDITION_REASON: &str = "NoActivity";
 
-/// One event to send.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PodEvent {
-    /// The pod it is about.
-    pub pod: PodRef,
-    /// Its note (at most 1 KiB).
-    pub note: String,
+/// One write of a claim's device status: its entries, or none to remove them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusWrite {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// The claim's UID.
+    pub uid: String,
+    /// This driver's entries: one per device, each with the `GPUIdle` condition; empty to
+    /// remove them.
+    pub devices: Vec<AllocatedDeviceStatus>,
 }
 
-/// Which pods were told, and when.
+/// Which claims are marked, since when and when last written.
 #[derive(Debug)]
-pub struct IdleEvents {
-    /// Tell a pod of a claim still idle again after this long.
+pub struct IdleMarks {
+    /// The driver whose entries these are.
+    pub driver: String,
+    /// Mark a claim still idle again after this long.
     pub repeat: Duration,
-    /// At most this many events per sample.
+    /// At most this many writes per sample.
     pub per_round: usize,
-    /// When each (claim UID, pod UID) was last told.
-    told: BTreeMap<(String, String), Instant>,
+    /// By claim UID: when it was last written, its idle spell's start (the condition's
+    /// `lastTransitionTime`), its namespace and name.
+    marked: BTreeMap<String, Mark>,
 }
 
-impl IdleEvents {
-    /// Telling again after `repeat`, at most `per_round` events per sample.
-    pub fn new(repeat: Duration, per_round: usize) -> Self {
+#[derive(Debug, Clone)]
+struct Mark {
+    written: Instant,
+    since: Time,
+    namespace: String,
+    name: String,
+}
+
+impl IdleMarks {
+    /// `driver`'s marks, written again after `repeat`, at most `per_round` writes per sample.
+    pub fn new(driver: &str, repeat: Duration, per_round: usize) -> Self {
         Self {
+            driver: driver.to_owned(),
             repeat,
             per_round,
-            told: BTreeMap::new(),
+            marked: BTreeMap::new(),
         }
     }
 
-    /// The events `report` calls for at `now`, marking them told.
-    pub fn due(&mut self, report: &Report, now: Instant) -> Vec<PodEvent> {
-        let idle: BTreeSet<&str> = report
-            .claims
-            .iter()
-            .filter(|c| c.idle)
-            .map(|c| c.uid.as_str())
-            .collect();
-        // Busy again (or unprepared): its next idle spell is told anew.
-        self.told
-            .retain(|(claim, _), _| idle.contains(claim.as_str()));
+    /// The writes `report` calls for at `now` (`wall`: the same moment on the wall clock, for
+    /// conditions), the devices of each claim read from its `records`; marks them written.
+    /// Unprepared claims are forgotten (their allocation, and entries, go with them).
+    pub fn due(
+        &mut self,
+        report: &Report,
+        records: &[(String, ClaimRecord)],
+        now: Instant,
+        wall: Time,
+    ) -> Vec<StatusWrite> {
+        let prepared: BTreeMap<&str, &ClaimReport> =
+            report.claims.iter().map(|c| (c.uid.as_str(), c)).collect();
+        self.marked
+            .retain(|uid, _| prepared.contains_key(uid.as_str()));
         let mut due = Vec::new();
-        for c in report.claims.iter().filter(|c| c.idle) {
-            for p in &c.pods {
-                if due.len() >= self.per_round {
-                    return due;
-                }
-                let key = (c.uid.clone(), p.uid.clone());
-                if self
-                    .told
-                    .get(&key)
-                    .is_some_and(|at| now.saturating_duration_since(*at) < self.repeat)
-                {
-                    continue;
-                }
-                self.told.insert(key, now);
-                due.push(PodEvent {
-                    pod: PodRef {
-                        namespace: c.namespace.clone(),
-                        name: p.name.clone(),
-                        uid: p.uid.clone(),
-                    },
-                    note: note(c, report),
+        // Busy again: unmarked, so that its next idle spell is marked anew.
+        let busy_again: Vec<String> = self
+            .marked
+            .keys()
+            .filter(|uid| prepared.get(uid.as_str()).is_some_and(|c| !c.idle))
+            .cloned()
+            .collect();
+        for uid in busy_again {
+            if due.len() >= self.per_round {
+                return due;
+            }
+            if let Some(m) = self.marked.remove(&uid) {
+                due.push(StatusWrite {
+                    namespace: m.namespace,
+                    name: m.name,
+                    uid,
+                    devices: Vec::new(),
                 });
             }
         }
+        for c in report.claims.iter().filter(|c| c.idle) {
+            if due.len() >= self.per_round {
+                return due;
+            }
+            let since = match self.marked.get(&c.uid) {
+                Some(m) if now.saturating_duration_since(m.written) < self.repeat => continue,
+                Some(m) => m.since.clone(),
+                None => wall.clone(),
+            };
+            let Some((_, record)) = records.iter().find(|(uid, _)| *uid == c.uid) else {
+                continue;
+            };
+            let condition = Condition {
+                type_: REASON.to_owned(),
+                status: "True".to_owned(),
+                reason: CONDITION_REASON.to_owned(),
+                message: note(c, report),
+                last_transition_time: since.clone(),
+                observed_generation: None,
+            };
+            let devices = record
+                .devices
+                .iter()
+                .filter(|d| !d.admin_access)
+                .map(|d| AllocatedDeviceStatus {
+                    driver: self.driver.clone(),
+                    pool: d.pool_name.clone(),
+                    device: d.device_name.clone(),
+                    share_id: d.share.as_ref().map(|s| s.id.clone()),
+                    conditions: Some(vec![condition.clone()]),
+                    ..AllocatedDeviceStatus::default()
+                })
+                .collect();
+            self.marked.insert(
+                c.uid.clone(),
+                Mark {
+                    written: now,
+                    since,
+                    namespace: c.namespace.clone(),
+                    name: c.name.clone(),
+                },
+            );
+            due.push(StatusWrite {
+                namespace: c.namespace.clone(),
+                name: c.name.clone(),
+                uid: c.uid.clone(),
+                devices,
+            });
+        }
         due
+    }
+
+    /// A write that failed: its claim is written again at the next sample.
+    pub fn failed(&mut self, uid: &str) {
+        self.marked.remove(uid);
     }
 }
 
@@ -98,34 +181,48 @@ pub fn span(seconds: u64) -> String {
     }
 }
 
-/// What the event says about idle claim `c`.
+/// What the condition says about idle claim `c`: its devices, and what they hold. A whole
+/// device's own figures; for a share only the share's (its allocation, what its processes use,
+/// their SM utilization where known), never its GPU's, which its co-tenants make.
 fn note(c: &ClaimReport, report: &Report) -> String {
     let devices: Vec<String> = c
         .devices
         .iter()
         .filter_map(|name| report.devices.iter().find(|d| &d.device == name))
         .map(|d| {
-            let used = d.memory_used_bytes >> 20;
-            let memory = match d.memory_total_bytes {
-                Some(total) => format!("{used} MiB of {} MiB in use", total >> 20),
-                None => format!("{used} MiB in use"),
-            };
-            let sm = d
-                .sm_percent
-                .map_or_else(String::new, |p| format!(", {p}% SM"));
             let what = d.mig_profile.as_ref().map_or_else(
                 || d.model.clone(),
                 |profile| format!("{} MIG {profile}", d.model),
             );
-            format!("{} ({what}, {memory}{sm})", d.device)
+            let figures = match c.share_memory_bytes {
+                Some(share) => {
+                    let sm = c
+                        .sm_percent
+                        .map_or_else(String::new, |p| format!(", {p}% SM"));
+                    format!(
+                        "its share of {} MiB, {} MiB in use by its processes{sm}",
+                        share >> 20,
+                        c.memory_used_bytes >> 20
+                    )
+                }
+                None => {
+                    let used = d.memory_used_bytes >> 20;
+                    let memory = match d.memory_total_bytes {
+                        Some(total) => format!("{used} MiB of {} MiB in use", total >> 20),
+                        None => format!("{used} MiB in use"),
+                    };
+                    let sm = d
+                        .sm_percent
+                        .map_or_else(String::new, |p| format!(", {p}% SM"));
+                    format!("{memory}{sm}")
+                }
+            };
+            format!("{} ({what}, {figures})", d.device)
         })
         .collect();
-    let share = c
-        .share_memory_bytes
-        .map_or_else(String::new, |b| format!("; its share: {} MiB", b >> 20));
     let mut note = format!(
         "GPU idle for {} (no sample at or above {}% SM or {}% memory activity): ResourceClaim \
-         {}/{} holds {}{share}. Delete the pod or its claim to give the GPU back.",
+         {}/{} holds {}. Delete the pod or its claim to give the GPU back.",
         span(c.idle_seconds),
         report.idle_sm_percent,
         report.idle_memory_percent,
@@ -182,52 +279,142 @@ mod tests {
         }
     }
 
+    fn records(share: Option<u64>) -> Vec<(String, ClaimRecord)> {
+        vec![(
+            "c-1".to_owned(),
+            ClaimRecord {
+                namespace: "team".into(),
+                name: "notebook".into(),
+                state: crate::checkpoint::ClaimState::PrepareCompleted,
+                devices: vec![crate::checkpoint::RecordedDevice {
+                    request_names: vec!["gpu".into()],
+                    pool_name: "node-a".into(),
+                    device_name: "gpu-0000-2a-00-0".into(),
+                    cdi_device_ids: Vec::new(),
+                    uuid: "GPU-1".into(),
+                    admin_access: false,
+                    sharing: None,
+                    mig: None,
+                    share: share.map(|b| crate::checkpoint::RecordedShare {
+                        id: "s-1".into(),
+                        memory_bytes: b,
+                        compute_percent: 0,
+                        whole: false,
+                    }),
+                }],
+                cdi_spec_path: Default::default(),
+                cdi_spec: Default::default(),
+            },
+        )]
+    }
+
+    fn wall(seconds: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(seconds).unwrap())
+    }
+
     #[test]
-    fn told_once_per_idle_spell_and_again_after_the_repeat() {
-        let mut events = IdleEvents::new(Duration::from_secs(1800), 10);
+    fn marked_once_per_idle_spell_again_after_the_repeat_and_unmarked_when_busy() {
+        let mut marks = IdleMarks::new("gpu.drust.dev", Duration::from_secs(1800), 10);
         let t0 = Instant::now();
-        let first = events.due(&report(true, &["jupyter-0"]), t0);
+        let records = records(None);
+        let first = marks.due(&report(true, &["jupyter-0"]), &records, t0, wall(1000));
         assert_eq!(first.len(), 1);
-        assert_eq!(first[0].pod.name, "jupyter-0");
-        assert_eq!(first[0].pod.namespace, "team");
+        let w = &first[0];
         assert_eq!(
-            first[0].note,
+            (w.namespace.as_str(), w.name.as_str()),
+            ("team", "notebook")
+        );
+        assert_eq!(w.devices.len(), 1);
+        let d = &w.devices[0];
+        assert_eq!(
+            (d.driver.as_str(), d.pool.as_str(), d.device.as_str()),
+            ("gpu.drust.dev", "node-a", "gpu-0000-2a-00-0")
+        );
+        let c = &d.conditions.as_ref().unwrap()[0];
+        assert_eq!((c.type_.as_str(), c.status.as_str()), ("GPUIdle", "True"));
+        assert_eq!(
+            c.message,
             "GPU idle for 31m (no sample at or above 5% SM or 5% memory activity): ResourceClaim \
              team/notebook holds gpu-0000-2a-00-0 (NVIDIA H100 80GB HBM3, 20480 MiB of 81920 MiB \
              in use, 0% SM). Delete the pod or its claim to give the GPU back."
         );
         // Deduplicated within the repeat.
         let later = t0 + Duration::from_secs(60);
-        assert!(events.due(&report(true, &["jupyter-0"]), later).is_empty());
-        // Told again once the repeat passed.
-        let much_later = t0 + Duration::from_secs(1801);
-        assert_eq!(
-            events.due(&report(true, &["jupyter-0"]), much_later).len(),
-            1
-        );
-        // Busy: nothing, and forgotten, so the next idle spell is told at once.
         assert!(
-            events
-                .due(&report(false, &["jupyter-0"]), much_later)
+            marks
+                .due(&report(true, &[]), &records, later, wall(1060))
                 .is_empty()
         );
+        // Written again once the repeat passed, its spell's start kept.
+        let much_later = t0 + Duration::from_secs(1801);
+        let again = marks.due(&report(true, &[]), &records, much_later, wall(2801));
         assert_eq!(
-            events.due(&report(true, &["jupyter-0"]), much_later).len(),
-            1
+            again[0].devices[0].conditions.as_ref().unwrap()[0].last_transition_time,
+            wall(1000)
+        );
+        // Busy: its entries removed, and its next idle spell marked anew.
+        let cleared = marks.due(&report(false, &[]), &records, much_later, wall(2801));
+        assert_eq!(cleared.len(), 1);
+        assert!(cleared[0].devices.is_empty());
+        assert!(
+            marks
+                .due(&report(false, &[]), &records, much_later, wall(2801))
+                .is_empty()
+        );
+        let anew = marks.due(&report(true, &[]), &records, much_later, wall(2900));
+        assert_eq!(
+            anew[0].devices[0].conditions.as_ref().unwrap()[0].last_transition_time,
+            wall(2900)
+        );
+    }
+
+    /// Issue 41, defect 8: a share's condition shows the share's own figures, never its GPU's
+    /// (20 GiB used and 0% SM by the co-tenants here), and names its share.
+    #[test]
+    fn a_shares_mark_shows_its_own_figures() {
+        let mut r = report(true, &["jupyter-0"]);
+        r.claims[0].share_memory_bytes = Some(10 << 30);
+        r.claims[0].memory_used_bytes = 512 << 20;
+        r.claims[0].sm_percent = Some(0);
+        let mut marks = IdleMarks::new("gpu.drust.dev", Duration::from_secs(1800), 10);
+        let due = marks.due(&r, &records(Some(10 << 30)), Instant::now(), wall(1));
+        let d = &due[0].devices[0];
+        assert_eq!(d.share_id.as_deref(), Some("s-1"));
+        let message = &d.conditions.as_ref().unwrap()[0].message;
+        assert!(
+            message.contains(
+                "(NVIDIA H100 80GB HBM3, its share of 10240 MiB, 512 MiB in use by its \
+                 processes, 0% SM)"
+            ) && !message.contains("20480"),
+            "{message}"
         );
     }
 
     #[test]
-    fn a_busy_claim_s_pods_are_never_told_and_rounds_are_capped() {
-        let mut events = IdleEvents::new(Duration::from_secs(1800), 2);
+    fn a_busy_claim_is_never_marked_and_rounds_are_capped() {
+        let mut marks = IdleMarks::new("gpu.drust.dev", Duration::from_secs(1800), 1);
         let t0 = Instant::now();
-        assert!(events.due(&report(false, &["a", "b", "c"]), t0).is_empty());
-        let r = report(true, &["a", "b", "c"]);
-        assert_eq!(events.due(&r, t0).len(), 2, "capped per round");
-        let rest = events.due(&r, t0);
+        let records = records(None);
+        assert!(
+            marks
+                .due(&report(false, &["a"]), &records, t0, wall(1))
+                .is_empty()
+        );
+        let mut two = report(true, &["a"]);
+        let mut other = two.claims[0].clone();
+        other.uid = "c-2".into();
+        two.claims.push(other);
+        let mut both = records.clone();
+        both.push(("c-2".to_owned(), records[0].1.clone()));
+        assert_eq!(
+            marks.due(&two, &both, t0, wall(1)).len(),
+            1,
+            "capped per round"
+        );
+        let rest = marks.due(&two, &both, t0, wall(1));
         assert_eq!(rest.len(), 1);
-        assert_eq!(rest[0].pod.name, "c");
-        assert!(events.due(&r, t0).is_empty());
+        assert_eq!(rest[0].uid, "c-2");
+        assert!(marks.due(&two, &both, t0, wall(1)).is_empty());
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //! thread, without any GPU lock and apart from prepare and unprepare, reads each process's
 //! cgroup to find its pod and container ([`cgroup`]), asks the kubelet which container of each
 //! pod holds each device (its PodResources API, for container names), and builds a [`Report`] ([`report`])
-//! that `/metrics` ([`collector`]) and `/usage` serve; the pods of idle claims get a `GPUIdle`
-//! Warning event ([`events`]).
+//! that `/metrics` ([`collector`]) and `/usage` serve; idle claims get a `GPUIdle` condition on
+//! their device status, which the explain controller relays to their pods ([`idle_status`]).
 //!
 //! **Busy and idle.** A device is busy in a sample when its SM utilization or its memory
 //! activity reaches [`IdleThresholds`]; a MIG device by GPM's figures of its GPU instance
@@ -24,9 +24,10 @@
 
 pub mod cgroup;
 pub mod collector;
-pub mod events;
+pub mod idle_status;
 pub mod report;
 pub mod sampler;
+pub mod share_mounts;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -65,7 +66,7 @@ pub struct UsageConfig {
     pub idle: IdleThresholds,
     /// The host's `/proc` as the plugin sees it (processes' cgroups).
     pub proc_root: PathBuf,
-    /// Send `GPUIdle` events to the pods of idle claims ([`events`]).
+    /// Mark idle claims with a `GPUIdle` condition on their device status ([`idle_status`]).
     pub idle_events: bool,
     /// The kubelet's PodResources socket, asked at each sample which container holds each
     /// device (container names); `None`: not asked, names left out. The binary's default is

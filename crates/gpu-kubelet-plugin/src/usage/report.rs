@@ -22,6 +22,43 @@ pub struct GpuSample {
     pub usage: GpuUsage,
     /// Pod and container by PID.
     pub containers: BTreeMap<u32, ContainerRef>,
+    /// The claim UIDs whose share mark each process's container has, by PID (only processes
+    /// with one; [`super::share_mounts`]).
+    pub share_claims: BTreeMap<u32, Vec<String>>,
+}
+
+impl Report {
+    /// The report as one namespace's user sees it (`/usage?namespace=`, `dractl top -n`): the
+    /// claims of `namespace`, the devices they hold, and on those only the processes and
+    /// containers of `namespace`; nothing of any other namespace's pods, claims or processes.
+    #[must_use]
+    pub fn only_namespace(&self, namespace: &str) -> Report {
+        let claims: Vec<ClaimReport> = self
+            .claims
+            .iter()
+            .filter(|c| c.namespace == namespace)
+            .cloned()
+            .collect();
+        let uids: BTreeSet<&str> = claims.iter().map(|c| c.uid.as_str()).collect();
+        let devices = self
+            .devices
+            .iter()
+            .filter(|d| d.claims.iter().any(|c| uids.contains(c.as_str())))
+            .map(|d| {
+                let mut d = d.clone();
+                d.claims.retain(|c| uids.contains(c.as_str()));
+                d.containers.retain(|c| c.namespace == namespace);
+                d.processes
+                    .retain(|p| p.namespace.as_deref() == Some(namespace));
+                d
+            })
+            .collect();
+        Report {
+            claims,
+            devices,
+            ..self.clone()
+        }
+    }
 }
 
 /// A pod that uses a claim (`status.reservedFor` of the claim).
@@ -336,10 +373,27 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
                 continue;
             };
             let known = pod_claims.get(pod).map(Vec::as_slice).unwrap_or_default();
-            if let Some((claim, pod_name, ns)) = known
+            // The pod's claims that hold this device; where it has several (two shares of one
+            // GPU), the one whose share mark the process's container has.
+            let holding: Vec<&(&str, &str, &str)> = known
                 .iter()
-                .find(|(c, _, _)| d.claims.iter().any(|h| h == c))
-            {
+                .filter(|(c, _, _)| d.claims.iter().any(|h| h == c))
+                .collect();
+            let marked = inputs
+                .samples
+                .get(&device.gpu().raw.index)
+                .and_then(|s| s.as_ref().ok())
+                .and_then(|s| s.share_claims.get(&p.pid));
+            let chosen = match (holding.as_slice(), marked) {
+                ([only], _) => Some(*only),
+                (several, Some(marks)) => several
+                    .iter()
+                    .copied()
+                    .find(|(c, _, _)| marks.iter().any(|m| m == c))
+                    .or_else(|| several.first().copied()),
+                (several, None) => several.first().copied(),
+            };
+            if let Some((claim, pod_name, ns)) = chosen {
                 p.claim = Some((*claim).to_owned());
                 p.pod = Some((*pod_name).to_owned());
                 p.namespace = Some((*ns).to_owned());
@@ -615,6 +669,7 @@ mod tests {
                     )
                 })
                 .collect(),
+            share_claims: BTreeMap::new(),
         })
     }
 
@@ -649,6 +704,88 @@ mod tests {
 
     fn claim<'r>(r: &'r Report, uid: &str) -> &'r ClaimReport {
         r.claims.iter().find(|c| c.uid == uid).unwrap()
+    }
+
+    /// Issue 41, defect 9: one namespace's view names nothing of another's: not its claims,
+    /// nor its processes on a GPU both use.
+    #[test]
+    fn a_namespaces_view_holds_only_its_own() {
+        let devices = devices();
+        let g4 = gpu(&devices, 4);
+        let mut other = record("theirs", vec![held(&g4, Some((10_240, 0)))]);
+        other.namespace = "other".into();
+        let claims = vec![
+            (
+                "mine".to_owned(),
+                record("mine", vec![held(&g4, Some((10_240, 0)))]),
+            ),
+            ("theirs".to_owned(), other),
+        ];
+        let samples = BTreeMap::from([(
+            4,
+            sample(Some(50), &[(100, 1_024, 1, None), (200, 2_048, 2, None)]),
+        )]);
+        let pods = pods(&[("mine", 1), ("theirs", 2)]);
+        let inputs = inputs(&devices, &claims, &samples, &pods);
+        let full = build(&inputs, &mut IdleTracker::default(), Instant::now(), 1);
+        assert_eq!(full.claims.len(), 2);
+        let view = full.only_namespace("team");
+        assert_eq!(
+            view.claims
+                .iter()
+                .map(|c| c.uid.as_str())
+                .collect::<Vec<_>>(),
+            ["mine"]
+        );
+        let d = view.devices.iter().find(|d| d.device == g4).unwrap();
+        assert_eq!(d.claims, ["mine"]);
+        assert_eq!(d.processes.iter().map(|p| p.pid).collect::<Vec<_>>(), [100]);
+        let text = serde_json::to_string(&view).unwrap();
+        assert!(
+            !text.contains("theirs") && !text.contains("\"other\""),
+            "{text}"
+        );
+    }
+
+    /// Issue 41, defect 7: one pod uses two share claims of one GPU, one in each of its
+    /// containers. Each process is credited to the claim whose share mark its container has:
+    /// the busy second share is not idle, and each shows its own memory.
+    #[test]
+    fn two_shares_of_one_gpu_in_one_pod_each_get_their_own_processes() {
+        let devices = devices();
+        let g4 = gpu(&devices, 4);
+        let claims = vec![
+            (
+                "first".to_owned(),
+                record("a", vec![held(&g4, Some((10_240, 0)))]),
+            ),
+            (
+                "second".to_owned(),
+                record("b", vec![held(&g4, Some((10_240, 0)))]),
+            ),
+        ];
+        let mut gpu_sample =
+            sample(Some(90), &[(100, 1_024, 1, None), (200, 6_144, 1, None)]).expect("a sample");
+        gpu_sample.share_claims = BTreeMap::from([
+            (100, vec!["first".to_owned()]),
+            (200, vec!["second".to_owned()]),
+        ]);
+        let samples = BTreeMap::from([(4, Ok(gpu_sample))]);
+        let pods = pods(&[("first", 1), ("second", 1)]);
+        let inputs = inputs(&devices, &claims, &samples, &pods);
+        let r = build(&inputs, &mut IdleTracker::default(), Instant::now(), 1);
+        let d = r.devices.iter().find(|d| d.device == g4).unwrap();
+        let by_pid: BTreeMap<u32, Option<&str>> = d
+            .processes
+            .iter()
+            .map(|p| (p.pid, p.claim.as_deref()))
+            .collect();
+        assert_eq!(
+            by_pid,
+            BTreeMap::from([(100, Some("first")), (200, Some("second"))])
+        );
+        assert_eq!(claim(&r, "first").memory_used_bytes, 1_024 << 20);
+        assert_eq!(claim(&r, "second").memory_used_bytes, 6_144 << 20);
     }
 
     #[test]

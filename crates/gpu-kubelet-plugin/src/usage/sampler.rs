@@ -13,8 +13,9 @@ use tracing::{debug, info, warn};
 
 use super::UsageConfig;
 use super::cgroup::container_of_pid;
-use super::events::{self, IdleEvents};
+use super::idle_status::IdleMarks;
 use super::report::{Containers, GpuSample, IdleTracker, Inputs, PodRef, Report, build};
+use super::share_mounts::share_claims_of_pid;
 use crate::claims::{ClaimController, Cluster};
 use crate::hardware::Hardware;
 
@@ -24,7 +25,7 @@ const CLAIM_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the kubelet's PodResources `List` may take, dial included.
 const POD_RESOURCES_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// At most this many `GPUIdle` events per sample.
+/// At most this many claim status writes (`GPUIdle` marks) per sample.
 const EVENTS_PER_ROUND: usize = 10;
 
 /// How long a claim's pods are trusted before they are read again, whatever the samples show.
@@ -40,12 +41,22 @@ pub fn sample_gpus(
     gpus.iter()
         .map(|&index| {
             let sample = backend.usage(index).map(|usage| {
-                let containers = usage
+                let containers: BTreeMap<u32, _> = usage
                     .processes
                     .iter()
                     .filter_map(|p| Some((p.pid, container_of_pid(proc_root, p.pid)?)))
                     .collect();
-                GpuSample { usage, containers }
+                // Only processes in a pod can hold a share's mark.
+                let share_claims = containers
+                    .keys()
+                    .map(|&pid| (pid, share_claims_of_pid(proc_root, pid)))
+                    .filter(|(_, claims)| !claims.is_empty())
+                    .collect();
+                GpuSample {
+                    usage,
+                    containers,
+                    share_claims,
+                }
             });
             (index, sample.map_err(|e| e.to_string()))
         })
@@ -81,7 +92,7 @@ pub async fn run<C: Cluster, H: Hardware>(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tracker = IdleTracker::default();
     let mut pods = PodCache::default();
-    let mut idle_events = IdleEvents::new(config.idle.window, EVENTS_PER_ROUND);
+    let mut idle_marks = IdleMarks::new(&driver, config.idle.window, EVENTS_PER_ROUND);
     let mut pod_resources_failed = false;
     loop {
         tick.tick().await;
@@ -148,18 +159,22 @@ pub async fn run<C: Cluster, H: Hardware>(
         let report = Arc::new(report);
         reports.send_replace(Arc::clone(&report));
         if config.idle_events {
-            for e in idle_events.due(&report, Instant::now()) {
-                let sent =
+            let wall = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::now(),
+            );
+            for w in idle_marks.due(&report, &claims, Instant::now(), wall) {
+                let written =
                     controller
                         .cluster()
-                        .warn_pod(&e.pod, events::REASON, events::ACTION, &e.note);
-                if tokio::time::timeout(CLAIM_READ_TIMEOUT, sent)
-                    .await
-                    .is_err()
-                {
-                    warn!(pod = %e.pod.name, namespace = %e.pod.namespace,
-                        "the GPUIdle event timed out");
-                }
+                        .set_device_status(&w.namespace, &w.name, w.devices);
+                let failure = match tokio::time::timeout(CLAIM_READ_TIMEOUT, written).await {
+                    Ok(Ok(())) => continue,
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => "no answer in time".to_owned(),
+                };
+                warn!(claim = %format!("{}/{}", w.namespace, w.name), error = %failure,
+                    "writing the claim's GPUIdle status failed; retried at the next sample");
+                idle_marks.failed(&w.uid);
             }
         }
     }
