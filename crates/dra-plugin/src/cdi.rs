@@ -10,16 +10,21 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use dra_kubelet::ClaimRef;
 use serde::{Deserialize, Serialize};
 
 use crate::storage::{Fs, remove_file, replace};
 
-/// Spec annotation naming the claim's namespace, so a spec found on disk identifies its claim.
-pub const ANNOTATION_NAMESPACE: &str = "claim.drust.dev/namespace";
-/// Spec annotation naming the claim.
-pub const ANNOTATION_NAME: &str = "claim.drust.dev/name";
-/// Spec annotation with the claim's UID.
-pub const ANNOTATION_UID: &str = "claim.drust.dev/uid";
+/// The spec annotations naming the claim, so that a spec found on disk identifies it: the
+/// driver's own keys, `<driver>/claim-namespace`, `<driver>/claim-name`, `<driver>/claim-uid`
+/// ([`CdiWriter::claim_annotations`]). The lifecycle writes them into every spec; a driver
+/// writes none. Specs written before (by the first user of this crate) carry these legacy keys,
+/// still read ([`CdiWriter::claim_of`]).
+pub const LEGACY_ANNOTATION_NAMESPACE: &str = "claim.drust.dev/namespace";
+/// See [`LEGACY_ANNOTATION_NAMESPACE`].
+pub const LEGACY_ANNOTATION_NAME: &str = "claim.drust.dev/name";
+/// See [`LEGACY_ANNOTATION_NAMESPACE`].
+pub const LEGACY_ANNOTATION_UID: &str = "claim.drust.dev/uid";
 
 /// The CDI spec version we write: the oldest that has every field we use.
 pub const CDI_VERSION: &str = "0.6.0";
@@ -32,7 +37,7 @@ pub struct Spec {
     pub cdi_version: String,
     /// `vendor/class`.
     pub kind: String,
-    /// Spec annotations; ours name the claim ([`ANNOTATION_UID`] and friends).
+    /// Spec annotations; ours name the claim ([`CdiWriter::claim_annotations`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub annotations: BTreeMap<String, String>,
     /// Devices of this spec.
@@ -172,6 +177,40 @@ impl CdiWriter {
         }
     }
 
+    /// The annotation keys naming a claim's namespace, name and UID in this driver's specs:
+    /// `<driver>/claim-namespace`, `<driver>/claim-name`, `<driver>/claim-uid`.
+    pub fn claim_annotations(&self) -> [String; 3] {
+        ["namespace", "name", "uid"].map(|k| format!("{}/claim-{k}", self.vendor))
+    }
+
+    /// Writes `claim`'s annotations ([`Self::claim_annotations`]) into `spec`.
+    pub fn stamp(&self, spec: &mut Spec, claim: &ClaimRef) {
+        let [namespace, name, uid] = self.claim_annotations();
+        spec.annotations.insert(namespace, claim.namespace.clone());
+        spec.annotations.insert(name, claim.name.clone());
+        spec.annotations.insert(uid, claim.uid.clone());
+    }
+
+    /// The claim `spec` names: by this driver's keys, else by the legacy ones
+    /// ([`LEGACY_ANNOTATION_NAMESPACE`]); `None` when it names none (no UID, or no name).
+    pub fn claim_of(&self, spec: &Spec) -> Option<ClaimRef> {
+        let get = |k: &str| spec.annotations.get(k).cloned();
+        let [namespace, name, uid] = self.claim_annotations();
+        let claim = match get(&uid) {
+            Some(uid) => ClaimRef {
+                namespace: get(&namespace).unwrap_or_default(),
+                name: get(&name).unwrap_or_default(),
+                uid,
+            },
+            None => ClaimRef {
+                namespace: get(LEGACY_ANNOTATION_NAMESPACE).unwrap_or_default(),
+                name: get(LEGACY_ANNOTATION_NAME).unwrap_or_default(),
+                uid: get(LEGACY_ANNOTATION_UID)?,
+            },
+        };
+        (!claim.uid.is_empty() && !claim.name.is_empty()).then_some(claim)
+    }
+
     /// `<vendor>/claim`.
     pub fn kind(&self) -> String {
         format!("{}/claim", self.vendor)
@@ -290,6 +329,39 @@ impl CdiWriter {
 mod tests {
     use super::*;
     use crate::storage::RealFs;
+
+    /// Issue 41, defect 14: the claim's annotations are the driver's own, written by the
+    /// lifecycle; specs of earlier versions (legacy keys) are still read.
+    #[test]
+    fn claim_annotations_are_the_drivers_and_legacy_ones_are_read() {
+        let w = CdiWriter::new(Arc::new(RealFs), "/var/run/cdi", "dev.example.com");
+        let claim = ClaimRef {
+            namespace: "ns".into(),
+            name: "a".into(),
+            uid: "u-1".into(),
+        };
+        let mut spec = Spec::default();
+        w.stamp(&mut spec, &claim);
+        assert_eq!(
+            spec.annotations.keys().collect::<Vec<_>>(),
+            [
+                "dev.example.com/claim-name",
+                "dev.example.com/claim-namespace",
+                "dev.example.com/claim-uid"
+            ]
+        );
+        assert_eq!(w.claim_of(&spec), Some(claim.clone()));
+        let mut legacy = Spec::default();
+        for (k, v) in [
+            (LEGACY_ANNOTATION_NAMESPACE, "ns"),
+            (LEGACY_ANNOTATION_NAME, "a"),
+            (LEGACY_ANNOTATION_UID, "u-1"),
+        ] {
+            legacy.annotations.insert(k.into(), v.into());
+        }
+        assert_eq!(w.claim_of(&legacy), Some(claim));
+        assert_eq!(w.claim_of(&Spec::default()), None, "names no claim");
+    }
 
     #[test]
     fn ids_paths_and_kind_follow_the_driver_name() {

@@ -328,7 +328,7 @@ impl<F: Format> SlotFile<F> {
             return Err(CheckpointError::Corrupt {
                 path: self.paths[1].clone(),
                 problem: format!(
-                    "{} is missing (an older drust build moves it aside after a downgrade), \
+                    "{} is missing (an older build moves it aside after a downgrade), \
                      so this slot may be stale",
                     self.paths[0].display()
                 ),
@@ -349,7 +349,7 @@ impl<F: Format> SlotFile<F> {
             tracing::warn!(
                 stale = %self.paths[1].display(),
                 using = %self.paths[0].display(),
-                "an older drust build wrote the checkpoint after this build's last write; \
+                "an older build wrote the checkpoint after this build's last write; \
                  using what it wrote"
             );
             reads[1] = SlotRead::Absent;

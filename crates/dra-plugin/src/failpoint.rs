@@ -1,6 +1,6 @@
-//! Crash points for fault-injection tests: `DRUST_FAILPOINT=<name>[@<n>]` makes the process
+//! Crash points for fault-injection tests: `DRA_PLUGIN_FAILPOINT=<name>[@<n>]` makes the process
 //! SIGKILL itself the n-th time (default: first) it reaches the named step;
-//! `DRUST_FAILPOINT=<name>[@<n>]:pause=<ms>` makes it stall there for that long instead (a
+//! `DRA_PLUGIN_FAILPOINT=<name>[@<n>]:pause=<ms>` makes it stall there for that long instead (a
 //! slow step, e.g. to have a call in flight at shutdown). Unset, a failpoint costs one relaxed
 //! atomic load.
 
@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The environment variable naming the armed failpoint.
-pub const ENV: &str = "DRUST_FAILPOINT";
+pub const ENV: &str = "DRA_PLUGIN_FAILPOINT";
 
 /// Every failpoint of the claim lifecycle, in the order a prepare then an unprepare passes them
 /// (`prepare/after-sharing` also when the driver shares nothing). A driver adds its own steps'

@@ -19,10 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dra_kubelet::{ClaimRef, PreparedDevice};
-use dra_plugin::cdi::{
-    ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID, CDI_VERSION, CdiDevice, ContainerEdits,
-    Spec,
-};
+use dra_plugin::cdi::{CDI_VERSION, CdiDevice, ContainerEdits, Spec};
 use dra_plugin::checkpoint::Format;
 use dra_plugin::lifecycle::{Driver, Lifecycle, Planned, Prepared};
 use dra_plugin::record::{ClaimRecord, Records};
@@ -171,14 +168,6 @@ impl<C: Claims> ExampleDriver<C> {
         Spec {
             cdi_version: CDI_VERSION.into(),
             kind: cdi.kind(),
-            annotations: [
-                (ANNOTATION_NAMESPACE, &claim.namespace),
-                (ANNOTATION_NAME, &claim.name),
-                (ANNOTATION_UID, &claim.uid),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.clone()))
-            .collect(),
             devices: devices
                 .iter()
                 .enumerate()
@@ -194,6 +183,8 @@ impl<C: Claims> ExampleDriver<C> {
                 env: vec![format!("EXAMPLE_CLAIM_UID={}", claim.uid)],
                 ..ContainerEdits::default()
             },
+            // The lifecycle names the claim in the annotations.
+            ..Spec::default()
         }
     }
 

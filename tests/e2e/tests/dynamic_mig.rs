@@ -3,7 +3,7 @@
 //! API, which creates the MIG device at the allocated placement (fake state) and hands the
 //! runtime a CDI spec with its capability nodes; unprepare destroys it. An injected creation
 //! failure gives the kubelet a clear per-claim error and leaves nothing behind. Then the real
-//! binary is SIGKILLed at every step of a dynamic MIG prepare and unprepare (DRUST_FAILPOINT),
+//! binary is SIGKILLed at every step of a dynamic MIG prepare and unprepare (DRA_PLUGIN_FAILPOINT),
 //! including between creating the MIG device and recording it: every restart ends with either
 //! the claim prepared once with exactly one MIG device, or nothing at all (orphans destroyed).
 

@@ -68,13 +68,19 @@ impl<D: Driver> Lifecycle<D> {
 
         failpoint::hit("prepare/before-started-checkpoint");
         let answer: Vec<PreparedDevice> = devices.iter().map(D::prepared_device).collect();
+        // The lifecycle names the claim in its spec (recovery finds claims by these), so no
+        // driver has to.
+        let stamped = |mut spec: crate::cdi::Spec| {
+            self.cdi().stamp(&mut spec, claim);
+            spec
+        };
         let record = ClaimRecord {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
             state: ClaimState::PrepareStarted,
             devices,
             cdi_spec_path: self.cdi().spec_path(&claim.uid),
-            cdi_spec: spec.unwrap_or_default(),
+            cdi_spec: spec.map(stamped).unwrap_or_default(),
         };
         let reserve = |c: &mut Records<D::Device>| {
             driver.check_conflicts(claim, c, &record.devices)?;
@@ -100,7 +106,7 @@ impl<D: Driver> Lifecycle<D> {
         failpoint::hit("prepare/after-sharing");
 
         let uid = claim.uid.clone();
-        let spec = prepared.spec;
+        let spec = stamped(prepared.spec);
         let write_spec = self.cdi_io(claim, move |cdi| cdi.write(&uid, &spec));
         if two_phase {
             write_spec.await?;

@@ -25,7 +25,6 @@ use dra_kubelet::ClaimRef;
 use tracing::{Instrument, info, warn};
 
 use super::{Driver, Error, Lifecycle};
-use crate::cdi::{ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID};
 use crate::checkpoint::CheckpointError;
 use crate::record::{ClaimRecord, ClaimState, Records};
 
@@ -311,7 +310,9 @@ impl<D: Driver> Lifecycle<D> {
         record: &ClaimRecord<D::Device>,
     ) -> Result<bool, D::Error> {
         let want = if record.cdi_spec.kind.is_empty() {
-            self.driver().spec_of(self, claim, record)?
+            let mut spec = self.driver().spec_of(self, claim, record)?;
+            self.cdi().stamp(&mut spec, claim);
+            spec
         } else {
             record.cdi_spec.clone()
         };
@@ -357,13 +358,8 @@ impl<D: Driver> Lifecycle<D> {
         let named: Vec<(String, ClaimRef, _)> = specs
             .into_iter()
             .filter_map(|(uid, spec)| {
-                let get = |k: &str| spec.annotations.get(k).cloned().unwrap_or_default();
-                let claim = ClaimRef {
-                    namespace: get(ANNOTATION_NAMESPACE),
-                    name: get(ANNOTATION_NAME),
-                    uid: get(ANNOTATION_UID),
-                };
-                (claim.uid == uid && !claim.name.is_empty()).then_some((uid, claim, spec))
+                let claim = self.cdi().claim_of(&spec)?;
+                (claim.uid == uid).then_some((uid, claim, spec))
             })
             .collect();
         // All at once: each may wait on the API server up to the driver's deadline, and one

@@ -6,10 +6,7 @@ use dra_kubelet::ClaimRef;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::error::ClaimError;
-use crate::cdi::{
-    ANNOTATION_NAME, ANNOTATION_NAMESPACE, ANNOTATION_UID, CDI_VERSION, CdiDevice, CdiWriter,
-    ContainerEdits, DeviceNode, Spec,
-};
+use crate::cdi::{CDI_VERSION, CdiDevice, CdiWriter, ContainerEdits, DeviceNode, Spec};
 use crate::checkpoint::{RecordedDevice, RecordedShare};
 use crate::claim_config::{self, ConfigTarget, DeviceKind, Sharing};
 use crate::hardware::{CONTROL_DEVICE_NODES, CreatedMig, Hardware, NodeDevice};
@@ -373,14 +370,10 @@ pub(crate) fn spec(
             container_edits: edits,
         });
     }
-    Ok(Spec {
+    let mut spec = Spec {
         cdi_version: CDI_VERSION.to_owned(),
         kind: cdi.kind(),
-        annotations: BTreeMap::from([
-            (ANNOTATION_NAMESPACE.to_owned(), claim.namespace.clone()),
-            (ANNOTATION_NAME.to_owned(), claim.name.clone()),
-            (ANNOTATION_UID.to_owned(), claim.uid.clone()),
-        ]),
+        annotations: BTreeMap::new(),
         devices: cdi_devices,
         container_edits: {
             let mut edits = ContainerEdits::default();
@@ -397,7 +390,10 @@ pub(crate) fn spec(
                 .collect();
             edits
         },
-    })
+    };
+    // The claim's names, as the lifecycle writes them: the record keeps the spec the file has.
+    cdi.stamp(&mut spec, claim);
+    Ok(spec)
 }
 
 /// The spec-level variable that keeps an NVIDIA container runtime (legacy mode) from injecting
