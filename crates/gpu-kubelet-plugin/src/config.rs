@@ -8,6 +8,14 @@ use dra_kubelet::PluginSockets;
 /// The default DRA driver name.
 pub const DEFAULT_DRIVER_NAME: &str = "gpu.drust.dev";
 
+/// The hook binary's file name, beside the plugin's own binary and where it is installed
+/// ([`crate::memory_limits`]).
+pub const HOOK_BINARY: &str = "drust-cdi-hook";
+
+/// Where the driver requires cgroup v2, and the default `--cgroup-root`
+/// ([`crate::memory_limits`]).
+pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
 /// Where GPUs come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
@@ -159,14 +167,11 @@ impl Config {
                 host_root: PathBuf::from("/"),
                 hook: None,
             },
-            cgroup_root: PathBuf::from(crate::memory_limits::DEFAULT_CGROUP_ROOT),
+            cgroup_root: PathBuf::from(DEFAULT_CGROUP_ROOT),
             cdi_hook_binary: std::env::current_exe()
                 .ok()
-                .and_then(|exe| {
-                    exe.parent()
-                        .map(|d| d.join(crate::memory_limits::HOOK_BINARY))
-                })
-                .unwrap_or_else(|| PathBuf::from(crate::memory_limits::HOOK_BINARY)),
+                .and_then(|exe| exe.parent().map(|d| d.join(HOOK_BINARY)))
+                .unwrap_or_else(|| PathBuf::from(HOOK_BINARY)),
         }
     }
 }
