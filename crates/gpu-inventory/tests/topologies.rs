@@ -158,15 +158,14 @@ struct Placement {
     consumes: BTreeMap<String, i128>,
 }
 
+/// A counter's value, read as the workspace's one quantity type reads it (issue 41: no test
+/// parses `Mi`/`Gi` by hand).
 fn amount(q: &str) -> i128 {
-    let (n, mult) = match q.strip_suffix("Mi") {
-        Some(n) => (n, 1 << 20),
-        None => match q.strip_suffix("Gi") {
-            Some(n) => (n, 1 << 30),
-            None => (q, 1),
-        },
-    };
-    n.parse::<i128>().expect("integer quantity") * mult
+    let value = k8s_quantity::Quantity::parse(q)
+        .expect("a quantity")
+        .as_i64()
+        .expect("a whole number");
+    i128::from(value)
 }
 
 fn consumption(d: &Device) -> BTreeMap<String, i128> {
