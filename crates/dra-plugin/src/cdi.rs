@@ -47,6 +47,14 @@ pub struct Spec {
     pub container_edits: ContainerEdits,
 }
 
+impl Spec {
+    /// Every set of container edits the spec holds: its own, then each device's.
+    pub fn all_edits(&self) -> impl Iterator<Item = &ContainerEdits> {
+        std::iter::once(&self.container_edits)
+            .chain(self.devices.iter().map(|d| &d.container_edits))
+    }
+}
+
 /// One CDI device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

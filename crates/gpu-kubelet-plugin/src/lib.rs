@@ -570,6 +570,28 @@ fn server_ended(
 /// Aborts the task when dropped.
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
+/// A task that runs `check` on (a clone of) `controller` every `period`, the first after one
+/// period, until it is aborted.
+fn every<F, Fut>(
+    period: std::time::Duration,
+    controller: &ClaimController<KubeCluster, BackendHardware>,
+    check: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: Fn(ClaimController<KubeCluster, BackendHardware>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let controller = controller.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            check(controller.clone()).await;
+        }
+    })
+}
+
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
@@ -859,33 +881,22 @@ impl Active {
         self.tasks.push(AbortOnDrop(rediscovery));
         // Two loops: the stale-claim check waits on the API server (each read bounded by
         // `api_timeout`), which must never hold back the daemons' and GPUs' own checks.
-        let stale = {
-            let controller = self.controller.clone();
-            let period = config.stale_claim_interval;
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(period);
-                tick.tick().await;
-                loop {
-                    tick.tick().await;
-                    controller.unprepare_stale().await;
-                }
-            })
-        };
-        self.tasks.push(AbortOnDrop(stale));
-        let daemons = {
-            let controller = self.controller.clone();
-            let period = config.stale_claim_interval;
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(period);
-                tick.tick().await;
-                loop {
-                    tick.tick().await;
-                    controller.restart_dead_daemons().await;
-                    controller.reassert_compute_modes().await;
-                }
-            })
-        };
-        self.tasks.push(AbortOnDrop(daemons));
+        let period = config.stale_claim_interval;
+        self.tasks.push(AbortOnDrop(every(
+            period,
+            &self.controller,
+            |c| async move {
+                c.unprepare_stale().await;
+            },
+        )));
+        self.tasks.push(AbortOnDrop(every(
+            period,
+            &self.controller,
+            |c| async move {
+                c.restart_dead_daemons().await;
+                c.reassert_compute_modes().await;
+            },
+        )));
         if let Some(usage) = &config.usage {
             let sampler = usage::sampler::run(
                 self.controller.clone(),

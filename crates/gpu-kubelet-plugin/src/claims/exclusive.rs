@@ -108,6 +108,29 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         }
     }
 
+    /// The compute mode of full GPU `d`, read on the blocking pool (NVML); `None` when it
+    /// cannot be read (logged).
+    async fn read_compute_mode(&self, d: &NodeDevice) -> Option<ComputeMode> {
+        let hw = Arc::clone(&self.gpu().hardware);
+        let gpu = d.gpu().clone();
+        match self
+            .lifecycle
+            .background()
+            .spawn_blocking(move || hw.compute_mode(&gpu))
+            .await
+        {
+            Ok(Ok(mode)) => Some(mode),
+            Ok(Err(e)) => {
+                warn!(device = d.name(), error = %e, "cannot read the GPU's compute mode");
+                None
+            }
+            Err(e) => {
+                warn!(device = d.name(), error = %e, "reading the compute mode failed");
+                None
+            }
+        }
+    }
+
     /// The periodic check: puts back in [`ComputeMode::ExclusiveProcess`] every full GPU that a
     /// prepared claim runs an MPS daemon on and that left that mode behind the plugin's back (a
     /// GPU reset, `nvidia-smi -c`): else a process of any tenant could bypass the daemon and
@@ -140,27 +163,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             if !still {
                 continue;
             }
-            let hw = Arc::clone(&self.gpu().hardware);
-            let gpu = d.gpu().clone();
-            let mode = self
-                .lifecycle
-                .background()
-                .spawn_blocking(move || hw.compute_mode(&gpu))
-                .await;
-            match mode {
-                Ok(Ok(ComputeMode::ExclusiveProcess)) => continue,
-                Ok(Ok(found)) => {
+            match self.read_compute_mode(&d).await {
+                None | Some(ComputeMode::ExclusiveProcess) => continue,
+                Some(found) => {
                     warn!(device = %name, ?found,
                         "a GPU hosting an MPS daemon left EXCLUSIVE_PROCESS behind the plugin's \
                          back; setting it again");
-                }
-                Ok(Err(e)) => {
-                    warn!(device = %name, error = %e, "cannot read the GPU's compute mode");
-                    continue;
-                }
-                Err(e) => {
-                    warn!(device = %name, error = %e, "reading the compute mode failed");
-                    continue;
                 }
             }
             match self
@@ -192,25 +200,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let mut restored = Vec::new();
         for d in gpus {
             let _guard = self.gpu_lock(&d.gpu().name).lock_owned().await;
-            let hw = Arc::clone(&self.gpu().hardware);
-            let gpu = d.gpu().clone();
-            let mode = self
-                .lifecycle
-                .background()
-                .spawn_blocking(move || hw.compute_mode(&gpu))
-                .await;
-            match mode {
-                // Only the mode this plugin sets: an administrator's PROHIBITED stays.
-                Ok(Ok(ComputeMode::ExclusiveProcess)) => {}
-                Ok(Ok(_)) => continue,
-                Ok(Err(e)) => {
-                    warn!(device = d.name(), error = %e, "cannot read the GPU's compute mode");
-                    continue;
-                }
-                Err(e) => {
-                    warn!(device = d.name(), error = %e, "reading the compute mode failed");
-                    continue;
-                }
+            // Only the mode this plugin sets: an administrator's PROHIBITED stays.
+            if self.read_compute_mode(&d).await != Some(ComputeMode::ExclusiveProcess) {
+                continue;
             }
             match self
                 .compute_mode_locked(node, d.name(), ComputeMode::Default)

@@ -103,13 +103,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 checkpoint
                     .claims
                     .values()
-                    .flat_map(|r| {
-                        let spec = &r.cdi_spec;
-                        spec.container_edits
-                            .mounts
-                            .iter()
-                            .chain(spec.devices.iter().flat_map(|d| &d.container_edits.mounts))
-                    })
+                    .flat_map(|r| r.cdi_spec.all_edits().flat_map(|e| &e.mounts))
                     .filter_map(|m| {
                         let rest = std::path::Path::new(&m.host_path).strip_prefix(root).ok()?;
                         Some(rest.components().next()?.as_os_str().to_str()?.to_owned())
@@ -178,14 +172,8 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 checkpoint
                     .claims
                     .values()
-                    .flat_map(|r| {
-                        let spec = &r.cdi_spec;
-                        spec.container_edits
-                            .hooks
-                            .iter()
-                            .chain(spec.devices.iter().flat_map(|d| &d.container_edits.hooks))
-                            .map(|h| h.path.clone())
-                    })
+                    .flat_map(|r| r.cdi_spec.all_edits().flat_map(|e| &e.hooks))
+                    .map(|h| h.path.clone())
                     .collect()
             };
             let keep = kernel.hook_path().to_owned();
