@@ -16,6 +16,78 @@ pub const HOOK_BINARY: &str = "drust-cdi-hook";
 /// ([`crate::memory_limits`]).
 pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
+/// Default deadline of one prepare or unprepare, well below the kubelet's 45 s.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Default deadline of one API server call: half the default claim deadline
+/// ([`DEFAULT_TIMEOUT`]), so a prepare that reads its claim still has time for its devices.
+pub const DEFAULT_API_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// When a claim counts as idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdleThresholds {
+    /// A device whose SM utilization (percent, 0..=100) reaches this is busy.
+    pub sm_percent: u32,
+    /// A device whose memory activity (percent of time memory was read or written) reaches this
+    /// is busy.
+    pub memory_percent: u32,
+    /// How long a claim must go without a busy sample to be idle.
+    pub window: Duration,
+}
+
+impl Default for IdleThresholds {
+    /// 5 % SM, 5 % memory activity, 30 minutes.
+    fn default() -> Self {
+        Self {
+            sm_percent: 5,
+            memory_percent: 5,
+            window: Duration::from_secs(30 * 60),
+        }
+    }
+}
+
+/// How usage is sampled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageConfig {
+    /// Time between two samples (default 10 s).
+    pub interval: Duration,
+    /// When a claim is idle.
+    pub idle: IdleThresholds,
+    /// The host's `/proc` as the plugin sees it (processes' cgroups).
+    pub proc_root: PathBuf,
+    /// Mark idle claims with a `GPUIdle` condition on their device status ([`crate::usage::idle_status`]).
+    pub idle_events: bool,
+    /// The kubelet's PodResources socket, asked at each sample which container holds each
+    /// device (container names); `None`: not asked, names left out. The binary's default is
+    /// [`dra_kubelet::pod_resources::DEFAULT_SOCKET`].
+    pub pod_resources_socket: Option<PathBuf>,
+}
+
+impl Default for UsageConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(10),
+            idle: IdleThresholds::default(),
+            proc_root: PathBuf::from("/proc"),
+            idle_events: true,
+            pod_resources_socket: None,
+        }
+    }
+}
+
+/// Where the driver lives, as the plugin sees it and as the host does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverRoot {
+    /// The driver root as the plugin reads it (`/driver-root` in the chart, `/` on a host).
+    pub root: PathBuf,
+    /// The same directory on the host, what CDI specs name (`/`, or `/run/nvidia/driver` for
+    /// the GPU Operator's driver container).
+    pub host_root: PathBuf,
+    /// `nvidia-cdi-hook` as a host path, when set explicitly; otherwise [`crate::driver_files::HOOK_PATHS`] under
+    /// the root.
+    pub hook: Option<PathBuf>,
+}
+
 /// Where GPUs come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
@@ -77,10 +149,10 @@ pub struct Config {
     /// How often claims that vanished from the API server are unprepared.
     pub stale_claim_interval: Duration,
     /// Deadline of one API server call (a claim read, an event, a slice or Pod write), and the
-    /// client's connect, read and write timeouts ([`crate::claims::DEFAULT_API_TIMEOUT`]).
+    /// client's connect, read and write timeouts ([`DEFAULT_API_TIMEOUT`]).
     pub api_timeout: Duration,
     /// GPU usage sampling, idle claims ([`crate::usage`]); `None`: off.
-    pub usage: Option<crate::usage::UsageConfig>,
+    pub usage: Option<UsageConfig>,
     /// How MIG-capable GPUs are published (existing MIG devices, or partitionable placements).
     pub mig_strategy: gpu_inventory::MigStrategy,
     /// How devices are named: drust's scheme, or NVIDIA's DRA driver's (compatibility mode).
@@ -118,7 +190,7 @@ pub struct Config {
     pub mps_daemon_pods: Option<MpsDaemonPods>,
     /// Where the NVIDIA driver's files are read and what host path CDI specs name them by
     /// (default: `/` for both, no explicit hook): [`crate::driver_files`](mod@crate::driver_files).
-    pub driver_root: crate::driver_files::DriverRoot,
+    pub driver_root: DriverRoot,
     /// The cgroup v2 root the `kernel` level's memory limits are set under (default
     /// `/sys/fs/cgroup`, which the driver requires): [`crate::memory_limits`].
     pub cgroup_root: PathBuf,
@@ -144,10 +216,10 @@ impl Config {
             host_dev_root: None,
             proc_root: PathBuf::from("/proc"),
             boot_id_path: PathBuf::from("/proc/sys/kernel/random/boot_id"),
-            claim_timeout: crate::claims::DEFAULT_TIMEOUT,
+            claim_timeout: DEFAULT_TIMEOUT,
             stale_claim_interval: Duration::from_secs(60),
-            api_timeout: crate::claims::DEFAULT_API_TIMEOUT,
-            usage: Some(crate::usage::UsageConfig::default()),
+            api_timeout: DEFAULT_API_TIMEOUT,
+            usage: Some(UsageConfig::default()),
             mig_strategy: gpu_inventory::MigStrategy::Existing,
             naming: gpu_inventory::Naming::Drust,
             rediscovery_interval: Duration::from_secs(60),
@@ -162,7 +234,7 @@ impl Config {
             mps_root: PathBuf::from("/run/drust/mps"),
             mps_start_timeout: Duration::from_secs(5),
             mps_daemon_pods: None,
-            driver_root: crate::driver_files::DriverRoot {
+            driver_root: DriverRoot {
                 root: PathBuf::from("/"),
                 host_root: PathBuf::from("/"),
                 hook: None,

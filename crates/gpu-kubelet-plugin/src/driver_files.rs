@@ -100,18 +100,7 @@ const FILE_OPTIONS: [&str; 5] = ["ro", "nosuid", "nodev", "rbind", "rprivate"];
 /// Mount options of IPC sockets, as the toolkit's: not read-only, not executable.
 const SOCKET_OPTIONS: [&str; 5] = ["nosuid", "nodev", "rbind", "rprivate", "noexec"];
 
-/// Where the driver lives, as the plugin sees it and as the host does.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DriverRoot {
-    /// The driver root as the plugin reads it (`/driver-root` in the chart, `/` on a host).
-    pub root: PathBuf,
-    /// The same directory on the host, what CDI specs name (`/`, or `/run/nvidia/driver` for
-    /// the GPU Operator's driver container).
-    pub host_root: PathBuf,
-    /// `nvidia-cdi-hook` as a host path, when set explicitly; otherwise [`HOOK_PATHS`] under
-    /// the root.
-    pub hook: Option<PathBuf>,
-}
+pub use crate::config::DriverRoot;
 
 /// The driver files found, as paths relative to the driver root (`usr/bin/nvidia-smi`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

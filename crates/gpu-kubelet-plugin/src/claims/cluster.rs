@@ -46,10 +46,7 @@ pub trait Cluster: Send + Sync + 'static {
     }
 }
 
-/// Default deadline of one API server call: half the default claim deadline
-/// ([`super::DEFAULT_TIMEOUT`]), so a prepare that reads its claim still has time for its
-/// devices.
-pub const DEFAULT_API_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::config::DEFAULT_API_TIMEOUT;
 
 /// The API server, for one node.
 #[derive(Clone)]

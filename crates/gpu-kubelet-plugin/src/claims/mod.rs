@@ -35,7 +35,8 @@ use std::time::Duration;
 use dra_kubelet::{ClaimRef, Driver, PrepareResult, UnprepareResult};
 use tokio::sync::Mutex;
 
-pub use cluster::{Cluster, DEFAULT_API_TIMEOUT, KubeCluster};
+pub use crate::config::DEFAULT_API_TIMEOUT;
+pub use cluster::{Cluster, KubeCluster};
 pub use error::ClaimError;
 pub use plan::{DEVICE_ENV_PREFIX, device_env};
 pub use recovery::RecoveryReport;
@@ -51,8 +52,7 @@ use dra_plugin::lifecycle::{Error as LifecycleError, Lifecycle, Settings};
 type DeviceAction<H, T> =
     Arc<dyn Fn(&H, &NodeDevice) -> Result<T, crate::hardware::HardwareError> + Send + Sync>;
 
-/// Default deadline of one prepare or unprepare, well below the kubelet's 45 s.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+pub use crate::config::DEFAULT_TIMEOUT;
 
 /// The controller's fixed settings.
 #[derive(Debug, Clone)]

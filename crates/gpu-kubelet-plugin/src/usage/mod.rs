@@ -29,59 +29,6 @@ pub mod report;
 pub mod sampler;
 pub mod share_mounts;
 
-use std::path::PathBuf;
-use std::time::Duration;
-
 pub use report::{ClaimReport, ContainerUse, DeviceReport, ProcessReport, Report};
 
-/// When a claim counts as idle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct IdleThresholds {
-    /// A device whose SM utilization (percent, 0..=100) reaches this is busy.
-    pub sm_percent: u32,
-    /// A device whose memory activity (percent of time memory was read or written) reaches this
-    /// is busy.
-    pub memory_percent: u32,
-    /// How long a claim must go without a busy sample to be idle.
-    pub window: Duration,
-}
-
-impl Default for IdleThresholds {
-    /// 5 % SM, 5 % memory activity, 30 minutes.
-    fn default() -> Self {
-        Self {
-            sm_percent: 5,
-            memory_percent: 5,
-            window: Duration::from_secs(30 * 60),
-        }
-    }
-}
-
-/// How usage is sampled.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UsageConfig {
-    /// Time between two samples (default 10 s).
-    pub interval: Duration,
-    /// When a claim is idle.
-    pub idle: IdleThresholds,
-    /// The host's `/proc` as the plugin sees it (processes' cgroups).
-    pub proc_root: PathBuf,
-    /// Mark idle claims with a `GPUIdle` condition on their device status ([`idle_status`]).
-    pub idle_events: bool,
-    /// The kubelet's PodResources socket, asked at each sample which container holds each
-    /// device (container names); `None`: not asked, names left out. The binary's default is
-    /// [`dra_kubelet::pod_resources::DEFAULT_SOCKET`].
-    pub pod_resources_socket: Option<PathBuf>,
-}
-
-impl Default for UsageConfig {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(10),
-            idle: IdleThresholds::default(),
-            proc_root: PathBuf::from("/proc"),
-            idle_events: true,
-            pod_resources_socket: None,
-        }
-    }
-}
+pub use crate::config::{IdleThresholds, UsageConfig};

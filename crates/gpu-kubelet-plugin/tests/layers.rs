@@ -1,0 +1,113 @@
+//! The plugin's modules in layers (issue 41, defect 16): a module names only modules of its own
+//! layer or below, never one above, so that settings know nothing of the plugin and each part
+//! can be read, tested and changed from the bottom up. Every source file is read (a module that
+//! is in no layer fails the test), and every `crate::<module>` in code is an arrow (comments and
+//! test modules aside: a doc link is no dependency).
+//!
+//! The layers, bottom up:
+//! 0. settings and leaf helpers: `config`, `failpoint`, `claim_config`, and `dra_plugin`'s
+//!    `cdi` and `storage` (re-exported);
+//! 1. the hardware and the node's files: `hardware`, `driver_files`, `mps`;
+//! 2. what is recorded and enforced per claim: `checkpoint`, `memory_limits`;
+//! 3. the claim controller: `claims`;
+//! 4. what watches the claims and GPUs: `usage`, `health`, `health_record`, `publisher`;
+//! 5. `metrics`; 6. `instance` (handover); 7. `http`; 8. the wiring (`lib.rs`, `main.rs`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+const LAYERS: [&[&str]; 9] = [
+    &["config", "failpoint", "claim_config", "cdi", "storage"],
+    &["hardware", "driver_files", "mps"],
+    &["checkpoint", "memory_limits"],
+    &["claims"],
+    &["usage", "health", "health_record", "publisher"],
+    &["metrics"],
+    &["instance"],
+    &["http"],
+    &["lib", "main", "bin"],
+];
+
+fn layer(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|l| l.contains(&module))
+}
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("the source directory") {
+        let path = entry.expect("an entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The modules `text` names as `crate::<module>` in code (not in comments, not in its test
+/// module).
+fn arrows(text: &str) -> Vec<String> {
+    let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+    let mut found = Vec::new();
+    for line in code.lines() {
+        let line = line.trim_start();
+        if line.starts_with("//") {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(at) = rest.find("crate::") {
+            rest = &rest[at + "crate::".len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            if !name.is_empty() {
+                found.push(name);
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn no_module_names_one_above_it() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    assert!(
+        files.len() > 20,
+        "the sources were not all found: {files:?}"
+    );
+    let mut upward: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for file in &files {
+        let relative = file.strip_prefix(&src).expect("under src");
+        let module = relative
+            .components()
+            .next()
+            .and_then(|c| c.as_os_str().to_str())
+            .map(|c| c.trim_end_matches(".rs").to_owned())
+            .expect("a module");
+        let from = layer(&module)
+            .unwrap_or_else(|| panic!("module {module} ({}) is in no layer", file.display()));
+        let text = std::fs::read_to_string(file).expect("a source file");
+        for to in arrows(&text) {
+            let target = layer(&to)
+                .unwrap_or_else(|| panic!("{} names crate::{to}, in no layer", file.display()));
+            if target > from {
+                upward
+                    .entry(format!("{} ({module})", relative.display()))
+                    .or_default()
+                    .push(to);
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "modules naming modules above them: {upward:#?}"
+    );
+}
+
+#[test]
+fn the_reader_finds_arrows_in_code_only() {
+    let text = "use crate::claims::X;\n/// [`crate::usage`]\nlet a = crate::mps::f(crate::cdi::g);\n#[cfg(test)]\nuse crate::http;";
+    assert_eq!(arrows(text), ["claims", "mps", "cdi"]);
+}
