@@ -56,23 +56,24 @@
 //! command gains `-p 3 -m`), and each share gets its own namespace (`v3.rs`'s module docs). The
 //! daemon's protocol is recorded in its directory, so every later call speaks it.
 //!
-//! The Pod ([`DaemonPods`], `pod.rs`) and the v3 namespaces (`v3.rs`) live in their own files.
+//! The Pod ([`DaemonPods`], `pod.rs`), the v3 namespaces (`v3.rs`), the containers' CDI edits
+//! (`edits.rs`) and the control tool's process runner (`runner.rs`) live in their own files; this
+//! one holds the daemon's lifecycle (start, limits, liveness, stop) and the legacy protocol's
+//! commands.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::PostParams;
-use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use tracing::{info, warn};
 
-use crate::cdi::{ContainerEdits, Mount};
-
+mod edits;
 mod pod;
+mod runner;
 mod v3;
 
 pub use pod::{DaemonPods, DaemonSetOwner};
@@ -302,78 +303,6 @@ impl MpsControl {
     /// The name of the Pod running the daemon of claim `uid`.
     pub fn pod_name(uid: &str) -> String {
         format!("mps-control-daemon-{uid}")
-    }
-
-    /// The CDI edits that connect a container to the claim's daemon.
-    pub fn container_edits(&self, uid: &str) -> ContainerEdits {
-        Self::client_edits(&self.pipe_dir(uid))
-    }
-
-    /// The CDI edits that connect a container to a daemon through the socket directory `pipe`
-    /// (its pipe directory, or one namespace's): that directory alone; the container keeps its
-    /// own `/dev/shm` (module docs).
-    fn client_edits(pipe: &Path) -> ContainerEdits {
-        ContainerEdits {
-            env: vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")],
-            mounts: vec![Mount {
-                host_path: pipe.display().to_string(),
-                container_path: CONTAINER_PIPE_DIR.to_owned(),
-                options: vec!["rbind".into(), "rw".into()],
-            }],
-            ..ContainerEdits::default()
-        }
-    }
-
-    /// The CDI edits of one share's containers (fractional GPUs, [`crate::claims`]' shares):
-    /// connected to the daemon of `key` (its device's), with the share's own limits as the
-    /// client environment MPS reads at a client's start (NVIDIA's MPS guide, "Environment
-    /// variables"): `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` (the daemon serves one device,
-    /// ordinal 0; rounded down to whole MiB so the share is never exceeded) and, when
-    /// `compute_percent` is not 0, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`.
-    /// The share's mark ([`SHARE_MARK_DIR`]) names `claim_uid`.
-    pub fn share_edits(
-        &self,
-        key: &str,
-        claim_uid: &str,
-        memory_bytes: u64,
-        compute_percent: u32,
-    ) -> ContainerEdits {
-        let mut edits = self.container_edits(key);
-        Self::mark_share(&mut edits, claim_uid);
-        Self::with_share_env(edits, memory_bytes, compute_percent)
-    }
-
-    /// Adds the mark of claim `claim_uid`'s share to `edits`: its socket directory (their
-    /// first mount) again, read-only, at `<SHARE_MARK_DIR>/<claim_uid>`.
-    fn mark_share(edits: &mut ContainerEdits, claim_uid: &str) {
-        let Some(socket_dir) = edits.mounts.first().map(|m| m.host_path.clone()) else {
-            return;
-        };
-        edits.mounts.push(Mount {
-            host_path: socket_dir,
-            container_path: format!("{SHARE_MARK_DIR}/{claim_uid}"),
-            options: ["bind", "ro", "nosuid", "nodev", "noexec"]
-                .map(String::from)
-                .to_vec(),
-        });
-    }
-
-    /// `edits` with a share's client limits in the environment ([`Self::share_edits`]).
-    fn with_share_env(
-        mut edits: ContainerEdits,
-        memory_bytes: u64,
-        compute_percent: u32,
-    ) -> ContainerEdits {
-        edits.env.push(format!(
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
-            (memory_bytes >> 20).max(1)
-        ));
-        if compute_percent > 0 {
-            edits.env.push(format!(
-                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={compute_percent}"
-            ));
-        }
-        edits
     }
 
     /// Starts the daemon of claim `uid` for the devices `visible_ids` (GPU or MIG UUIDs, in
@@ -765,86 +694,6 @@ impl MpsControl {
         }
         // The daemon has quit (or never answered): its Pod goes.
         self.delete_pod(uid).await
-    }
-
-    /// Sends one control command to the legacy daemon of `pipe`; its answer.
-    async fn command(&self, pipe: &Path, command: &str) -> Result<String, MpsError> {
-        let mut client = Command::new(&self.binary);
-        client.env("CUDA_MPS_PIPE_DIRECTORY", pipe);
-        self.run(client, command, Some(command)).await
-    }
-
-    /// Runs one v3 command (`module verb ...` as the tool's arguments) against the daemon of
-    /// `pipe`; its output.
-    async fn v3_command(&self, pipe: &Path, args: &[&str]) -> Result<String, MpsError> {
-        let mut client = Command::new(&self.binary);
-        client
-            .args(args)
-            .env("CUDA_MPS_PIPE_DIRECTORY", pipe)
-            .env("CUDA_MPS_PROTOCOL_VERSION", "3");
-        self.run(client, &args.join(" "), None).await
-    }
-
-    /// Asks the daemon of `pipe` for its servers, in its protocol: whether it answers.
-    async fn probe(&self, pipe: &Path, protocol: Protocol) -> Result<String, MpsError> {
-        match protocol {
-            Protocol::Legacy => self.command(pipe, "get_server_list").await,
-            Protocol::V3 => {
-                self.v3_command(pipe, &["server", "list", "--format=csv,noheader"])
-                    .await
-            }
-        }
-    }
-
-    async fn run(
-        &self,
-        mut cmd: Command,
-        args: &str,
-        stdin: Option<&str>,
-    ) -> Result<String, MpsError> {
-        let spawn_err = |source| MpsError::Spawn {
-            binary: self.binary.clone(),
-            args: args.to_owned(),
-            source,
-        };
-        cmd.stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-        // fork and exec block; keep them off the async workers.
-        let mut child = tokio::task::spawn_blocking(move || cmd.spawn())
-            .await
-            .map_err(|e| spawn_err(std::io::Error::other(e)))?
-            .map_err(spawn_err)?;
-        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-            match pipe.write_all(format!("{text}\n").as_bytes()).await {
-                // The tool exited without reading (no daemon to send to): its exit status
-                // says so.
-                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-                other => other.map_err(spawn_err)?,
-            }
-        }
-        let output = tokio::time::timeout(self.start_timeout, child.wait_with_output())
-            .await
-            .map_err(|_| MpsError::Timeout {
-                pipe_dir: self.root.clone(),
-                what: "finish a control command",
-                timeout_ms: self.start_timeout.as_millis(),
-            })?
-            .map_err(spawn_err)?;
-        if !output.status.success() {
-            return Err(MpsError::Failed {
-                binary: self.binary.clone(),
-                args: args.to_owned(),
-                status: output.status.to_string(),
-                stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
-            });
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 }
 

@@ -1,0 +1,83 @@
+//! The CDI edits that connect containers to an MPS daemon: its socket directory (the pipe
+//! directory, or a v3 namespace's) at [`CONTAINER_PIPE_DIR`], a share's limits in the client
+//! environment, and a share's mark ([`SHARE_MARK_DIR`]). Each container keeps its own
+//! `/dev/shm` (the module docs of [`super`]).
+
+use std::path::Path;
+
+use super::{CONTAINER_PIPE_DIR, MpsControl, SHARE_MARK_DIR};
+use crate::cdi::{ContainerEdits, Mount};
+
+impl MpsControl {
+    /// The CDI edits that connect a container to the claim's daemon.
+    pub fn container_edits(&self, uid: &str) -> ContainerEdits {
+        Self::client_edits(&self.pipe_dir(uid))
+    }
+
+    /// The CDI edits that connect a container to a daemon through the socket directory `pipe`
+    /// (its pipe directory, or one namespace's): that directory alone; the container keeps its
+    /// own `/dev/shm` (module docs).
+    pub(super) fn client_edits(pipe: &Path) -> ContainerEdits {
+        ContainerEdits {
+            env: vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")],
+            mounts: vec![Mount {
+                host_path: pipe.display().to_string(),
+                container_path: CONTAINER_PIPE_DIR.to_owned(),
+                options: vec!["rbind".into(), "rw".into()],
+            }],
+            ..ContainerEdits::default()
+        }
+    }
+
+    /// The CDI edits of one share's containers (fractional GPUs, [`crate::claims`]' shares):
+    /// connected to the daemon of `key` (its device's), with the share's own limits as the
+    /// client environment MPS reads at a client's start (NVIDIA's MPS guide, "Environment
+    /// variables"): `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` (the daemon serves one device,
+    /// ordinal 0; rounded down to whole MiB so the share is never exceeded) and, when
+    /// `compute_percent` is not 0, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`.
+    /// The share's mark ([`SHARE_MARK_DIR`]) names `claim_uid`.
+    pub fn share_edits(
+        &self,
+        key: &str,
+        claim_uid: &str,
+        memory_bytes: u64,
+        compute_percent: u32,
+    ) -> ContainerEdits {
+        let mut edits = self.container_edits(key);
+        Self::mark_share(&mut edits, claim_uid);
+        Self::with_share_env(edits, memory_bytes, compute_percent)
+    }
+
+    /// Adds the mark of claim `claim_uid`'s share to `edits`: its socket directory (their
+    /// first mount) again, read-only, at `<SHARE_MARK_DIR>/<claim_uid>`.
+    pub(super) fn mark_share(edits: &mut ContainerEdits, claim_uid: &str) {
+        let Some(socket_dir) = edits.mounts.first().map(|m| m.host_path.clone()) else {
+            return;
+        };
+        edits.mounts.push(Mount {
+            host_path: socket_dir,
+            container_path: format!("{SHARE_MARK_DIR}/{claim_uid}"),
+            options: ["bind", "ro", "nosuid", "nodev", "noexec"]
+                .map(String::from)
+                .to_vec(),
+        });
+    }
+
+    /// `edits` with a share's client limits in the environment ([`Self::share_edits`]).
+    pub(super) fn with_share_env(
+        mut edits: ContainerEdits,
+        memory_bytes: u64,
+        compute_percent: u32,
+    ) -> ContainerEdits {
+        edits.env.push(format!(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
+            (memory_bytes >> 20).max(1)
+        ));
+        if compute_percent > 0 {
+            edits.env.push(format!(
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={compute_percent}"
+            ));
+        }
+        edits
+    }
+}
