@@ -17,7 +17,7 @@ impl MpsControl {
     /// The CDI edits that connect a container to a daemon through the socket directory `pipe`
     /// (its pipe directory, or one namespace's): that directory alone; the container keeps its
     /// own `/dev/shm` (module docs).
-    pub(super) fn client_edits(pipe: &Path) -> ContainerEdits {
+    fn client_edits(pipe: &Path) -> ContainerEdits {
         ContainerEdits {
             env: vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")],
             mounts: vec![Mount {
@@ -43,32 +43,32 @@ impl MpsControl {
         memory_bytes: u64,
         compute_percent: u32,
     ) -> ContainerEdits {
-        let mut edits = self.container_edits(key);
-        Self::mark_share(&mut edits, claim_uid);
-        Self::with_share_env(edits, memory_bytes, compute_percent)
+        Self::share_client_edits(
+            &self.pipe_dir(key),
+            claim_uid,
+            memory_bytes,
+            compute_percent,
+        )
     }
 
-    /// Adds the mark of claim `claim_uid`'s share to `edits`: its socket directory (their
-    /// first mount) again, read-only, at `<SHARE_MARK_DIR>/<claim_uid>`.
-    pub(super) fn mark_share(edits: &mut ContainerEdits, claim_uid: &str) {
-        let Some(socket_dir) = edits.mounts.first().map(|m| m.host_path.clone()) else {
-            return;
-        };
+    /// The CDI edits of claim `claim_uid`'s share, whose clients reach their daemon through
+    /// `socket_dir` (the daemon's pipe directory, or the share's v3 namespace's): that
+    /// directory, again read-only as the share's mark at `<SHARE_MARK_DIR>/<claim_uid>`, and the
+    /// share's client limits in the environment ([`Self::share_edits`]).
+    pub(super) fn share_client_edits(
+        socket_dir: &Path,
+        claim_uid: &str,
+        memory_bytes: u64,
+        compute_percent: u32,
+    ) -> ContainerEdits {
+        let mut edits = Self::client_edits(socket_dir);
         edits.mounts.push(Mount {
-            host_path: socket_dir,
+            host_path: socket_dir.display().to_string(),
             container_path: format!("{SHARE_MARK_DIR}/{claim_uid}"),
             options: ["bind", "ro", "nosuid", "nodev", "noexec"]
                 .map(String::from)
                 .to_vec(),
         });
-    }
-
-    /// `edits` with a share's client limits in the environment ([`Self::share_edits`]).
-    pub(super) fn with_share_env(
-        mut edits: ContainerEdits,
-        memory_bytes: u64,
-        compute_percent: u32,
-    ) -> ContainerEdits {
         edits.env.push(format!(
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M",
             (memory_bytes >> 20).max(1)

@@ -101,9 +101,9 @@ impl MpsControl {
     }
 
     /// The CDI edits of one share's containers at v3: the namespace's socket directory as the
-    /// pipe directory (nothing else of the daemon's) and the share's limits in the environment as at the legacy level ([`Self::share_edits`]; the
-    /// namespace holds them whatever the environment says).
-    ///
+    /// pipe directory (nothing else of the daemon's) and the share's limits in the environment
+    /// as at the legacy level ([`Self::share_edits`]; the namespace holds them whatever the
+    /// environment says).
     pub fn namespace_edits(
         &self,
         key: &str,
@@ -112,9 +112,7 @@ impl MpsControl {
         compute_percent: u32,
     ) -> ContainerEdits {
         let dir = self.namespace_dir(key, &namespace_name(claim_uid));
-        let mut edits = Self::client_edits(&dir);
-        Self::mark_share(&mut edits, claim_uid);
-        Self::with_share_env(edits, memory_bytes, compute_percent)
+        Self::share_client_edits(&dir, claim_uid, memory_bytes, compute_percent)
     }
 
     /// Creates server [`V3_SERVER`] (root's, allowed `devices`) on the v3 daemon of `pipe`.
