@@ -9,11 +9,11 @@ use dra_kubelet::PluginSockets;
 pub const DEFAULT_DRIVER_NAME: &str = "gpu.drust.dev";
 
 /// The hook binary's file name, beside the plugin's own binary and where it is installed
-/// ([`crate::memory_limits`]).
+/// (the `kernel` level's hook, `memory_limits`).
 pub const HOOK_BINARY: &str = "drust-cdi-hook";
 
 /// Where the driver requires cgroup v2, and the default `--cgroup-root`
-/// ([`crate::memory_limits`]).
+/// (the `kernel` level's memory limits, `memory_limits`).
 pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// Default deadline of one prepare or unprepare, well below the kubelet's 45 s.
@@ -55,7 +55,7 @@ pub struct UsageConfig {
     pub idle: IdleThresholds,
     /// The host's `/proc` as the plugin sees it (processes' cgroups).
     pub proc_root: PathBuf,
-    /// Mark idle claims with a `GPUIdle` condition on their device status ([`crate::usage::idle_status`]).
+    /// Mark idle claims with a `GPUIdle` condition on their device status (`usage::idle_status`).
     pub idle_events: bool,
     /// The kubelet's PodResources socket, asked at each sample which container holds each
     /// device (container names); `None`: not asked, names left out. The binary's default is
@@ -83,7 +83,7 @@ pub struct DriverRoot {
     /// The same directory on the host, what CDI specs name (`/`, or `/run/nvidia/driver` for
     /// the GPU Operator's driver container).
     pub host_root: PathBuf,
-    /// `nvidia-cdi-hook` as a host path, when set explicitly; otherwise [`crate::driver_files::HOOK_PATHS`] under
+    /// `nvidia-cdi-hook` as a host path, when set explicitly; otherwise `driver_files::HOOK_PATHS` under
     /// the root.
     pub hook: Option<PathBuf>,
 }
@@ -134,7 +134,7 @@ pub struct Config {
     /// The CDI spec directory (default `/var/run/cdi`).
     pub cdi_root: PathBuf,
     /// The checkpoint's first slot file (default `<plugin-dir>/checkpoint.json`; the second slot is
-    /// beside it, see [`crate::checkpoint::slot_paths`]).
+    /// beside it, see `checkpoint::slot_paths`).
     pub checkpoint_path: PathBuf,
     /// Root under which device nodes (`/dev/nvidia0`, ...) are checked at prepare (default `/`).
     pub dev_root: PathBuf,
@@ -151,7 +151,7 @@ pub struct Config {
     /// Deadline of one API server call (a claim read, an event, a slice or Pod write), and the
     /// client's connect, read and write timeouts ([`DEFAULT_API_TIMEOUT`]).
     pub api_timeout: Duration,
-    /// GPU usage sampling, idle claims ([`crate::usage`]); `None`: off.
+    /// GPU usage sampling, idle claims (`usage`); `None`: off.
     pub usage: Option<UsageConfig>,
     /// How MIG-capable GPUs are published (existing MIG devices, or partitionable placements).
     pub mig_strategy: gpu_inventory::MigStrategy,
@@ -189,10 +189,10 @@ pub struct Config {
     /// the plugin's child process.
     pub mps_daemon_pods: Option<MpsDaemonPods>,
     /// Where the NVIDIA driver's files are read and what host path CDI specs name them by
-    /// (default: `/` for both, no explicit hook): [`crate::driver_files`](mod@crate::driver_files).
+    /// (default: `/` for both, no explicit hook): see `driver_files`.
     pub driver_root: DriverRoot,
     /// The cgroup v2 root the `kernel` level's memory limits are set under (default
-    /// `/sys/fs/cgroup`, which the driver requires): [`crate::memory_limits`].
+    /// `/sys/fs/cgroup`, which the driver requires): see `memory_limits`.
     pub cgroup_root: PathBuf,
     /// The `drust-cdi-hook` binary shipped with the plugin, installed into `<plugin dir>/bin/`
     /// under its digest for the `kernel` level (default: beside the plugin's own binary).
@@ -248,7 +248,7 @@ impl Config {
     }
 }
 
-/// How MPS daemon Pods are made ([`crate::mps::DaemonPods`] without what the plugin knows
+/// How MPS daemon Pods are made (`mps::DaemonPods` without what the plugin knows
 /// itself: the client, the node, the driver root).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MpsDaemonPods {

@@ -12,7 +12,7 @@
 //! happens, and unprepare destroys exactly the recorded device (an already destroyed one is
 //! success). In partitionable mode the plugin owns every MIG device on the GPUs it publishes
 //! placements for: at start, devices no prepared claim records are destroyed as orphans of a
-//! crash between creation and the checkpoint write (see [`crate::claims`]).
+//! crash between creation and the checkpoint write (the claim controller's recovery).
 //!
 //! MIG devices are reached through capability nodes: `/dev/nvidia-caps/nvidia-cap<m>` for the GPU
 //! instance and for the compute instance, where `<m>` comes from the driver's table
@@ -339,7 +339,7 @@ pub enum HardwareError {
         source: gpu_inventory::BackendError,
     },
     /// A memory-limit record of the `kernel` level could not be read or removed
-    /// ([`crate::memory_limits`]).
+    /// (`memory_limits`).
     #[error("claim {claim}: memory-limit record {path}: {source}")]
     LimitRecord {
         /// The claim's UID.
@@ -452,7 +452,7 @@ pub trait Hardware: Send + Sync + 'static {
     }
 
     /// Sets (or with [`MemoryLimits::CLEARED`], clears) the memory limits on the GPU whose UUID
-    /// is `gpu_uuid` of the cgroup directory `cgroup` ([`crate::memory_limits`]).
+    /// is `gpu_uuid` of the cgroup directory `cgroup` (`memory_limits`).
     ///
     /// # Errors
     /// [`HardwareError::Setting`] when they cannot be set; by default, always.

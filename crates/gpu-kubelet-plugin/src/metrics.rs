@@ -16,7 +16,7 @@
 //!
 //! `method` is `prepare` or `unprepare`; `api_version` is `v1` or `v1beta1`; `reason` is
 //! [`crate::claims::ClaimError::reason`] or `not-active` (the instance never became active
-//! within the handover wait, see [`crate::instance`]).
+//! within the handover wait, see `instance`).
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;

@@ -2,7 +2,8 @@
 //! layer or below, never one above, so that settings know nothing of the plugin and each part
 //! can be read, tested and changed from the bottom up. Every source file is read (a module that
 //! is in no layer fails the test), and every `crate::<module>` in code is an arrow (comments and
-//! test modules aside: a doc link is no dependency).
+//! test modules aside). Doc links are read too: one is no dependency, but a link upward makes
+//! the layering read wrongly, so a lower module names a higher one in plain text instead.
 //!
 //! The layers, bottom up:
 //! 0. settings and leaf helpers: `config`, `failpoint`, `claim_config`, and `dra_plugin`'s
@@ -11,12 +12,19 @@
 //! 2. what is recorded and enforced per claim: `checkpoint`, `memory_limits`;
 //! 3. the claim controller: `claims`;
 //! 4. what watches the claims and GPUs: `usage`, `health`, `health_record`, `publisher`;
-//! 5. `metrics`; 6. `instance` (handover); 7. `http`; 8. the wiring (`lib.rs`, `main.rs`).
+//! 5. `metrics`; 6. `instance` (handover); 7. `http`;
+//! 8. the plugin's `error` (it names the claims', the handover's and the HTTP endpoint's);
+//! 9. the start-up steps, each on its own: `discovery` (backend, inventory, driver files),
+//!    `client` (the API client), `state` (root-only state), `enforcement` (the shares' level),
+//!    `dry_run`;
+//! 10. `publishing` (what the node publishes, and when); 11. `active` (what the active instance
+//!     runs, and its stop); 12. `takeover` (becoming active);
+//! 13. the wiring: `wiring` (`run`), `lib.rs` (modules and re-exports), `main.rs`, `bin/`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-const LAYERS: [&[&str]; 9] = [
+const LAYERS: [&[&str]; 14] = [
     &["config", "failpoint", "claim_config", "cdi", "storage"],
     &["hardware", "driver_files", "mps"],
     &["checkpoint", "memory_limits"],
@@ -25,7 +33,12 @@ const LAYERS: [&[&str]; 9] = [
     &["metrics"],
     &["instance"],
     &["http"],
-    &["lib", "main", "bin"],
+    &["error"],
+    &["discovery", "client", "state", "enforcement", "dry_run"],
+    &["publishing"],
+    &["active"],
+    &["takeover"],
+    &["wiring", "lib", "main", "bin"],
 ];
 
 fn layer(module: &str) -> Option<usize> {
@@ -68,8 +81,45 @@ fn arrows(text: &str) -> Vec<String> {
     found
 }
 
-#[test]
-fn no_module_names_one_above_it() {
+/// The modules `text` links to as `crate::<module>` in its doc comments (`///`, `//!`; not in
+/// its test module): `[`crate::m`]`, `[crate::m]`, `[text](crate::m)`, `[text]: crate::m`, each
+/// with or without a disambiguator (`mod@crate::m`). A path in plain backticks is no link.
+fn doc_links(text: &str) -> Vec<String> {
+    let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+    let mut found = Vec::new();
+    for line in code.lines() {
+        let line = line.trim_start();
+        let Some(doc) = line
+            .strip_prefix("///")
+            .or_else(|| line.strip_prefix("//!"))
+        else {
+            continue;
+        };
+        let mut from = 0;
+        while let Some(at) = doc[from..].find("crate::") {
+            let start = from + at;
+            from = start + "crate::".len();
+            let before = doc[..start].strip_suffix('@').map_or(&doc[..start], |b| {
+                b.trim_end_matches(|c: char| c.is_ascii_lowercase())
+            });
+            let opens = ["[`", "[", "](", "]: "];
+            if !opens.iter().any(|o| before.ends_with(o)) {
+                continue;
+            }
+            let name: String = doc[from..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            if !name.is_empty() {
+                found.push(name);
+            }
+        }
+    }
+    found
+}
+
+/// Each source file's `read` modules that lie above the file's own, by file.
+fn upward(read: fn(&str) -> Vec<String>) -> BTreeMap<String, Vec<String>> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     sources(&src, &mut files);
@@ -89,7 +139,7 @@ fn no_module_names_one_above_it() {
         let from = layer(&module)
             .unwrap_or_else(|| panic!("module {module} ({}) is in no layer", file.display()));
         let text = std::fs::read_to_string(file).expect("a source file");
-        for to in arrows(&text) {
+        for to in read(&text) {
             let target = layer(&to)
                 .unwrap_or_else(|| panic!("{} names crate::{to}, in no layer", file.display()));
             if target > from {
@@ -100,6 +150,12 @@ fn no_module_names_one_above_it() {
             }
         }
     }
+    upward
+}
+
+#[test]
+fn no_module_names_one_above_it() {
+    let upward = upward(arrows);
     assert!(
         upward.is_empty(),
         "modules naming modules above them: {upward:#?}"
@@ -107,7 +163,30 @@ fn no_module_names_one_above_it() {
 }
 
 #[test]
+fn no_doc_link_points_upward() {
+    let upward = upward(doc_links);
+    assert!(
+        upward.is_empty(),
+        "doc links to modules above their own (name them in plain text): {upward:#?}"
+    );
+}
+
+#[test]
 fn the_reader_finds_arrows_in_code_only() {
     let text = "use crate::claims::X;\n/// [`crate::usage`]\nlet a = crate::mps::f(crate::cdi::g);\n#[cfg(test)]\nuse crate::http;";
     assert_eq!(arrows(text), ["claims", "mps", "cdi"]);
+}
+
+#[test]
+fn the_reader_finds_doc_links_only() {
+    let text = "//! [`crate::claims`] and [text](crate::mps::X), [`x`](mod@crate::usage)\n\
+                /// [crate::http], `crate::metrics` in backticks, (`crate::instance`)\n\
+                /// [`mod@crate::health`]\n\
+                /// [ref]: crate::checkpoint::slot_paths\n\
+                use crate::hardware; // [`crate::config`]\n\
+                #[cfg(test)]\n/// [`crate::publisher`]";
+    assert_eq!(
+        doc_links(text),
+        ["claims", "mps", "usage", "http", "health", "checkpoint"]
+    );
 }

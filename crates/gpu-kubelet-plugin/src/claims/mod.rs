@@ -271,7 +271,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         self.lifecycle.quiesce().await;
     }
 
-    /// What the usage sampler joins ([`crate::usage`]): every device by name, published or
+    /// What the usage sampler (`usage`) joins: every device by name, published or
     /// retired, and the prepared claims without their CDI specs (the sampler has no use for
     /// them, and copying them under the journal's lock would hold prepares back).
     pub async fn usage_view(&self) -> (BTreeMap<String, NodeDevice>, Vec<(String, ClaimRecord)>) {

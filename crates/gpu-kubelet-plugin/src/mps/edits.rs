@@ -29,7 +29,7 @@ impl MpsControl {
         }
     }
 
-    /// The CDI edits of one share's containers (fractional GPUs, [`crate::claims`]' shares):
+    /// The CDI edits of one share's containers (fractional GPUs, the claim controller's shares):
     /// connected to the daemon of `key` (its device's), with the share's own limits as the
     /// client environment MPS reads at a client's start (NVIDIA's MPS guide, "Environment
     /// variables"): `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` (the daemon serves one device,

@@ -84,7 +84,7 @@ pub const CONTAINER_PIPE_DIR: &str = "/run/nvidia-mps";
 
 /// Where a share's containers find its mark: a read-only mount at `<this>/<claim UID>` of the
 /// socket directory they already have, so that the usage sampler can tell which share a
-/// process's container holds ([`crate::usage::share_mounts`]).
+/// process's container holds (`usage::share_mounts`).
 pub const SHARE_MARK_DIR: &str = "/run/drust/shares";
 
 /// The size of a daemon Pod's own `/dev/shm` (a memory `emptyDir`, Kubernetes quantity): a
