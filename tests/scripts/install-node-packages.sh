@@ -2,30 +2,6 @@
 # Debian packages the real test node needs (runc, the CNI plugins, static busybox for the
 # images), installed with apt-get when missing. Used by .ci/run, by the demo and by the test
 # harness (`drust_e2e::node::ensure_packages`, before the first node starts), so `cargo test`
-# needs no step before it. Concurrent callers (test binaries run side by side) take one lock:
-# the first installs, the others wait and then find everything installed.
-set -euo pipefail
-packages=(runc containernetworking-plugins busybox-static)
-missing() {
-  need=()
-  for package in "${packages[@]}"; do
-    # "install ok installed" only: a removed package can linger as config files ("rc").
-    [[ "$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null)" == "install ok installed" ]] || need+=("$package")
-  done
-}
-missing
-(( ${#need[@]} )) || exit 0
-if [[ $(id -u) != 0 ]]; then
-  echo "the real test node needs Debian's ${need[*]}: install them as root (apt-get install ${need[*]})" >&2
-  exit 1
-fi
-exec 9>"${DRUST_PACKAGES_LOCK:-/var/lock/drust-node-packages.lock}"
-flock 9
-missing
-if (( ${#need[@]} )); then
-  echo "installing Debian packages for the real test node: ${need[*]} (apt-get, once)" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  apt-get install -y -q --no-install-recommends "${need[@]}" >/dev/null
-  echo "installed ${need[*]}" >&2
-fi
+# needs no step before it.
+exec "$(dirname "$0")/install-debian-packages.sh" "the real test node" \
+  runc containernetworking-plugins busybox-static

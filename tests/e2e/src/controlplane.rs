@@ -23,7 +23,7 @@ use std::fmt;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
@@ -85,22 +85,9 @@ impl fmt::Display for Component {
 /// failed component's log.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The build script could not be run.
-    #[error("running {script}")]
-    RunBuildScript {
-        /// The script.
-        script: PathBuf,
-        /// Why it could not be run.
-        source: io::Error,
-    },
-    /// The build script ran and failed; its progress went to stderr.
-    #[error("{script} failed ({status}); its output is above")]
-    BuildScriptFailed {
-        /// The script.
-        script: PathBuf,
-        /// How it exited.
-        status: ExitStatus,
-    },
+    /// The build script could not run or failed.
+    #[error(transparent)]
+    BuildScript(#[from] crate::scripts::ScriptError),
     /// The build script succeeded but its last stdout line is not a directory with the binaries.
     #[error("{script} printed {printed:?}, which is not a directory holding {missing}")]
     BinariesMissing {
@@ -796,34 +783,7 @@ impl ControlPlane {
 /// named on the last line of its stdout.
 async fn build_binaries() -> Result<PathBuf, Error> {
     let script = PathBuf::from(BUILD_SCRIPT);
-    let run_err = |source| Error::RunBuildScript {
-        script: script.clone(),
-        source,
-    };
-    // Not `output()`: tokio's `output()` pipes stderr as well, and a cold build's progress
-    // must reach the terminal.
-    let child = tokio::process::Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(run_err)?;
-    let output = child.wait_with_output().await.map_err(run_err)?;
-    if !output.status.success() {
-        return Err(Error::BuildScriptFailed {
-            script,
-            status: output.status,
-        });
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let printed = stdout
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .trim()
-        .to_owned();
+    let printed = crate::scripts::last_line(&script, &[]).await?;
     let dir = PathBuf::from(&printed);
     for component in [
         Component::Etcd,

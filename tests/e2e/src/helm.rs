@@ -15,7 +15,7 @@ const BUILD_SCRIPT: &str = concat!(
 /// Running Helm failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HelmError {
-    /// The build script or helm itself could not be started.
+    /// Helm could not be started.
     #[error("running {program}: {source}")]
     Spawn {
         /// The program.
@@ -23,14 +23,9 @@ pub enum HelmError {
         /// Why.
         source: std::io::Error,
     },
-    /// The build script failed; its output went to stderr.
-    #[error("{script} failed ({status}); its output is above")]
-    Build {
-        /// The script.
-        script: String,
-        /// How it exited.
-        status: std::process::ExitStatus,
-    },
+    /// The build script could not run or failed.
+    #[error(transparent)]
+    Build(#[from] crate::scripts::ScriptError),
     /// The build script's last line is not an executable.
     #[error("{script} printed {printed:?}, which is not the helm binary")]
     BinaryMissing {
@@ -66,36 +61,7 @@ pub async fn helm_binary() -> Result<PathBuf, HelmError> {
     if let Some(bin) = BUILT.get() {
         return Ok(bin.clone());
     }
-    let child = tokio::process::Command::new("bash")
-        .arg(BUILD_SCRIPT)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|source| HelmError::Spawn {
-            program: BUILD_SCRIPT.to_owned(),
-            source,
-        })?;
-    let output = child
-        .wait_with_output()
-        .await
-        .map_err(|source| HelmError::Spawn {
-            program: BUILD_SCRIPT.to_owned(),
-            source,
-        })?;
-    if !output.status.success() {
-        return Err(HelmError::Build {
-            script: BUILD_SCRIPT.to_owned(),
-            status: output.status,
-        });
-    }
-    let printed = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .trim()
-        .to_owned();
+    let printed = crate::scripts::last_line(Path::new(BUILD_SCRIPT), &[]).await?;
     let bin = PathBuf::from(&printed);
     if !bin.is_file() {
         return Err(HelmError::BinaryMissing {

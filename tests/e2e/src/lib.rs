@@ -41,6 +41,8 @@ pub mod plugin;
 pub mod pods;
 pub mod ports;
 pub mod rbac;
+pub mod registry;
+pub mod scripts;
 pub mod wait;
 
 pub use controlplane::{

@@ -340,6 +340,7 @@ impl Node {
             "containerd/root",
             "containerd/state",
             "containerd/conf.d",
+            "containerd/certs.d",
             "containerd/opt",
             "cni/net.d",
             "cdi",
@@ -371,6 +372,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
 [plugins.'io.containerd.shim.v1.manager']
   socket_dir = "{r}/shim"
+
+[plugins.'io.containerd.cri.v1.images'.registry]
+  config_path = "{r}/containerd/certs.d"
 
 [plugins.'io.containerd.cri.v1.images'.pinned_images]
   sandbox = "{sandbox}"
@@ -468,6 +472,24 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             ));
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Lets the node's containerd pull images of `host` (`<address>:<port>`, a registry that
+    /// serves plain HTTP) by name: a `hosts.toml` for it under the CRI plugin's registry
+    /// `config_path`, which containerd reads at every pull.
+    ///
+    /// # Errors
+    /// When the file cannot be written.
+    pub fn trust_registry(&self, host: &str) -> Result<(), NodeError> {
+        let dir = self.root.join("containerd/certs.d").join(host);
+        std::fs::create_dir_all(&dir).map_err(|e| failed("registry hosts directory", e))?;
+        std::fs::write(
+            dir.join("hosts.toml"),
+            format!(
+                "server = \"http://{host}\"\n\n[host.\"http://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n"
+            ),
+        )
+        .map_err(|e| failed("registry hosts.toml", e))
     }
 
     /// Imports an OCI image archive into the CRI's namespace.
