@@ -15,17 +15,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::storage::{Fs, remove_file, replace};
 
-/// The spec annotations naming the claim, so that a spec found on disk identifies it: the
-/// driver's own keys, `<driver>/claim-namespace`, `<driver>/claim-name`, `<driver>/claim-uid`
-/// ([`CdiWriter::claim_annotations`]). The lifecycle writes them into every spec; a driver
-/// writes none. Specs written before (by the first user of this crate) carry these legacy keys,
-/// still read ([`CdiWriter::claim_of`]).
-pub const LEGACY_ANNOTATION_NAMESPACE: &str = "claim.drust.dev/namespace";
-/// See [`LEGACY_ANNOTATION_NAMESPACE`].
-pub const LEGACY_ANNOTATION_NAME: &str = "claim.drust.dev/name";
-/// See [`LEGACY_ANNOTATION_NAMESPACE`].
-pub const LEGACY_ANNOTATION_UID: &str = "claim.drust.dev/uid";
-
 /// The CDI spec version we write: the oldest that has every field we use.
 pub const CDI_VERSION: &str = "0.6.0";
 
@@ -173,6 +162,8 @@ pub struct CdiWriter {
     fs: Arc<dyn Fs>,
     root: PathBuf,
     vendor: String,
+    /// Keys an earlier version of the driver named the claim with, still read.
+    legacy: Option<[String; 3]>,
 }
 
 impl CdiWriter {
@@ -182,7 +173,17 @@ impl CdiWriter {
             fs,
             root: root.into(),
             vendor: driver_name.to_owned(),
+            legacy: None,
         }
+    }
+
+    /// Also reads the claim from `[namespace, name, uid]` annotation keys, where a spec lacks
+    /// this driver's own ([`Self::claim_annotations`]): the keys an earlier version of the
+    /// driver wrote, so that its specs on disk still identify their claims after an upgrade.
+    #[must_use]
+    pub fn with_legacy_claim_annotations(mut self, keys: [&str; 3]) -> Self {
+        self.legacy = Some(keys.map(str::to_owned));
+        self
     }
 
     /// The annotation keys naming a claim's namespace, name and UID in this driver's specs:
@@ -199,23 +200,20 @@ impl CdiWriter {
         spec.annotations.insert(uid, claim.uid.clone());
     }
 
-    /// The claim `spec` names: by this driver's keys, else by the legacy ones
-    /// ([`LEGACY_ANNOTATION_NAMESPACE`]); `None` when it names none (no UID, or no name).
+    /// The claim `spec` names: by this driver's keys ([`Self::claim_annotations`]), else by
+    /// the earlier ones it was given ([`Self::with_legacy_claim_annotations`]); `None` when it
+    /// names none (no UID, or no name).
     pub fn claim_of(&self, spec: &Spec) -> Option<ClaimRef> {
         let get = |k: &str| spec.annotations.get(k).cloned();
-        let [namespace, name, uid] = self.claim_annotations();
-        let claim = match get(&uid) {
-            Some(uid) => ClaimRef {
-                namespace: get(&namespace).unwrap_or_default(),
-                name: get(&name).unwrap_or_default(),
-                uid,
-            },
-            None => ClaimRef {
-                namespace: get(LEGACY_ANNOTATION_NAMESPACE).unwrap_or_default(),
-                name: get(LEGACY_ANNOTATION_NAME).unwrap_or_default(),
-                uid: get(LEGACY_ANNOTATION_UID)?,
-            },
+        let named_by = |[namespace, name, uid]: &[String; 3]| {
+            Some(ClaimRef {
+                namespace: get(namespace).unwrap_or_default(),
+                name: get(name).unwrap_or_default(),
+                uid: get(uid)?,
+            })
         };
+        let claim = named_by(&self.claim_annotations())
+            .or_else(|| self.legacy.as_ref().and_then(named_by))?;
         (!claim.uid.is_empty() && !claim.name.is_empty()).then_some(claim)
     }
 
@@ -339,10 +337,17 @@ mod tests {
     use crate::storage::RealFs;
 
     /// Issue 41, defect 14: the claim's annotations are the driver's own, written by the
-    /// lifecycle; specs of earlier versions (legacy keys) are still read.
+    /// lifecycle; specs of the driver's earlier versions (the keys it names) are still read,
+    /// and no others.
     #[test]
     fn claim_annotations_are_the_drivers_and_legacy_ones_are_read() {
-        let w = CdiWriter::new(Arc::new(RealFs), "/var/run/cdi", "dev.example.com");
+        let old = [
+            "old.example.com/ns",
+            "old.example.com/name",
+            "old.example.com/uid",
+        ];
+        let plain = CdiWriter::new(Arc::new(RealFs), "/var/run/cdi", "dev.example.com");
+        let w = plain.clone().with_legacy_claim_annotations(old);
         let claim = ClaimRef {
             namespace: "ns".into(),
             name: "a".into(),
@@ -360,14 +365,11 @@ mod tests {
         );
         assert_eq!(w.claim_of(&spec), Some(claim.clone()));
         let mut legacy = Spec::default();
-        for (k, v) in [
-            (LEGACY_ANNOTATION_NAMESPACE, "ns"),
-            (LEGACY_ANNOTATION_NAME, "a"),
-            (LEGACY_ANNOTATION_UID, "u-1"),
-        ] {
+        for (k, v) in old.into_iter().zip(["ns", "a", "u-1"]) {
             legacy.annotations.insert(k.into(), v.into());
         }
         assert_eq!(w.claim_of(&legacy), Some(claim));
+        assert_eq!(plain.claim_of(&legacy), None, "no legacy keys given");
         assert_eq!(w.claim_of(&Spec::default()), None, "names no claim");
     }
 

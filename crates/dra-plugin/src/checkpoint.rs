@@ -173,7 +173,7 @@ enum SlotRead<F: Format> {
         generation: u64,
         data: F::Data,
         len: usize,
-        /// Written before version 4 (by an older build).
+        /// Written by a single-slot version ([`Format::single_slot`]): an older build.
         legacy: bool,
     },
     Invalid {
@@ -322,8 +322,8 @@ impl<F: Format> SlotFile<F> {
     fn read_slots(&self) -> Result<(Slots, Option<F::Data>), CheckpointError> {
         let mut reads = [self.read_slot(0)?, self.read_slot(1)?];
         // This build writes slot 0 first and moves both aside together, so slot 1 alone means
-        // an older build moved `checkpoint.json` aside (it refuses version 4) and may have
-        // prepared and unprepared claims since: slot 1 may be stale.
+        // an older, single-slot build moved slot 0 aside (it refuses the slotted format) and
+        // may have prepared and unprepared claims since: slot 1 may be stale.
         if matches!(reads[0], SlotRead::Absent) && matches!(reads[1], SlotRead::Valid { .. }) {
             return Err(CheckpointError::Corrupt {
                 path: self.paths[1].clone(),

@@ -10,6 +10,8 @@
 //!   claims' changes durable with one store ([`journal::Journal`]).
 //! - [`record`]: what is kept per claim ([`record::ClaimRecord`]), generic over the driver's
 //!   record of a device.
+//! - [`allocation`]: the claim the kubelet names, read within a deadline and checked, and its
+//!   allocation results of one driver's pool grouped by device ([`allocation::allocation`]).
 //! - [`cdi`]: the CDI spec file of each prepared claim ([`cdi::CdiWriter`]).
 //! - [`lifecycle`]: prepare and unprepare for the kubelet ([`lifecycle::Lifecycle`], which
 //!   serves [`dra_kubelet::Driver`]) over a driver's device work ([`lifecycle::Driver`]): claim
@@ -22,6 +24,7 @@
 //! The workspace's device plugin and `examples/dra-example-driver` are its users. A test over this
 //! crate's sources keeps it free of any device's concepts (`tests/driver_agnostic.rs`).
 
+pub mod allocation;
 pub mod cdi;
 pub mod checkpoint;
 pub mod failpoint;

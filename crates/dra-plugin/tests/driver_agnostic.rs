@@ -1,8 +1,9 @@
 //! This crate names no concept of a particular device, nor the product it was first written
 //! for: a driver for any device, of any vendor, can build on it. Every source file, its README
 //! and its manifest are read (none may be skipped silently) and searched, case-insensitively,
-//! for the GPU driver's terms and its brand (`drust`), apart from the legacy annotation keys
-//! that specs of earlier versions carry (`claim.drust.dev/...`, read for compatibility).
+//! for the GPU driver's terms and its brand (`drust`), with no exception: even the annotation
+//! keys of the GPU driver's earlier specs are that driver's to name
+//! (`CdiWriter::with_legacy_claim_annotations`).
 
 use std::path::{Path, PathBuf};
 
@@ -28,8 +29,7 @@ fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
 fn device_terms(text: &str) -> Vec<String> {
     let mut found = Vec::new();
     for (n, line) in text.lines().enumerate() {
-        // The legacy annotation keys, read from specs of earlier versions.
-        let lower = line.to_ascii_lowercase().replace("claim.drust.dev/", "");
+        let lower = line.to_ascii_lowercase();
         let words = lower.split(|c: char| !c.is_ascii_alphanumeric());
         for word in words {
             for term in DEVICE_TERMS {
@@ -109,5 +109,5 @@ fn the_search_finds_what_it_looks_for() {
     assert_eq!(device_terms("CUDA_MPS_PIPE_DIRECTORY").len(), 2);
     assert!(device_terms("migrate the checkpoint; smallest gigabyte").is_empty());
     assert_eq!(device_terms("an older drust build").len(), 1);
-    assert!(device_terms("\"claim.drust.dev/uid\"").is_empty());
+    assert_eq!(device_terms("\"claim.drust.dev/uid\"").len(), 1);
 }

@@ -12,6 +12,15 @@ pub const DEFAULT_DRIVER_NAME: &str = "gpu.drust.dev";
 /// (the `kernel` level's hook, `memory_limits`).
 pub const HOOK_BINARY: &str = "drust-cdi-hook";
 
+/// The annotation keys (namespace, name, UID) that the plugin's CDI specs named their claim
+/// with before the keys became the driver's own (`<driver>/claim-*`, `dra_plugin::cdi`): still
+/// read, so that specs on disk written by an earlier build identify their claims.
+pub const LEGACY_CLAIM_ANNOTATIONS: [&str; 3] = [
+    "claim.drust.dev/namespace",
+    "claim.drust.dev/name",
+    "claim.drust.dev/uid",
+];
+
 /// Where the driver requires cgroup v2, and the default `--cgroup-root`
 /// (the `kernel` level's memory limits, `memory_limits`).
 pub const DEFAULT_CGROUP_ROOT: &str = "/sys/fs/cgroup";

@@ -31,7 +31,8 @@ pub fn secure_state(config: &Config) -> Result<(), Error> {
     for slot in checkpoint::slot_paths(&config.checkpoint_path) {
         storage::restrict_to_owner(&slot).map_err(err(&slot))?;
     }
-    let cdi = CdiWriter::new(Arc::new(RealFs), &config.cdi_root, &config.driver_name);
+    let cdi = CdiWriter::new(Arc::new(RealFs), &config.cdi_root, &config.driver_name)
+        .with_legacy_claim_annotations(crate::config::LEGACY_CLAIM_ANNOTATIONS);
     if let Ok(specs) = cdi.list() {
         for (_, path) in specs {
             storage::restrict_to_owner(&path).map_err(err(&path))?;

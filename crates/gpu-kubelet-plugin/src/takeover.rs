@@ -118,7 +118,8 @@ pub(crate) async fn take_over(
             kernel_memory,
         },
         hardware::node_devices(inventory, config.mig_strategy).into_values(),
-        CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name),
+        CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name)
+            .with_legacy_claim_annotations(crate::config::LEGACY_CLAIM_ANNOTATIONS),
         CheckpointFile::new(fs, &config.checkpoint_path),
     )
     .await?;

@@ -13,42 +13,21 @@
 #![allow(clippy::result_large_err)]
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dra_kubelet::{ClaimRef, PreparedDevice};
+use dra_plugin::allocation::{self, AllocationError, ClaimSource};
 use dra_plugin::cdi::{CDI_VERSION, CdiDevice, ContainerEdits, Spec};
 use dra_plugin::checkpoint::Format;
 use dra_plugin::lifecycle::{Driver, Lifecycle, Planned, Prepared};
 use dra_plugin::record::{ClaimRecord, Records};
 use dra_plugin::storage::{Fs, remove_file, write_atomic};
-use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde::{Deserialize, Serialize};
-
-/// Where the driver reads ResourceClaims: the API server ([`kube::Client`]), or a test's.
-pub trait Claims: Send + Sync + 'static {
-    /// The claim `namespace/name`, `None` when it does not exist.
-    fn get(
-        &self,
-        namespace: &str,
-        name: &str,
-    ) -> impl Future<Output = Result<Option<ResourceClaim>, String>> + Send;
-}
 
 /// How long one read of a claim from the API server may take.
 pub const API_TIMEOUT: Duration = Duration::from_secs(10);
-
-impl Claims for kube::Client {
-    async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String> {
-        let api = kube::Api::<ResourceClaim>::namespaced(self.clone(), namespace);
-        match tokio::time::timeout(API_TIMEOUT, api.get_opt(name)).await {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("no answer within {} s", API_TIMEOUT.as_secs())),
-        }
-    }
-}
 
 /// One prepared device as recorded in the journal.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,33 +61,10 @@ pub enum ExampleError {
     /// The lifecycle's own failure.
     #[error(transparent)]
     Lifecycle(#[from] dra_plugin::lifecycle::Error),
-    /// The API server could not be asked.
-    #[error("ResourceClaim {claim}: reading it from the API server: {message}")]
-    Fetch {
-        /// The claim.
-        claim: ClaimRef,
-        /// The cause.
-        message: String,
-    },
-    /// The claim does not exist, or is another with the same name.
-    #[error("ResourceClaim {claim}: not found (or metadata.uid differs)")]
-    NotFound {
-        /// The claim.
-        claim: ClaimRef,
-    },
-    /// The claim has no allocation of this driver's devices on this node.
-    #[error(
-        "ResourceClaim {claim}: status.allocation.devices.results has no device of driver \
-         {driver} in pool {pool}"
-    )]
-    NotOurs {
-        /// The claim.
-        claim: ClaimRef,
-        /// This driver.
-        driver: String,
-        /// This node's pool.
-        pool: String,
-    },
+    /// The claim could not be read, is not the kubelet's, or holds none of this node's
+    /// devices of this driver.
+    #[error(transparent)]
+    Allocation(#[from] AllocationError),
     /// An allocated device is not one of this node's.
     #[error(
         "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
@@ -157,7 +113,7 @@ pub fn device_names(count: usize) -> BTreeSet<String> {
     (0..count).map(|i| format!("dev-{i}")).collect()
 }
 
-impl<C: Claims> ExampleDriver<C> {
+impl<C: ClaimSource> ExampleDriver<C> {
     fn owner_file(&self, device: &str) -> PathBuf {
         self.state_dir.join(device)
     }
@@ -204,7 +160,7 @@ impl<C: Claims> ExampleDriver<C> {
     }
 }
 
-impl<C: Claims> Driver for ExampleDriver<C> {
+impl<C: ClaimSource> Driver for ExampleDriver<C> {
     type Device = Device;
     type Format = ExampleFormat;
     type Error = ExampleError;
@@ -216,54 +172,22 @@ impl<C: Claims> Driver for ExampleDriver<C> {
         lifecycle: &Lifecycle<Self>,
         claim: &ClaimRef,
     ) -> Result<Planned<Self>, ExampleError> {
-        let rc = self
-            .claims
-            .get(&claim.namespace, &claim.name)
-            .await
-            .map_err(|message| ExampleError::Fetch {
-                claim: claim.clone(),
-                message,
-            })?
-            .filter(|rc| rc.metadata.uid.as_deref() == Some(claim.uid.as_str()))
-            .ok_or_else(|| ExampleError::NotFound {
-                claim: claim.clone(),
-            })?;
-        let results = rc
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .unwrap_or_default();
+        let rc = allocation::fetch(&self.claims, claim, API_TIMEOUT).await?;
+        let allocated = allocation::allocation(claim, &rc, &self.driver_name, &self.pool)?;
         let mut devices = Vec::new();
-        for (index, r) in results.iter().enumerate() {
-            if r.driver != self.driver_name || r.pool != self.pool {
-                continue;
-            }
-            if !self.devices.contains(&r.device) {
+        for d in &allocated.devices {
+            if !self.devices.contains(d.device) {
                 return Err(ExampleError::UnknownDevice {
                     claim: claim.clone(),
-                    index,
-                    device: r.device.clone(),
+                    index: d.index(),
+                    device: d.device.to_owned(),
                 });
             }
-            match devices
-                .iter_mut()
-                .find(|d: &&mut Device| d.device_name == r.device)
-            {
-                Some(d) => d.request_names.push(r.request.clone()),
-                None => devices.push(Device {
-                    request_names: vec![r.request.clone()],
-                    pool_name: r.pool.clone(),
-                    device_name: r.device.clone(),
-                    cdi_device_ids: vec![lifecycle.cdi().device_id(&claim.uid, &r.device)],
-                }),
-            }
-        }
-        if devices.is_empty() {
-            return Err(ExampleError::NotOurs {
-                claim: claim.clone(),
-                driver: self.driver_name.clone(),
-                pool: self.pool.clone(),
+            devices.push(Device {
+                request_names: d.request_names(),
+                pool_name: d.pool.to_owned(),
+                device_name: d.device.to_owned(),
+                cdi_device_ids: vec![lifecycle.cdi().device_id(&claim.uid, d.device)],
             });
         }
         Ok(Planned {

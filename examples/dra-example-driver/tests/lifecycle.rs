@@ -160,7 +160,11 @@ async fn bad_claims_are_refused_naming_the_claim_and_field_and_others_are_untouc
     );
     assert!(error("uid-d").contains("has no device of driver example.drust.dev in pool node-a"));
     assert!(error("uid-gone").contains("not found"));
-    assert!(error("uid-old").contains("not found"));
+    assert!(
+        error("uid-old").contains("metadata.uid is \"uid-new\", not the kubelet's (replaced)"),
+        "{}",
+        error("uid-old")
+    );
 
     // Nothing of the refused claims is left; the prepared one is intact.
     for uid in ["uid-b", "uid-c", "uid-d", "uid-gone", "uid-old"] {
@@ -185,7 +189,8 @@ async fn start_up_rewrites_a_lost_spec_and_removes_what_no_claim_owns() {
     // What a crash could leave: a spec and an owner file of a claim with no record.
     std::fs::write(node.dir.path().join("devices/dev-2"), "uid-crashed").unwrap();
     let stray = serde_json::json!({"cdiVersion": "0.6.0", "kind": format!("{DRIVER}/claim"),
-        "annotations": {"claim.drust.dev/uid": "uid-crashed"}, "devices": []});
+        "annotations": {(format!("{DRIVER}/claim-uid")): "uid-crashed",
+                        (format!("{DRIVER}/claim-name")): "crashed"}, "devices": []});
     std::fs::write(
         node.dir
             .path()

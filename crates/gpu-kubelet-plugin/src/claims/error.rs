@@ -1,6 +1,7 @@
 //! Why one claim could not be prepared or unprepared. Messages name the claim and the field.
 
 use dra_kubelet::ClaimRef;
+use dra_plugin::allocation::AllocationError;
 
 use crate::hardware::HardwareError;
 
@@ -21,33 +22,11 @@ pub enum ClaimError {
         /// The claim.
         claim: ClaimRef,
     },
-    /// The claim was deleted and re-created under the same name.
-    #[error("ResourceClaim {claim}: metadata.uid is {found:?}, the kubelet asked for {}", claim.uid)]
-    UidMismatch {
-        /// The claim as requested.
-        claim: ClaimRef,
-        /// The UID found in the API server.
-        found: String,
-    },
-    /// The claim has no allocation.
-    #[error("ResourceClaim {claim}: status.allocation is not set; the claim is not allocated")]
-    NotAllocated {
-        /// The claim.
-        claim: ClaimRef,
-    },
-    /// The allocation has no results for this driver and node.
-    #[error(
-        "ResourceClaim {claim}: status.allocation.devices.results has no device of driver \
-         {driver} in pool {pool}"
-    )]
-    NotOurs {
-        /// The claim.
-        claim: ClaimRef,
-        /// This driver.
-        driver: String,
-        /// This node's pool.
-        pool: String,
-    },
+    /// The claim is not the kubelet's (deleted and created again under its name), is not
+    /// allocated, or holds no device of this driver in this node's pool
+    /// ([`dra_plugin::allocation::allocation`]).
+    #[error(transparent)]
+    Allocation(#[from] dra_plugin::allocation::AllocationError),
     /// An allocated device is not in this node's inventory.
     #[error(
         "ResourceClaim {claim}: status.allocation.devices.results[{index}].device {device:?} is \
@@ -161,9 +140,13 @@ impl ClaimError {
         match self {
             ClaimError::Fetch { .. } => "api-server",
             ClaimError::NotFound { .. } => "not-found",
-            ClaimError::UidMismatch { .. } => "uid-mismatch",
-            ClaimError::NotAllocated { .. } => "not-allocated",
-            ClaimError::NotOurs { .. } => "not-ours",
+            ClaimError::Allocation(e) => match e {
+                AllocationError::Fetch { .. } => "api-server",
+                AllocationError::NotFound { .. } => "not-found",
+                AllocationError::Replaced { .. } => "uid-mismatch",
+                AllocationError::NotAllocated { .. } => "not-allocated",
+                AllocationError::NotOurs { .. } => "not-ours",
+            },
             ClaimError::UnknownDevice { .. } => "unknown-device",
             ClaimError::DeviceGone { .. } => "device-gone",
             ClaimError::Share { .. } => "share",

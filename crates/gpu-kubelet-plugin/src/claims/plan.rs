@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use dra_kubelet::ClaimRef;
+use dra_plugin::allocation;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::error::ClaimError;
@@ -47,38 +48,18 @@ pub(crate) fn plan(
     cx: &PlanContext<'_>,
 ) -> Result<Plan, ClaimError> {
     let (driver, pool, catalogue) = (cx.driver, cx.pool, &cx.catalogue);
-    let uid = rc.metadata.uid.clone().unwrap_or_default();
-    if uid != claim.uid {
-        return Err(ClaimError::UidMismatch {
-            claim: claim.clone(),
-            found: uid,
-        });
-    }
-    let allocated = rc
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref());
-    let results =
-        allocated
-            .and_then(|d| d.results.as_ref())
-            .ok_or_else(|| ClaimError::NotAllocated {
-                claim: claim.clone(),
-            })?;
-    let configs = allocated
-        .and_then(|d| d.config.as_deref())
-        .unwrap_or_default();
+    // The claim is the kubelet's and allocated; its results of this pool, by device.
+    let allocated = allocation::allocation(claim, rc, driver, pool)?;
+    let configs = allocated.config;
 
     let mut devices: Vec<RecordedDevice> = Vec::new();
     let mut used: Vec<NodeDevice> = Vec::new();
     // Index in `results` of each of `devices`, for errors naming the result.
     let mut result_index: Vec<usize> = Vec::new();
-    for (index, r) in results.iter().enumerate() {
-        if r.driver != driver || r.pool != pool {
-            continue;
-        }
-        let Some(device) = catalogue.devices.get(&r.device) else {
-            return Err(if catalogue.retired.contains_key(&r.device) {
+    for a in &allocated.devices {
+        let (index, r) = a.results[0];
+        let Some(device) = catalogue.devices.get(a.device) else {
+            return Err(if catalogue.retired.contains_key(a.device) {
                 ClaimError::DeviceGone {
                     claim: claim.clone(),
                     index,
@@ -92,45 +73,37 @@ pub(crate) fn plan(
                 }
             });
         };
+        // One device can satisfy several requests (e.g. subrequests), but one claim takes at
+        // most one share of it.
+        if let Some(&(second, _)) = a.results.get(1)
+            && a.results.iter().any(|(_, r)| r.share_id.is_some())
+        {
+            return Err(ClaimError::Share {
+                claim: claim.clone(),
+                index: second,
+                device: r.device.clone(),
+                problem: "a second allocation of this device in the same claim: one claim \
+                          takes at most one share of a device (ask for more capacity in one \
+                          request instead)"
+                    .into(),
+            });
+        }
         let share = match &r.share_id {
             None => None,
             Some(_) => Some(share(claim, index, r, device)?),
         };
-        // One device can satisfy several requests (e.g. subrequests); list it once.
-        if let Some(d) = devices.iter_mut().find(|d| d.device_name == r.device) {
-            if share.is_some() || d.share.is_some() {
-                return Err(ClaimError::Share {
-                    claim: claim.clone(),
-                    index,
-                    device: r.device.clone(),
-                    problem: "a second allocation of this device in the same claim: one claim \
-                              takes at most one share of a device (ask for more capacity in one \
-                              request instead)"
-                        .into(),
-                });
-            }
-            d.request_names.push(r.request.clone());
-            continue;
-        }
         used.push(device.clone());
         result_index.push(index);
         devices.push(RecordedDevice {
-            request_names: vec![r.request.clone()],
-            pool_name: r.pool.clone(),
-            device_name: r.device.clone(),
-            cdi_device_ids: vec![cx.cdi.device_id(&claim.uid, &r.device)],
+            request_names: a.request_names(),
+            pool_name: a.pool.to_owned(),
+            device_name: a.device.to_owned(),
+            cdi_device_ids: vec![cx.cdi.device_id(&claim.uid, a.device)],
             uuid: device.visible_id().to_owned(),
             admin_access: r.admin_access.unwrap_or(false),
             sharing: None,
             mig: None,
             share,
-        });
-    }
-    if devices.is_empty() {
-        return Err(ClaimError::NotOurs {
-            claim: claim.clone(),
-            driver: driver.to_owned(),
-            pool: pool.to_owned(),
         });
     }
     let targets: Vec<ConfigTarget<'_>> = devices

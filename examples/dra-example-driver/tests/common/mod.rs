@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use dra_example_driver::Claims;
 use dra_kubelet::ClaimRef;
+use dra_plugin::allocation::ClaimSource;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 /// ResourceClaims by `namespace/name`.
@@ -35,7 +35,7 @@ impl FakeClaims {
     }
 }
 
-impl Claims for FakeClaims {
+impl ClaimSource for FakeClaims {
     async fn get(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String> {
         Ok(self
             .0
