@@ -197,8 +197,8 @@ impl Magnitude {
         }
     }
 
-    /// The coefficient's decimal digits.
-    fn coefficient_string(&self) -> String {
+    /// The coefficient's decimal digits: the value without its trailing zeros ("" for zero).
+    pub(crate) fn coefficient_string(&self) -> String {
         let mut s = String::with_capacity(self.limbs.len() * 9);
         let mut limbs = self.limbs.iter().rev();
         if let Some(top) = limbs.next() {
@@ -306,6 +306,32 @@ impl Magnitude {
             })
     }
 
+    /// Divides by `factor` (2 or more) as often as it divides evenly: the quotient's decimal
+    /// digits and how many times (what `removeInt64Factors` and `removeBigIntFactors` compute
+    /// in upstream's `amount.go`).
+    ///
+    /// # Errors
+    /// [`TooManyDigits`] when the value spelled out is beyond [`MAX_DIGITS`].
+    pub(crate) fn remove_factors(&self, factor: u32) -> Result<(String, u32), TooManyDigits> {
+        // Spelled out, trailing zeros included: the quotient's digits are its limbs.
+        let mut quotient = self.dense(0)?;
+        let mut times = 0;
+        if quotient.is_zero() {
+            return Ok(("0".to_owned(), times));
+        }
+        if factor >= 2 {
+            loop {
+                let mut next = quotient.clone();
+                if next.div_small(factor) != 0 {
+                    break;
+                }
+                quotient = next;
+                times += 1;
+            }
+        }
+        Ok((quotient.coefficient_string(), times))
+    }
+
     /// The value as a u64 when it fits.
     pub(crate) fn to_u64(&self) -> Option<u64> {
         if self.coefficient_digits().saturating_add(self.zeros) > 20 {
@@ -395,6 +421,19 @@ mod tests {
             (m("123456789"), true)
         );
         assert_eq!(m("0").div_pow10(10), (Magnitude::default(), false));
+    }
+
+    #[test]
+    fn removing_factors_keeps_the_quotients_trailing_zeros() {
+        let mut x = m("80");
+        x.mul_pow2(30);
+        assert_eq!(x.remove_factors(1024), Ok(("80".to_owned(), 3)));
+        assert_eq!(m("1000").remove_factors(10), Ok(("1".to_owned(), 3)));
+        assert_eq!(m("1536").remove_factors(1024), Ok(("1536".to_owned(), 0)));
+        assert_eq!(m("0").remove_factors(1024), Ok(("0".to_owned(), 0)));
+        let mut huge = m("1");
+        huge.mul_pow10(MAX_DIGITS + 1);
+        assert_eq!(huge.remove_factors(1024), Err(TooManyDigits));
     }
 
     #[test]

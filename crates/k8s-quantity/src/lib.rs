@@ -1,7 +1,8 @@
 //! Kubernetes resource quantities (`k8s.io/apimachinery/pkg/api/resource`, v0.36): the one
 //! quantity type of the workspace. The CEL library (`dra-cel`, as `dra_cel::libs::quantity`,
-//! mirroring `k8s.io/apiserver/pkg/cel/library/quantity.go`), the allocator's capacity
-//! arithmetic and the node side's capacities (`gpu-inventory`) all use it.
+//! mirroring `k8s.io/apiserver/pkg/cel/library/quantity.go`), the allocator (capacities,
+//! counters, request policies and the consumed capacity it writes) and the node side's
+//! capacities (`gpu-inventory`) all use it.
 //!
 //! Upstream keeps a quantity in one of two forms, and several CEL functions answer from the
 //! form rather than the value, so we keep the same two:
@@ -14,11 +15,17 @@
 //! (`quantity('1000m')`, `quantity('1.0')`); `asApproximateFloat()` rounds through the form's
 //! own mantissa and exponent.
 //!
+//! Besides the amount, a [`Quantity`] keeps the rest of upstream's struct: its [`Format`] and
+//! the text `ParseQuantity` caches (only canonical input). Both change what upstream writes
+//! ([`Quantity::canonical_string`], `CanonicalizeBytes`) and what Go's `==` on two structs
+//! answers ([`Quantity::go_struct_eq`]), which the allocator's consumed capacity depends on.
+//!
 //! A CEL value is upstream's `*resource.Quantity`, and upstream mutates what it points to:
 //! `Cmp` turns its receiver into the `inf.Dec` form when either side is one, and `add`/`sub`
 //! copy the struct but not the `inf.Dec` it points to, so adding to an `inf.Dec` quantity
 //! changes that quantity too. `QuantityValue` mirrors that sharing within one evaluation.
 
+mod canonical;
 mod decimal;
 
 use std::cmp::Ordering;
@@ -93,6 +100,28 @@ fn positive_scale_i64(base: i64, scale: i32) -> Option<i64> {
         return Some(base);
     }
     base.checked_mul(10i64.checked_pow(scale.unsigned_abs())?)
+}
+
+/// `math.go` `negativeScaleInt64`: `base / 10^scale`, a fraction rounded away from zero.
+fn negative_scale_i64(base: i64, scale: u32) -> i64 {
+    let mut value = base;
+    let mut fraction = false;
+    for _ in 0..scale {
+        fraction |= value % 10 != 0;
+        value /= 10;
+        if value == 0 {
+            return match (fraction, base > 0) {
+                (false, _) => 0,
+                (true, true) => 1,
+                (true, false) => -1,
+            };
+        }
+    }
+    match (fraction, base > 0) {
+        (false, _) => value,
+        (true, true) => value + 1,
+        (true, false) => value - 1,
+    }
 }
 
 impl Int64Amount {
@@ -394,12 +423,20 @@ impl Amount {
     }
 }
 
-/// A parsed quantity, in upstream's form (see the module docs).
+/// A quantity as upstream's `resource.Quantity` struct holds it (`quantity.go`): the amount in
+/// its form (see the module docs), its [`Format`], and the text it was parsed from.
+///
+/// Of the text, upstream keeps only canonical input as its cached string `s` (what
+/// [`Quantity::canonical_string`] returns and [`Quantity::go_struct_eq`] compares); `Display`
+/// writes the text as given, whether upstream keeps it or not.
 #[derive(Clone, Debug)]
 pub struct Quantity {
     amount: Amount,
-    /// The text it was parsed from, when parsed.
-    text: Option<Box<str>>,
+    format: Format,
+    /// The text it was parsed from, when parsed; shared by clones.
+    text: Option<Arc<str>>,
+    /// Whether `text` is upstream's cached string `s`.
+    cached: bool,
 }
 
 /// Numeric equality (`Quantity.Equal`): `1Gi == 1024Mi`, whatever the forms.
@@ -557,24 +594,105 @@ impl Quantity {
     /// Scale arithmetic is `int32` and wraps like upstream's (`1.5e-2147483648` is
     /// 15 * 10^2147483647).
     ///
+    /// The [`Format`] is the suffix's, except that a binary `inf.Dec` between zero and one is
+    /// `DecimalSI` (`0.5Mi`). The text is upstream's cached string `s` only for `"0"` and an
+    /// `int64Amount` already in canonical form: a binary suffix on a number that is not a
+    /// multiple of 8 (`1Gi`, not `1024Mi` or `8Ki`); else a scale that is a multiple of three
+    /// and digits that neither start with `0` nor end in `000` (`1500m`, `1k`; not `1000`,
+    /// `1.5` or `0.5`). Text with spaces around it is not a quantity: JSON and YAML readers
+    /// trim it first, as upstream's `UnmarshalJSON` does.
+    ///
     /// # Errors
     /// [`QuantityError::Format`], [`QuantityError::Suffix`] or [`QuantityError::Numeric`] as
     /// upstream; [`QuantityError::ScalesTooFarApart`] where upstream's rounding panics;
     /// [`QuantityError::TooManyDigits`] for a number of more than 10,000 digits that needs
     /// rounding.
     pub fn parse(s: &str) -> Result<Quantity, QuantityError> {
-        let amount = parse_amount(s)?;
+        let Parsed {
+            amount,
+            format,
+            cached,
+        } = parse_amount(s)?;
         Ok(Quantity {
             amount,
+            format,
             text: Some(s.into()),
+            cached,
         })
     }
 
-    /// A quantity from an integer (`resource.NewQuantity`): an `int64Amount` of scale 0.
-    pub fn from_int(v: i64) -> Quantity {
+    /// `resource.NewQuantity(value, format)` (`quantity.go`): `value` as an `int64Amount` of
+    /// scale 0, with no cached string.
+    pub fn new(value: i64, format: Format) -> Quantity {
         Quantity {
-            amount: Amount::Int(Int64Amount { value: v, scale: 0 }),
+            amount: Amount::Int(Int64Amount { value, scale: 0 }),
+            format,
             text: None,
+            cached: false,
+        }
+    }
+
+    /// A quantity from an integer: [`Quantity::new`] in `DecimalSI`.
+    pub fn from_int(v: i64) -> Quantity {
+        Quantity::new(v, Format::DecimalSi)
+    }
+
+    /// How upstream writes this quantity (its `Format` field).
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Upstream's cached string `s`, where [`Quantity::parse`] keeps one.
+    fn cached_string(&self) -> Option<&str> {
+        self.text.as_deref().filter(|_| self.cached)
+    }
+
+    /// Go's `==` on two `resource.Quantity` structs (`quantity.go`): true only for two
+    /// `int64Amount` forms with the same value and scale, the same [`Format`] and the same
+    /// cached string (both none, or equal). Two `inf.Dec` forms point to different `inf.Dec`s
+    /// and are never equal, so `1.5Gi` is not `==` to `1.5Gi`, nor `1Gi` to `1024Mi`.
+    ///
+    /// The allocator needs this where upstream compares structs rather than values:
+    /// `violatesPolicy` (`k8s.io/dynamic-resource-allocation`,
+    /// `structured/internal/incubating/consumable_capacity.go`) against a request policy's
+    /// default.
+    pub fn go_struct_eq(&self, other: &Quantity) -> bool {
+        match (&self.amount, &other.amount) {
+            (Amount::Int(a), Amount::Int(b)) => {
+                a == b
+                    && self.format == other.format
+                    && self.cached_string() == other.cached_string()
+            }
+            _ => false,
+        }
+    }
+
+    /// `Quantity.Value()` (`quantity.go`): the value as an `int64`, a fraction rounded up.
+    ///
+    /// - `int64Amount` (`AsScaledInt64(0)`, `amount.go`): a positive scale multiplies, and
+    ///   an `int64` overflow gives 0; a negative scale divides and rounds away from zero
+    ///   (`1500m` is 2, `-1500m` is -2).
+    /// - `inf.Dec`: the integer part, plus one for a cut-off fraction (`1.5Gi` is 1610612736,
+    ///   `1e-10` is 1, `-1.5` would be 0 as upstream's truncating `int64` division gives).
+    ///   A magnitude beyond a `u64` gives 0 and one beyond an `int64` wraps: upstream's
+    ///   `big.Int` to `int64` conversion there is not mirrored.
+    pub fn value(&self) -> i64 {
+        match &self.amount {
+            Amount::Int(i) if i.scale >= 0 => positive_scale_i64(i.value, i.scale).unwrap_or(0),
+            Amount::Int(i) => negative_scale_i64(i.value, i.scale.unsigned_abs()),
+            Amount::Dec(d) => {
+                let (whole, fraction) = if d.scale >= 0 {
+                    d.unscaled.div_pow10(u64::from(d.scale.unsigned_abs()))
+                } else {
+                    let mut m = d.unscaled.clone();
+                    m.mul_pow10(u64::from(d.scale.unsigned_abs()));
+                    (m, false)
+                };
+                let magnitude = whole.to_u64().map_or(0, i128::from);
+                let signed = if d.negative { -magnitude } else { magnitude };
+                // Truncation to 64 bits is the documented wrap.
+                (signed + i128::from(fraction)) as i64
+            }
         }
     }
 
@@ -642,10 +760,15 @@ impl Quantity {
     ///
     /// # Errors
     /// [`QuantityError::TooManyDigits`] when the exact sum is beyond 10,000 digits.
+    ///
+    /// The sum keeps `self`'s [`Format`], or takes `other`'s when `self` is zero, and has no
+    /// cached string (`Quantity.Add`, `quantity.go`).
     pub fn add(&self, other: &Quantity) -> Result<Quantity, QuantityError> {
         Ok(Quantity {
             amount: add_upstream(&self.amount, &other.amount, false)?,
+            format: self.format_with(other),
             text: None,
+            cached: false,
         })
     }
 
@@ -656,8 +779,49 @@ impl Quantity {
     pub fn sub(&self, other: &Quantity) -> Result<Quantity, QuantityError> {
         Ok(Quantity {
             amount: add_upstream(&self.amount, &other.amount, true)?,
+            format: self.format_with(other),
             text: None,
+            cached: false,
         })
+    }
+
+    /// The format of `self + other` and `self - other`.
+    fn format_with(&self, other: &Quantity) -> Format {
+        if self.sign() == 0 {
+            other.format
+        } else {
+            self.format
+        }
+    }
+
+    /// `self + other` for a running total that must not under-count: what a shared device's
+    /// consumed capacity or a counter set's use adds up to in the allocator. Where the exact
+    /// sum is beyond the arithmetic ([`QuantityError::TooManyDigits`]: `1e20000` + `1`, which
+    /// a request may carry) the total is 9 * 10^2147483647, the largest exponent an `e`
+    /// suffix reaches and above any real capacity, so nothing more fits; never `self`.
+    pub fn saturating_add(&self, other: &Quantity) -> Quantity {
+        self.add(other).unwrap_or(Quantity {
+            amount: Amount::Int(Int64Amount {
+                value: 9,
+                scale: i32::MAX,
+            }),
+            format: Format::DecimalExponent,
+            text: None,
+            cached: false,
+        })
+    }
+
+    /// `self - other` for what is left of `self` (a counter's or capacity's availability):
+    /// where the arithmetic cannot hold the difference, nothing is left (zero), never `self`.
+    pub fn sub_or_zero(&self, other: &Quantity) -> Quantity {
+        self.sub(other).unwrap_or_else(|_| Quantity::from_int(0))
+    }
+
+    /// `self - other` for what stays consumed after releasing `other` from `self`: where the
+    /// arithmetic cannot hold the difference, `self` stays consumed (over-counted, never
+    /// under).
+    pub fn sub_or_self(&self, other: &Quantity) -> Quantity {
+        self.sub(other).unwrap_or_else(|_| self.clone())
     }
 
     /// Exact numeric comparison (what `Quantity.Cmp` computes where it does not panic).
@@ -666,16 +830,28 @@ impl Quantity {
     }
 }
 
+/// What `ParseQuantity` builds: the amount, the format, and whether the text is kept as the
+/// cached string `s`.
+struct Parsed {
+    amount: Amount,
+    format: Format,
+    cached: bool,
+}
+
 /// `ParseQuantity`, line by line.
-fn parse_amount(s: &str) -> Result<Amount, QuantityError> {
+fn parse_amount(s: &str) -> Result<Parsed, QuantityError> {
     if s.is_empty() {
         return Err(QuantityError::Format);
     }
     if s == "0" {
-        return Ok(Amount::Int(Int64Amount { value: 0, scale: 0 }));
+        return Ok(Parsed {
+            amount: Amount::Int(Int64Amount { value: 0, scale: 0 }),
+            format: Format::DecimalSi,
+            cached: true,
+        });
     }
     let p = split(s)?;
-    let (base, exponent, _) = interpret(p.suffix).ok_or(QuantityError::Suffix)?;
+    let (base, exponent, mut format) = interpret(p.suffix).ok_or(QuantityError::Suffix)?;
     let binary = base == 2;
     let digits = p.num.len() as i64 + p.denom.len() as i64;
     let denom_len = p.denom.len() as i32;
@@ -694,17 +870,27 @@ fn parse_amount(s: &str) -> Result<Amount, QuantityError> {
         scale = scale.wrapping_sub(denom_len);
         if scale >= NANO {
             // `strconv.ParseInt(num + denom)`: at most 18 digits here, so it cannot overflow.
-            let value = p
-                .num
-                .bytes()
-                .chain(p.denom.bytes())
+            let shifted = || p.num.bytes().chain(p.denom.bytes());
+            let value = shifted()
                 .try_fold(0i64, |v, d| {
                     v.checked_mul(10)?.checked_add(i64::from(d - b'0'))
                 })
                 .ok_or(QuantityError::Numeric)?;
             if let Some(result) = value.checked_mul(mantissa) {
+                // Upstream keeps the text only when it is already what it would write.
+                let cached = if binary {
+                    exponent % 10 == 0 && value & 0x07 != 0
+                } else {
+                    scale % 3 == 0
+                        && !(digits >= 3 && shifted().rev().take(3).all(|d| d == b'0'))
+                        && shifted().next() != Some(b'0')
+                };
                 let value = if p.positive { result } else { -result };
-                return Ok(Amount::Int(Int64Amount { value, scale }));
+                return Ok(Parsed {
+                    amount: Amount::Int(Int64Amount { value, scale }),
+                    format,
+                    cached,
+                });
             }
         }
     }
@@ -736,8 +922,22 @@ fn parse_amount(s: &str) -> Result<Amount, QuantityError> {
     {
         amount = max;
     }
+    // A binary value between zero and one is written in DecimalSI.
+    if binary
+        && !amount.is_zero()
+        && amount
+            .unscaled
+            .cmp_scaled(-i64::from(amount.scale), &Magnitude::from_u64(1), 0)
+            == Ordering::Less
+    {
+        format = Format::DecimalSi;
+    }
     amount.negative = !p.positive && !amount.is_zero();
-    Ok(Amount::Dec(amount))
+    Ok(Parsed {
+        amount: Amount::Dec(amount),
+        format,
+        cached: false,
+    })
 }
 
 impl fmt::Display for Quantity {
@@ -829,7 +1029,7 @@ impl QuantityValue {
     /// # Errors
     /// As [`Quantity::parse`].
     pub fn parse(s: &str) -> Result<QuantityValue, QuantityError> {
-        parse_amount(s).map(QuantityValue::of)
+        parse_amount(s).map(|p| QuantityValue::of(p.amount))
     }
 
     fn of(amount: Amount) -> QuantityValue {
@@ -969,6 +1169,16 @@ mod tests {
         );
         assert_eq!(q(".").sign(), 0);
         assert_eq!(q("-").sign(), 0);
+        for s in ["x", "1x", "1.2.3", " 1", "1 "] {
+            assert_eq!(
+                Quantity::parse(s).unwrap_err(),
+                QuantityError::Format,
+                "{s:?}"
+            );
+        }
+        assert_eq!(Quantity::parse("--1").unwrap_err(), QuantityError::Suffix);
+        // Upstream reads a missing number as zero (`parseQuantityString`).
+        assert_eq!(q("Gi").canonical_string(), "0");
     }
 
     #[test]
@@ -1012,6 +1222,104 @@ mod tests {
         assert_eq!(q("1000m").as_i64(), Some(1));
         assert_eq!(q("1.5").as_i64(), None);
         assert_eq!(q("-9223372036854775808").as_i64(), Some(i64::MIN));
+    }
+
+    #[test]
+    fn parsing_keeps_the_format_and_caches_only_canonical_text() {
+        // (text, format, cached string)
+        let cases: &[(&str, Format, Option<&str>)] = &[
+            ("0", Format::DecimalSi, Some("0")),
+            ("00", Format::DecimalSi, None),
+            ("1Gi", Format::BinarySi, Some("1Gi")),
+            ("1024Mi", Format::BinarySi, None),
+            ("8Ki", Format::BinarySi, None),
+            ("1.5Gi", Format::BinarySi, None),
+            ("0.5Ki", Format::BinarySi, None),
+            ("0.5n", Format::DecimalSi, None),
+            ("1e-10", Format::DecimalExponent, None),
+            ("1500m", Format::DecimalSi, Some("1500m")),
+            ("1.5", Format::DecimalSi, None),
+            ("1000", Format::DecimalSi, None),
+            ("0.5", Format::DecimalSi, None),
+            ("1e3", Format::DecimalExponent, Some("1e3")),
+            ("12e1", Format::DecimalExponent, None),
+        ];
+        for (text, format, cached) in cases {
+            let x = q(text);
+            assert_eq!(x.format(), *format, "{text}");
+            assert_eq!(x.cached_string(), *cached, "{text}");
+            assert_eq!(x.to_string(), *text, "Display writes the text as given");
+        }
+        // A binary inf.Dec between zero and one is written in DecimalSI.
+        assert_eq!(q("0.0000001Ki").format(), Format::DecimalSi);
+    }
+
+    #[test]
+    fn struct_equality_follows_the_go_form() {
+        assert!(q("1Gi").go_struct_eq(&q("1Gi")));
+        assert!(
+            !q("1Gi").go_struct_eq(&q("1024Mi")),
+            "different cached strings"
+        );
+        assert!(
+            !q("1.5Gi").go_struct_eq(&q("1.5Gi")),
+            "two inf.Dec pointers"
+        );
+        assert!(!Quantity::new(1024, Format::BinarySi).go_struct_eq(&q("8Ki")));
+        assert!(Quantity::new(8192, Format::BinarySi).go_struct_eq(&q("8Ki")));
+        assert!(!Quantity::new(8192, Format::DecimalSi).go_struct_eq(&q("8Ki")));
+        assert!(
+            !q("1k").go_struct_eq(&q("1e3")),
+            "same value and scale, other format"
+        );
+    }
+
+    #[test]
+    fn value_rounds_a_fraction_up() {
+        let cases: &[(&str, i64)] = &[
+            ("1500m", 2),
+            ("-1500m", -2),
+            ("1000m", 1),
+            ("1.5Gi", 1_610_612_736),
+            ("1e-10", 1),
+            ("-1.5Gi", -1_610_612_736),
+            ("10Gi", 10 << 30),
+            ("1k", 1000),
+            ("1e19", 0),
+            ("0", 0),
+            ("1Pi", 1 << 50),
+        ];
+        for (text, want) in cases {
+            assert_eq!(q(text).value(), *want, "{text}");
+        }
+        assert_eq!(Quantity::new(-7, Format::BinarySi).value(), -7);
+    }
+
+    /// Issue 41, defect 12: a sum the arithmetic cannot hold used to be the first operand,
+    /// under-counting what is consumed; it is now above any real capacity.
+    #[test]
+    fn sums_beyond_the_arithmetic_never_under_count() {
+        let big = q("1e20000");
+        let one = Quantity::from_int(1);
+        assert!(big.add(&one).is_err(), "the case under test");
+        let capacity = q("80Gi");
+        let used = q("1Gi").saturating_add(&one);
+        assert_eq!(used.compare(&capacity), Ordering::Less, "an ordinary sum");
+        assert_eq!(big.saturating_add(&one).compare(&big), Ordering::Greater);
+        assert_eq!(
+            one.saturating_add(&big).compare(&capacity),
+            Ordering::Greater
+        );
+        assert_eq!(big.sub_or_zero(&one).sign(), 0, "nothing left");
+        assert_eq!(big.sub_or_self(&one).compare(&big), Ordering::Equal);
+        assert_eq!(
+            q("3Gi").sub_or_zero(&q("1Gi")).compare(&q("2Gi")),
+            Ordering::Equal
+        );
+        assert_eq!(
+            q("3Gi").sub_or_self(&q("1Gi")).compare(&q("2Gi")),
+            Ordering::Equal
+        );
     }
 
     #[test]
@@ -1117,6 +1425,9 @@ mod tests {
                     x.as_int64(),
                     x.sign(),
                     x.to_string(),
+                    x.canonical_string(),
+                    x.value(),
+                    x.go_struct_eq(&x),
                 );
                 parsed.push(QuantityValue::new(&x));
             }
