@@ -25,16 +25,17 @@ use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, DeviceRequest, DeviceSelector, DeviceToleration, ResourceClaim, ResourceSlice,
 };
+use k8s_quantity::Quantity;
 
 use crate::capacity::{self, Requests};
 use crate::constraints::Constraint;
 use crate::explain::Explanation;
 use crate::model::{
     AllocatedState, ConsumedCapacity, Counters, DeviceData, DeviceId, SliceData, claim_ref,
+    parse_quantity,
 };
 use crate::node_selector::node_matches;
 use crate::pools::{Pool, PoolCache, gather_pools};
-use crate::quantity::{self, Quantity};
 use crate::result::{Allocation, NodeSelection};
 
 mod funnel;
@@ -965,7 +966,7 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
         if let Some(requests) = r.capacity {
             let mut parsed = Requests::new();
             for (name, q) in requests {
-                let value = Quantity::parse(&q.0).map_err(|e| {
+                let value = parse_quantity(&q.0).map_err(|e| {
                     AllocateError::Fatal(format!(
                         "claim {kobj}, request {}: capacity request {name} {:?}: {e}",
                         r.name, q.0
@@ -1582,19 +1583,15 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
             }
             if allow_multiple {
                 let amounts = capacity::consumed_from_request(requests, &device.capacity);
-                let exact: ConsumedCapacity = amounts
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.exact().clone()))
-                    .collect();
                 // A random (version 4) UUID, as upstream's `GenerateShareID`.
                 share_id = Some(uuid::Uuid::new_v4().to_string());
                 undo.capacity_entry_existed = self.allocating_capacity.contains_key(&dev.flat);
                 capacity::insert(
                     self.allocating_capacity.entry(dev.flat).or_default(),
-                    &exact,
+                    &amounts,
                 );
                 undo.capacity_inserted = true;
-                undo.consumed = Some(exact);
+                undo.consumed = Some(amounts.clone());
                 if !amounts.is_empty() {
                     consumed = Some(amounts);
                 }
@@ -1690,14 +1687,14 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
             let entry = consumed.entry(set.clone()).or_default();
             for (name, value) in counters {
                 match entry.get_mut(name) {
-                    Some(c) => *c = quantity::add(c, value),
+                    Some(c) => *c = c.saturating_add(value),
                     None => {
                         entry.insert(name.clone(), value.clone());
                     }
                 }
             }
         }
-        let zero = quantity::zero();
+        let zero = Quantity::from_int(0);
         for (set, counters) in available.iter() {
             let used = consumed.get(set);
             for (name, value) in counters {
@@ -1727,8 +1724,10 @@ impl<'s, 'a: 's, 'i> Search<'s, 'a, 'i> {
                 continue;
             };
             for (name, value) in counters {
-                let c = entry.entry(name.clone()).or_insert_with(quantity::zero);
-                *c = quantity::sub_released(c, value);
+                let c = entry
+                    .entry(name.clone())
+                    .or_insert_with(|| Quantity::from_int(0));
+                *c = c.sub_or_self(value);
             }
         }
     }
@@ -1763,7 +1762,7 @@ impl Allocator<'_> {
                     };
                     for (name, value) in counters {
                         if let Some(a) = avail.get_mut(name) {
-                            *a = quantity::sub_left(a, value);
+                            *a = a.sub_or_zero(value);
                         }
                     }
                 }

@@ -8,8 +8,9 @@
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
+use k8s_quantity::{Format, Quantity};
+
 use crate::model::{Capacity, ConsumedCapacity, Policy};
-use crate::quantity::{self, Quantity};
 
 /// Requested capacity by name (`CapacityRequirements.requests`).
 pub(crate) type Requests = BTreeMap<String, Quantity>;
@@ -45,13 +46,13 @@ pub(crate) fn fits(
             return Ok(false);
         }
         let mut total = match current.and_then(|c| c.get(name)) {
-            Some(allocated) => quantity::add(allocated, consumed.exact()),
-            None => consumed.exact().clone(),
+            Some(allocated) => allocated.saturating_add(&consumed),
+            None => consumed,
         };
         if let Some(more) = allocating.and_then(|a| a.get(name)) {
-            total = quantity::add(&total, more);
+            total = total.saturating_add(more);
         }
-        if total.compare(cap.value.exact()) == Ordering::Greater {
+        if total.compare(&cap.value) == Ordering::Greater {
             return Ok(false);
         }
     }
@@ -77,24 +78,24 @@ pub(crate) fn shortfall(
         if violates_policy(&consumed, cap.policy.as_ref()) {
             return Some(format!(
                 "{name}: {} is outside the device's request policy",
-                requested.map_or_else(|| consumed.to_string(), ToString::to_string)
+                requested.map_or_else(|| consumed.canonical_string(), Quantity::canonical_string)
             ));
         }
         let mut used = current
             .and_then(|c| c.get(name))
             .cloned()
-            .unwrap_or_else(quantity::zero);
+            .unwrap_or_else(|| Quantity::from_int(0));
         if let Some(more) = allocating.and_then(|a| a.get(name)) {
-            used = quantity::add(&used, more);
+            used = used.saturating_add(more);
         }
-        let total = quantity::add(&used, consumed.exact());
-        if total.compare(cap.value.exact()) == Ordering::Greater {
-            let left = quantity::sub_left(cap.value.exact(), &used);
+        let total = used.saturating_add(&consumed);
+        if total.compare(&cap.value) == Ordering::Greater {
+            let left = cap.value.sub_or_zero(&used);
             return Some(format!(
                 "{name}: {} of {} left, the request consumes {}",
                 readable(&left),
-                cap.value,
-                readable(consumed.exact())
+                cap.value.canonical_string(),
+                readable(&consumed)
             ));
         }
     }
@@ -102,7 +103,7 @@ pub(crate) fn shortfall(
 }
 
 /// An amount for people: whole GiB or MiB when it is a multiple of one, else as is.
-fn readable(q: &quantity::Exact) -> String {
+fn readable(q: &Quantity) -> String {
     match q.as_i64() {
         Some(v) if v != 0 && v % (1 << 30) == 0 => format!("{}Gi", v >> 30),
         Some(v) if v != 0 && v % (1 << 20) == 0 => format!("{}Mi", v >> 20),
@@ -145,7 +146,7 @@ fn consumed_for(requested: Option<&Quantity>, cap: &Capacity) -> Quantity {
     if let Some(values) = &policy.valid_values {
         return values
             .iter()
-            .find(|v| requested.cmp_value(v) != Ordering::Greater)
+            .find(|v| requested.compare(v) != Ordering::Greater)
             .unwrap_or(requested)
             .clone();
     }
@@ -154,24 +155,24 @@ fn consumed_for(requested: Option<&Quantity>, cap: &Capacity) -> Quantity {
 
 /// `roundUpRange`: at least min, then up to the next step (in int64 arithmetic).
 fn round_up_range(requested: &Quantity, min: &Quantity, step: Option<&Quantity>) -> Quantity {
-    if requested.cmp_value(min) == Ordering::Less {
+    if requested.compare(min) == Ordering::Less {
         return min.clone();
     }
     let Some(step) = step else {
         return requested.clone();
     };
-    let step = step.value_i64();
+    let step = step.value();
     if step == 0 {
         // Upstream divides by zero here (API validation rejects such a step).
         return requested.clone();
     }
-    let min = min.value_i64();
-    let added = requested.value_i64().wrapping_sub(min);
+    let min = min.value();
+    let added = requested.value().wrapping_sub(min);
     let mut n = added.wrapping_div(step);
     if added.wrapping_rem(step) != 0 {
         n = n.wrapping_add(1);
     }
-    Quantity::new_binary(min.wrapping_add(step.wrapping_mul(n)))
+    Quantity::new(min.wrapping_add(step.wrapping_mul(n)), Format::BinarySi)
 }
 
 /// `violatesPolicy`.
@@ -186,17 +187,17 @@ fn violates_policy(consumed: &Quantity, policy: Option<&Policy>) -> bool {
     }
     if let Some((min, max, step)) = &policy.valid_range {
         if let Some(max) = max
-            && consumed.cmp_value(max) == Ordering::Greater
+            && consumed.compare(max) == Ordering::Greater
         {
             return true;
         }
         if let Some(step) = step {
-            let step = step.value_i64();
+            let step = step.value();
             if step == 0 {
                 // Upstream divides by zero here (API validation rejects such a step).
                 return true;
             }
-            let added = consumed.value_i64().wrapping_sub(min.value_i64());
+            let added = consumed.value().wrapping_sub(min.value());
             return added.wrapping_rem(step) != 0;
         }
         return false;
@@ -204,7 +205,7 @@ fn violates_policy(consumed: &Quantity, policy: Option<&Policy>) -> bool {
     if let Some(values) = policy.valid_values.as_ref().filter(|v| !v.is_empty()) {
         return !values
             .iter()
-            .any(|v| consumed.cmp_value(v) == Ordering::Equal);
+            .any(|v| consumed.compare(v) == Ordering::Equal);
     }
     false
 }
@@ -213,7 +214,7 @@ fn violates_policy(consumed: &Quantity, policy: Option<&Policy>) -> bool {
 pub(crate) fn insert(entry: &mut ConsumedCapacity, consumed: &ConsumedCapacity) {
     for (name, q) in consumed {
         match entry.get_mut(name) {
-            Some(existing) => *existing = quantity::add(existing, q),
+            Some(existing) => *existing = existing.saturating_add(q),
             None => {
                 entry.insert(name.clone(), q.clone());
             }
@@ -226,7 +227,7 @@ pub(crate) fn insert(entry: &mut ConsumedCapacity, consumed: &ConsumedCapacity) 
 pub(crate) fn remove(entry: &mut ConsumedCapacity, consumed: &ConsumedCapacity) -> bool {
     for (name, q) in consumed {
         if let Some(existing) = entry.get_mut(name) {
-            *existing = quantity::sub_released(existing, q);
+            *existing = existing.sub_or_self(q);
         }
     }
     entry.values().all(|q| q.sign() == 0)
@@ -258,9 +259,9 @@ mod tests {
     #[test]
     fn without_a_request_the_default_or_the_whole_capacity_is_consumed() {
         let c = cap("40Gi", Some(range("1Gi", "1Gi", None, None)));
-        assert_eq!(consumed_for(None, &c).to_go_string(), "1Gi");
+        assert_eq!(consumed_for(None, &c).canonical_string(), "1Gi");
         assert_eq!(
-            consumed_for(None, &cap("40Gi", None)).to_go_string(),
+            consumed_for(None, &cap("40Gi", None)).canonical_string(),
             "40Gi"
         );
     }
@@ -268,8 +269,11 @@ mod tests {
     #[test]
     fn a_step_rounds_the_request_up_from_min() {
         let c = cap("40Gi", Some(range("1Gi", "1Gi", None, Some("2Gi"))));
-        assert_eq!(consumed_for(Some(&q("2Gi")), &c).to_go_string(), "3Gi");
-        assert_eq!(consumed_for(Some(&q("512Mi")), &c).to_go_string(), "1Gi");
+        assert_eq!(consumed_for(Some(&q("2Gi")), &c).canonical_string(), "3Gi");
+        assert_eq!(
+            consumed_for(Some(&q("512Mi")), &c).canonical_string(),
+            "1Gi"
+        );
     }
 
     #[test]
@@ -282,8 +286,14 @@ mod tests {
                 valid_values: Some(vec![q("10Gi"), q("20Gi")]),
             }),
         );
-        assert_eq!(consumed_for(Some(&q("15Gi")), &c).to_go_string(), "20Gi");
-        assert_eq!(consumed_for(Some(&q("30Gi")), &c).to_go_string(), "30Gi");
+        assert_eq!(
+            consumed_for(Some(&q("15Gi")), &c).canonical_string(),
+            "20Gi"
+        );
+        assert_eq!(
+            consumed_for(Some(&q("30Gi")), &c).canonical_string(),
+            "30Gi"
+        );
         let mut caps = BTreeMap::new();
         caps.insert("memory".to_string(), c);
         let mut requests = Requests::new();
@@ -297,7 +307,7 @@ mod tests {
             "memory".to_owned(),
             cap("81559Mi", Some(range("79Gi", "1Gi", None, Some("1Gi")))),
         )]);
-        let used = BTreeMap::from([("memory".to_owned(), q("76Gi").exact().clone())]);
+        let used = BTreeMap::from([("memory".to_owned(), q("76Gi"))]);
         let wants = BTreeMap::from([("memory".to_owned(), q("20G"))]);
         assert_eq!(
             shortfall(Some(&used), Some(&wants), &capacity, None).as_deref(),
@@ -327,12 +337,12 @@ mod tests {
         let mut requests = Requests::new();
         requests.insert("memory".into(), q("20Gi"));
         let mut used = ConsumedCapacity::new();
-        used.insert("memory".into(), q("10Gi").exact().clone());
+        used.insert("memory".into(), q("10Gi"));
         assert_eq!(
             fits(Some(&used), Some(&requests), &caps, Some(&used)),
             Ok(true)
         );
-        used.insert("memory".into(), q("11Gi").exact().clone());
+        used.insert("memory".into(), q("11Gi"));
         assert_eq!(
             fits(Some(&used), Some(&requests), &caps, Some(&used)),
             Ok(false)

@@ -42,7 +42,6 @@ mod model;
 mod node_selector;
 pub mod pod;
 mod pools;
-pub mod quantity;
 mod result;
 mod scheduler;
 

@@ -9,13 +9,12 @@ use std::collections::BTreeMap;
 
 use foldhash::{HashMap, HashSet, HashSetExt};
 
-use dra_cel::libs::quantity::Quantity as Exact;
 use k8s_openapi::api::core::v1::NodeSelector;
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint, ResourceClaim, ResourceSlice};
+use k8s_quantity::{Quantity, QuantityError};
 
 use crate::Error;
 use crate::attributes::AttributeTable;
-use crate::quantity::Quantity;
 
 /// A device by driver, pool and device name (`DeviceID`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -46,7 +45,7 @@ impl std::fmt::Display for DeviceId {
 }
 
 /// Consumed capacity by capacity name: exact amounts (`schedulerapi.ConsumedCapacity`).
-pub type ConsumedCapacity = BTreeMap<String, Exact>;
+pub type ConsumedCapacity = BTreeMap<String, Quantity>;
 
 /// What in-use claims hold, as the scheduler gathers it (`schedulerapi.AllocatedState`; built
 /// by `pkg/scheduler/framework/plugins/dynamicresources/allocateddevices.go`).
@@ -93,7 +92,7 @@ impl AllocatedState {
                     if let Some(consumed) = &result.consumed_capacity {
                         let mut parsed = ConsumedCapacity::new();
                         for (name, q) in consumed {
-                            let value = Quantity::parse(&q.0).map_err(|e| Error::InvalidQuantity {
+                            let value = parse_quantity(&q.0).map_err(|e| Error::InvalidQuantity {
                                 object: format!("ResourceClaim {}", claim_ref(claim)),
                                 field: format!(
                                     "status.allocation.devices.results[{i}].consumedCapacity[{name}]"
@@ -101,7 +100,7 @@ impl AllocatedState {
                                 value: q.0.clone(),
                                 reason: e.to_string(),
                             })?;
-                            parsed.insert(name.clone(), value.exact().clone());
+                            parsed.insert(name.clone(), value);
                         }
                         insert_capacity(&mut state.aggregated_capacity, id, &parsed);
                     }
@@ -133,7 +132,7 @@ fn insert_capacity(
     let entry = map.entry(id).or_default();
     for (name, q) in consumed {
         match entry.get_mut(name) {
-            Some(existing) => *existing = crate::quantity::add(existing, q),
+            Some(existing) => *existing = existing.saturating_add(q),
             None => {
                 entry.insert(name.clone(), q.clone());
             }
@@ -151,7 +150,7 @@ pub(crate) fn claim_ref(claim: &ResourceClaim) -> String {
 }
 
 /// A counter set: counters by name (`CounterSet`).
-pub(crate) type Counters = BTreeMap<String, Exact>;
+pub(crate) type Counters = BTreeMap<String, Quantity>;
 
 /// The request policy of a device capacity (`CapacityRequestPolicy`).
 #[derive(Debug)]
@@ -248,9 +247,19 @@ impl SliceData<'_> {
     }
 }
 
+/// Parses a quantity of an API object as upstream's `Quantity.UnmarshalJSON` does
+/// (`k8s.io/apimachinery/pkg/api/resource/quantity.go`): spaces around it trimmed, then
+/// `ParseQuantity`.
+///
+/// # Errors
+/// [`QuantityError`] with upstream's message for text that is not a quantity.
+pub(crate) fn parse_quantity(text: &str) -> Result<Quantity, QuantityError> {
+    Quantity::parse(text.trim())
+}
+
 /// Parses a quantity of a slice.
 fn q(slice: &ResourceSlice, field: impl FnOnce() -> String, text: &str) -> Result<Quantity, Error> {
-    Quantity::parse(text).map_err(|e| Error::InvalidQuantity {
+    parse_quantity(text).map_err(|e| Error::InvalidQuantity {
         object: format!(
             "ResourceSlice {:?}",
             slice.metadata.name.as_deref().unwrap_or("")
@@ -273,7 +282,7 @@ fn counters(
             || format!("{path}.counters[{name}].value"),
             &c.value.0,
         )?;
-        out.insert(name.clone(), v.exact().clone());
+        out.insert(name.clone(), v);
     }
     Ok(out)
 }
@@ -338,19 +347,12 @@ impl<'a> DeviceData<'a> {
         for (name, c) in d.capacity.iter().flatten() {
             let p = format!("{path}.capacity[{name}]");
             let value = q(slice, || format!("{p}.value"), &c.value.0)?;
-            let cel_value =
-                dra_cel::libs::quantity::Quantity::parse(c.value.0.trim()).map_err(|e| {
-                    Error::InvalidQuantity {
-                        object: format!(
-                            "ResourceSlice {:?}",
-                            slice.metadata.name.as_deref().unwrap_or("")
-                        ),
-                        field: format!("{p}.value"),
-                        value: c.value.0.clone(),
-                        reason: e.to_string(),
-                    }
-                })?;
-            cel_capacity.insert(name.clone(), dra_cel::DeviceCapacity { value: cel_value });
+            cel_capacity.insert(
+                name.clone(),
+                dra_cel::DeviceCapacity {
+                    value: value.clone(),
+                },
+            );
             let policy = match &c.request_policy {
                 None => None,
                 Some(pol) => {

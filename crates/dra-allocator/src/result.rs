@@ -10,6 +10,7 @@ use k8s_openapi::api::resource::v1::{
     AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceClass,
     DeviceRequestAllocationResult, DeviceToleration, ResourceClaim,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity as ApiQuantity;
 
 use crate::Features;
 use crate::allocator::{AllocateError, ClaimData, DeviceResult};
@@ -143,10 +144,11 @@ fn build(
             admin_access: r.admin.then_some(true),
             tolerations: non_empty(tolerations(claim, r.request, r.parent).to_vec()),
             share_id: r.share_id.clone(),
-            consumed_capacity: r
-                .consumed
-                .as_ref()
-                .map(|c| c.iter().map(|(k, v)| (k.clone(), v.to_api())).collect()),
+            consumed_capacity: r.consumed.as_ref().map(|c| {
+                c.iter()
+                    .map(|(k, v)| (k.clone(), ApiQuantity(v.canonical_string())))
+                    .collect()
+            }),
             ..Default::default()
         };
         // The flags spare reading the API object of every device (cold memory) to find none.

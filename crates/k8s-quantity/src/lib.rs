@@ -459,7 +459,7 @@ pub enum Format {
 
 /// `parseQuantityString`'s pieces of a quantity's text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Parts<'a> {
+struct Parts<'a> {
     /// No leading `-`.
     pub positive: bool,
     /// The number with its sign, as `inf.Dec.SetString` reads it.
@@ -476,7 +476,7 @@ pub struct Parts<'a> {
 ///
 /// # Errors
 /// [`QuantityError::Format`] when the text does not have a quantity's shape.
-pub fn split(s: &str) -> Result<Parts<'_>, QuantityError> {
+fn split(s: &str) -> Result<Parts<'_>, QuantityError> {
     let b = s.as_bytes();
     let end = b.len();
     let mut pos = 0;
@@ -544,7 +544,7 @@ pub fn split(s: &str) -> Result<Parts<'_>, QuantityError> {
 
 /// A suffix's base (2 or 10), exponent and format (`suffix.go` `interpret`); `None` for an
 /// unknown suffix. An `e` exponent is truncated to `int32` as upstream does.
-pub fn interpret(s: &str) -> Option<(u32, i32, Format)> {
+fn interpret(s: &str) -> Option<(u32, i32, Format)> {
     let decimal = match s {
         "n" => Some(-9),
         "u" => Some(-6),
