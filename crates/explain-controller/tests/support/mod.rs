@@ -49,7 +49,7 @@ pub struct Controller {
     pub child: Child,
     /// Port of its /metrics, /healthz and /readyz.
     pub http: u16,
-    /// The Deployment's memory limit in KiB (`resources.limits.memory`, Mi or Gi), if any.
+    /// The Deployment's memory limit in KiB (`resources.limits.memory`), if any.
     pub memory_limit_kib: Option<u64>,
     dir: tempfile::TempDir,
 }
@@ -124,11 +124,10 @@ pub async fn start(cp: &ControlPlane, set: &[&str]) -> anyhow::Result<Controller
                     ["limits"]["memory"]
                     .as_str()
                     .unwrap_or_default();
-                memory_limit_kib = match limit.split_at(limit.len().saturating_sub(2)) {
-                    (n, "Mi") => n.parse::<u64>().ok().map(|n| n * 1024),
-                    (n, "Gi") => n.parse::<u64>().ok().map(|n| n * 1024 * 1024),
-                    _ => None,
-                };
+                memory_limit_kib = k8s_quantity::Quantity::parse(limit)
+                    .ok()
+                    .and_then(|q| q.as_i64())
+                    .and_then(|bytes| u64::try_from(bytes / 1024).ok());
             }
             _ => {}
         }
