@@ -178,6 +178,10 @@ pub struct Config {
     pub instance_id: Option<String>,
     /// Address of the HTTP endpoint serving `/metrics`, `/healthz` and `/readyz`; `None`: off.
     pub http_address: Option<std::net::SocketAddr>,
+    /// Whether `/metrics` and `/usage` answer only callers whose bearer token the API server
+    /// authenticates (TokenReview) and authorizes (SubjectAccessReview); off: anyone who
+    /// reaches `http_address`. Off by default for local use; the chart turns it on.
+    pub http_auth: bool,
     /// Whether claims may configure GPU sharing (time-slicing, MPS).
     pub sharing: bool,
     /// Whether GPU health events are watched and published as device taints.
@@ -236,6 +240,7 @@ impl Config {
             dump_topology: None,
             instance_id: None,
             http_address: None,
+            http_auth: false,
             sharing: true,
             health_monitoring: true,
             consumable_capacity: false,

@@ -9,7 +9,14 @@
 //!   instance is either standing by or active with its ResourceSlices published. It does not
 //!   wait for the active lock (see [`crate::instance`] for why).
 //!
-//! Both answer 200 with `ok`, or 503 with the reason.
+//! Both answer 200 with `ok`, or 503 with the reason, to anyone: the kubelet probes them
+//! without credentials, and they name nothing of the node's workloads.
+//!
+//! `/metrics` and `/usage` name every namespace's pods, claims and containers. With
+//! [`Probes::access`] set (`--http-auth`, the chart's default) they answer only a caller whose
+//! bearer token the API server authenticates and whose user it authorizes ([`auth`]): `get` on
+//! the non-resource URL `/metrics` or `/usage`; for `/usage?namespace=<ns>`, `list` on
+//! `resourceclaims` in `<ns>` is enough too, so a namespace's own users can read its usage.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -25,10 +32,15 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::instance::Role;
 use crate::metrics::{CONTENT_TYPE, Metrics};
+
+pub mod auth;
+pub mod decision_cache;
+
+use auth::{ApiServerReviews, Attributes, Gate};
 
 /// How long one liveness call may take.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -60,6 +72,8 @@ pub struct Probes {
     pub registration: watch::Receiver<RegistrationStatus>,
     /// Standby, taking over, or active.
     pub role: watch::Receiver<Role>,
+    /// Who may read `/metrics` and `/usage`; `None`: anyone who reaches the endpoint.
+    pub access: Option<Gate<ApiServerReviews>>,
 }
 
 impl Probes {
@@ -123,21 +137,37 @@ impl Probes {
         }
     }
 
-    async fn answer(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-        let text = |status: StatusCode, body: String| {
-            let mut r = Response::new(Full::new(Bytes::from(body)));
-            *r.status_mut() = status;
-            r
+    /// `Ok` when [`Probes::access`] is off, or lets `req`'s bearer token do any one of
+    /// `alternatives`.
+    async fn admit(
+        &self,
+        req: &Request<Incoming>,
+        alternatives: &[Attributes],
+    ) -> Result<(), auth::Refusal> {
+        let Some(gate) = &self.access else {
+            return Ok(());
         };
+        let authorization = req.headers().get(hyper::header::AUTHORIZATION);
+        let user = gate
+            .admit(authorization.map(|v| v.as_bytes()), alternatives)
+            .await?;
+        debug!(user = %user.name, path = req.uri().path(), "admitted");
+        Ok(())
+    }
+
+    async fn answer(&self, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+        if req.method() != hyper::Method::GET {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n".into());
+        }
         let probe = |r: Result<(), String>| match r {
             Ok(()) => text(StatusCode::OK, "ok\n".into()),
             Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n")),
         };
-        if req.method() != hyper::Method::GET {
-            return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n".into());
-        }
         match req.uri().path() {
             "/metrics" => {
+                if let Err(refusal) = self.admit(req, &[Attributes::get("/metrics")]).await {
+                    return refused(&refusal);
+                }
                 let mut r = text(StatusCode::OK, self.metrics.encode());
                 r.headers_mut().insert(
                     hyper::header::CONTENT_TYPE,
@@ -145,20 +175,41 @@ impl Probes {
                 );
                 r
             }
-            "/usage" => match serde_json::to_string(&usage_for(
-                &self.metrics.usage_report(),
-                req.uri().query(),
-            )) {
-                Ok(json) => {
-                    let mut r = text(StatusCode::OK, json);
-                    r.headers_mut().insert(
-                        hyper::header::CONTENT_TYPE,
-                        hyper::header::HeaderValue::from_static("application/json"),
+            "/usage" => {
+                let namespace = usage_namespace(req.uri().query());
+                if let Some(ns) = namespace
+                    && !dns_label(ns)
+                {
+                    return text(
+                        StatusCode::BAD_REQUEST,
+                        format!("namespace {ns:?} is not a namespace name (a DNS label)\n"),
                     );
-                    r
                 }
-                Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
-            },
+                let mut alternatives = vec![Attributes::get("/usage")];
+                alternatives.extend(
+                    namespace
+                        .map(|ns| Attributes::list_in("resource.k8s.io", "resourceclaims", ns)),
+                );
+                if let Err(refusal) = self.admit(req, &alternatives).await {
+                    return refused(&refusal);
+                }
+                let report = self.metrics.usage_report();
+                let json = match namespace {
+                    Some(ns) => serde_json::to_string(&report.only_namespace(ns)),
+                    None => serde_json::to_string(&*report),
+                };
+                match json {
+                    Ok(json) => {
+                        let mut r = text(StatusCode::OK, json);
+                        r.headers_mut().insert(
+                            hyper::header::CONTENT_TYPE,
+                            hyper::header::HeaderValue::from_static("application/json"),
+                        );
+                        r
+                    }
+                    Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+                }
+            }
             "/healthz" => probe(self.live().await),
             "/readyz" => probe(self.ready()),
             _ => text(StatusCode::NOT_FOUND, "not found\n".into()),
@@ -166,17 +217,49 @@ impl Probes {
     }
 }
 
-/// The usage report `/usage?<query>` answers: the whole report, or with `namespace=<ns>` only
-/// that namespace's ([`crate::usage::Report::only_namespace`]).
-fn usage_for(report: &crate::usage::Report, query: Option<&str>) -> crate::usage::Report {
-    let namespace = query
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r
+}
+
+/// The answer to a refused request: its status, and what it lacks in the body; a 401 says the
+/// scheme it wants (RFC 6750).
+fn refused(refusal: &auth::Refusal) -> Response<Full<Bytes>> {
+    let status = refusal.status();
+    if status.is_server_error() {
+        warn!(error = %refusal, "the HTTP endpoint could not check a caller's access");
+    }
+    let mut r = text(status, format!("{refusal}\n"));
+    if status == StatusCode::UNAUTHORIZED {
+        r.headers_mut().insert(
+            hyper::header::WWW_AUTHENTICATE,
+            hyper::header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    r
+}
+
+/// The namespace `/usage?<query>` asks for (`namespace=<ns>`, the first one), if any: the
+/// report is cut to it ([`crate::usage::Report::only_namespace`]) and it is what a namespace's
+/// user is authorized for.
+fn usage_namespace(query: Option<&str>) -> Option<&str> {
+    query
         .into_iter()
         .flat_map(|q| q.split('&'))
-        .find_map(|pair| pair.strip_prefix("namespace="));
-    match namespace {
-        Some(ns) => report.only_namespace(ns),
-        None => report.clone(),
-    }
+        .find_map(|pair| pair.strip_prefix("namespace="))
+}
+
+/// Whether `name` can name a namespace: an RFC 1123 label (`IsDNS1123Label`), so that what is
+/// authorized and what is served are the same namespace, never an encoding of it.
+fn dns_label(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    (1..=63).contains(&bytes.len())
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes[0] != b'-'
+        && bytes[bytes.len() - 1] != b'-'
 }
 
 /// Binds `address`.
@@ -189,11 +272,18 @@ pub async fn bind(address: SocketAddr) -> Result<TcpListener, HttpError> {
         .map_err(|source| HttpError::Bind { address, source })
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` (HTTP/1.1) until the task is
-/// dropped or aborted.
+/// Serves `/metrics`, `/usage`, `/healthz` and `/readyz` on `listener` (HTTP/1.1) until the
+/// task is dropped or aborted. Each connection is served in its own task, so a request waiting
+/// for the API server's review holds back no other.
 pub async fn serve(listener: TcpListener, probes: Arc<Probes>) {
     if let Ok(addr) = listener.local_addr() {
-        info!(address = %addr, "serving /metrics, /healthz and /readyz");
+        if probes.access.is_some() {
+            info!(address = %addr, "serving /metrics and /usage to callers the API server \
+                authorizes, /healthz and /readyz to anyone");
+        } else {
+            warn!(address = %addr, "serving /metrics and /usage, which name every namespace's \
+                pods and claims, to anyone who reaches this address (--http-auth is off)");
+        }
     }
     loop {
         let stream = match listener.accept().await {
@@ -218,5 +308,42 @@ pub async fn serve(listener: TcpListener, probes: Arc<Probes>) {
                 debug!(error = %e, "HTTP connection ended with an error");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_cut_to_the_first_namespace_asked_for() {
+        for (query, want) in [
+            (None, None),
+            (Some(""), None),
+            (Some("namespace=team-a"), Some("team-a")),
+            (Some("x=1&namespace=team-a&namespace=b"), Some("team-a")),
+            (Some("namespaces=a"), None),
+        ] {
+            assert_eq!(usage_namespace(query), want, "{query:?}");
+        }
+    }
+
+    #[test]
+    fn only_a_dns_label_names_a_namespace() {
+        for ok in ["default", "team-a", "a", &"a".repeat(63)] {
+            assert!(dns_label(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "Team",
+            "-a",
+            "a-",
+            "a.b",
+            "a%2Fb",
+            "a b",
+            &"a".repeat(64),
+        ] {
+            assert!(!dns_label(bad), "{bad}");
+        }
     }
 }

@@ -130,9 +130,16 @@ struct Args {
     /// instances can serve side by side during a rolling update.
     #[arg(long, env = "POD_UID")]
     instance_id: Option<String>,
-    /// Serve /metrics, /healthz and /readyz on this address (e.g. 0.0.0.0:9477); off if unset.
+    /// Serve /metrics, /usage, /healthz and /readyz on this address (e.g. 0.0.0.0:9477); off
+    /// if unset.
     #[arg(long)]
     http_address: Option<std::net::SocketAddr>,
+    /// Answer /metrics and /usage only for callers with a bearer token that the API server
+    /// authenticates (TokenReview) and authorizes (SubjectAccessReview: `get` on the
+    /// non-resource URL, or for /usage?namespace=<ns> `list` on resourceclaims there). Needs
+    /// `create` on tokenreviews and subjectaccessreviews. /healthz and /readyz stay open.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    http_auth: bool,
     /// Allow claims to configure GPU sharing (time-slicing, MPS).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     sharing: bool,
@@ -285,6 +292,7 @@ impl Args {
         config.instance_id = self.instance_id.filter(|id| !id.is_empty());
 
         config.http_address = self.http_address;
+        config.http_auth = self.http_auth;
         config.sharing = self.sharing;
         config.health_monitoring = self.health_monitoring;
         config.consumable_capacity = self.consumable_capacity;

@@ -103,6 +103,12 @@ pub async fn run(
                 serving: server.serving(),
                 registration: server.registration_status(),
                 role: role.subscribe(),
+                access: config.http_auth.then(|| {
+                    http::auth::Gate::new(http::auth::ApiServerReviews::new(
+                        client.clone(),
+                        config.api_timeout,
+                    ))
+                }),
             });
             Some(AbortOnDrop(tokio::spawn(http::serve(listener, probes))))
         }

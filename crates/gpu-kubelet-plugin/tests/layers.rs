@@ -12,7 +12,8 @@
 //! 2. what is recorded and enforced per claim: `checkpoint`, `memory_limits`;
 //! 3. the claim controller: `claims`;
 //! 4. what watches the claims and GPUs: `usage`, `health`, `health_record`, `publisher`;
-//! 5. `metrics`; 6. `instance` (handover); 7. `http`;
+//! 5. `metrics`; 6. `instance` (handover); 7. `http`, with its callers' access check beneath it
+//!    (`http/auth.rs`, `http/decision_cache.rs`: modules of `http`, named by no other layer);
 //! 8. the plugin's `error` (it names the claims', the handover's and the HTTP endpoint's);
 //! 9. the start-up steps, each on its own: `discovery` (backend, inventory, driver files),
 //!    `client` (the API client), `state` (root-only state), `enforcement` (the shares' level),

@@ -126,6 +126,7 @@ async fn the_liveness_probe_answers_within_a_second_while_a_checkpoint_write_tak
         serving: server.serving(),
         registration: server.registration_status(),
         role: tokio::sync::watch::channel(Role::Active).1,
+        access: None,
     };
     tokio::spawn(server.serve(std::future::pending()));
     let start = Instant::now();

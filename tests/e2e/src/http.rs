@@ -9,13 +9,41 @@ use std::time::Duration;
 /// # Errors
 /// When the endpoint cannot be reached within 10 s or answers no status line.
 pub async fn get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
+    let answer = get_at((std::net::Ipv4Addr::LOCALHOST, port).into(), path, None).await?;
+    Ok((answer.status, answer.body))
+}
+
+/// An HTTP answer.
+#[derive(Clone, Debug, Default)]
+pub struct Answer {
+    /// The status code.
+    pub status: u16,
+    /// The status line and the headers, as sent.
+    pub head: String,
+    /// The body.
+    pub body: String,
+}
+
+/// `GET path` on `address`, with `Authorization: Bearer <token>` when `token` is given, as
+/// Prometheus scrapes with `authorization.credentials_file`.
+///
+/// # Errors
+/// When the endpoint cannot be reached within 10 s or answers no status line.
+pub async fn get_at(
+    address: std::net::SocketAddr,
+    path: &str,
+    token: Option<&str>,
+) -> std::io::Result<Answer> {
     let path = path.to_owned();
+    let authorization = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     tokio::task::spawn_blocking(move || {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        let mut s = std::net::TcpStream::connect_timeout(&address, Duration::from_secs(10))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
         write!(
             s,
-            "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+            "GET {path} HTTP/1.1\r\nHost: localhost\r\n{authorization}Connection: close\r\n\r\n"
         )?;
         let mut text = String::new();
         s.read_to_string(&mut text)?;
@@ -24,11 +52,12 @@ pub async fn get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
             .nth(1)
             .and_then(|c| c.parse().ok())
             .ok_or_else(|| std::io::Error::other(format!("GET {path}: no status line")))?;
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        Ok(Answer {
+            status,
+            head: head.to_owned(),
+            body: body.to_owned(),
+        })
     })
     .await
     .map_err(std::io::Error::other)?

@@ -115,7 +115,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     // Default values: every object, the DeviceClasses exactly as in deploy/deviceclasses/.
     let docs = documents(&template(RELEASE, NAMESPACE, &[]).await?)?;
     let want: BTreeMap<String, usize> = [
-        ("ClusterRole", 1),
+        ("ClusterRole", 2),
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
         ("DeviceClass", 3),
@@ -153,6 +153,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "--sharing=true",
         "--health-monitoring=true",
         "--http-address=0.0.0.0:9477",
+        "--http-auth=true",
         "--mps-daemon-image=ghcr.io/drust/gpu-kubelet-plugin:0.1.0",
         "--mps-daemon-priority-class=system-node-critical",
         "--usage-interval-seconds=10",
@@ -201,6 +202,39 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
             && !serde_json::to_string(&off)?.contains("pod-resources"),
         "usage off still renders its flags, mount or status rules"
     );
+    // /metrics and /usage behind the API server's reviews (issue 41, defect 9), on by default:
+    // the plugin may create TokenReviews and SubjectAccessReviews, and nothing else is added;
+    // Prometheus gets a role for /metrics alone. Off: neither.
+    let reviews = [
+        json!({"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+            "verbs": ["create"]}),
+        json!({"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"],
+            "verbs": ["create"]}),
+    ];
+    ensure!(
+        reviews.iter().all(|r| on_rules.contains(r)),
+        "the review rules: {on_rules:?}"
+    );
+    let reader = find(&docs, "ClusterRole", "drust-metrics-reader")?;
+    ensure!(
+        reader["rules"] == json!([{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]),
+        "{reader}"
+    );
+    let open = documents(&template(RELEASE, NAMESPACE, &["http.auth=false"]).await?)?;
+    let open_rules = rules(&open)?;
+    ensure!(
+        args(&open)?.contains(&"--http-auth=false".to_owned())
+            && find(&open, "ClusterRole", "drust-metrics-reader").is_err()
+            && !reviews.iter().any(|r| open_rules.contains(r))
+            && on_rules
+                .iter()
+                .filter(|r| !reviews.contains(r))
+                .eq(open_rules.iter()),
+        "http.auth=false: {open_rules:?}"
+    );
+    let message = refused(&["http.auth=maybe"]).await?;
+    ensure!(message.contains("/http/auth"), "{message}");
+
     // The optional NetworkPolicy (issue 41, defect 9): off by default; on, the plugins' HTTP
     // port answers only the peers given, and no other ingress reaches the plugin pods.
     ensure!(
@@ -503,6 +537,193 @@ async fn client_from(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
     Ok(kube::Client::try_from(config)?)
 }
 
+/// A ServiceAccount `name` in `drust-tenants` (created with `admin`) and a token of it.
+async fn tenant_token(
+    cp: &ControlPlane,
+    admin: &kube::Client,
+    name: &str,
+) -> anyhow::Result<String> {
+    drust_e2e::manifests::apply_yaml(
+        admin,
+        &format!(
+            "apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: {name}, namespace: drust-tenants}}\n"
+        ),
+        Path::new("tenant ServiceAccount"),
+    )
+    .await?;
+    Ok(cp.service_account_token("drust-tenants", name).await?)
+}
+
+/// The answers of the plugin's HTTP endpoint on `port` (auth on, running as the chart's
+/// ServiceAccount) to callers with and without the roles.
+async fn http_endpoint_checks(
+    cp: &ControlPlane,
+    admin: &kube::Client,
+    port: u16,
+) -> anyhow::Result<()> {
+    use drust_e2e::http::get_at;
+    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    drust_e2e::manifests::apply_yaml(
+        admin,
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: drust-tenants}\n---\n\
+         apiVersion: v1\nkind: Namespace\nmetadata: {name: team-a}\n",
+        Path::new("namespaces"),
+    )
+    .await?;
+    // The chart's reader role bound to a Prometheus; a tenant may list claims in team-a (the
+    // built-in `view` role there); another ServiceAccount holds no role at all.
+    let (prometheus, tenant, nobody) = (
+        tenant_token(cp, admin, "prometheus").await?,
+        tenant_token(cp, admin, "tenant").await?,
+        tenant_token(cp, admin, "nobody").await?,
+    );
+    drust_e2e::manifests::apply_yaml(
+        admin,
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\n\
+         metadata: {name: prometheus-drust-metrics}\n\
+         roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: drust-metrics-reader}\n\
+         subjects: [{kind: ServiceAccount, name: prometheus, namespace: drust-tenants}]\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\n\
+         metadata: {name: tenant-view, namespace: team-a}\n\
+         roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: view}\n\
+         subjects: [{kind: ServiceAccount, name: tenant, namespace: drust-tenants}]\n",
+        Path::new("bindings"),
+    )
+    .await?;
+
+    for path in ["/healthz", "/readyz"] {
+        let answer = get_at(address, path, None).await?;
+        ensure!(answer.status == 200, "{path} without a token: {answer:?}");
+    }
+    let answer = get_at(address, "/metrics", None).await?;
+    ensure!(
+        answer.status == 401
+            && answer.head.contains("www-authenticate: Bearer")
+            && answer.body.contains("no bearer token"),
+        "/metrics without a token: {answer:?}"
+    );
+    // A token the API server never issued, and one signed by another cluster's key.
+    let forged = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJzeXN0ZW06YWRtaW4ifQ.c2lnbmF0dXJl";
+    for token in ["not-a-token", forged] {
+        let answer = get_at(address, "/metrics", Some(token)).await?;
+        ensure!(
+            answer.status == 401 && answer.body.contains("does not accept"),
+            "/metrics with {token}: {answer:?}"
+        );
+    }
+    let answer = get_at(address, "/metrics", Some(&nobody)).await?;
+    ensure!(
+        answer.status == 403
+            && answer
+                .body
+                .contains("\"system:serviceaccount:drust-tenants:nobody\" may not get /metrics"),
+        "/metrics for a ServiceAccount without the role: {answer:?}"
+    );
+    let answer = get_at(address, "/metrics", Some(&prometheus)).await?;
+    ensure!(
+        answer.status == 200
+            && answer.body.contains("drust_")
+            && answer.head.contains("openmetrics-text"),
+        "/metrics for Prometheus: {} {}",
+        answer.status,
+        answer.body
+    );
+    // Again, from the cache, and the same answer.
+    let again = get_at(address, "/metrics", Some(&prometheus)).await?;
+    ensure!(again.status == 200, "{again:?}");
+
+    // /usage: not Prometheus's role. The tenant: its own namespace, none other, not all; a
+    // ServiceAccount without any role: nothing, not even with a namespace named.
+    for (who, token, path, want) in [
+        ("Prometheus", &prometheus, "/usage", 403),
+        ("the tenant", &tenant, "/usage", 403),
+        ("the tenant", &tenant, "/usage?namespace=team-a", 200),
+        ("the tenant", &tenant, "/usage?namespace=default", 403),
+        ("the tenant", &tenant, "/usage?namespace=Team%2Da", 400),
+        ("a ServiceAccount without a role", &nobody, "/usage", 403),
+        (
+            "a ServiceAccount without a role",
+            &nobody,
+            "/usage?namespace=drust-tenants",
+            403,
+        ),
+    ] {
+        let answer = get_at(address, path, Some(token)).await?;
+        ensure!(
+            answer.status == want,
+            "{path} for {who}: expected {want}, got {answer:?}"
+        );
+        if want == 200 {
+            let report: Value = serde_json::from_str(&answer.body)?;
+            ensure!(report["node"] == "gpu-node-a", "{report:#}");
+        }
+    }
+    let answer = get_at(address, "/usage?namespace=default", Some(&tenant)).await?;
+    ensure!(
+        answer.body.contains(
+            "may not get /usage or list resourceclaims.resource.k8s.io in namespace default"
+        ),
+        "{answer:?}"
+    );
+
+    // Nothing else came with the reviews: the plugin's ServiceAccount may not mint tokens,
+    // impersonate, or read /metrics itself.
+    let user = format!("system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}");
+    let reviews: Api<k8s_openapi::api::authorization::v1::SubjectAccessReview> =
+        Api::all(admin.clone());
+    for (what, attributes, want) in [
+        (
+            "create tokenreviews",
+            json!({"resourceAttributes": {"group": "authentication.k8s.io",
+                "resource": "tokenreviews", "verb": "create"}}),
+            true,
+        ),
+        (
+            "create subjectaccessreviews",
+            json!({"resourceAttributes": {"group": "authorization.k8s.io",
+                "resource": "subjectaccessreviews", "verb": "create"}}),
+            true,
+        ),
+        (
+            "create serviceaccounts/token",
+            json!({"resourceAttributes": {"resource": "serviceaccounts",
+                "subresource": "token", "verb": "create", "namespace": NAMESPACE}}),
+            false,
+        ),
+        (
+            "impersonate users",
+            json!({"resourceAttributes": {"resource": "users", "verb": "impersonate"}}),
+            false,
+        ),
+        (
+            "get /metrics",
+            json!({"nonResourceAttributes": {"path": "/metrics", "verb": "get"}}),
+            false,
+        ),
+    ] {
+        let mut spec = attributes;
+        spec["user"] = json!(user);
+        spec["groups"] = json!([
+            "system:serviceaccounts",
+            format!("system:serviceaccounts:{NAMESPACE}"),
+            "system:authenticated"
+        ]);
+        let review = reviews
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"spec": spec}))?,
+            )
+            .await?;
+        let allowed = review.status.is_some_and(|s| s.allowed);
+        ensure!(
+            allowed == want,
+            "the plugin's ServiceAccount may {}{what}",
+            if want { "" } else { "not " }
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane()
 -> anyhow::Result<()> {
@@ -612,12 +833,18 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     .await?;
 
     // 4. The plugin, as that identity, publishes its node's slices and prepares a claim.
+    let http_port = drust_e2e::ports::free_port()?;
     let mut plugin = NodePlugin::start_with(
         &cp,
         DRIVER,
         "gpu-node-a",
         &repo_path("examples/topologies/dgx-h100.yaml"),
-        |c| c.kubeconfig = Some(kubeconfig.clone()),
+        |c| {
+            c.kubeconfig = Some(kubeconfig.clone());
+            // As the chart runs it: /metrics and /usage behind the API server's reviews.
+            c.http_address = Some(([127, 0, 0, 1], http_port).into());
+            c.http_auth = true;
+        },
     )?;
     let published = plugin.wait_ready(&admin, TIMEOUT).await?;
     ensure!(
@@ -651,6 +878,13 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         !prepared.claims[&uid].devices.is_empty(),
         "no devices prepared"
     );
+
+    // 4b. The plugin's /metrics and /usage (issue 41, defect 9), reviewed by the API server as
+    //     the chart's ServiceAccount (its `create` on tokenreviews and subjectaccessreviews):
+    //     401 without a token or with a forged one, 403 for a token whose user lacks the role,
+    //     200 for Prometheus bound to the chart's metrics-reader role; /usage for a tenant only
+    //     in its own namespace. The probes stay open.
+    http_endpoint_checks(&cp, &admin, http_port).await?;
 
     // 5. Denied, each by the policy: a slice for another node (create, update, delete of one
     //    that exists), a slice for all nodes, a slice with a node selector, another driver's
