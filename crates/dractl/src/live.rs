@@ -48,6 +48,12 @@ pub enum LiveError {
     /// The pod's claims cannot be gathered (not created yet, not found).
     #[error(transparent)]
     Claims(dra_allocator::pod::PodClaimsError),
+    /// No bearer token to show the node plugins (`dractl top`).
+    #[error("{0}")]
+    Token(String),
+    /// Every node plugin refused the caller (`dractl top`).
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Where to find the cluster: a kubeconfig file and context (as kubectl's flags), else the
@@ -122,7 +128,13 @@ pub async fn load_cluster(connection: &Connection) -> Result<dra_allocator::Obje
 }
 
 pub(crate) async fn client(connection: &Connection) -> Result<kube::Client, LiveError> {
-    let config = if connection.kubeconfig.is_none() && connection.context.is_none() {
+    client_for(config(connection).await?)
+}
+
+/// The client configuration `connection` names, with [`CALL_TIMEOUT`] as its connect and read
+/// timeouts.
+pub(crate) async fn config(connection: &Connection) -> Result<kube::Config, LiveError> {
+    let mut config = if connection.kubeconfig.is_none() && connection.context.is_none() {
         kube::Config::infer()
             .await
             .map_err(|e| LiveError::Config(e.to_string()))?
@@ -142,9 +154,12 @@ pub(crate) async fn client(connection: &Connection) -> Result<kube::Client, Live
             .await
             .map_err(|e| LiveError::Config(e.to_string()))?
     };
-    let mut config = config;
     config.connect_timeout = Some(CALL_TIMEOUT);
     config.read_timeout = Some(CALL_TIMEOUT);
+    Ok(config)
+}
+
+pub(crate) fn client_for(config: kube::Config) -> Result<kube::Client, LiveError> {
     kube::Client::try_from(config).map_err(|e| LiveError::Config(e.to_string()))
 }
 

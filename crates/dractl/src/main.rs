@@ -111,8 +111,9 @@ enum Command {
     /// Who holds GPUs and does not use them: one line per pod with its claims' devices,
     /// utilization, memory used against its limit, idle time and its cost; idle pods first.
     ///
-    /// Reads each node plugin's usage report through the API server (kubeconfig as kubectl);
-    /// read-only, RBAC in `deploy/rbac/dractl-top.yaml`.
+    /// Reads each node plugin's usage report through a port-forward opened by the API server
+    /// (kubeconfig as kubectl), showing the plugin the user's bearer token; read-only, RBAC in
+    /// `deploy/rbac/dractl-top.yaml`.
     Top {
         /// Only pods of this namespace (default: the kubeconfig context's, as kubectl).
         #[arg(short = 'n', long = "namespace", conflicts_with = "all_namespaces")]
@@ -132,6 +133,11 @@ enum Command {
         /// The label selector of the node plugins' pods.
         #[arg(long, default_value = "app.kubernetes.io/component=kubelet-plugin")]
         plugin_selector: String,
+        /// A file holding the bearer token to show the node plugins (e.g. from `kubectl create
+        /// token`), for a kubeconfig user without one (client certificates); default: the
+        /// kubeconfig user's.
+        #[arg(long)]
+        token_file: Option<std::path::PathBuf>,
         /// Kubeconfig file.
         #[arg(long)]
         kubeconfig: Option<std::path::PathBuf>,
@@ -264,6 +270,7 @@ fn main() -> anyhow::Result<()> {
         price_per_gpu_hour,
         plugin_namespace,
         plugin_selector,
+        token_file,
         kubeconfig,
         context,
         output,
@@ -283,6 +290,7 @@ fn main() -> anyhow::Result<()> {
             price_per_gpu_hour: *price_per_gpu_hour,
             plugin_namespace: plugin_namespace.clone(),
             plugin_selector: plugin_selector.clone(),
+            token_file: token_file.clone(),
         };
         let read =
             tokio::runtime::Runtime::new()?.block_on(dractl::top::run(&connection, &options));

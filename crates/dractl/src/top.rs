@@ -3,15 +3,31 @@
 //! idle time cost; then the cluster's allocated and idle GPUs.
 //!
 //! It reads each node plugin's usage report (`/usage`, [`gpu_kubelet_plugin::usage::Report`])
-//! through the API server's pod proxy, so it needs no access to the nodes. Read-only; the RBAC
-//! it needs is `list` on `pods` and `get` on `pods/proxy` in the plugins' namespace
-//! (`deploy/rbac/dractl-top.yaml`).
+//! through a port-forward to the plugin's pod opened by the API server (as `kubectl
+//! port-forward`), so it needs no access to the nodes or the pod network, and a NetworkPolicy on
+//! the plugins does not stand in its way. The plugin decides who may read what (`--http-auth`):
+//! dractl shows it the user's own bearer token, which the plugin has the API server review. The
+//! API server's pod proxy cannot carry it: the API server consumes the caller's `Authorization`
+//! header and forwards no identity (k8s.io/apiserver `pkg/endpoints/filters/authentication.go`).
+//!
+//! The token is the kubeconfig user's (a token, a token file, an exec plugin such as `aws eks
+//! get-token` or OIDC), or `--token-file`'s; a user who authenticates with a client certificate
+//! has none to show, and is told so. Read-only; the RBAC it needs (`deploy/rbac/dractl-top.yaml`):
+//! `list` on `pods` and `get`, `create` on `pods/portforward` in the plugins' namespace, and to
+//! see every namespace `get` on the non-resource URL `/usage`; without the latter, `-n <ns>`
+//! shows a namespace where the user may `list` ResourceClaims.
 //!
 //! GPUs are counted in whole-GPU equivalents: a whole GPU is 1, a MIG device its compute slices
 //! out of 7 (`3g.40gb` is 3/7), a share its memory out of its device's.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+use futures::StreamExt;
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
 
 use gpu_kubelet_plugin::usage::idle_status::span;
 use gpu_kubelet_plugin::usage::{ClaimReport, DeviceReport, Report};
@@ -19,10 +35,18 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
 use serde::Serialize;
 
-use crate::live::{Connection, LiveError, call, client};
+use crate::live::{Connection, LiveError, call, client_for, config};
 
-/// Time allowed for one plugin's report.
+/// Time allowed for one plugin's report, the port-forward included.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many plugins are read at once.
+pub const CONCURRENT_READS: usize = 8;
+/// What a user without a bearer token is told.
+const NO_TOKEN: &str = "the kubeconfig's user has no bearer token (it authenticates with a \
+    client certificate, which the node plugins cannot verify): the plugins answer /usage only to \
+    a bearer token the API server accepts. Pass --token-file with one, e.g. from `kubectl create \
+    token <serviceaccount>` of a ServiceAccount bound to the dractl-top roles \
+    (deploy/rbac/dractl-top.yaml)";
 
 /// What to show.
 #[derive(Clone, Debug)]
@@ -37,6 +61,9 @@ pub struct Options {
     pub plugin_namespace: String,
     /// The label selector of the node plugins' pods.
     pub plugin_selector: String,
+    /// A file holding the bearer token shown to the plugins (`--token-file`); `None`: the
+    /// kubeconfig user's.
+    pub token_file: Option<PathBuf>,
 }
 
 /// Which namespaces' pods are shown.
@@ -99,24 +126,88 @@ pub struct Top {
 /// Reads every node plugin's report ([`read`]) and makes the table ([`top`]).
 ///
 /// # Errors
-/// [`LiveError`] when the kubeconfig is unusable or the plugins' pods cannot be listed.
+/// [`LiveError`] when the kubeconfig is unusable, there is no bearer token, the plugins' pods
+/// cannot be listed, or every plugin refused the caller.
 pub async fn run(connection: &Connection, options: &Options) -> Result<Top, LiveError> {
-    let client = client(connection).await?;
+    let config = config(connection).await?;
+    let token = bearer_token(&config, options.token_file.as_deref()).await?;
+    let client = client_for(config)?;
     let mut options = options.clone();
     if options.scope == Scope::Context {
         options.scope = Scope::Namespace(client.default_namespace().to_owned());
     }
-    let (reports, unreachable) = read(&client, &options).await?;
+    let (reports, unreachable) = read(&client, &token, &options).await?;
     Ok(top(&reports, unreachable, &options))
 }
 
-/// Reads every node plugin's report through the API server's pod proxy: the reports, and the
-/// plugins whose report could not be read, with why.
+/// The bearer token shown to the node plugins: the first line of `token_file`, else the one the
+/// kubeconfig's user authenticates to the API server with, as kube's client would send it (a
+/// static token, a token file, an exec plugin, OIDC).
 ///
 /// # Errors
-/// [`LiveError`] when the plugins' pods cannot be listed.
+/// [`LiveError::Token`] when the file cannot be read or is empty, or the user has no bearer
+/// token (client certificates, basic authentication).
+pub async fn bearer_token(
+    config: &kube::Config,
+    token_file: Option<&Path>,
+) -> Result<String, LiveError> {
+    use kube::client::ConfigExt;
+    use tower::{Layer, ServiceExt};
+
+    if let Some(path) = token_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| LiveError::Token(format!("--token-file {}: {e}", path.display())))?;
+        return match text.trim() {
+            "" => Err(LiveError::Token(format!(
+                "--token-file {}: empty",
+                path.display()
+            ))),
+            token => Ok(token.to_owned()),
+        };
+    }
+    let layer = config
+        .auth_layer()
+        .map_err(|e| LiveError::Token(format!("the kubeconfig's credentials: {e}")))?
+        .ok_or_else(|| LiveError::Token(NO_TOKEN.to_owned()))?;
+    // The header kube's client would add to a request, taken from a request that goes nowhere.
+    let capture = tower::service_fn(|request: http::Request<kube::client::Body>| async move {
+        Ok::<_, tower::BoxError>(http::Response::new(
+            request.headers().get(http::header::AUTHORIZATION).cloned(),
+        ))
+    });
+    let header = layer
+        .layer(capture)
+        .oneshot(http::Request::new(kube::client::Body::empty()))
+        .await
+        .map_err(|e| LiveError::Token(format!("the kubeconfig's credentials: {e}")))?
+        .into_body();
+    header
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer") && !token.is_empty())
+        .map(|(_, token)| token.trim().to_owned())
+        .ok_or_else(|| LiveError::Token(NO_TOKEN.to_owned()))
+}
+
+/// One plugin's answer to `GET /usage`.
+enum Answer {
+    /// Its report.
+    Report(Box<Report>),
+    /// It refused the token (401) or its user (403), with its message.
+    Refused(String),
+    /// It could not be read.
+    Unreachable(String),
+}
+
+/// Reads every node plugin's report through a port-forward to its pod, showing it `token`: the
+/// reports, and the plugins whose report could not be read, with why.
+///
+/// # Errors
+/// [`LiveError`] when the plugins' pods cannot be listed, or every plugin refused `token`.
 pub async fn read(
     client: &kube::Client,
+    token: &str,
     options: &Options,
 ) -> Result<(Vec<Report>, Vec<String>), LiveError> {
     let ns = &options.plugin_namespace;
@@ -129,44 +220,136 @@ pub async fn read(
         pods.list(&ListParams::default().labels(&options.plugin_selector)),
     )
     .await?;
-    let (mut reports, mut unreachable) = (Vec::new(), Vec::new());
-    for pod in list.items {
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-        let port = pod
-            .spec
-            .iter()
-            .flat_map(|s| &s.containers)
-            .flat_map(|c| c.ports.iter().flatten())
-            .find(|p| p.name.as_deref() == Some("http"))
-            .map(|p| p.container_port);
-        let (true, Some(port)) = (running, port) else {
-            unreachable.push(format!("{ns}/{name}: not running, or no port named http"));
-            continue;
-        };
-        // One namespace: the plugin answers with that namespace's claims and processes alone.
-        let query = match &options.scope {
-            Scope::Namespace(only) => format!("?namespace={only}"),
-            Scope::All | Scope::Context => String::new(),
-        };
-        let path = format!("/api/v1/namespaces/{ns}/pods/{name}:{port}/proxy/usage{query}");
-        let request = match http::Request::get(&path).body(Vec::new()) {
-            Ok(r) => r,
-            Err(e) => {
-                unreachable.push(format!("{ns}/{name}: {e}"));
-                continue;
+    // One namespace: the plugin answers with that namespace's claims and processes alone, and
+    // lets a user who may list its ResourceClaims read them.
+    let path = match &options.scope {
+        Scope::Namespace(only) => format!("/usage?namespace={only}"),
+        Scope::All | Scope::Context => "/usage".to_owned(),
+    };
+    let answers: Vec<(String, Answer)> = futures::stream::iter(list.items)
+        .map(|pod| {
+            let (pods, path) = (&pods, &path);
+            async move {
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                let answer = answer_of(pods, &pod, path, token).await;
+                (format!("{ns}/{name}"), answer)
             }
-        };
-        match tokio::time::timeout(REPORT_TIMEOUT, client.request_text(request)).await {
-            Ok(Ok(text)) => match serde_json::from_str::<Report>(&text) {
-                Ok(report) => reports.push(report),
-                Err(e) => unreachable.push(format!("{ns}/{name}: its /usage is not a report: {e}")),
-            },
-            Ok(Err(e)) => unreachable.push(format!("{ns}/{name}: {e}")),
-            Err(_) => unreachable.push(format!("{ns}/{name}: no answer within {REPORT_TIMEOUT:?}")),
+        })
+        .buffer_unordered(CONCURRENT_READS)
+        .collect()
+        .await;
+    let (mut reports, mut unreachable, mut refused) = (Vec::new(), Vec::new(), Vec::new());
+    for (pod, answer) in answers {
+        match answer {
+            Answer::Report(report) => reports.push(*report),
+            Answer::Refused(why) => refused.push(format!("{pod}: {why}")),
+            Answer::Unreachable(why) => unreachable.push(format!("{pod}: {why}")),
         }
     }
+    if reports.is_empty() && !refused.is_empty() {
+        refused.sort();
+        return Err(LiveError::Refused(format!(
+            "the node plugins refused to show their usage: {}. Every namespace needs `get` on \
+             the non-resource URL /usage; one namespace (-n) `list` on its resourceclaims \
+             (deploy/rbac/dractl-top.yaml)",
+            refused.join("; ")
+        )));
+    }
+    unreachable.extend(refused);
+    unreachable.sort();
+    reports.sort_by(|a, b| a.node.cmp(&b.node));
     Ok((reports, unreachable))
+}
+
+/// `GET path` of `pod`'s port named `http`, through a port-forward, within [`REPORT_TIMEOUT`].
+async fn answer_of(pods: &Api<Pod>, pod: &Pod, path: &str, token: &str) -> Answer {
+    let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+    let port = pod
+        .spec
+        .iter()
+        .flat_map(|s| &s.containers)
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some("http"))
+        .and_then(|p| u16::try_from(p.container_port).ok());
+    let (true, Some(port), Some(name)) = (running, port, pod.metadata.name.as_deref()) else {
+        return Answer::Unreachable("not running, or no port named http".into());
+    };
+    let answer =
+        tokio::time::timeout(REPORT_TIMEOUT, get_forwarded(pods, name, port, path, token)).await;
+    match answer {
+        Err(_) => Answer::Unreachable(format!("no answer within {REPORT_TIMEOUT:?}")),
+        Ok(Err(e)) => Answer::Unreachable(e),
+        Ok(Ok((status, body))) => match status {
+            http::StatusCode::OK => match serde_json::from_str::<Report>(&body) {
+                Ok(report) => Answer::Report(Box::new(report)),
+                Err(e) => Answer::Unreachable(format!("its {path} is not a report: {e}")),
+            },
+            http::StatusCode::UNAUTHORIZED | http::StatusCode::FORBIDDEN => {
+                Answer::Refused(format!("{status}: {}", body.trim()))
+            }
+            _ => Answer::Unreachable(format!("{path} answered {status}: {}", body.trim())),
+        },
+    }
+}
+
+/// `GET path` on `port` of pod `name` through a port-forward (`create` on `pods/portforward`),
+/// with `token` as its bearer token: the status and the body.
+///
+/// # Errors
+/// Why the port-forward or the request failed, as text.
+pub async fn get_forwarded(
+    pods: &Api<Pod>,
+    name: &str,
+    port: u16,
+    path: &str,
+    token: &str,
+) -> Result<(http::StatusCode, String), String> {
+    let mut forwarder = pods
+        .portforward(name, &[port])
+        .await
+        .map_err(|e| format!("port-forward to port {port}: {e}"))?;
+    let stream = forwarder
+        .take_stream(port)
+        .ok_or_else(|| format!("port-forward to port {port}: no stream"))?;
+    // Where the pod cannot be connected to, the kubelet says so on the port's error channel.
+    let refused = forwarder.take_error(port);
+    let exchange = async {
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        let connection = tokio::spawn(connection);
+        let request = http::Request::get(path)
+            .header(http::header::HOST, "localhost")
+            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        connection.abort();
+        Ok::<_, String>((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    let result = match refused {
+        Some(refused) => {
+            tokio::pin!(refused);
+            tokio::pin!(exchange);
+            tokio::select! {
+                r = &mut exchange => r,
+                Some(why) = &mut refused => Err(format!("port-forward to port {port}: {why}")),
+            }
+        }
+        None => exchange.await,
+    };
+    forwarder.abort();
+    result.map_err(|e| format!("GET {path} through a port-forward to port {port}: {e}"))
 }
 
 /// The whole-GPU equivalent of `device` held by `claim`.
@@ -414,6 +597,7 @@ mod tests {
             price_per_gpu_hour: Some(2.0),
             plugin_namespace: "drust-system".into(),
             plugin_selector: "app.kubernetes.io/component=kubelet-plugin".into(),
+            token_file: None,
         }
     }
 
@@ -464,5 +648,61 @@ mod tests {
         assert!(t.rows.iter().all(|r| r.idle));
         assert_eq!(t.rows.len(), 2);
         assert!(t.text(false).contains("unreachable plugin: x: down"));
+    }
+
+    async fn config_of(user: &str) -> kube::Config {
+        let yaml = format!(
+            "apiVersion: v1\nkind: Config\n\
+             clusters: [{{name: c, cluster: {{server: 'https://127.0.0.1:6443'}}}}]\n\
+             users: [{{name: u, user: {user}}}]\n\
+             contexts: [{{name: x, context: {{cluster: c, user: u}}}}]\n\
+             current-context: x\n"
+        );
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&yaml).expect("a kubeconfig");
+        kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .expect("a config")
+    }
+
+    async fn token_of(user: &str, file: Option<&Path>) -> Result<String, String> {
+        bearer_token(&config_of(user).await, file)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    #[tokio::test]
+    async fn the_bearer_token_is_the_kubeconfig_users_or_the_token_files() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = |name: &str| dir.path().join(name);
+        std::fs::write(path("kube-token"), "from-file").expect("write");
+        std::fs::write(path("given"), "  given-token\n").expect("write");
+        std::fs::write(path("empty"), "\n").expect("write");
+        assert_eq!(
+            token_of("{token: static-token}", None).await,
+            Ok("static-token".into())
+        );
+        let token_file = format!("{{tokenFile: {}}}", path("kube-token").display());
+        assert_eq!(token_of(&token_file, None).await, Ok("from-file".into()));
+        // --token-file wins over the kubeconfig's.
+        assert_eq!(
+            token_of("{token: static-token}", Some(&path("given"))).await,
+            Ok("given-token".into())
+        );
+        // No bearer token: client certificates, basic authentication, nothing.
+        for user in [
+            "{client-certificate-data: Y2VydA==, client-key-data: a2V5}",
+            "{username: u, password: p}",
+            "{}",
+        ] {
+            let e = token_of(user, None).await.expect_err(user);
+            assert!(
+                e.contains("no bearer token") && e.contains("--token-file"),
+                "{e}"
+            );
+        }
+        let e = token_of("{}", Some(&path("empty")))
+            .await
+            .expect_err("empty");
+        assert!(e.ends_with("empty"), "{e}");
     }
 }

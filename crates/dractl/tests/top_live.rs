@@ -1,12 +1,16 @@
-//! `dractl top` against the real control plane (v1.36.3), run as a ServiceAccount that holds only
-//! `deploy/rbac/dractl-top.yaml`: it reads the node plugin's usage report through the API
-//! server's pod proxy and prints the idle pod first, with its device, memory, idle time and cost,
-//! and the busy pod as busy.
+//! `dractl top` against the real control plane (v1.36.3), run as identities that hold only the
+//! roles of `deploy/rbac/dractl-top.yaml`: it reads the node plugin's usage report through a
+//! port-forward opened by the API server and a real kubelet, showing the plugin its bearer
+//! token, and prints the idle pod first, with its device, memory, idle time and cost, and the
+//! busy pod as busy. The plugin checks every reader itself (`--http-auth`): a tenant holding
+//! the Role alone sees its own namespace and is refused every other; a user of a client
+//! certificate is told to pass `--token-file`, and with one is served.
 //!
 //! The node plugin runs in-process on the fake DGX H100 (usage every second, a 2-second idle
-//! window); a Pod object in `drust-system` labelled as the chart labels the plugin's pods, with
-//! the plugin's port and this machine's address as its IP, stands for the DaemonSet's pod, so
-//! the API server proxies to the real plugin.
+//! window) and publishes for a node no kubelet backs; a real node (kubelet and containerd on
+//! this machine) runs the plugin's stand-in Pod in `drust-system`, labelled as the chart labels
+//! the plugin's pods, with the host's network, so that a port-forward into it reaches the
+//! in-process plugin's port.
 
 use std::path::Path;
 use std::time::Duration;
@@ -16,15 +20,21 @@ use drust_e2e::claims::{allocated_claim, pod_using};
 use drust_e2e::http::get;
 use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::{apply_yaml, repo_path};
+use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::plugin::NodePlugin;
+use drust_e2e::rbac::bind_dractl_top;
 use drust_e2e::wait::until;
-use drust_e2e::{ControlPlane, ControlPlaneOptions};
+use drust_e2e::{CERTIFICATE_USER, ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
 const DRIVER: &str = "gpu.drust.dev";
+/// The node the plugin publishes for (no kubelet: the test acts as the kubelet).
 const NODE: &str = "node-top";
+/// The real node that runs the plugin's stand-in Pod.
+const REAL_NODE: &str = "node-top-real";
+const PLUGIN_POD: &str = "drust-kubelet-plugin-x1";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn dractl(kubeconfig: &Path, args: &[&str]) -> anyhow::Result<std::process::Output> {
@@ -36,23 +46,54 @@ fn dractl(kubeconfig: &Path, args: &[&str]) -> anyhow::Result<std::process::Outp
         .output()?)
 }
 
+/// dractl's stdout when it succeeded, else its output as the error.
+fn succeeded(out: &std::process::Output) -> anyhow::Result<String> {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        out.status.success(),
+        "dractl top failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(stdout)
+}
+
+/// dractl's stderr when it failed with exit code 2 (a live cluster error).
+fn failed(out: &std::process::Output) -> anyhow::Result<String> {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    ensure!(
+        out.status.code() == Some(2),
+        "dractl top should have failed: {:?} {}{stderr}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(stderr)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn top_shows_the_idle_pod_first_with_only_the_documented_rbac() -> anyhow::Result<()> {
     let cp = ControlPlane::start(ControlPlaneOptions::default()).await?;
-    let result = run(&cp).await;
+    let node = Node::start(&cp, REAL_NODE, NodeOptions::default()).await;
+    let result = match node {
+        Ok(node) => {
+            let result = run(&cp, &node).await;
+            node.stop().await?;
+            result
+        }
+        Err(e) => Err(e.into()),
+    };
     cp.stop().await?;
     result
 }
 
-async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
+async fn run(cp: &ControlPlane, node: &Node) -> anyhow::Result<()> {
     let client = cp.client().await?;
     cp.register_node(NODE, &[]).await?;
-    let ip = drust_e2e::ports::proxyable_ipv4()?;
     let port = drust_e2e::ports::free_port()?;
     let proc_dir = tempfile::tempdir()?;
     let topology = repo_path("examples/topologies/dgx-h100.yaml");
     let mut plugin = NodePlugin::start_with(cp, DRIVER, NODE, &topology, |c| {
         c.http_address = Some(([0, 0, 0, 0], port).into());
+        c.http_auth = true;
         c.usage = Some(drust_e2e::plugin::fast_usage(
             proc_dir.path(),
             Duration::from_secs(2),
@@ -77,7 +118,8 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     };
     let (gpu0, gpu1) = (by_index(0)?, by_index(1)?);
 
-    // The plugin's pod, as the chart makes it, pointing at the in-process plugin.
+    // The plugin's pod, as the chart labels it, on the real node's network, where the
+    // in-process plugin listens.
     apply_yaml(
         &client,
         "apiVersion: v1\nkind: Namespace\nmetadata: {name: drust-system}\n",
@@ -86,21 +128,17 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
     .await?;
     let plugin_pods: Api<Pod> = Api::namespaced(client.clone(), "drust-system");
     let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "drust-kubelet-plugin-x1", "labels": {
+        "metadata": {"name": PLUGIN_POD, "labels": {
             "app.kubernetes.io/name": "drust", "app.kubernetes.io/component": "kubelet-plugin"}},
-        "spec": {"nodeName": NODE, "containers": [{"name": "plugin", "image": "drust",
+        "spec": {"nodeName": REAL_NODE, "hostNetwork": true,
+                 "automountServiceAccountToken": false, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "plugin", "image": drust_e2e::images::WORKLOAD_IMAGE,
+                 "imagePullPolicy": "Never",
+                 "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
                  "ports": [{"name": "http", "containerPort": port}]}]},
     }))?;
     plugin_pods.create(&PostParams::default(), &pod).await?;
-    let status = json!({"status": {"phase": "Running", "podIP": ip.to_string(),
-                                   "podIPs": [{"ip": ip.to_string()}]}});
-    plugin_pods
-        .patch_status(
-            "drust-kubelet-plugin-x1",
-            &PatchParams::default(),
-            &Patch::Merge(&status),
-        )
-        .await?;
+    drust_e2e::node_pods::wait_running(&plugin_pods, PLUGIN_POD, node).await?;
 
     // A busy pod and an idle one.
     let train =
@@ -133,9 +171,14 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         answer.claims.values().all(|c| c.error.is_empty()),
         "{answer:?}"
     );
-    // The plugin answers on this machine's address, as the API server reaches it.
+    // The probes stay open; the usage report does not.
     let (status, _) = get(port, "/healthz").await?;
     ensure!(status == 200, "the plugin's /healthz: {status}");
+    let (status, _) = get(port, "/usage").await?;
+    ensure!(
+        status == 401,
+        "the plugin's /usage without a token: {status}"
+    );
 
     // The documented role, and nothing else.
     let dir = tempfile::tempdir()?;
@@ -200,8 +243,8 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         "{text}"
     );
 
-    // The role reaches no further: no proxy into another namespace's pods (the idle pod's), no
-    // write through the proxy to the plugin.
+    // The roles reach no further: no proxy into the plugin's pod or another namespace's pods,
+    // no port-forward into another namespace's pods.
     let topper = kube::Client::try_from(
         kube::Config::from_custom_kubeconfig(
             kube::config::Kubeconfig::read_from(&kubeconfig)?,
@@ -216,9 +259,9 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
                 .body(Vec::new())?,
         ),
         (
-            "POST through the plugin pod's proxy",
-            http::Request::post(format!(
-                "/api/v1/namespaces/drust-system/pods/drust-kubelet-plugin-x1:{port}/proxy/usage"
+            "GET through the plugin pod's proxy",
+            http::Request::get(format!(
+                "/api/v1/namespaces/drust-system/pods/{PLUGIN_POD}:{port}/proxy/usage"
             ))
             .body(Vec::new())?,
         ),
@@ -228,18 +271,93 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
             other => anyhow::bail!("{what}: expected 403 Forbidden, got {other:?}"),
         }
     }
+    match Api::<Pod>::namespaced(topper.clone(), "default")
+        .portforward("jupyter-0", &[80])
+        .await
+    {
+        Err(e) if e.to_string().contains("403") => {}
+        Err(e) => anyhow::bail!("port-forward into default: expected 403 Forbidden, got {e}"),
+        Ok(_) => anyhow::bail!("port-forward into default: expected 403 Forbidden, got through"),
+    }
 
-    // Without the role: refused, and said so.
+    // A tenant of `default` holding the Role alone (it reaches the plugins) and the built-in
+    // `view` role in its namespace: its own namespace, and no other.
+    apply_yaml(
+        &client,
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata: {name: tenant, namespace: default}\n\
+         ---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\n\
+         metadata: {name: tenant-view, namespace: default}\n\
+         roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: view}\n\
+         subjects: [{kind: ServiceAccount, name: tenant, namespace: default}]\n",
+        Path::new("tenant"),
+    )
+    .await?;
+    bind_dractl_top(
+        &client,
+        "tenant",
+        "{kind: ServiceAccount, name: tenant, namespace: default}",
+        false,
+    )
+    .await?;
+    let tenant = dir.path().join("tenant.kubeconfig");
+    cp.write_kubeconfig(
+        &tenant,
+        &cp.service_account_token("default", "tenant").await?,
+    )?;
+    let own: Value = serde_json::from_str(&succeeded(&dractl(
+        &tenant,
+        &["-n", "default", "-o", "json"],
+    )?)?)?;
+    ensure!(
+        own["rows"].as_array().map(Vec::len) == Some(2) && own["unreachable"] == json!([]),
+        "the tenant's own namespace: {own:#}"
+    );
+    for args in [&["-A"][..], &["-n", "kube-system"][..]] {
+        let stderr = failed(&dractl(&tenant, args)?)?;
+        ensure!(
+            stderr.contains("refused to show their usage")
+                && stderr.contains("403 Forbidden")
+                && stderr.contains("system:serviceaccount:default:tenant"),
+            "the tenant with {args:?}: {stderr}"
+        );
+    }
+
+    // A user of a client certificate has no token to show: told so, and served with one given.
+    bind_dractl_top(
+        &client,
+        "cert-user",
+        &format!("{{kind: User, name: {CERTIFICATE_USER}, apiGroup: rbac.authorization.k8s.io}}"),
+        false,
+    )
+    .await?;
+    let certificate = cp.certificate_user_kubeconfig_path();
+    let stderr = failed(&dractl(certificate, &["-A"])?)?;
+    ensure!(
+        stderr.contains("no bearer token") && stderr.contains("--token-file"),
+        "{stderr}"
+    );
+    let token_file = dir.path().join("topper.token");
+    std::fs::write(
+        &token_file,
+        cp.service_account_token("default", "topper").await?,
+    )?;
+    let token_file = token_file.to_string_lossy().into_owned();
+    let served: Value = serde_json::from_str(&succeeded(&dractl(
+        certificate,
+        &["-A", "-o", "json", "--token-file", &token_file],
+    )?)?)?;
+    ensure!(
+        served["rows"].as_array().map(Vec::len) == Some(2),
+        "with --token-file: {served:#}"
+    );
+
+    // Without the role: refused by the API server, and said so.
     let other = dir.path().join("other.kubeconfig");
     cp.write_kubeconfig(
         &other,
         &cp.service_account_token("default", "default").await?,
     )?;
-    let out = dractl(&other, &["-A"])?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(
-        out.status.code() == Some(2) && stderr.contains("forbidden"),
-        "{stderr}"
-    );
+    let stderr = failed(&dractl(&other, &["-A"])?)?;
+    ensure!(stderr.contains("forbidden"), "{stderr}");
     Ok(())
 }

@@ -16,6 +16,7 @@
 mod credentials;
 mod process;
 
+pub use credentials::CERTIFICATE_USER;
 pub use process::die_with_parent;
 
 use std::collections::BTreeMap;
@@ -345,6 +346,7 @@ pub struct ControlPlane {
     server_url: String,
     ca_pem: String,
     admin_kubeconfig: PathBuf,
+    certificate_user_kubeconfig: PathBuf,
     timings: StartTimings,
     pod_endpoint: Option<(std::net::IpAddr, u16)>,
 }
@@ -545,6 +547,7 @@ impl ControlPlane {
             server_url,
             ca_pem: credentials.ca_pem,
             admin_kubeconfig: files.admin_kubeconfig,
+            certificate_user_kubeconfig: files.certificate_user_kubeconfig,
             timings,
             pod_endpoint: options.pod_address.map(|a| (a, apiserver_port)),
         })
@@ -585,6 +588,12 @@ impl ControlPlane {
     /// The admin kubeconfig (user `admin`, group `system:masters`, bearer token, CA data).
     pub fn kubeconfig_path(&self) -> &Path {
         &self.admin_kubeconfig
+    }
+
+    /// A kubeconfig of user [`CERTIFICATE_USER`], who authenticates with a client certificate
+    /// signed by the cluster's CA and holds no bearer token; no role is bound to it.
+    pub fn certificate_user_kubeconfig_path(&self) -> &Path {
+        &self.certificate_user_kubeconfig
     }
 
     /// The temporary directory holding certificates, kubeconfigs, etcd data and logs.

@@ -46,6 +46,6 @@ pub mod scripts;
 pub mod wait;
 
 pub use controlplane::{
-    Component, ControlPlane, ControlPlaneOptions, Error, KEEP_ENV, StartTimings, die_with_parent,
-    host_address,
+    CERTIFICATE_USER, Component, ControlPlane, ControlPlaneOptions, Error, KEEP_ENV, StartTimings,
+    die_with_parent, host_address,
 };

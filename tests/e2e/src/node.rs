@@ -655,6 +655,23 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                         .patch(&self.name, &PatchParams::default(), &Patch::Merge(&patch))
                         .await
                         .map_err(|e| failed("removing the node's taints", e))?;
+                    // The kubelet refuses a loopback --node-ip as the Node's address
+                    // (`validateNodeIP` in its node status setters) and publishes none, so the
+                    // API server could not reach it for logs, exec or port-forwards: the
+                    // address it listens on is set here (the kubelet leaves it alone).
+                    let addresses = node.status.as_ref().and_then(|s| s.addresses.as_ref());
+                    if addresses.is_none_or(Vec::is_empty) {
+                        let status = serde_json::json!({"status": {"addresses": [
+                            {"type": "InternalIP", "address": "127.0.0.1"}]}});
+                        nodes
+                            .patch_status(
+                                &self.name,
+                                &PatchParams::default(),
+                                &Patch::Merge(&status),
+                            )
+                            .await
+                            .map_err(|e| failed("setting the node's address", e))?;
+                    }
                     return Ok(());
                 }
             }

@@ -6,34 +6,62 @@ use std::path::Path;
 use crate::ControlPlane;
 use crate::manifests::{apply_file, apply_yaml, repo_path};
 
-/// Writes to `path` a kubeconfig for ServiceAccount `default/topper`, bound to the role of
-/// `deploy/rbac/dractl-top.yaml` (in `drust-system`) and to nothing else, applying both with
-/// `client` (an admin).
+/// Writes to `path` a kubeconfig for ServiceAccount `default/topper`, bound to the roles of
+/// `deploy/rbac/dractl-top.yaml` (the Role in `drust-system` and the ClusterRole for every
+/// namespace's usage) and to nothing else, applying them with `client` (an admin).
 ///
 /// # Errors
-/// Applying the role or the binding, minting the token or writing the file failed.
+/// Applying the roles or the bindings, minting the token or writing the file failed.
 pub async fn dractl_top_kubeconfig(
     cp: &ControlPlane,
     client: &kube::Client,
     path: &Path,
 ) -> anyhow::Result<()> {
-    apply_file(client, &repo_path("deploy/rbac/dractl-top.yaml")).await?;
     apply_yaml(
         client,
-        r#"
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: topper, namespace: default}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: dractl-top, namespace: drust-system}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: dractl-top}
-subjects: [{kind: ServiceAccount, name: topper, namespace: default}]
-"#,
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata: {name: topper, namespace: default}\n",
         Path::new("topper identity"),
     )
     .await?;
+    bind_dractl_top(
+        client,
+        "topper",
+        "{kind: ServiceAccount, name: topper, namespace: default}",
+        true,
+    )
+    .await?;
     cp.write_kubeconfig(path, &cp.service_account_token("default", "topper").await?)?;
+    Ok(())
+}
+
+/// Applies `deploy/rbac/dractl-top.yaml` and binds its Role (reach the node plugins) to
+/// `subject` (an RBAC subject as a YAML flow mapping), and with `every_namespace` its ClusterRole
+/// (`get /usage`) too; the bindings are named `dractl-top-<name>`.
+///
+/// # Errors
+/// Applying the roles or the bindings failed.
+pub async fn bind_dractl_top(
+    client: &kube::Client,
+    name: &str,
+    subject: &str,
+    every_namespace: bool,
+) -> anyhow::Result<()> {
+    apply_file(client, &repo_path("deploy/rbac/dractl-top.yaml")).await?;
+    let mut bindings = format!(
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\n\
+         metadata: {{name: dractl-top-{name}, namespace: drust-system}}\n\
+         roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: dractl-top}}\n\
+         subjects: [{subject}]\n"
+    );
+    if every_namespace {
+        bindings.push_str(&format!(
+            "---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\n\
+             metadata: {{name: dractl-top-usage-{name}}}\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, \
+             name: dractl-top-usage}}\n\
+             subjects: [{subject}]\n"
+        ));
+    }
+    apply_yaml(client, &bindings, Path::new("dractl top bindings")).await?;
     Ok(())
 }

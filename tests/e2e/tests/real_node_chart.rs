@@ -444,7 +444,8 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
     let share_used = per_process * share_pids.len() as u64;
 
     // `dractl top`, as a user holding only deploy/rbac/dractl-top.yaml, reads the chart's plugin
-    // pod through the API server's proxy: both pods, and the share against its allocation.
+    // pod through a port-forward, showing the plugin its token (the chart's http.auth): both
+    // pods, and the share against its allocation.
     let top_kubeconfig = host.root().join("topper.kubeconfig");
     drust_e2e::rbac::dractl_top_kubeconfig(&cp, &client, &top_kubeconfig).await?;
     let dractl = drust_e2e::binary::dractl_binary().map_err(anyhow::Error::msg)?;
@@ -491,18 +492,28 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
             && share_row["gpus"].as_f64().is_some_and(|g| g > 0.0 && g < 1.0),
         "the share against its allocation: {share_row:#}"
     );
-    // The process is named by its container, as the kubelet answered the plugin pod.
+    // The process is named by its container, as the kubelet answered the plugin pod: its
+    // /usage, read on the pod network with the same user's token.
     let plugin_pod = v1.metadata.name.clone().context("plugin pod name")?;
-    let usage: serde_json::Value = serde_json::from_str(
-        &client
-            .request_text(
-                http::Request::get(format!(
-                    "/api/v1/namespaces/{NAMESPACE}/pods/{plugin_pod}:9477/proxy/usage"
-                ))
-                .body(Vec::new())?,
-            )
-            .await?,
-    )?;
+    let plugin_ip: std::net::IpAddr = v1
+        .status
+        .as_ref()
+        .and_then(|s| s.pod_ip.as_deref())
+        .context("plugin pod IP")?
+        .parse()?;
+    let topper_token = cp.service_account_token("default", "topper").await?;
+    let answer =
+        drust_e2e::http::get_at((plugin_ip, 9477).into(), "/usage", Some(&topper_token)).await?;
+    ensure!(
+        answer.status == 200,
+        "{plugin_pod}'s /usage for dractl top's user: {answer:?}"
+    );
+    let anonymous = drust_e2e::http::get_at((plugin_ip, 9477).into(), "/usage", None).await?;
+    ensure!(
+        anonymous.status == 401,
+        "{plugin_pod}'s /usage without a token: {anonymous:?}"
+    );
+    let usage: serde_json::Value = serde_json::from_str(&answer.body)?;
     let share_processes: Vec<&serde_json::Value> = usage["devices"]
         .as_array()
         .into_iter()

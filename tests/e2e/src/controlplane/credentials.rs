@@ -21,6 +21,7 @@ pub(super) struct Files {
     pub(super) sa_public_key: PathBuf,
     pub(super) tokens: PathBuf,
     pub(super) admin_kubeconfig: PathBuf,
+    pub(super) certificate_user_kubeconfig: PathBuf,
     pub(super) controller_manager_kubeconfig: PathBuf,
     pub(super) scheduler_kubeconfig: PathBuf,
 }
@@ -35,7 +36,13 @@ pub(super) struct Credentials {
     pub(super) admin_token: String,
     pub(super) controller_manager_token: String,
     pub(super) scheduler_token: String,
+    /// The client certificate and key of user [`CERTIFICATE_USER`] (no group).
+    pub(super) certificate_user_pem: (String, String),
 }
+
+/// The user of the kubeconfig that authenticates with a client certificate (a cluster whose
+/// users hold no bearer token); no role is bound to it.
+pub const CERTIFICATE_USER: &str = "cert-user";
 
 impl Credentials {
     /// A fresh CA and certificates; the serving certificate also names `extra_address`.
@@ -88,6 +95,18 @@ impl Credentials {
 
         let sa_key = KeyPair::generate().map_err(gen_err("the service-account key"))?;
 
+        let user_key = KeyPair::generate().map_err(gen_err("the client certificate key"))?;
+        let mut user_params = CertificateParams::new(Vec::<String>::new())
+            .map_err(gen_err("the client certificate"))?;
+        user_params
+            .distinguished_name
+            .push(DnType::CommonName, CERTIFICATE_USER);
+        user_params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        user_params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let user_cert = user_params
+            .signed_by(&user_key, &ca)
+            .map_err(gen_err("the client certificate"))?;
+
         Ok(Self {
             ca_pem: ca.pem(),
             serving_cert_pem: serving_cert.pem(),
@@ -97,6 +116,7 @@ impl Credentials {
             admin_token: random_token()?,
             controller_manager_token: random_token()?,
             scheduler_token: random_token()?,
+            certificate_user_pem: (user_cert.pem(), user_key.serialize_pem()),
         })
     }
 
@@ -109,6 +129,7 @@ impl Credentials {
             sa_public_key: root.join("sa.pub"),
             tokens: root.join("tokens.csv"),
             admin_kubeconfig: root.join("admin.kubeconfig"),
+            certificate_user_kubeconfig: root.join("cert-user.kubeconfig"),
             controller_manager_kubeconfig: root.join("controller-manager.kubeconfig"),
             scheduler_kubeconfig: root.join("scheduler.kubeconfig"),
         };
@@ -136,6 +157,18 @@ impl Credentials {
             &self.ca_pem,
             "admin",
             &self.admin_token,
+        )?;
+        write_kubeconfig_with(
+            &files.certificate_user_kubeconfig,
+            server_url,
+            &self.ca_pem,
+            CERTIFICATE_USER,
+            serde_json::json!({
+                "client-certificate-data": base64::engine::general_purpose::STANDARD
+                    .encode(&self.certificate_user_pem.0),
+                "client-key-data": base64::engine::general_purpose::STANDARD
+                    .encode(&self.certificate_user_pem.1),
+            }),
         )?;
         write_kubeconfig(
             &files.controller_manager_kubeconfig,
@@ -178,6 +211,23 @@ pub(super) fn write_kubeconfig(
     user: &str,
     token: &str,
 ) -> Result<(), Error> {
+    write_kubeconfig_with(
+        path,
+        server_url,
+        ca_pem,
+        user,
+        serde_json::json!({ "token": token }),
+    )
+}
+
+/// A kubeconfig whose user `user` authenticates with `credentials` (a kubeconfig `user` entry).
+fn write_kubeconfig_with(
+    path: &Path,
+    server_url: &str,
+    ca_pem: &str,
+    user: &str,
+    credentials: serde_json::Value,
+) -> Result<(), Error> {
     let ca_data = base64::engine::general_purpose::STANDARD.encode(ca_pem);
     let kubeconfig = serde_json::json!({
         "apiVersion": "v1",
@@ -186,7 +236,7 @@ pub(super) fn write_kubeconfig(
             "name": "drust-e2e",
             "cluster": { "server": server_url, "certificate-authority-data": ca_data },
         }],
-        "users": [{ "name": user, "user": { "token": token } }],
+        "users": [{ "name": user, "user": credentials }],
         "contexts": [{
             "name": "drust-e2e",
             "context": { "cluster": "drust-e2e", "user": user, "namespace": "default" },
