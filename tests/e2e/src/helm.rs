@@ -156,3 +156,49 @@ pub async fn apply_device_classes(
     }
     Ok(classes)
 }
+
+/// `helm install <release>` of the chart into `namespace` (created), against the API server of
+/// `kubeconfig`, with `home` as Helm's directories ([`helm_in`]): the chart's pods reach the API
+/// server at `api` (`KUBERNETES_SERVICE_HOST`/`_PORT` through `extraEnv`, since the test nodes
+/// run no kube-proxy), and each of `sets` is a `--set`. Returns helm's output, which says
+/// `STATUS: deployed`.
+///
+/// # Errors
+/// [`HelmError::Failed`] when helm fails, or says anything but deployed.
+pub async fn install_chart(
+    home: &Path,
+    kubeconfig: &Path,
+    release: &str,
+    namespace: &str,
+    api: (std::net::IpAddr, u16),
+    sets: &[String],
+) -> Result<String, HelmError> {
+    let env = serde_json::json!([
+        {"name": "KUBERNETES_SERVICE_HOST", "value": api.0.to_string()},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": api.1.to_string()},
+    ]);
+    let mut args = vec![
+        "install".to_owned(),
+        release.to_owned(),
+        chart_path().display().to_string(),
+        "--namespace".to_owned(),
+        namespace.to_owned(),
+        "--create-namespace".to_owned(),
+        format!("--kubeconfig={}", kubeconfig.display()),
+        "--set-json".to_owned(),
+        format!("extraEnv={env}"),
+    ];
+    for s in sets {
+        args.extend(["--set".to_owned(), s.clone()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let installed = helm_in(Some(home), &args).await?;
+    if !installed.contains("STATUS: deployed") {
+        return Err(HelmError::Failed {
+            args: args.join(" "),
+            status: std::process::ExitStatus::default(),
+            stderr: installed,
+        });
+    }
+    Ok(installed)
+}

@@ -330,3 +330,43 @@ pub async fn expect_killed(
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
+
+/// Where this machine mounts its cgroup v2 hierarchy (the first `cgroup2` mount in
+/// `/proc/self/mountinfo`: `/sys/fs/cgroup` on a unified host, `/sys/fs/cgroup/unified` on a
+/// hybrid one such as this project's machine), for the `kernel` level's `--cgroup-root`.
+///
+/// # Errors
+/// When mountinfo cannot be read or has no cgroup2 mount.
+pub fn cgroup2_mount() -> std::io::Result<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")?
+        .lines()
+        .find_map(|l| {
+            let (fields, rest) = l.split_once(" - ")?;
+            let mount = fields.split_whitespace().nth(4)?;
+            (rest.split_whitespace().next() == Some("cgroup2")).then(|| mount.to_owned())
+        })
+        .ok_or_else(|| std::io::Error::other("no cgroup v2 hierarchy is mounted"))
+}
+
+/// Writes at `path` the fake DGX H100 (`examples/topologies/dgx-h100.yaml`) with a driver of
+/// the r615 branch (615.20.01), whose GPUs partition memory per cgroup: shares get the `kernel`
+/// level there.
+///
+/// # Errors
+/// When the example cannot be read, no longer names its driver 570.124.06, or `path` cannot be
+/// written.
+pub fn write_r615_topology(path: &Path) -> std::io::Result<()> {
+    let text = std::fs::read_to_string(crate::manifests::repo_path(
+        "examples/topologies/dgx-h100.yaml",
+    ))?;
+    let (old, new) = (
+        "driverVersion: \"570.124.06\"",
+        "driverVersion: \"615.20.01\"",
+    );
+    if !text.contains(old) {
+        return Err(std::io::Error::other(format!(
+            "examples/topologies/dgx-h100.yaml no longer says {old}"
+        )));
+    }
+    std::fs::write(path, text.replace(old, new))
+}

@@ -36,6 +36,14 @@ pub async fn apply_example(client: &kube::Client, file: &str) -> anyhow::Result<
     Ok(())
 }
 
+/// Whether `pod`'s `Ready` condition is true (its readiness probes pass).
+pub fn ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
 /// Whether `pod` completed successfully.
 pub fn succeeded(pod: &Pod) -> bool {
     pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded")

@@ -21,12 +21,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
-use drust_e2e::helm::{chart_path, helm_in};
+use drust_e2e::helm::helm_in;
 use drust_e2e::host::BinaryHost;
-use drust_e2e::manifests::repo_path;
 use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::node_pods::{
-    apply_example, succeeded, terminated_message, wait_pod_done, wait_running,
+    apply_example, ready, succeeded, terminated_message, wait_pod_done, wait_running,
 };
 use drust_e2e::registry::Registry;
 use drust_e2e::wait::until;
@@ -44,13 +43,6 @@ const RELEASE: &str = "drust";
 const REPOSITORY: &str = "drust/gpu-kubelet-plugin";
 const TAG: &str = "0.1.0";
 const TIMEOUT: Duration = Duration::from_secs(180);
-
-fn ready(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
 
 /// The pods of the release's `component`, once one is Ready.
 async fn wait_ready(pods: &Api<Pod>, component: &str, node: &Node) -> anyhow::Result<Pod> {
@@ -115,14 +107,7 @@ async fn the_readme_install_pulls_the_dockerfile_image_which_runs_plugin_control
     // The host's cgroup v2 hierarchy (where the machine has one), for the `kernel` level: the
     // plugin's `--cgroup-root`, the same path in its pod (the chart mounts the host's
     // /sys/fs/cgroup with its submounts) and for the hook on the host.
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
-    let cgroup_root = mountinfo
-        .lines()
-        .find_map(|l| {
-            let (fields, rest) = l.split_once(" - ")?;
-            let mount = fields.split_whitespace().nth(4)?;
-            (rest.split_whitespace().next() == Some("cgroup2")).then(|| mount.to_owned())
-        })
+    let cgroup_root = drust_e2e::host::cgroup2_mount()
         .context("a cgroup v2 hierarchy is mounted (the machine's kind has one)")?;
     ensure!(
         cgroup_root.starts_with("/sys/fs/cgroup"),
@@ -133,15 +118,7 @@ async fn the_readme_install_pulls_the_dockerfile_image_which_runs_plugin_control
     // shares get the `kernel` level, and the plugin installs its hook.
     let host_dir = tempfile::Builder::new().prefix("drust-image-").tempdir()?;
     let topology = host_dir.path().join("dgx-h100-r615.yaml");
-    let text = std::fs::read_to_string(repo_path("examples/topologies/dgx-h100.yaml"))?;
-    ensure!(text.contains("driverVersion: \"570.124.06\""));
-    std::fs::write(
-        &topology,
-        text.replace(
-            "driverVersion: \"570.124.06\"",
-            "driverVersion: \"615.20.01\"",
-        ),
-    )?;
+    drust_e2e::host::write_r615_topology(&topology)?;
     let host = BinaryHost::new(
         "drust-image-node-",
         cp.kubeconfig_path(),
@@ -167,7 +144,6 @@ async fn the_readme_install_pulls_the_dockerfile_image_which_runs_plugin_control
     let fake_state = plugin_dir.join("fake-state");
 
     // helm install as the README says, with this node's paths and the registry's image.
-    let chart = chart_path();
     let helm_home = host.root().join("helm-home");
     let kubeconfig = format!("--kubeconfig={}", cp.kubeconfig_path().display());
     let sets = [
@@ -186,27 +162,15 @@ async fn the_readme_install_pulls_the_dockerfile_image_which_runs_plugin_control
             fake_state.display()
         ),
     ];
-    let env = serde_json::json!([
-        {"name": "KUBERNETES_SERVICE_HOST", "value": address.to_string()},
-        {"name": "KUBERNETES_SERVICE_PORT", "value": port.to_string()},
-    ]);
-    let mut args = vec![
-        "install".to_owned(),
-        RELEASE.to_owned(),
-        chart.display().to_string(),
-        "--namespace".to_owned(),
-        NAMESPACE.to_owned(),
-        "--create-namespace".to_owned(),
-        kubeconfig.clone(),
-        "--set-json".to_owned(),
-        format!("extraEnv={env}"),
-    ];
-    for s in &sets {
-        args.extend(["--set".to_owned(), s.clone()]);
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let installed = helm_in(Some(&helm_home), &args).await?;
-    ensure!(installed.contains("STATUS: deployed"), "{installed}");
+    drust_e2e::helm::install_chart(
+        &helm_home,
+        cp.kubeconfig_path(),
+        RELEASE,
+        NAMESPACE,
+        (address, port),
+        &sets,
+    )
+    .await?;
 
     // The plugin: its pod runs the pushed image, pulled from the registry by tag.
     let system_pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);

@@ -1178,26 +1178,11 @@ spec:
 #[tokio::test]
 async fn a_kernel_level_share_gets_its_memory_limit_on_the_containers_own_cgroup()
 -> anyhow::Result<()> {
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")?;
-    let cgroup_root = mountinfo
-        .lines()
-        .find_map(|l| {
-            let (fields, rest) = l.split_once(" - ")?;
-            let mount = fields.split_whitespace().nth(4)?;
-            (rest.split_whitespace().next() == Some("cgroup2")).then(|| mount.to_owned())
-        })
+    let cgroup_root = drust_e2e::host::cgroup2_mount()
         .context("a cgroup v2 hierarchy is mounted (the machine's kind has one)")?;
     let dir = tempfile::tempdir()?;
     let topology = dir.path().join("dgx-h100-r615.yaml");
-    let text = std::fs::read_to_string(repo_path("examples/topologies/dgx-h100.yaml"))?;
-    ensure!(text.contains("driverVersion: \"570.124.06\""));
-    std::fs::write(
-        &topology,
-        text.replace(
-            "driverVersion: \"570.124.06\"",
-            "driverVersion: \"615.20.01\"",
-        ),
-    )?;
+    drust_e2e::host::write_r615_topology(&topology)?;
     let real = RealNode::start_as(
         topology.to_str().context("utf-8 path")?,
         // Short: the daemon (outside a Pod here) binds the namespace sockets under the host

@@ -25,8 +25,8 @@ use drust_e2e::images;
 use drust_e2e::manifests::repo_path;
 use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::node_pods::{
-    POD_TIMEOUT, apply_example, container_id, container_started, pids_of_container, restarts, seen,
-    sleeping_gpu_pod, succeeded, terminated_message, wait_pod_done, wait_running,
+    POD_TIMEOUT, apply_example, container_id, container_started, pids_of_container, ready,
+    restarts, seen, sleeping_gpu_pod, succeeded, terminated_message, wait_pod_done, wait_running,
 };
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
@@ -52,13 +52,6 @@ async fn plugin_pods(pods: &Api<Pod>) -> anyhow::Result<BTreeMap<String, Pod>> {
         .into_iter()
         .map(|p| (p.metadata.name.clone().unwrap_or_default(), p))
         .collect())
-}
-
-fn ready(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 fn image_of(pod: &Pod) -> &str {
@@ -297,28 +290,16 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
             fake_state.display()
         ),
     ];
-    let env = serde_json::json!([
-        {"name": "KUBERNETES_SERVICE_HOST", "value": address.to_string()},
-        {"name": "KUBERNETES_SERVICE_PORT", "value": port.to_string()},
-    ]);
-    let mut args = vec![
-        "install".to_owned(),
-        RELEASE.to_owned(),
-        chart.display().to_string(),
-        "--namespace".to_owned(),
-        NAMESPACE.to_owned(),
-        "--create-namespace".to_owned(),
-        kubeconfig.clone(),
-        "--set-json".to_owned(),
-        format!("extraEnv={env}"),
-    ];
-    for s in &sets {
-        args.extend(["--set".to_owned(), s.clone()]);
-    }
     let started = Instant::now();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let installed = helm_in(Some(&helm_home), &args).await?;
-    ensure!(installed.contains("STATUS: deployed"), "{installed}");
+    drust_e2e::helm::install_chart(
+        &helm_home,
+        cp.kubeconfig_path(),
+        RELEASE,
+        NAMESPACE,
+        (address, port),
+        &sets,
+    )
+    .await?;
 
     // The DaemonSet's pod runs and is Ready (readiness probe on /readyz); its slices are
     // published as its own identity.
