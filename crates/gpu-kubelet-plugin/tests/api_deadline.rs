@@ -177,3 +177,31 @@ async fn a_rebuild_reads_its_claims_at_once() {
     .expect("the rebuild's reads were under way together");
     assert_eq!(c.prepared_claims().await, ["ua", "ub", "uc"]);
 }
+
+/// Issue 41, defect 9: the reviews that guard `/metrics` and `/usage` have the same deadline. A
+/// TokenReview and a SubjectAccessReview sent to an API server that never answers end, and
+/// the caller is told 503 (the API server did not answer), never left waiting.
+#[tokio::test]
+async fn the_http_checks_reviews_end_on_an_api_server_that_never_answers() {
+    use gpu_kubelet_plugin::http::auth::{ApiServerReviews, Attributes, Reviews, User};
+    let dir = tempfile::tempdir().unwrap();
+    let timeout = Duration::from_millis(300);
+    let client = plugin_client(dir.path(), &blackhole(), timeout).await;
+    let reviews = ApiServerReviews::new(client, timeout);
+    let e = tokio::time::timeout(HANG, reviews.authenticate("a-token"))
+        .await
+        .expect("the TokenReview is bounded")
+        .expect_err("no answer");
+    assert_eq!(e.status(), hyper::StatusCode::SERVICE_UNAVAILABLE, "{e}");
+    assert!(e.to_string().contains("TokenReview"), "{e}");
+    let user = User {
+        name: "system:serviceaccount:monitoring:prometheus".into(),
+        ..User::default()
+    };
+    let e = tokio::time::timeout(HANG, reviews.authorize(&user, &Attributes::get("/metrics")))
+        .await
+        .expect("the SubjectAccessReview is bounded")
+        .expect_err("no answer");
+    assert_eq!(e.status(), hyper::StatusCode::SERVICE_UNAVAILABLE, "{e}");
+    assert!(e.to_string().contains("SubjectAccessReview"), "{e}");
+}
