@@ -70,16 +70,21 @@ fn arrows(text: &str) -> Vec<String> {
         let mut rest = line;
         while let Some(at) = rest.find("crate::") {
             rest = &rest[at + "crate::".len()..];
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                .collect();
+            let name = module_name(rest);
             if !name.is_empty() {
                 found.push(name);
             }
         }
     }
     found
+}
+
+/// The module name at the start of `rest` (what follows a `crate::`): lower-case letters and
+/// `_`; empty when there is none.
+fn module_name(rest: &str) -> String {
+    rest.chars()
+        .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+        .collect()
 }
 
 /// The modules `text` links to as `crate::<module>` in its doc comments (`///`, `//!`; not in
@@ -107,10 +112,7 @@ fn doc_links(text: &str) -> Vec<String> {
             if !opens.iter().any(|o| before.ends_with(o)) {
                 continue;
             }
-            let name: String = doc[from..]
-                .chars()
-                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                .collect();
+            let name = module_name(&doc[from..]);
             if !name.is_empty() {
                 found.push(name);
             }
