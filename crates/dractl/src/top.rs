@@ -264,18 +264,16 @@ pub async fn read(
 /// `GET path` of `pod`'s port named `http`, through a port-forward, within [`REPORT_TIMEOUT`].
 async fn answer_of(pods: &Api<Pod>, pod: &Pod, path: &str, token: &str) -> Answer {
     let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-    let port = pod
-        .spec
-        .iter()
-        .flat_map(|s| &s.containers)
-        .flat_map(|c| c.ports.iter().flatten())
-        .find(|p| p.name.as_deref() == Some("http"))
-        .and_then(|p| u16::try_from(p.container_port).ok());
-    let (true, Some(port), Some(name)) = (running, port, pod.metadata.name.as_deref()) else {
+    let (true, Some((port, scheme)), Some(name)) =
+        (running, http_port(pod), pod.metadata.name.as_deref())
+    else {
         return Answer::Unreachable("not running, or no port named http".into());
     };
-    let answer =
-        tokio::time::timeout(REPORT_TIMEOUT, get_forwarded(pods, name, port, path, token)).await;
+    let answer = tokio::time::timeout(
+        REPORT_TIMEOUT,
+        get_forwarded(pods, name, port, scheme, path, token),
+    )
+    .await;
     match answer {
         Err(_) => Answer::Unreachable(format!("no answer within {REPORT_TIMEOUT:?}")),
         Ok(Err(e)) => Answer::Unreachable(e),
@@ -292,15 +290,60 @@ async fn answer_of(pods: &Api<Pod>, pod: &Pod, path: &str, token: &str) -> Answe
     }
 }
 
+/// How a plugin's HTTP endpoint is spoken to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scheme {
+    /// Plain HTTP.
+    Http,
+    /// HTTPS (the plugin's `--http-tls`, the chart's `http.tls.enabled`).
+    Https,
+}
+
+/// The container port named `http` of `pod`, and its scheme: HTTPS where the kubelet probes
+/// that port with `scheme: HTTPS` (the chart sets the probes' scheme from `http.tls.enabled`),
+/// so dractl speaks to the endpoint exactly as the kubelet does.
+pub fn http_port(pod: &Pod) -> Option<(u16, Scheme)> {
+    let containers = pod.spec.iter().flat_map(|s| &s.containers);
+    for c in containers {
+        let Some(port) = c
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some("http"))
+        else {
+            continue;
+        };
+        let number = u16::try_from(port.container_port).ok()?;
+        let https = [&c.readiness_probe, &c.liveness_probe, &c.startup_probe]
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.http_get.as_ref())
+            .filter(|g| match &g.port {
+                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(n) => n == "http",
+                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(n) => {
+                    *n == port.container_port
+                }
+            })
+            .any(|g| g.scheme.as_deref() == Some("HTTPS"));
+        return Some((number, if https { Scheme::Https } else { Scheme::Http }));
+    }
+    None
+}
+
 /// `GET path` on `port` of pod `name` through a port-forward (`create` on `pods/portforward`),
-/// with `token` as its bearer token: the status and the body.
+/// over TLS for [`Scheme::Https`], with `token` as its bearer token: the status and the body.
+///
+/// The certificate is not verified: the port-forward is carried into the pod's network
+/// namespace over the API server's and the kubelet's own authenticated TLS, so nothing between
+/// could present another one ([`gpu_kubelet_plugin::http::tls::unverified_client_config`]).
 ///
 /// # Errors
-/// Why the port-forward or the request failed, as text.
+/// Why the port-forward, the handshake or the request failed, as text.
 pub async fn get_forwarded(
     pods: &Api<Pod>,
     name: &str,
     port: u16,
+    scheme: Scheme,
     path: &str,
     token: &str,
 ) -> Result<(http::StatusCode, String), String> {
@@ -314,28 +357,21 @@ pub async fn get_forwarded(
     // Where the pod cannot be connected to, the kubelet says so on the port's error channel.
     let refused = forwarder.take_error(port);
     let exchange = async {
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| e.to_string())?;
-        let connection = tokio::spawn(connection);
-        let request = http::Request::get(path)
-            .header(http::header::HOST, "localhost")
-            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| e.to_string())?;
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| e.to_string())?;
-        let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        connection.abort();
-        Ok::<_, String>((status, String::from_utf8_lossy(&body).into_owned()))
+        match scheme {
+            Scheme::Http => get(stream, path, token).await,
+            Scheme::Https => {
+                let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(
+                    gpu_kubelet_plugin::http::tls::unverified_client_config(),
+                ));
+                let server = rustls::pki_types::ServerName::try_from("localhost")
+                    .map_err(|e| e.to_string())?;
+                let stream = connector
+                    .connect(server, stream)
+                    .await
+                    .map_err(|e| format!("TLS handshake: {e}"))?;
+                get(stream, path, token).await
+            }
+        }
     };
     let result = match refused {
         Some(refused) => {
@@ -350,6 +386,35 @@ pub async fn get_forwarded(
     };
     forwarder.abort();
     result.map_err(|e| format!("GET {path} through a port-forward to port {port}: {e}"))
+}
+
+/// One HTTP/1.1 `GET path` on `stream` with `token`: the status and the body.
+async fn get<S>(stream: S, path: &str, token: &str) -> Result<(http::StatusCode, String), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    let connection = tokio::spawn(connection);
+    let request = http::Request::get(path)
+        .header(http::header::HOST, "localhost")
+        .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| e.to_string())?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    connection.abort();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
 /// The whole-GPU equivalent of `device` held by `claim`.
@@ -537,6 +602,44 @@ impl Top {
 mod tests {
     use super::*;
     use gpu_kubelet_plugin::usage::report::PodRef;
+
+    fn plugin_pod(probe_port: serde_json::Value, scheme: Option<&str>) -> Pod {
+        let mut get = serde_json::json!({"path": "/readyz", "port": probe_port});
+        if let Some(scheme) = scheme {
+            get["scheme"] = scheme.into();
+        }
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "plugin",
+                "ports": [{"name": "http", "containerPort": 9477}],
+                "readinessProbe": {"httpGet": get}}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_http_ports_scheme_is_the_one_its_probes_use() {
+        use serde_json::json;
+        for (port, scheme, want) in [
+            (json!("http"), Some("HTTPS"), Scheme::Https),
+            (json!(9477), Some("HTTPS"), Scheme::Https),
+            (json!("http"), Some("HTTP"), Scheme::Http),
+            (json!("http"), None, Scheme::Http),
+            // A probe on another port says nothing about this one.
+            (json!(9999), Some("HTTPS"), Scheme::Http),
+        ] {
+            assert_eq!(
+                http_port(&plugin_pod(port.clone(), scheme)),
+                Some((9477, want)),
+                "{port} {scheme:?}"
+            );
+        }
+        let bare: Pod = serde_json::from_value(json!({
+            "spec": {"containers": [{"name": "plugin"}]}
+        }))
+        .unwrap();
+        assert_eq!(http_port(&bare), None);
+    }
 
     fn device(name: &str, sm: Option<u32>, profile: Option<&str>) -> DeviceReport {
         DeviceReport {

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use drust_e2e::claims::{allocated_claim, pod_using};
-use drust_e2e::http::get;
+use drust_e2e::http::{Transport, get, get_via};
 use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::{apply_yaml, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
@@ -94,6 +94,11 @@ async fn run(cp: &ControlPlane, node: &Node) -> anyhow::Result<()> {
     let mut plugin = NodePlugin::start_with(cp, DRIVER, NODE, &topology, |c| {
         c.http_address = Some(([0, 0, 0, 0], port).into());
         c.http_auth = true;
+        // As the chart runs it: HTTPS with a self-signed certificate.
+        c.http_tls = Some(
+            gpu_kubelet_plugin::http::tls::TlsSource::from_flags(None, None, NODE)
+                .expect("self-signed"),
+        );
         c.usage = Some(drust_e2e::plugin::fast_usage(
             proc_dir.path(),
             Duration::from_secs(2),
@@ -135,10 +140,30 @@ async fn run(cp: &ControlPlane, node: &Node) -> anyhow::Result<()> {
                  "containers": [{"name": "plugin", "image": drust_e2e::images::WORKLOAD_IMAGE,
                  "imagePullPolicy": "Never",
                  "command": ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 3600 & wait"],
-                 "ports": [{"name": "http", "containerPort": port}]}]},
+                 "ports": [{"name": "http", "containerPort": port}],
+                 // As the chart's probes: the kubelet checks the plugin over HTTPS (here
+                 // /healthz, which needs no kubelet registration: the test registers the
+                 // plugin itself, later), and dractl speaks HTTPS to the port because the
+                 // probe does.
+                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http",
+                    "scheme": "HTTPS"}, "periodSeconds": 1}}]},
     }))?;
     plugin_pods.create(&PostParams::default(), &pod).await?;
     drust_e2e::node_pods::wait_running(&plugin_pods, PLUGIN_POD, node).await?;
+    // The real kubelet's HTTPS probe reaches the plugin's self-signed endpoint.
+    until(
+        "the plugin pod Ready by its HTTPS probe",
+        TIMEOUT,
+        || async {
+            let pod = plugin_pods
+                .get(PLUGIN_POD)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(drust_e2e::node_pods::ready(&pod).then_some(()))
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}: {}", node.log_tail()))?;
 
     // A busy pod and an idle one.
     let train =
@@ -171,14 +196,24 @@ async fn run(cp: &ControlPlane, node: &Node) -> anyhow::Result<()> {
         answer.claims.values().all(|c| c.error.is_empty()),
         "{answer:?}"
     );
-    // The probes stay open; the usage report does not.
-    let (status, _) = get(port, "/healthz").await?;
+    // The probes stay open; the usage report does not; nothing is served in the clear.
+    let https = |path: &'static str| {
+        get_via(
+            ([127, 0, 0, 1], port).into(),
+            path,
+            None,
+            Transport::TlsAnyCertificate,
+        )
+    };
+    let status = https("/healthz").await?.status;
     ensure!(status == 200, "the plugin's /healthz: {status}");
-    let (status, _) = get(port, "/usage").await?;
+    let status = https("/usage").await?.status;
     ensure!(
         status == 401,
         "the plugin's /usage without a token: {status}"
     );
+    let plain = get(port, "/healthz").await;
+    ensure!(plain.is_err(), "plain HTTP on the TLS port: {plain:?}");
 
     // The documented role, and nothing else.
     let dir = tempfile::tempdir()?;

@@ -182,6 +182,9 @@ pub struct Config {
     /// authenticates (TokenReview) and authorizes (SubjectAccessReview); off: anyone who
     /// reaches `http_address`. Off by default for local use; the chart turns it on.
     pub http_auth: bool,
+    /// TLS on the HTTP endpoint, with the certificate's source; `None`: plain HTTP. The chart
+    /// turns it on with `http_auth`, so tokens never cross the pod network in the clear.
+    pub http_tls: Option<TlsSource>,
     /// Whether claims may configure GPU sharing (time-slicing, MPS).
     pub sharing: bool,
     /// Whether GPU health events are watched and published as device taints.
@@ -241,6 +244,7 @@ impl Config {
             instance_id: None,
             http_address: None,
             http_auth: false,
+            http_tls: None,
             sharing: true,
             health_monitoring: true,
             consumable_capacity: false,
@@ -277,3 +281,50 @@ pub struct MpsDaemonPods {
     /// The plugin's DaemonSet (in `namespace`), the Pods' owner, if any.
     pub owner: Option<String>,
 }
+
+/// Where the HTTP endpoint's TLS certificate comes from (`--http-tls`, served by `http::tls`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TlsSource {
+    /// A certificate made at start for these DNS names and IP addresses.
+    SelfSigned {
+        /// Subject alternative names (DNS names or IP addresses).
+        names: Vec<String>,
+    },
+    /// PEM files, read again every `http::tls::RELOAD_INTERVAL`.
+    Files {
+        /// The certificate chain, leaf first.
+        cert: PathBuf,
+        /// The private key of the leaf.
+        key: PathBuf,
+    },
+}
+
+impl TlsSource {
+    /// The source for `--http-tls-cert-file` and `--http-tls-key-file`: both files, or
+    /// neither (self-signed for `node_name`).
+    ///
+    /// # Errors
+    /// [`HalfTlsPair`] when only one of the two is given.
+    pub fn from_flags(
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        node_name: &str,
+    ) -> Result<Self, HalfTlsPair> {
+        match (cert, key) {
+            (Some(cert), Some(key)) => Ok(Self::Files { cert, key }),
+            (None, None) => {
+                let mut names = vec!["localhost".to_owned(), "127.0.0.1".into(), "::1".into()];
+                if !node_name.is_empty() {
+                    names.push(node_name.to_owned());
+                }
+                Ok(Self::SelfSigned { names })
+            }
+            _ => Err(HalfTlsPair),
+        }
+    }
+}
+
+/// One of `--http-tls-cert-file` and `--http-tls-key-file` without the other.
+#[derive(Debug, thiserror::Error)]
+#[error("--http-tls-cert-file and --http-tls-key-file go together: give both or neither")]
+pub struct HalfTlsPair;

@@ -39,6 +39,7 @@ use crate::metrics::{CONTENT_TYPE, Metrics};
 
 pub mod auth;
 pub mod decision_cache;
+pub mod tls;
 
 use auth::{ApiServerReviews, Attributes, Gate};
 
@@ -56,6 +57,9 @@ pub enum HttpError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The TLS certificate could not be made or loaded (`--http-tls`).
+    #[error("TLS on the HTTP endpoint: {0}")]
+    Tls(#[from] tls::TlsError),
 }
 
 /// What the probes look at.
@@ -272,11 +276,16 @@ pub async fn bind(address: SocketAddr) -> Result<TcpListener, HttpError> {
         .map_err(|source| HttpError::Bind { address, source })
 }
 
-/// Serves `/metrics`, `/usage`, `/healthz` and `/readyz` on `listener` (HTTP/1.1) until the
-/// task is dropped or aborted. Each connection is served in its own task, so a request waiting
-/// for the API server's review holds back no other.
-pub async fn serve(listener: TcpListener, probes: Arc<Probes>) {
+/// Serves `/metrics`, `/usage`, `/healthz` and `/readyz` on `listener` (HTTP/1.1, over TLS
+/// when `tls` is given) until the task is dropped or aborted. Each connection is served in its
+/// own task, so a request waiting for the API server's review, or a slow handshake, holds back
+/// no other.
+pub async fn serve(listener: TcpListener, probes: Arc<Probes>, tls: Option<Arc<tls::ServerTls>>) {
     if let Ok(addr) = listener.local_addr() {
+        if tls.is_none() && probes.access.is_some() {
+            warn!(address = %addr, "bearer tokens reach /metrics and /usage in the clear \
+                (--http-tls is off)");
+        }
         if probes.access.is_some() {
             info!(address = %addr, "serving /metrics and /usage to callers the API server \
                 authorizes, /healthz and /readyz to anyone");
@@ -296,18 +305,41 @@ pub async fn serve(listener: TcpListener, probes: Arc<Probes>) {
             }
         };
         let probes = Arc::clone(&probes);
+        let acceptor = tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let probes = Arc::clone(&probes);
-                async move { Ok::<_, Infallible>(probes.answer(&req).await) }
-            });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                debug!(error = %e, "HTTP connection ended with an error");
+            match acceptor {
+                None => serve_connection(stream, probes).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(tls::HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+                        .await
+                    {
+                        Ok(Ok(stream)) => serve_connection(stream, probes).await,
+                        Ok(Err(e)) => debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => debug!(
+                            "TLS handshake not finished within {:?}",
+                            tls::HANDSHAKE_TIMEOUT
+                        ),
+                    }
+                }
             }
         });
+    }
+}
+
+/// Serves one connection (plain or TLS) with HTTP/1.1.
+async fn serve_connection<S>(stream: S, probes: Arc<Probes>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let probes = Arc::clone(&probes);
+        async move { Ok::<_, Infallible>(probes.answer(&req).await) }
+    });
+    if let Err(e) = hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await
+    {
+        debug!(error = %e, "HTTP connection ended with an error");
     }
 }
 

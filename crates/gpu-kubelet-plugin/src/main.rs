@@ -140,6 +140,19 @@ struct Args {
     /// `create` on tokenreviews and subjectaccessreviews. /healthz and /readyz stay open.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     http_auth: bool,
+    /// Serve the HTTP endpoint over TLS (HTTPS), with the certificate in
+    /// --http-tls-cert-file/--http-tls-key-file, or a self-signed one made at start for
+    /// localhost and the node's name (its SHA-256 fingerprint is logged). Use it with
+    /// --http-auth: callers send bearer tokens.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    http_tls: bool,
+    /// PEM certificate chain (leaf first) for --http-tls, e.g. a kubernetes.io/tls Secret's
+    /// tls.crt; read again every 60 s, so a renewed certificate is served without a restart.
+    #[arg(long, requires = "http_tls_key_file")]
+    http_tls_cert_file: Option<std::path::PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of --http-tls-cert-file.
+    #[arg(long, requires = "http_tls_cert_file")]
+    http_tls_key_file: Option<std::path::PathBuf>,
     /// Allow claims to configure GPU sharing (time-slicing, MPS).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     sharing: bool,
@@ -293,6 +306,20 @@ impl Args {
 
         config.http_address = self.http_address;
         config.http_auth = self.http_auth;
+        anyhow::ensure!(
+            self.http_tls || self.http_tls_cert_file.is_none(),
+            "--http-tls-cert-file and --http-tls-key-file need --http-tls=true"
+        );
+        config.http_tls = self
+            .http_tls
+            .then(|| {
+                gpu_kubelet_plugin::http::tls::TlsSource::from_flags(
+                    self.http_tls_cert_file,
+                    self.http_tls_key_file,
+                    &config.node_name,
+                )
+            })
+            .transpose()?;
         config.sharing = self.sharing;
         config.health_monitoring = self.health_monitoring;
         config.consumable_capacity = self.consumable_capacity;

@@ -96,6 +96,14 @@ pub async fn run(
     let http = match config.http_address {
         Some(address) => {
             let listener = http::bind(address).await?;
+            let tls = match config.http_tls.clone() {
+                Some(source) => Some(Arc::new(
+                    http::tls::ServerTls::new(source)
+                        .await
+                        .map_err(http::HttpError::from)?,
+                )),
+                None => None,
+            };
             let probes = Arc::new(http::Probes {
                 metrics: Arc::clone(&metrics),
                 sockets: config.sockets.clone(),
@@ -110,7 +118,13 @@ pub async fn run(
                     ))
                 }),
             });
-            Some(AbortOnDrop(tokio::spawn(http::serve(listener, probes))))
+            let reloading = tls
+                .as_ref()
+                .map(|t| AbortOnDrop(tokio::spawn(Arc::clone(t).keep_reloading())));
+            Some((
+                AbortOnDrop(tokio::spawn(http::serve(listener, probes, tls))),
+                reloading,
+            ))
         }
         None => None,
     };

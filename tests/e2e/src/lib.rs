@@ -40,6 +40,7 @@ pub mod node_pods;
 pub mod plugin;
 pub mod pods;
 pub mod ports;
+pub mod prometheus;
 pub mod rbac;
 pub mod registry;
 pub mod scripts;

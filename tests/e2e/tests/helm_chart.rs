@@ -154,6 +154,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "--health-monitoring=true",
         "--http-address=0.0.0.0:9477",
         "--http-auth=true",
+        "--http-tls=true",
         "--mps-daemon-image=ghcr.io/drust/gpu-kubelet-plugin:0.1.0",
         "--mps-daemon-priority-class=system-node-critical",
         "--usage-interval-seconds=10",
@@ -234,6 +235,52 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     );
     let message = refused(&["http.auth=maybe"]).await?;
     ensure!(message.contains("/http/auth"), "{message}");
+
+    // TLS on the HTTP port (issue 41): on by default with a self-signed certificate, the
+    // probes over HTTPS; with a Secret, its files mounted read-only; off, plain HTTP probes.
+    let probe_schemes = |docs: &[Value]| -> anyhow::Result<(Value, Value)> {
+        let c = container(docs)?;
+        Ok((
+            c["livenessProbe"]["httpGet"]["scheme"].clone(),
+            c["readinessProbe"]["httpGet"]["scheme"].clone(),
+        ))
+    };
+    ensure!(
+        args(&docs)?.contains(&"--http-tls=true".to_owned())
+            && !args(&docs)?
+                .iter()
+                .any(|a| a.starts_with("--http-tls-cert-file"))
+            && probe_schemes(&docs)? == (json!("HTTPS"), json!("HTTPS")),
+        "http.tls by default: {:?} {:?}",
+        args(&docs)?,
+        probe_schemes(&docs)?
+    );
+    let with_secret =
+        documents(&template(RELEASE, NAMESPACE, &["http.tls.secretName=drust-http-tls"]).await?)?;
+    let a = args(&with_secret)?;
+    let ds = find(&with_secret, "DaemonSet", "drust-kubelet-plugin")?;
+    ensure!(
+        a.contains(&"--http-tls-cert-file=/etc/drust/http-tls/tls.crt".to_owned())
+            && a.contains(&"--http-tls-key-file=/etc/drust/http-tls/tls.key".to_owned())
+            && ds["spec"]["template"]["spec"]["volumes"]
+                .as_array()
+                .is_some_and(|v| v.contains(&json!({"name": "http-tls",
+                    "secret": {"secretName": "drust-http-tls", "defaultMode": 0o400}})))
+            && container(&with_secret)?["volumeMounts"]
+                .as_array()
+                .is_some_and(|m| m.contains(&json!({"name": "http-tls",
+                    "mountPath": "/etc/drust/http-tls", "readOnly": true}))),
+        "http.tls.secretName: {a:?} {ds}"
+    );
+    let plain = documents(&template(RELEASE, NAMESPACE, &["http.tls.enabled=false"]).await?)?;
+    ensure!(
+        args(&plain)?.contains(&"--http-tls=false".to_owned())
+            && probe_schemes(&plain)? == (json!("HTTP"), json!("HTTP")),
+        "http.tls.enabled=false: {:?}",
+        probe_schemes(&plain)?
+    );
+    let message = refused(&["http.tls.secretName=Not_A_Name"]).await?;
+    ensure!(message.contains("/http/tls/secretName"), "{message}");
 
     // The optional NetworkPolicy (issue 41, defect 9): off by default; on, the plugins' HTTP
     // port answers only the peers given, and no other ingress reaches the plugin pods.
@@ -554,15 +601,89 @@ async fn tenant_token(
     Ok(cp.service_account_token("drust-tenants", name).await?)
 }
 
-/// The answers of the plugin's HTTP endpoint on `port` (auth on, running as the chart's
-/// ServiceAccount) to callers with and without the roles.
+/// The name the plugin's certificate holds for Prometheus's `tls_config.server_name`.
+const METRICS_SERVICE_NAME: &str = "drust-metrics.drust-system.svc";
+
+/// A CA and a serving certificate it signed for `localhost` and [`METRICS_SERVICE_NAME`], as
+/// PEM files in a directory (what a `kubernetes.io/tls` Secret from cert-manager holds).
+struct ServingPair {
+    ca_pem: String,
+    ca_file: std::path::PathBuf,
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+}
+
+impl ServingPair {
+    fn generate(dir: &Path) -> anyhow::Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+        let key = KeyPair::generate()?;
+        let cert = CertificateParams::new(vec![
+            "localhost".to_owned(),
+            METRICS_SERVICE_NAME.to_owned(),
+        ])?
+        .signed_by(&key, &ca)?;
+        let pair = Self {
+            ca_pem: ca.pem(),
+            ca_file: dir.join("http-ca.crt"),
+            cert: dir.join("http-tls.crt"),
+            key: dir.join("http-tls.key"),
+        };
+        std::fs::write(&pair.ca_file, &pair.ca_pem)?;
+        std::fs::write(&pair.cert, cert.pem())?;
+        std::fs::write(&pair.key, key.serialize_pem())?;
+        Ok(pair)
+    }
+
+    fn source(&self) -> gpu_kubelet_plugin::http::tls::TlsSource {
+        gpu_kubelet_plugin::http::tls::TlsSource::Files {
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+        }
+    }
+}
+
+/// The chart README's Prometheus scrape job (the first `scrape_configs` entry of its
+/// "Scraping" example), with the Kubernetes service discovery left out: the test names the
+/// target itself.
+fn readme_scrape_job() -> anyhow::Result<Value> {
+    let readme = std::fs::read_to_string(repo_path("deploy/helm/drust/README.md"))?;
+    let block = readme
+        .split("```yaml\n# prometheus.yml")
+        .nth(1)
+        .and_then(|rest| rest.split_once('\n'))
+        .and_then(|(_comment, rest)| rest.split("\n---\n").next())
+        .context("the chart README's prometheus.yml example")?;
+    let jobs: Vec<Value> = serde_yaml_ng::from_str(block)?;
+    let mut job = jobs.into_iter().next().context("a scrape job")?;
+    let map = job.as_object_mut().context("a scrape job is a mapping")?;
+    for discovery in ["kubernetes_sd_configs", "relabel_configs"] {
+        ensure!(
+            map.remove(discovery).is_some(),
+            "the job has no {discovery}: {block}"
+        );
+    }
+    Ok(job)
+}
+
+/// The answers of the plugin's HTTP endpoint on `port` (auth and TLS on, running as the
+/// chart's ServiceAccount, serving `tls`) to callers with and without the roles, and to
+/// Prometheus scraping as the chart's README says.
 async fn http_endpoint_checks(
     cp: &ControlPlane,
     admin: &kube::Client,
     port: u16,
+    tls: &ServingPair,
+    scratch: &Path,
 ) -> anyhow::Result<()> {
-    use drust_e2e::http::get_at;
+    use drust_e2e::http::{Transport, get_via};
     let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let verified = Transport::TlsVerified {
+        ca_pem: tls.ca_pem.clone(),
+        server_name: "localhost".into(),
+    };
     drust_e2e::manifests::apply_yaml(
         admin,
         "apiVersion: v1\nkind: Namespace\nmetadata: {name: drust-tenants}\n---\n\
@@ -592,10 +713,10 @@ async fn http_endpoint_checks(
     .await?;
 
     for path in ["/healthz", "/readyz"] {
-        let answer = get_at(address, path, None).await?;
+        let answer = get_via(address, path, None, verified.clone()).await?;
         ensure!(answer.status == 200, "{path} without a token: {answer:?}");
     }
-    let answer = get_at(address, "/metrics", None).await?;
+    let answer = get_via(address, "/metrics", None, verified.clone()).await?;
     ensure!(
         answer.status == 401
             && answer.head.contains("www-authenticate: Bearer")
@@ -605,13 +726,13 @@ async fn http_endpoint_checks(
     // A token the API server never issued, and one signed by another cluster's key.
     let forged = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJzeXN0ZW06YWRtaW4ifQ.c2lnbmF0dXJl";
     for token in ["not-a-token", forged] {
-        let answer = get_at(address, "/metrics", Some(token)).await?;
+        let answer = get_via(address, "/metrics", Some(token), verified.clone()).await?;
         ensure!(
             answer.status == 401 && answer.body.contains("does not accept"),
             "/metrics with {token}: {answer:?}"
         );
     }
-    let answer = get_at(address, "/metrics", Some(&nobody)).await?;
+    let answer = get_via(address, "/metrics", Some(&nobody), verified.clone()).await?;
     ensure!(
         answer.status == 403
             && answer
@@ -619,7 +740,7 @@ async fn http_endpoint_checks(
                 .contains("\"system:serviceaccount:drust-tenants:nobody\" may not get /metrics"),
         "/metrics for a ServiceAccount without the role: {answer:?}"
     );
-    let answer = get_at(address, "/metrics", Some(&prometheus)).await?;
+    let answer = get_via(address, "/metrics", Some(&prometheus), verified.clone()).await?;
     ensure!(
         answer.status == 200
             && answer.body.contains("drust_")
@@ -629,8 +750,85 @@ async fn http_endpoint_checks(
         answer.body
     );
     // Again, from the cache, and the same answer.
-    let again = get_at(address, "/metrics", Some(&prometheus)).await?;
+    let again = get_via(address, "/metrics", Some(&prometheus), verified.clone()).await?;
     ensure!(again.status == 200, "{again:?}");
+
+    // TLS: the token never crosses in the clear, since the port answers no plain HTTP; a
+    // client that trusts another CA is refused; the kubelet's way (any certificate) works.
+    let plain = drust_e2e::http::get_at(address, "/metrics", Some(&prometheus)).await;
+    ensure!(
+        plain.is_err(),
+        "plain HTTP on the TLS port answered: {plain:?}"
+    );
+    let elsewhere = scratch.join("stranger");
+    std::fs::create_dir_all(&elsewhere)?;
+    let stranger = ServingPair::generate(&elsewhere)?;
+    let refused = get_via(
+        address,
+        "/healthz",
+        None,
+        Transport::TlsVerified {
+            ca_pem: stranger.ca_pem,
+            server_name: "localhost".into(),
+        },
+    )
+    .await;
+    ensure!(
+        refused
+            .as_ref()
+            .is_err_and(|e| format!("{e:?}").contains("InvalidCertificate")),
+        "a client trusting another CA: {refused:?}"
+    );
+    let probe = get_via(address, "/healthz", None, Transport::TlsAnyCertificate).await?;
+    ensure!(probe.status == 200, "{probe:?}");
+
+    // Prometheus, configured exactly as the chart's README says (its scrape job, HTTPS,
+    // insecure_skip_verify for self-signed certificates, the ServiceAccount token from a
+    // file), with its own HTTP client and parser; then the README's CA variant (`ca_file`,
+    // `server_name` naming the metrics Service).
+    let token_file = scratch.join("prometheus-token");
+    std::fs::write(&token_file, &prometheus)?;
+    let mut job = readme_scrape_job()?;
+    ensure!(
+        job["scheme"] == "https"
+            && job["tls_config"] == json!({"insecure_skip_verify": true})
+            && job["authorization"]["credentials_file"]
+                == "/var/run/secrets/kubernetes.io/serviceaccount/token",
+        "the README's scrape job: {job}"
+    );
+    job["authorization"]["credentials_file"] = json!(token_file);
+    for (variant, tls_config) in [
+        ("as the README gives it", job["tls_config"].clone()),
+        (
+            "with the Secret's CA",
+            json!({"ca_file": tls.ca_file, "server_name": METRICS_SERVICE_NAME}),
+        ),
+    ] {
+        job["tls_config"] = tls_config;
+        let scraped = drust_e2e::prometheus::scrape(&job, scratch, address)
+            .await
+            .map_err(|e| anyhow::anyhow!("Prometheus's scrape {variant}: {e}"))?;
+        ensure!(
+            scraped.status == 200
+                && scraped
+                    .content_type
+                    .starts_with("application/openmetrics-text")
+                && scraped.samples > 0
+                && scraped.metrics.iter().any(|m| m.starts_with("drust_")),
+            "Prometheus's scrape {variant}: {scraped:?}"
+        );
+        eprintln!(
+            "Prometheus scraped {} samples over HTTPS {variant}",
+            scraped.samples
+        );
+    }
+    // Without the token the same client is refused.
+    job.as_object_mut().map(|j| j.remove("authorization"));
+    let anonymous = drust_e2e::prometheus::scrape(&job, scratch, address).await;
+    ensure!(
+        anonymous.as_ref().is_err_and(|e| e.contains("401")),
+        "Prometheus without a token: {anonymous:?}"
+    );
 
     // /usage: not Prometheus's role. The tenant: its own namespace, none other, not all; a
     // ServiceAccount without any role: nothing, not even with a namespace named.
@@ -648,7 +846,7 @@ async fn http_endpoint_checks(
             403,
         ),
     ] {
-        let answer = get_at(address, path, Some(token)).await?;
+        let answer = get_via(address, path, Some(token), verified.clone()).await?;
         ensure!(
             answer.status == want,
             "{path} for {who}: expected {want}, got {answer:?}"
@@ -658,7 +856,13 @@ async fn http_endpoint_checks(
             ensure!(report["node"] == "gpu-node-a", "{report:#}");
         }
     }
-    let answer = get_at(address, "/usage?namespace=default", Some(&tenant)).await?;
+    let answer = get_via(
+        address,
+        "/usage?namespace=default",
+        Some(&tenant),
+        verified.clone(),
+    )
+    .await?;
     ensure!(
         answer.body.contains(
             "may not get /usage or list resourceclaims.resource.k8s.io in namespace default"
@@ -834,6 +1038,9 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
 
     // 4. The plugin, as that identity, publishes its node's slices and prepares a claim.
     let http_port = drust_e2e::ports::free_port()?;
+    // Its HTTPS certificate as a cert-manager Secret would hold it: signed by a CA, naming the
+    // metrics Service, which Prometheus's `tls_config.server_name` checks.
+    let http_tls = ServingPair::generate(scratch.path())?;
     let mut plugin = NodePlugin::start_with(
         &cp,
         DRIVER,
@@ -844,6 +1051,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
             // As the chart runs it: /metrics and /usage behind the API server's reviews.
             c.http_address = Some(([127, 0, 0, 1], http_port).into());
             c.http_auth = true;
+            c.http_tls = Some(http_tls.source());
         },
     )?;
     let published = plugin.wait_ready(&admin, TIMEOUT).await?;
@@ -884,7 +1092,7 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
     //     401 without a token or with a forged one, 403 for a token whose user lacks the role,
     //     200 for Prometheus bound to the chart's metrics-reader role; /usage for a tenant only
     //     in its own namespace. The probes stay open.
-    http_endpoint_checks(&cp, &admin, http_port).await?;
+    http_endpoint_checks(&cp, &admin, http_port, &http_tls, scratch.path()).await?;
 
     // 5. Denied, each by the policy: a slice for another node (create, update, delete of one
     //    that exists), a slice for all nodes, a slice with a node selector, another driver's

@@ -483,13 +483,23 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
         .context("plugin pod IP")?
         .parse()?;
     let topper_token = cp.service_account_token("default", "topper").await?;
-    let answer =
-        drust_e2e::http::get_at((plugin_ip, 9477).into(), "/usage", Some(&topper_token)).await?;
+    // Over HTTPS (the chart's default http.tls), accepting the plugin's self-signed
+    // certificate as Prometheus's insecure_skip_verify does.
+    let https = |token: Option<String>| async move {
+        drust_e2e::http::get_via(
+            (plugin_ip, 9477).into(),
+            "/usage",
+            token.as_deref(),
+            drust_e2e::http::Transport::TlsAnyCertificate,
+        )
+        .await
+    };
+    let answer = https(Some(topper_token.clone())).await?;
     ensure!(
         answer.status == 200,
         "{plugin_pod}'s /usage for dractl top's user: {answer:?}"
     );
-    let anonymous = drust_e2e::http::get_at((plugin_ip, 9477).into(), "/usage", None).await?;
+    let anonymous = https(None).await?;
     ensure!(
         anonymous.status == 401,
         "{plugin_pod}'s /usage without a token: {anonymous:?}"

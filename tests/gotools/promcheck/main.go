@@ -6,6 +6,17 @@
 //	promcheck -rules groups.yaml -dashboard dashboard.json
 //
 // Exit status 1, with every error on stderr, when a rule or query does not parse or validate.
+//
+//	promcheck -scrape job.yaml -target 127.0.0.1:9477
+//
+// scrapes target once the way Prometheus scrapes a job: the job's YAML (one entry of
+// scrape_configs) read into Prometheus's own HTTP client configuration (scheme, metrics_path,
+// tls_config, authorization... from prometheus/common/config, validated, relative files from
+// the job file's directory), its HTTP client (config.NewClientFromConfig), Prometheus's
+// default Accept header, and the body parsed with Prometheus's own parser (model/textparse).
+// It prints {"status", "contentType", "samples", "metrics"}; exit status 1 when the job does
+// not load, the scrape fails or answers other than 200, or the body does not parse.
+//
 // Test tooling only; nothing here ships.
 package main
 
@@ -42,7 +53,12 @@ type dashboard struct {
 func main() {
 	rules := flag.String("rules", "", "rule groups (YAML), as a PrometheusRule's spec holds them")
 	dash := flag.String("dashboard", "", "Grafana dashboard (JSON)")
+	job := flag.String("scrape", "", "one scrape job (YAML) to scrape -target with")
+	target := flag.String("target", "", "host:port scraped with -scrape")
 	flag.Parse()
+	if *job != "" {
+		os.Exit(scrapeOnce(*job, *target))
+	}
 	p := parser.NewParser(parser.Options{})
 	metrics := map[string]bool{}
 	failed := false

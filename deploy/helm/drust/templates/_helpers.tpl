@@ -66,6 +66,11 @@ app.kubernetes.io/component: kubelet-plugin
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The plugins' HTTP endpoint's scheme, as probes and scrape configs name it. */}}
+{{- define "drust.httpScheme" -}}
+{{- if .Values.http.tls.enabled -}}HTTPS{{- else -}}HTTP{{- end -}}
+{{- end -}}
+
 {{/* Combinations the schema cannot express; fails the install with the reason. */}}
 {{- define "drust.validate" -}}
 {{- if eq .Values.security.deviceAccess "runtime" -}}
