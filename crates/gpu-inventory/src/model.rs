@@ -265,17 +265,19 @@ pub fn standard_pci_bus_id(nvml: &str) -> Option<String> {
     well_formed.then_some(id)
 }
 
-/// Bytes as the canonical Kubernetes quantity the API server would store: the largest binary
-/// suffix that divides exactly (`81559Mi`), else a plain integer.
+/// Bytes as the canonical Kubernetes quantity the API server would store: upstream's
+/// `resource.NewQuantity(bytes, resource.BinarySI).String()` (`k8s.io/apimachinery`
+/// `pkg/api/resource/quantity.go`), through [`k8s_quantity`]: the largest binary suffix that
+/// divides exactly (`81559Mi`), a plain integer otherwise, and below 1024 the decimal form
+/// upstream switches to (`1000` is `1k`). Beyond `i64::MAX` bytes (no GPU has them), the
+/// plain integer.
 pub fn bytes_quantity(bytes: u64) -> Quantity {
-    const SUFFIXES: [&str; 6] = ["Ei", "Pi", "Ti", "Gi", "Mi", "Ki"];
-    for (i, suffix) in SUFFIXES.iter().enumerate() {
-        let unit = 1u64 << (10 * (6 - i));
-        if bytes != 0 && bytes.is_multiple_of(unit) {
-            return Quantity(format!("{}{suffix}", bytes / unit));
-        }
+    match i64::try_from(bytes) {
+        Ok(v) => Quantity(
+            k8s_quantity::Quantity::new(v, k8s_quantity::Format::BinarySi).canonical_string(),
+        ),
+        Err(_) => Quantity(bytes.to_string()),
     }
-    Quantity(bytes.to_string())
 }
 
 pub(crate) fn string(v: impl Into<String>) -> DeviceAttribute {
@@ -454,7 +456,10 @@ mod tests {
             (85_520_809_984, "81559Mi"),
             (80 << 30, "80Gi"),
             (1024, "1Ki"),
-            (1000, "1000"),
+            // Upstream writes a BinarySI value below 1024 in DecimalSI.
+            (1000, "1k"),
+            (1023, "1023"),
+            (1536, "1536"),
             (0, "0"),
         ] {
             assert_eq!(bytes_quantity(bytes).0, want, "{bytes}");
