@@ -73,7 +73,10 @@ else
 fi
 
 start=$SECONDS
-buildah bud --layers --network=host --build-arg "BUILD_IMAGE=$base" \
+# A build that failed before --force-rm left its working container, which holds its layers
+# and makes the prune below refuse: no other build runs in this storage (the lock above).
+buildah rm --all >/dev/null
+buildah bud --layers --force-rm --network=host --build-arg "BUILD_IMAGE=$base" \
   -f deploy/Dockerfile -t "$image" . >&2
 echo "image $image: built in $((SECONDS - start)) s" >&2
 # The layers of earlier builds, no longer named by any image: the cache keeps the last build's.
