@@ -34,6 +34,7 @@ pub mod host;
 pub mod http;
 pub mod images;
 pub mod kubelet;
+pub mod kueue;
 pub mod manifests;
 pub mod node;
 pub mod node_pods;
