@@ -20,6 +20,7 @@ use crate::health;
 use crate::health_record;
 use crate::instance::ActiveLock;
 use crate::metrics::Metrics;
+use crate::node_label;
 use crate::publisher::{self, SlicePublisher};
 use crate::publishing::{Followers, Publishing, publish_with_retry};
 use crate::usage;
@@ -128,7 +129,7 @@ impl Active {
         (publishing, pool): (Publishing, Pool),
         health: Health<'_>,
     ) {
-        let publisher = SlicePublisher::new(client, &config.driver_name, &config.node_name);
+        let publisher = SlicePublisher::new(client.clone(), &config.driver_name, &config.node_name);
         // The previous instance's verdicts: its taints go out with the first publish.
         let record =
             health_record::HealthRecord::new(config.checkpoint_path.with_file_name("health.json"));
@@ -191,10 +192,22 @@ impl Active {
             })));
             self.monitor = Some(monitor);
         }
+        let clique = config.node_clique_label.as_ref().map(|key| {
+            let (clique, cliques) = watch::channel(node_label::NodeClique::of(inventory));
+            self.tasks.push(AbortOnDrop(tokio::spawn(node_label::run(
+                client.clone(),
+                config.node_name.clone(),
+                key.clone(),
+                config.api_timeout,
+                cliques,
+            ))));
+            clique
+        });
         let followers = Followers {
             controller: self.controller.clone(),
             health: self.monitor.as_ref().map(health::HealthMonitor::watched),
             publishing,
+            clique,
         };
         let rediscovery =
             publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {

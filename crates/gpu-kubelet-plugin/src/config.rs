@@ -185,6 +185,9 @@ pub struct Config {
     /// TLS on the HTTP endpoint, with the certificate's source; `None`: plain HTTP. The chart
     /// turns it on with `http_auth`, so tokens never cross the pod network in the clear.
     pub http_tls: Option<TlsSource>,
+    /// The Node label that names this node's multi-node NVLink clique
+    /// (`node_label`); `None`: the node is not labelled.
+    pub node_clique_label: Option<String>,
     /// Whether claims may configure GPU sharing (time-slicing, MPS).
     pub sharing: bool,
     /// Whether GPU health events are watched and published as device taints.
@@ -245,6 +248,7 @@ impl Config {
             http_address: None,
             http_auth: false,
             http_tls: None,
+            node_clique_label: None,
             sharing: true,
             health_monitoring: true,
             consumable_capacity: false,

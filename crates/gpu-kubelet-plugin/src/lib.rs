@@ -25,6 +25,7 @@ pub mod instance;
 pub mod memory_limits;
 pub mod metrics;
 pub mod mps;
+pub mod node_label;
 pub mod publisher;
 pub mod usage;
 pub use dra_plugin::storage;

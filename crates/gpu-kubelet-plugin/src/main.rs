@@ -153,6 +153,11 @@ struct Args {
     /// PEM private key (PKCS#8, PKCS#1 or SEC1) of --http-tls-cert-file.
     #[arg(long, requires = "http_tls_cert_file")]
     http_tls_key_file: Option<std::path::PathBuf>,
+    /// Label this node with its GPUs' multi-node NVLink clique (`<clusterUuid>.<cliqueId>`)
+    /// under this key (e.g. gpu.drust.dev/nvlink-clique), for gang topology constraints and
+    /// node affinity; removed when no GPU is in a clique. Needs `patch` on nodes. Off if unset.
+    #[arg(long, value_parser = label_key)]
+    node_clique_label: Option<String>,
     /// Allow claims to configure GPU sharing (time-slicing, MPS).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     sharing: bool,
@@ -306,6 +311,7 @@ impl Args {
 
         config.http_address = self.http_address;
         config.http_auth = self.http_auth;
+        config.node_clique_label = self.node_clique_label.filter(|k| !k.is_empty());
         anyhow::ensure!(
             self.http_tls || self.http_tls_cert_file.is_none(),
             "--http-tls-cert-file and --http-tls-key-file need --http-tls=true"
@@ -390,6 +396,36 @@ fn interval_or_off(value: &str) -> Result<u64, String> {
     match seconds(value)? {
         0 => Ok(0),
         _ => interval(value),
+    }
+}
+
+/// A label key (`IsQualifiedName`, `k8s.io/apimachinery` `pkg/util/validation`): an optional
+/// DNS subdomain prefix and `/`, then a name of at most 63 alphanumerics, `-`, `_`, `.`,
+/// beginning and ending with an alphanumeric.
+fn label_key(value: &str) -> Result<String, String> {
+    let (prefix, name) = value
+        .rsplit_once('/')
+        .map_or((None, value), |(p, n)| (Some(p), n));
+    let name_ok = !name.is_empty() && gpu_kubelet_plugin::node_label::label_value(name);
+    let prefix_ok = prefix.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+            })
+    });
+    if value.is_empty() || (name_ok && prefix_ok) {
+        Ok(value.to_owned())
+    } else {
+        Err(format!(
+            "{value:?} is not a label key: [prefix/]name, the prefix a lowercase DNS subdomain, \
+             the name at most 63 alphanumerics, '-', '_', '.', alphanumeric at both ends"
+        ))
     }
 }
 

@@ -104,6 +104,8 @@ pub(crate) struct Followers {
     pub(crate) health: Option<health::WatchedGpus>,
     /// Makes the pool.
     pub(crate) publishing: Publishing,
+    /// Told the node's NVLink clique, with `--node-clique-label`.
+    pub(crate) clique: Option<tokio::sync::watch::Sender<crate::node_label::NodeClique>>,
 }
 
 impl Followers {
@@ -122,6 +124,14 @@ impl Followers {
         }
         if let Some(health) = &self.health {
             health.set(inventory.gpus.iter().map(|g| g.raw.uuid.clone()).collect());
+        }
+        if let Some(clique) = &self.clique {
+            let now = crate::node_label::NodeClique::of(inventory);
+            clique.send_if_modified(|c| {
+                let changed = *c != now;
+                *c = now;
+                changed
+            });
         }
         self.publishing.pool(inventory)
     }

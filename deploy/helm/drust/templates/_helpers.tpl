@@ -73,6 +73,9 @@ app.kubernetes.io/component: kubelet-plugin
 
 {{/* Combinations the schema cannot express; fails the install with the reason. */}}
 {{- define "drust.validate" -}}
+{{- if and .Values.nodeLabels.nvlinkClique (not .Values.admissionPolicy.enabled) -}}
+{{- fail "nodeLabels.nvlinkClique needs admissionPolicy.enabled: without its policy the plugin's patch on nodes would reach every label and field of every node" -}}
+{{- end -}}
 {{- if eq .Values.security.deviceAccess "runtime" -}}
 {{- if eq .Values.features.migStrategy "partitionable" -}}
 {{- fail "security.deviceAccess=runtime cannot be combined with features.migStrategy=partitionable: creating MIG devices needs CAP_SYS_ADMIN and /dev/nvidia-caps, so the plugin must be privileged" -}}
