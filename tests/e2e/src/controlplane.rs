@@ -272,6 +272,37 @@ pub struct ControlPlaneOptions {
     pub pod_address: Option<std::net::IpAddr>,
 }
 
+impl ControlPlaneOptions {
+    /// The defaults with Kubernetes 1.36's workload-aware scheduling on, as its blog post
+    /// "Getting started" turns it on (kubernetes/website
+    /// `content/en/blog/_posts/2026/workload-aware-scheduling-1-36.md`): the alpha gates
+    /// `GenericWorkload`, `GangScheduling`, `TopologyAwareWorkloadScheduling`,
+    /// `DRAWorkloadResourceClaims` and `WorkloadWithJob` on every component (the blog and the
+    /// issue say `EnableWorkloadWithJob`; v1.36.3's `pkg/features/kube_features.go` names it
+    /// `WorkloadWithJob`, and the apiserver refuses the other name), and
+    /// `scheduling.k8s.io/v1alpha2` (Workload, PodGroup) served. A real node's kubelet needs
+    /// `DRAWorkloadResourceClaims` too before it runs a pod with a PodGroup's claim.
+    pub fn workload_aware() -> Self {
+        let mut options = Self::default();
+        for gate in WORKLOAD_AWARE_GATES {
+            options.feature_gates.insert(gate.to_owned(), true);
+        }
+        options
+            .runtime_config
+            .push("scheduling.k8s.io/v1alpha2=true".to_owned());
+        options
+    }
+}
+
+/// The feature gates of [`ControlPlaneOptions::workload_aware`].
+pub const WORKLOAD_AWARE_GATES: [&str; 5] = [
+    "GenericWorkload",
+    "GangScheduling",
+    "TopologyAwareWorkloadScheduling",
+    "DRAWorkloadResourceClaims",
+    "WorkloadWithJob",
+];
+
 impl Default for ControlPlaneOptions {
     fn default() -> Self {
         Self {
