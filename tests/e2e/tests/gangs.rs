@@ -17,6 +17,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
+use drust_e2e::kubelet::Kubelet;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
@@ -88,6 +89,60 @@ spec:
         - name: gpus
           exactly: {deviceClassName: gpu.drust.dev, allocationMode: ExactCount, count: 4}
 ";
+
+const ONE_GPU: &str = "apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: one-gpu, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly: {deviceClassName: gpu.drust.dev, allocationMode: ExactCount, count: 1}
+";
+
+/// A gang of two pods sharing one claim of the PodGroup (`spec.resourceClaims`, made from
+/// `one-gpu`), which each pod names with the same entry (KEP-5729).
+fn shared_gang(name: &str) -> String {
+    let mut text = format!(
+        "apiVersion: scheduling.k8s.io/v1alpha2
+kind: Workload
+metadata: {{name: {name}, namespace: default}}
+spec:
+  podGroupTemplates:
+    - name: workers
+      schedulingPolicy: {{gang: {{minCount: 2}}}}
+---
+apiVersion: scheduling.k8s.io/v1alpha2
+kind: PodGroup
+metadata: {{name: {name}, namespace: default}}
+spec:
+  podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
+  schedulingPolicy: {{gang: {{minCount: 2}}}}
+  resourceClaims:
+    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
+"
+    );
+    for i in 0..2 {
+        text.push_str(&format!(
+            "---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}-{i}, namespace: default, labels: {{gang: {name}}}}}
+spec:
+  schedulingGroup: {{podGroupName: {name}}}
+  terminationGracePeriodSeconds: 0
+  containers:
+    - name: worker
+      image: registry.k8s.io/pause:3.10
+      resources: {{claims: [{{name: fabric}}]}}
+  resourceClaims:
+    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
+"
+        ));
+    }
+    text
+}
 
 /// The gang's pods by name: the node each is bound to (`None`: not bound).
 async fn placement(
@@ -210,11 +265,13 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
     let mut plugins = Vec::new();
     for (node, clique) in NODES {
         cp.register_node(node, &[(CLIQUE_LABEL, clique)]).await?;
-        let mut plugin = NodePlugin::start(
+        let mut plugin = NodePlugin::start_with(
             &cp,
             DRIVER,
             node,
             &repo_path("examples/topologies/dgx-h100.yaml"),
+            // The stale-claim check every second: the PodGroup claim below must outlive many.
+            |c| c.stale_claim_interval = Duration::from_secs(1),
         )?;
         plugin.wait_ready(&client, TIMEOUT).await?;
         plugins.push(plugin);
@@ -310,6 +367,115 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
     .await?;
     let nodes = bound(&pods, "pair", 2).await?;
     ensure!(nodes[0] == nodes[1], "gang pair across cliques: {nodes:?}");
+
+    // A PodGroup's claim (KEP-5729): one claim made from the template for the whole group,
+    // owned by the PodGroup and reserved for it, not for its pods. Both pods share it, on the
+    // node of its allocation; drust prepares it there, and its stale-claim check, which reads
+    // claims and not pods, keeps it while the group lives: a claim of the pair, prepared and
+    // then deleted with its pod, is unprepared by the check meanwhile.
+    apply_yaml(&client, ONE_GPU, Path::new("one-gpu")).await?;
+    apply_yaml(&client, &shared_gang("shared"), Path::new("gang shared")).await?;
+    let nodes = bound(&pods, "shared", 2).await?;
+    ensure!(nodes[0] == nodes[1], "gang shared across nodes: {nodes:?}");
+    let claim = until("the PodGroup's claim allocated", TIMEOUT, || async {
+        let list = claims
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(list.items.into_iter().find(|c| {
+            c.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.kind == "PodGroup" && o.name == "shared")
+                && c.status
+                    .as_ref()
+                    .and_then(|s| s.allocation.as_ref())
+                    .is_some()
+        }))
+    })
+    .await?;
+    let reserved = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.reserved_for.clone())
+        .unwrap_or_default();
+    ensure!(
+        reserved.len() == 1 && reserved[0].resource == "podgroups" && reserved[0].name == "shared",
+        "the PodGroup claim is reserved for {reserved:?}"
+    );
+    for pod in pods
+        .list(&ListParams::default().labels("gang=shared"))
+        .await?
+        .items
+    {
+        let names: Vec<String> = pod
+            .status
+            .and_then(|s| s.resource_claim_statuses)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|s| s.resource_claim_name)
+            .collect();
+        ensure!(
+            names == [claim.metadata.name.clone().unwrap_or_default()],
+            "{names:?}"
+        );
+    }
+    let node = &nodes[0];
+    let plugin = &plugins[NODES.iter().position(|(n, _)| n == node).context("node")?];
+    let (kubelet, _) = Kubelet::register(&plugin.registration_socket()).await?;
+    let uid = claim.metadata.uid.clone().unwrap_or_default();
+    let prepared = kubelet.prepare_v1(&[&claim]).await?;
+    ensure!(
+        prepared.claims[&uid].error.is_empty() && prepared.claims[&uid].devices.len() == 1,
+        "preparing the PodGroup claim: {:?}",
+        prepared.claims[&uid]
+    );
+    // The canary: a claim of the pair, on the pair's node (which may be the other one).
+    let pair_node = &bound(&pods, "pair", 2).await?[0];
+    let pair_plugin = &plugins[NODES
+        .iter()
+        .position(|(n, _)| n == pair_node)
+        .context("node")?];
+    let canary = claims
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|c| {
+            c.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("pair-"))
+        })
+        .context("a claim of the pair")?;
+    let canary_uid = canary.metadata.uid.clone().unwrap_or_default();
+    let (pair_kubelet, _) = Kubelet::register(&pair_plugin.registration_socket()).await?;
+    let answer = pair_kubelet.prepare_v1(&[&canary]).await?;
+    ensure!(answer.claims[&canary_uid].error.is_empty(), "{answer:?}");
+    remove(&pods, &claims, "pair").await?;
+    let recorded = |p: &NodePlugin, uid: &str| -> anyhow::Result<bool> {
+        let checkpoint = drust_e2e::plugin::read_checkpoint(&p.config().checkpoint_path)
+            .map_err(anyhow::Error::msg)?;
+        Ok(checkpoint["claims"].get(uid).is_some())
+    };
+    until(
+        "the stale-claim check unpreparing the deleted canary",
+        TIMEOUT,
+        || async {
+            Ok((!recorded(pair_plugin, &canary_uid).map_err(|e| e.to_string())?).then_some(()))
+        },
+    )
+    .await?;
+    ensure!(
+        recorded(plugin, &uid)?,
+        "the stale-claim check unprepared the PodGroup's claim while the group lives"
+    );
+    let answer = kubelet
+        .unprepare_v1(vec![drust_e2e::kubelet::v1_claim(&claim)])
+        .await?;
+    ensure!(answer.claims[&uid].error.is_empty(), "{answer:?}");
+    drop((kubelet, pair_kubelet));
 
     for plugin in plugins {
         plugin.stop().await?;
