@@ -65,3 +65,46 @@ pub async fn bind_dractl_top(
     apply_yaml(client, &bindings, Path::new("dractl top bindings")).await?;
     Ok(())
 }
+
+/// Writes to `path` a kubeconfig of the chart's node plugin on `node` (release `drust` in
+/// `drust-system`): ServiceAccount `drust-kubelet-plugin` with a token bound to the DaemonSet's
+/// pod that the scheduler bound to `node`, as the kubelet projects it, once that pod exists
+/// (within `timeout`). Returns the pod.
+///
+/// # Errors
+/// No such pod within `timeout`, or minting the token or writing the file failed.
+pub async fn chart_plugin_kubeconfig(
+    cp: &ControlPlane,
+    admin: &kube::Client,
+    node: &str,
+    path: &Path,
+    timeout: std::time::Duration,
+) -> anyhow::Result<k8s_openapi::api::core::v1::Pod> {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods: kube::Api<Pod> = kube::Api::namespaced(admin.clone(), "drust-system");
+    let pod = crate::wait::until(
+        &format!("the chart's plugin pod bound to {node}"),
+        timeout,
+        || async {
+            let list = pods
+                .list(&kube::api::ListParams::default().labels("app.kubernetes.io/instance=drust"))
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(list
+                .items
+                .into_iter()
+                .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)))
+        },
+    )
+    .await?;
+    let token = cp
+        .pod_bound_service_account_token(
+            "drust-system",
+            "drust-kubelet-plugin",
+            pod.metadata.name.as_deref().unwrap_or_default(),
+            pod.metadata.uid.as_deref().unwrap_or_default(),
+        )
+        .await?;
+    cp.write_kubeconfig(path, &token)?;
+    Ok(pod)
+}

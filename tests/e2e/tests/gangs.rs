@@ -35,12 +35,51 @@ const NODES: [(&str, &str); 2] = [
     ("gpu-node-b", "5b1f2c8e-4d3a-4f7e-9a61-0c2d8e7f3b94.2"),
 ];
 
+/// Creates [`gang`]'s objects.
+async fn submit(
+    client: &kube::Client,
+    name: &str,
+    min_count: u32,
+    pods: u32,
+    topology_key: Option<&str>,
+    claims: Claims,
+) -> anyhow::Result<()> {
+    let text = gang(name, min_count, pods, topology_key, claims);
+    apply_yaml(client, &text, Path::new(&format!("gang {name}"))).await?;
+    Ok(())
+}
+
+/// How each pod of a gang gets its GPUs.
+#[derive(Clone, Copy)]
+enum Claims {
+    /// A claim of its own from `four-gpus`.
+    PerPod,
+    /// The PodGroup's one claim from `one-gpu` (`spec.resourceClaims`, KEP-5729), which every
+    /// pod names with the same entry.
+    OfTheGroup,
+}
+
 /// A Workload with one gang template, its PodGroup (`minCount`, and a topology constraint on
-/// `topology_key` when given) and `pods` pods of the group, each with its own claim of 4 GPUs.
-fn gang(name: &str, min_count: u32, pods: u32, topology_key: Option<&str>) -> String {
+/// `topology_key` when given) and `pods` pods of the group, with GPUs as `claims` says.
+fn gang(
+    name: &str,
+    min_count: u32,
+    pods: u32,
+    topology_key: Option<&str>,
+    claims: Claims,
+) -> String {
     let constraints = topology_key.map_or_else(String::new, |key| {
         format!("  schedulingConstraints:\n    topology: [{{key: {key}}}]\n")
     });
+    let (entry, template, group_claims) = match claims {
+        Claims::PerPod => ("gpus", "four-gpus", String::new()),
+        Claims::OfTheGroup => (
+            "fabric",
+            "one-gpu",
+            "  resourceClaims:\n    - {name: fabric, resourceClaimTemplateName: one-gpu}\n"
+                .to_owned(),
+        ),
+    };
     let mut text = format!(
         "apiVersion: scheduling.k8s.io/v1alpha2
 kind: Workload
@@ -56,7 +95,7 @@ metadata: {{name: {name}, namespace: default}}
 spec:
   podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
   schedulingPolicy: {{gang: {{minCount: {min_count}}}}}
-{constraints}"
+{constraints}{group_claims}"
     );
     for i in 0..pods {
         text.push_str(&format!(
@@ -70,9 +109,9 @@ spec:
   containers:
     - name: worker
       image: registry.k8s.io/pause:3.10
-      resources: {{claims: [{{name: gpus}}]}}
+      resources: {{claims: [{{name: {entry}}}]}}
   resourceClaims:
-    - {{name: gpus, resourceClaimTemplateName: four-gpus}}
+    - {{name: {entry}, resourceClaimTemplateName: {template}}}
 "
         ));
     }
@@ -100,49 +139,6 @@ spec:
         - name: gpu
           exactly: {deviceClassName: gpu.drust.dev, allocationMode: ExactCount, count: 1}
 ";
-
-/// A gang of two pods sharing one claim of the PodGroup (`spec.resourceClaims`, made from
-/// `one-gpu`), which each pod names with the same entry (KEP-5729).
-fn shared_gang(name: &str) -> String {
-    let mut text = format!(
-        "apiVersion: scheduling.k8s.io/v1alpha2
-kind: Workload
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplates:
-    - name: workers
-      schedulingPolicy: {{gang: {{minCount: 2}}}}
----
-apiVersion: scheduling.k8s.io/v1alpha2
-kind: PodGroup
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
-  schedulingPolicy: {{gang: {{minCount: 2}}}}
-  resourceClaims:
-    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
-"
-    );
-    for i in 0..2 {
-        text.push_str(&format!(
-            "---
-apiVersion: v1
-kind: Pod
-metadata: {{name: {name}-{i}, namespace: default, labels: {{gang: {name}}}}}
-spec:
-  schedulingGroup: {{podGroupName: {name}}}
-  terminationGracePeriodSeconds: 0
-  containers:
-    - name: worker
-      image: registry.k8s.io/pause:3.10
-      resources: {{claims: [{{name: fabric}}]}}
-  resourceClaims:
-    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
-"
-        ));
-    }
-    text
-}
 
 /// The gang's pods by name: the node each is bound to (`None`: not bound).
 async fn placement(
@@ -283,7 +279,7 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
 
     // 4 × 4 GPUs on two 8-GPU nodes: bound whole, two pods per node, each claim 4 GPUs of the
     // pool of the node its pod is bound to.
-    apply_yaml(&client, &gang("train", 4, 4, None), Path::new("gang train")).await?;
+    submit(&client, "train", 4, 4, None, Claims::PerPod).await?;
     let nodes = bound(&pods, "train", 4).await?;
     for (node, _) in NODES {
         ensure!(
@@ -326,12 +322,7 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
 
     // 5 × 4 GPUs: 20 of 16. Nothing is bound, and nothing stays allocated once the scheduler
     // has given every pod up.
-    apply_yaml(
-        &client,
-        &gang("too-big", 5, 5, None),
-        Path::new("gang too-big"),
-    )
-    .await?;
+    submit(&client, "too-big", 5, 5, None, Claims::PerPod).await?;
     let why = refused(&pods, "too-big", 5).await?;
     eprintln!("gang too-big: {why}");
     let held = allocated(&claims, "too-big").await?;
@@ -350,21 +341,11 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
 
     // One NVLink clique (node label) per gang: 4 × 4 GPUs need both cliques, so the gang is
     // refused; 2 × 4 GPUs fit in one, on one node.
-    apply_yaml(
-        &client,
-        &gang("spans", 4, 4, Some(CLIQUE_LABEL)),
-        Path::new("gang spans"),
-    )
-    .await?;
+    submit(&client, "spans", 4, 4, Some(CLIQUE_LABEL), Claims::PerPod).await?;
     let why = refused(&pods, "spans", 4).await?;
     eprintln!("gang spans: {why}");
     remove(&pods, &claims, "spans").await?;
-    apply_yaml(
-        &client,
-        &gang("pair", 2, 2, Some(CLIQUE_LABEL)),
-        Path::new("gang pair"),
-    )
-    .await?;
+    submit(&client, "pair", 2, 2, Some(CLIQUE_LABEL), Claims::PerPod).await?;
     let nodes = bound(&pods, "pair", 2).await?;
     ensure!(nodes[0] == nodes[1], "gang pair across cliques: {nodes:?}");
 
@@ -374,7 +355,7 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
     // claims and not pods, keeps it while the group lives: a claim of the pair, prepared and
     // then deleted with its pod, is unprepared by the check meanwhile.
     apply_yaml(&client, ONE_GPU, Path::new("one-gpu")).await?;
-    apply_yaml(&client, &shared_gang("shared"), Path::new("gang shared")).await?;
+    submit(&client, "shared", 2, 2, None, Claims::OfTheGroup).await?;
     let nodes = bound(&pods, "shared", 2).await?;
     ensure!(nodes[0] == nodes[1], "gang shared across nodes: {nodes:?}");
     let claim = until("the PodGroup's claim allocated", TIMEOUT, || async {

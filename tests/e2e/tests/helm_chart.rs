@@ -997,17 +997,10 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
 
     // 3. The plugin's identity: a token of the chart's ServiceAccount bound to its pod on
     //    gpu-node-a, as the kubelet projects it.
-    let pod_a = &placed["gpu-node-a"];
-    let token = cp
-        .pod_bound_service_account_token(
-            NAMESPACE,
-            SERVICE_ACCOUNT,
-            pod_a.metadata.name.as_deref().unwrap_or_default(),
-            pod_a.metadata.uid.as_deref().unwrap_or_default(),
-        )
-        .await?;
     let kubeconfig = scratch.path().join("plugin.kubeconfig");
-    cp.write_kubeconfig(&kubeconfig, &token)?;
+    let pod_a =
+        drust_e2e::rbac::chart_plugin_kubeconfig(&cp, &admin, "gpu-node-a", &kubeconfig, TIMEOUT)
+            .await?;
     let plugin_client = client_from(&kubeconfig).await?;
     let slices: Api<ResourceSlice> = Api::all(plugin_client.clone());
 

@@ -10,21 +10,19 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::ensure;
-use drust_e2e::helm::helm_in;
 use drust_e2e::manifests::repo_path;
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::json;
 
 const TIMEOUT: Duration = Duration::from_secs(90);
 const RELEASE: &str = "drust";
 const NAMESPACE: &str = "drust-system";
-const SERVICE_ACCOUNT: &str = "drust-kubelet-plugin";
 const DRIVER: &str = "gpu.drust.dev";
 const LABEL: &str = "gpu.drust.dev/nvlink-clique";
 const POLICY: &str = "drust-node-clique-label";
@@ -67,50 +65,23 @@ async fn the_plugin_labels_its_own_node_with_its_clique_and_nothing_else() -> an
         cp.register_node(node, &[("nvidia.com/gpu.present", "true")])
             .await?;
     }
-    let chart = drust_e2e::helm::chart_path();
-    let kubeconfig_flag = format!("--kubeconfig={}", cp.kubeconfig_path().display());
-    let label_flag = format!("nodeLabels.nvlinkClique={LABEL}");
-    let installed = helm_in(
-        Some(&scratch.path().join("helm-home")),
-        &[
-            "install",
-            RELEASE,
-            &chart.to_string_lossy(),
-            "--namespace",
-            NAMESPACE,
-            "--create-namespace",
-            "--set",
-            &label_flag,
-            &kubeconfig_flag,
-        ],
+    // The chart as the README installs it, with the clique label on.
+    let installed = drust_e2e::helm::install_chart(
+        &scratch.path().join("helm-home"),
+        cp.kubeconfig_path(),
+        RELEASE,
+        NAMESPACE,
+        (std::net::Ipv4Addr::LOCALHOST.into(), 443),
+        &[format!("nodeLabels.nvlinkClique={LABEL}")],
     )
     .await?;
     ensure!(installed.contains("STATUS: deployed"), "{installed}");
 
     // The plugin's identity: the chart's ServiceAccount, its token bound to the DaemonSet's pod
     // on gpu-node-a (no kubelet runs it; the scheduler binds it).
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), NAMESPACE);
-    let pod_a = until("the plugin pod bound to gpu-node-a", TIMEOUT, || async {
-        let list = pods
-            .list(&ListParams::default().labels("app.kubernetes.io/instance=drust"))
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(list
-            .items
-            .into_iter()
-            .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("gpu-node-a")))
-    })
-    .await?;
-    let token = cp
-        .pod_bound_service_account_token(
-            NAMESPACE,
-            SERVICE_ACCOUNT,
-            pod_a.metadata.name.as_deref().unwrap_or_default(),
-            pod_a.metadata.uid.as_deref().unwrap_or_default(),
-        )
-        .await?;
     let kubeconfig = scratch.path().join("plugin.kubeconfig");
-    cp.write_kubeconfig(&kubeconfig, &token)?;
+    drust_e2e::rbac::chart_plugin_kubeconfig(&cp, &admin, "gpu-node-a", &kubeconfig, TIMEOUT)
+        .await?;
     let as_plugin: Api<Node> = Api::all(client_from(&kubeconfig).await?);
     let nodes: Api<Node> = Api::all(admin.clone());
 
