@@ -986,14 +986,20 @@ async fn the_plugin_runs_with_the_charts_least_privilege_on_a_real_control_plane
         "plugin pods on {:?}",
         placed.keys()
     );
-    let ds = Api::<DaemonSet>::namespaced(admin.clone(), NAMESPACE)
-        .get("drust-kubelet-plugin")
-        .await?;
-    ensure!(
-        ds.status.as_ref().map(|s| s.desired_number_scheduled) == Some(2),
-        "{:?}",
-        ds.status
-    );
+    // The DaemonSet controller writes its status after it creates the pods: wait for it.
+    let daemonsets = Api::<DaemonSet>::namespaced(admin.clone(), NAMESPACE);
+    let ds = until("the DaemonSet's status: 2 nodes", TIMEOUT, || async {
+        let ds = daemonsets
+            .get("drust-kubelet-plugin")
+            .await
+            .map_err(|e| e.to_string())?;
+        match ds.status.as_ref().map(|s| s.desired_number_scheduled) {
+            Some(2) => Ok(Some(ds)),
+            Some(n) if n > 2 => Err(format!("{n} nodes desired: {:?}", ds.status)),
+            _ => Ok(None),
+        }
+    })
+    .await?;
 
     // 3. The plugin's identity: a token of the chart's ServiceAccount bound to its pod on
     //    gpu-node-a, as the kubelet projects it.
