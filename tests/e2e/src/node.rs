@@ -5,27 +5,43 @@
 //! run). Binaries come from `tests/scripts/build-node.sh` (cached in `~/.cache/drust/node`); the
 //! sandbox and workload images are built locally ([`crate::images`]) and imported with `ctr`.
 //!
-//! What the node changes outside its temp dir, and how [`Node`] puts it back (on
-//! [`Node::stop`] and on drop, so also when a test fails):
-//! - sysctls the kubelet sets at start (`vm.overcommit_memory`, `kernel.panic`,
-//!   `kernel.panic_on_oops`): restored to the values read before;
-//! - `/kubepods` in every cgroup hierarchy: removed bottom-up when the node created it;
-//! - `/var/lib/kubelet` (its `device-plugins/kubelet.sock`), `/var/log/containers` and
-//!   `/var/log/pods`: removed when the node created them;
+//! What the node changes outside its temp dir, and how it is put back (on [`Node::stop`] and on
+//! drop, so also when a test fails):
 //! - mounts (the temp dir's own shared bind mount, the kubelet's bind mount of its root dir,
-//!   pod volumes, container rootfs, network namespaces): every mount under the temp dir or
-//!   created under `/run/netns` is unmounted;
+//!   pod volumes, container rootfs, network namespaces, which containerd keeps under its state
+//!   dir): every mount under the temp dir is unmounted;
 //! - containers: every container in the node's runc root is killed and deleted, and the shims
 //!   and any process started from the temp dir are killed;
-//! - the CNI bridge `drustbr0`: deleted.
+//! - the node's cgroups: `/kubepods` (cgroup root `/`, the default) or its own cgroup root
+//!   ([`NodeOptions::cgroup_root`]) in every hierarchy, removed bottom-up when the node
+//!   created it;
+//! - the node's CNI bridge (`drustbr0` by default): deleted;
+//! - sysctls the kubelet sets at start (`vm.overcommit_memory`, `kernel.panic`,
+//!   `kernel.panic_on_oops`) and the bridge plugin's `net.ipv4.ip_forward`: restored to the
+//!   values read before;
+//! - `/var/lib/kubelet` (its `device-plugins/kubelet.sock`), `/var/log/containers` and
+//!   `/var/log/pods`: removed when they were not there before; network namespaces left in
+//!   `/run/netns`: unmounted and removed.
 //!
-//! One node at a time per machine, since the kubelet always uses the fixed paths above:
-//! [`Node::start`] waits for the lock file [`LOCK`] (held until the node is stopped or dropped),
-//! so tests of one binary, and test runs side by side, take turns.
+//! The last two are the machine's, not one node's: a [`Machine`] holds them and the lock file
+//! [`LOCK`], and puts them back when the last node started on it is gone. One
+//! [`Machine`] at a time per machine: [`Machine::acquire`] waits for the lock, so tests of one
+//! binary, and test runs side by side, take turns. Several nodes of one test share a
+//! [`Machine`] ([`Node::start_on`]), each with its own [`NodeOptions::numbered`] bridge, pod
+//! subnet and cgroup root; [`crate::cluster`] starts them that way.
+//!
+//! Two kubelets on one machine share the fixed paths. That is safe for what the tests run (no
+//! device plugin, pod logs under each node's root): the device manager's registration socket
+//! `/var/lib/kubelet/device-plugins/kubelet.sock` is taken over by the kubelet that starts last
+//! (`CleanupPluginDirectory` in `pkg/kubelet/cm/devicemanager/manager.go` removes the other's
+//! socket file; its server keeps serving on the open listener, so its health check stays
+//! green), and both write the same empty device checkpoint `kubelet_internal_checkpoint`
+//! (atomically: a temp file renamed); `/var/log/containers` holds one symlink per container ID.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node as NodeObject;
@@ -48,14 +64,14 @@ const RUNC: &str = "/usr/sbin/runc";
 /// The machine-wide lock a running [`Node`] holds (an exclusive `flock`).
 pub const LOCK: &str = "/run/drust-node.lock";
 const CNI_BIN: &str = "/usr/lib/cni";
-const BRIDGE: &str = "drustbr0";
-const SYSCTLS: [&str; 3] = [
+/// The sysctls the kubelet sets at start, and `net.ipv4.ip_forward`, which the CNI bridge
+/// plugin turns on for its gateway.
+const SYSCTLS: [&str; 4] = [
     "vm/overcommit_memory",
     "kernel/panic",
     "kernel/panic_on_oops",
+    "net/ipv4/ip_forward",
 ];
-/// The kubelet's cgroup, in every hierarchy.
-const KUBEPODS: &str = "/kubepods";
 /// What the kubelet creates whatever its flags say; removed on cleanup when it was not there.
 const KUBELET_FIXED: [&str; 4] = [
     "/var/lib/kubelet/device-plugins/kubelet.sock",
@@ -136,43 +152,25 @@ pub fn ensure_packages() -> Result<(), NodeError> {
     Ok(())
 }
 
-/// A running node: containerd and the kubelet.
-pub struct Node {
-    name: String,
-    dir: Option<tempfile::TempDir>,
-    root: PathBuf,
+/// This machine's part in running real nodes: the lock [`LOCK`], the node binaries, and what
+/// the kubelets change outside their temp dirs (sysctls, fixed paths, `/run/netns`), put back
+/// when the last [`Node`] holding it is gone (each node holds it in an [`Arc`]).
+pub struct Machine {
     bins: PathBuf,
-    containerd: Option<Child>,
-    kubelet: Option<Child>,
-    kubelet_args: Vec<String>,
     sysctls: Vec<(PathBuf, String)>,
     created: Vec<PathBuf>,
     netns_before: Vec<PathBuf>,
-    /// [`LOCK`], held for the node's life (released when the file is closed).
+    /// [`LOCK`], held for the machine's life (released when the file is closed).
     _lock: nix::fcntl::Flock<std::fs::File>,
 }
 
-/// Node options.
-#[derive(Debug, Clone, Default)]
-pub struct NodeOptions {
-    /// Node labels, set by the kubelet at registration.
-    pub labels: BTreeMap<String, String>,
-}
-
-impl Node {
-    /// Starts containerd and the kubelet for node `name` against `cp`, imports the sandbox and
-    /// workload images, and waits (up to 2 minutes) for the Node to be Ready; then removes the
-    /// taints set at registration (the test control plane runs no node-lifecycle controller).
-    ///
-    /// Missing Debian packages are installed first ([`ensure_packages`]).
+impl Machine {
+    /// Installs missing Debian packages ([`ensure_packages`]), builds (or finds cached) the node
+    /// binaries, waits for [`LOCK`] and records what the kubelets will change.
     ///
     /// # Errors
     /// [`NodeError::Unsupported`] when [`unsupported`] says so; [`NodeError::Failed`] otherwise.
-    pub async fn start(
-        cp: &ControlPlane,
-        name: &str,
-        options: NodeOptions,
-    ) -> Result<Self, NodeError> {
+    pub async fn acquire() -> Result<Arc<Self>, NodeError> {
         tokio::task::spawn_blocking(ensure_packages)
             .await
             .map_err(|e| failed("installing the node's packages", e))??;
@@ -192,28 +190,8 @@ impl Node {
         .await
         .map_err(|e| failed("waiting for the node lock", e))?
         .map_err(|e| failed(&format!("locking {LOCK}"), e))?;
-        let dir = tempfile::Builder::new()
-            .prefix("drust-node-")
-            .tempdir()
-            .map_err(|e| failed("temp dir", e))?;
-        let root = dir.path().to_owned();
-        share(&root)?;
-        let mut created: Vec<PathBuf> = KUBELET_FIXED
-            .iter()
-            .map(PathBuf::from)
-            .filter(|p| !p.exists())
-            .collect();
-        if !cgroup_dirs(Path::new(KUBEPODS)).iter().any(|c| c.exists()) {
-            created.push(KUBEPODS.into());
-        }
-        let mut node = Self {
-            name: name.to_owned(),
-            dir: Some(dir),
-            root,
+        Ok(Arc::new(Self {
             bins,
-            containerd: None,
-            kubelet: None,
-            kubelet_args: Vec::new(),
             sysctls: SYSCTLS
                 .iter()
                 .map(|s| {
@@ -222,20 +200,248 @@ impl Node {
                     (p, v.trim().to_owned())
                 })
                 .collect(),
-            created,
+            created: KUBELET_FIXED
+                .iter()
+                .map(PathBuf::from)
+                .filter(|p| !p.exists())
+                .collect(),
             netns_before: list_dir(Path::new("/run/netns")),
             _lock: lock,
+        }))
+    }
+
+    /// Puts the sysctls back, removes the fixed paths the kubelets created and network
+    /// namespaces left in `/run/netns`.
+    fn restore(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for ns in list_dir(Path::new("/run/netns")) {
+            if !self.netns_before.contains(&ns) {
+                if let Err(e) = nix::mount::umount2(&ns, nix::mount::MntFlags::MNT_DETACH)
+                    && e != nix::errno::Errno::EINVAL
+                    && e != nix::errno::Errno::ENOENT
+                {
+                    problems.push(format!("unmounting {}: {e}", ns.display()));
+                }
+                let _ = std::fs::remove_file(&ns);
+            }
+        }
+        for (path, value) in &self.sysctls {
+            if !value.is_empty() && std::fs::write(path, value).is_err() {
+                problems.push(format!("restoring {}", path.display()));
+            }
+        }
+        for p in &self.created {
+            if p.is_dir() {
+                let _ = std::fs::remove_dir_all(p);
+            } else {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        problems
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        for problem in self.restore() {
+            eprintln!("real node machine: {problem}");
+        }
+    }
+}
+
+/// A running node: containerd and the kubelet.
+pub struct Node {
+    name: String,
+    dir: Option<tempfile::TempDir>,
+    root: PathBuf,
+    options: NodeOptions,
+    containerd: Option<Child>,
+    kubelet: Option<Child>,
+    kubelet_args: Vec<String>,
+    /// The node's cgroup (its `/kubepods` or its own cgroup root), when the node created it.
+    created_cgroup: Option<PathBuf>,
+    /// Dropped after the node's own cleanup ([`Drop`] runs before the fields are dropped).
+    machine: Arc<Machine>,
+}
+
+/// Node options.
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    /// Node labels, set by the kubelet at registration.
+    pub labels: BTreeMap<String, String>,
+    /// The CNI bridge the node's pods attach to (a Linux interface name: at most 15 bytes).
+    pub bridge: String,
+    /// The node's pod subnet (host-local IPAM); the bridge takes its first address.
+    pub pod_subnet: String,
+    /// The kubelet's `cgroupRoot` in cgroupfs form: `/` puts pods under `/kubepods`; another
+    /// root is created in every hierarchy for the node (the kubelet wants it to exist).
+    pub cgroup_root: String,
+    /// The kubelet's feature gates (`featureGates` in its configuration); none by default.
+    pub feature_gates: BTreeMap<String, bool>,
+}
+
+impl Default for NodeOptions {
+    /// No labels, bridge `drustbr0`, pods in 10.88.77.0/24, cgroup root `/`.
+    fn default() -> Self {
+        Self {
+            labels: BTreeMap::new(),
+            bridge: "drustbr0".to_owned(),
+            pod_subnet: "10.88.77.0/24".to_owned(),
+            cgroup_root: "/".to_owned(),
+            feature_gates: BTreeMap::new(),
+        }
+    }
+}
+
+impl NodeOptions {
+    /// Options for the `index`-th of several nodes on one [`Machine`] (0 to 177): bridge
+    /// `drustbr<index>`, pods in `10.88.<77 + index>.0/24`, cgroup root `/drust-node<index>`.
+    /// Every bridge is a gateway on this host, which forwards between them: a pod reaches the
+    /// pods of the other nodes.
+    ///
+    /// # Panics
+    /// When `index` is above 177 (the subnet's third octet would pass 254).
+    pub fn numbered(index: u8) -> Self {
+        assert!(index <= 177, "node index {index} above 177");
+        Self {
+            bridge: format!("drustbr{index}"),
+            pod_subnet: format!("10.88.{}.0/24", 77 + u16::from(index)),
+            cgroup_root: format!("/drust-node{index}"),
+            ..Self::default()
+        }
+    }
+
+    /// These options with label `key=value` added.
+    #[must_use]
+    pub fn label(mut self, key: &str, value: &str) -> Self {
+        self.labels.insert(key.to_owned(), value.to_owned());
+        self
+    }
+}
+
+impl Node {
+    /// Starts containerd and the kubelet for node `name` against `cp`, imports the sandbox and
+    /// workload images, and waits (up to 2 minutes) for the Node to be Ready; then removes the
+    /// taints set at registration (the test control plane runs no node-lifecycle controller).
+    ///
+    /// Missing Debian packages are installed first ([`ensure_packages`]).
+    ///
+    /// # Errors
+    /// [`NodeError::Unsupported`] when [`unsupported`] says so; [`NodeError::Failed`] otherwise.
+    pub async fn start(
+        cp: &ControlPlane,
+        name: &str,
+        options: NodeOptions,
+    ) -> Result<Self, NodeError> {
+        let machine = Machine::acquire().await?;
+        Self::start_on(&machine, cp, name, options).await
+    }
+
+    /// [`Node::start`] on a [`Machine`] already acquired, beside the other nodes started on it:
+    /// give each its own bridge, pod subnet and cgroup root ([`NodeOptions::numbered`]).
+    ///
+    /// # Errors
+    /// [`NodeError::Failed`].
+    pub async fn start_on(
+        machine: &Arc<Machine>,
+        cp: &ControlPlane,
+        name: &str,
+        options: NodeOptions,
+    ) -> Result<Self, NodeError> {
+        let dir = tempfile::Builder::new()
+            .prefix("drust-node-")
+            .tempdir()
+            .map_err(|e| failed("temp dir", e))?;
+        let root = dir.path().to_owned();
+        share(&root)?;
+        let mut node = Self {
+            name: name.to_owned(),
+            dir: Some(dir),
+            root,
+            options,
+            containerd: None,
+            kubelet: None,
+            kubelet_args: Vec::new(),
+            created_cgroup: None,
+            machine: Arc::clone(machine),
         };
+        node.make_cgroup_root()?;
         node.start_containerd().await?;
         node.import_images().await?;
-        node.start_kubelet(cp, &options).await?;
+        node.start_kubelet(cp).await?;
         node.wait_ready(cp).await?;
         Ok(node)
+    }
+
+    /// The cgroup the node's pods live under: `/kubepods` for cgroup root `/`, else the
+    /// node's own cgroup root.
+    fn pods_cgroup(&self) -> PathBuf {
+        let root = Path::new(&self.options.cgroup_root);
+        if root == Path::new("/") {
+            root.join("kubepods")
+        } else {
+            root.to_owned()
+        }
+    }
+
+    /// Creates the kubelet's cgroup root in every hierarchy unless it is `/`, with the cpuset
+    /// of its parent (a new cgroup v1 cpuset is empty, and no task may join an empty one);
+    /// records the cgroup this node must remove on cleanup.
+    fn make_cgroup_root(&mut self) -> Result<(), NodeError> {
+        let root = Path::new(&self.options.cgroup_root);
+        let own = self.pods_cgroup();
+        if root != Path::new("/") {
+            // Under the machine's lock only a killed test's node can have left it.
+            for dir in cgroup_dirs(root) {
+                remove_cgroup_tree(&dir);
+            }
+        }
+        if cgroup_dirs(&own).iter().any(|c| c.exists()) {
+            if root != Path::new("/") {
+                return Err(failed(
+                    &format!("cgroup root {}", root.display()),
+                    "is still there with processes in it (another node's?)",
+                ));
+            }
+            return Ok(());
+        }
+        self.created_cgroup = Some(own.clone());
+        if root == Path::new("/") {
+            return Ok(());
+        }
+        for dir in cgroup_dirs(root) {
+            std::fs::create_dir(&dir).map_err(|e| failed(&dir.display().to_string(), e))?;
+            for file in ["cpuset.cpus", "cpuset.mems"] {
+                let (Some(parent), true) = (dir.parent(), dir.join(file).exists()) else {
+                    continue;
+                };
+                let value = std::fs::read_to_string(parent.join(file))
+                    .map_err(|e| failed(&parent.join(file).display().to_string(), e))?;
+                std::fs::write(dir.join(file), value.trim())
+                    .map_err(|e| failed(&dir.join(file).display().to_string(), e))?;
+            }
+        }
+        Ok(())
     }
 
     /// The node's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The options the node was started with.
+    pub fn options(&self) -> &NodeOptions {
+        &self.options
+    }
+
+    /// The kubelet's process ID, while it runs.
+    pub fn kubelet_pid(&self) -> Option<u32> {
+        self.kubelet.as_ref().and_then(Child::id)
+    }
+
+    /// containerd's process ID, while it runs.
+    pub fn containerd_pid(&self) -> Option<u32> {
+        self.containerd.as_ref().and_then(Child::id)
     }
 
     /// The temp dir everything lives under: a shared mount (as `/` on a systemd host), so a
@@ -382,6 +588,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 [plugins.'io.containerd.cri.v1.runtime']
   restrict_oom_score_adj = true
   cdi_spec_dirs = ["{r}/cdi"]
+  netns_mounts_under_state_dir = true
 
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
@@ -408,12 +615,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "plugins": [
                 {
                     "type": "bridge",
-                    "bridge": BRIDGE,
+                    "bridge": self.options.bridge,
                     "isGateway": true,
                     "ipMasq": false,
                     "ipam": {
                         "type": "host-local",
-                        "ranges": [[{"subnet": "10.88.77.0/24"}]],
+                        "ranges": [[{"subnet": self.options.pod_subnet}]],
                         // A default route through the bridge, so that pods reach the
                         // machine's own address (the API server, for the chart's plugin).
                         "routes": [{"dst": "0.0.0.0/0"}],
@@ -425,12 +632,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         });
         std::fs::write(r.join("cni/net.d/10-drust.conflist"), cni.to_string())
             .map_err(|e| failed("CNI config", e))?;
-        let mut cmd = Command::new(self.bins.join("containerd"));
+        let bins = &self.machine.bins;
+        let mut cmd = Command::new(bins.join("containerd"));
         cmd.arg("--config")
             .arg(r.join("containerd/config.toml"))
             .env(
                 "PATH",
-                format!("{}:/usr/sbin:/usr/bin:/sbin:/bin", self.bins.display()),
+                format!("{}:/usr/sbin:/usr/bin:/sbin:/bin", bins.display()),
             )
             .stdin(Stdio::null())
             .stdout(self.log("containerd.log")?)
@@ -457,7 +665,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
     /// # Errors
     /// [`NodeError::Failed`] with its stderr when it fails.
     pub async fn ctr(&self, args: &[&str]) -> Result<String, NodeError> {
-        let out = Command::new(self.bins.join("ctr"))
+        let out = Command::new(self.machine.bins.join("ctr"))
             .arg("-a")
             .arg(self.containerd_socket())
             .args(["-n", "k8s.io"])
@@ -522,15 +730,11 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         Ok(())
     }
 
-    async fn start_kubelet(
-        &mut self,
-        cp: &ControlPlane,
-        options: &NodeOptions,
-    ) -> Result<(), NodeError> {
+    async fn start_kubelet(&mut self, cp: &ControlPlane) -> Result<(), NodeError> {
         let kubelet_dir = self.kubelet_dir();
         std::fs::create_dir_all(&kubelet_dir).map_err(|e| failed("kubelet dir", e))?;
         let cgroup_v1 = !Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
-        let config = serde_json::json!({
+        let mut config = serde_json::json!({
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
             "address": "127.0.0.1",
@@ -558,11 +762,16 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "podLogsDir": self.root.join("pod-logs"),
             "nodeStatusUpdateFrequency": "2s",
             "syncFrequency": "5s",
+            "cgroupRoot": self.options.cgroup_root,
         });
+        if !self.options.feature_gates.is_empty() {
+            config["featureGates"] = serde_json::json!(self.options.feature_gates);
+        }
         let config_path = self.root.join("kubelet-config.json");
         std::fs::write(&config_path, config.to_string())
             .map_err(|e| failed("kubelet config", e))?;
-        let labels: Vec<String> = options
+        let labels: Vec<String> = self
+            .options
             .labels
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
@@ -584,7 +793,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
     }
 
     fn spawn_kubelet(&mut self) -> Result<(), NodeError> {
-        let mut cmd = Command::new(self.bins.join("kubelet"));
+        let mut cmd = Command::new(self.machine.bins.join("kubelet"));
         cmd.args(&self.kubelet_args)
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .stdin(Stdio::null())
@@ -724,14 +933,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             let _ = c.start_kill();
         }
         kill_processes_mentioning(&self.root);
-        // Mounts under our dir and new network namespaces, deepest first.
+        // Mounts under our dir (network namespaces included: containerd keeps them under its
+        // state dir), deepest first.
         let mut mounts = mounts_under(&self.root);
-        for ns in list_dir(Path::new("/run/netns")) {
-            if !self.netns_before.contains(&ns) {
-                mounts.push(ns.clone());
-                let _ = std::fs::remove_file(&ns);
-            }
-        }
         mounts.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
         for m in &mounts {
             if let Err(e) = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH)
@@ -741,31 +945,15 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                 problems.push(format!("unmounting {}: {e}", m.display()));
             }
         }
-        for ns in list_dir(Path::new("/run/netns")) {
-            if !self.netns_before.contains(&ns) {
-                let _ = std::fs::remove_file(&ns);
-            }
-        }
         // The bridge the CNI plugin made.
         let _ = std::process::Command::new("ip")
-            .args(["link", "delete", BRIDGE])
+            .args(["link", "delete", &self.options.bridge])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
-        for (path, value) in &self.sysctls {
-            if !value.is_empty() && std::fs::write(path, value).is_err() {
-                problems.push(format!("restoring {}", path.display()));
-            }
-        }
-        for p in &self.created {
-            if p == Path::new(KUBEPODS) {
-                for c in cgroup_dirs(p) {
-                    remove_cgroup_tree(&c);
-                }
-            } else if p.is_dir() {
-                let _ = std::fs::remove_dir_all(p);
-            } else {
-                let _ = std::fs::remove_file(p);
+        if let Some(cgroup) = self.created_cgroup.take() {
+            for c in cgroup_dirs(&cgroup) {
+                remove_cgroup_tree(&c);
             }
         }
         if std::env::var_os(crate::KEEP_ENV).is_some() {

@@ -97,9 +97,7 @@ async fn the_readme_install_pulls_the_dockerfile_image_which_runs_plugin_control
     let node = Node::start(
         &cp,
         NODE,
-        NodeOptions {
-            labels: [("nvidia.com/gpu.present".to_owned(), "true".to_owned())].into(),
-        },
+        NodeOptions::default().label("nvidia.com/gpu.present", "true"),
     )
     .await?;
     node.trust_registry(&registry.host())?;

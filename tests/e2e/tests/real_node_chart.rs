@@ -225,9 +225,7 @@ async fn the_chart_serves_a_real_kubelet_and_rolls_to_a_new_image_without_failin
     let node = Node::start(
         &cp,
         NODE,
-        NodeOptions {
-            labels: [("nvidia.com/gpu.present".to_owned(), "true".to_owned())].into(),
-        },
+        NodeOptions::default().label("nvidia.com/gpu.present", "true"),
     )
     .await?;
 
