@@ -915,19 +915,31 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         if let Some(mut k) = self.kubelet.take() {
             let _ = k.start_kill();
         }
-        // Containers: kill and delete through runc, then whatever still runs from our dir
-        // (shims, containerd).
-        let runc_root = self.root.join("runc");
-        for id in list_dir(&runc_root) {
-            if let Some(id) = id.file_name().and_then(|n| n.to_str()) {
-                let _ = std::process::Command::new(RUNC)
-                    .arg("--root")
-                    .arg(&runc_root)
-                    .args(["delete", "--force", id])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status();
+        // Containers: kill and delete through runc (the shim keeps each containerd namespace's
+        // containers under `<Root>/<namespace>/<id>`), then any process left in the node's
+        // cgroups, then whatever still runs from our dir (shims, containerd).
+        for namespace in list_dir(&self.root.join("runc")) {
+            for id in list_dir(&namespace) {
+                if let Some(id) = id.file_name().and_then(|n| n.to_str()) {
+                    let _ = std::process::Command::new(RUNC)
+                        .arg("--root")
+                        .arg(&namespace)
+                        .args(["delete", "--force", id])
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .status();
+                }
             }
+        }
+        let left: Vec<u32> = cgroup_dirs(&self.pods_cgroup())
+            .iter()
+            .flat_map(|c| kill_cgroup_processes(c, Duration::from_secs(10)))
+            .collect();
+        if !left.is_empty() {
+            problems.push(format!(
+                "processes {left:?} still in {} after SIGKILL",
+                self.pods_cgroup().display()
+            ));
         }
         if let Some(mut c) = self.containerd.take() {
             let _ = c.start_kill();
@@ -1098,6 +1110,35 @@ fn remove_cgroup_tree(dir: &Path) {
         }
     }
     let _ = std::fs::remove_dir(dir);
+}
+
+/// SIGKILLs every process in cgroup directory `dir` and below until none is left, for at most
+/// `wait`; returns those still there then.
+fn kill_cgroup_processes(dir: &Path, wait: Duration) -> Vec<u32> {
+    fn pids(dir: &Path, out: &mut Vec<u32>) {
+        let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+        out.extend(procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        for child in list_dir(dir) {
+            if child.is_dir() {
+                pids(&child, out);
+            }
+        }
+    }
+    let deadline = Instant::now() + wait;
+    loop {
+        let mut left = Vec::new();
+        pids(dir, &mut left);
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        for pid in &left {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Mount points at or under `dir`, from /proc/self/mountinfo.
