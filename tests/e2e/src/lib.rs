@@ -27,6 +27,7 @@
 
 pub mod binary;
 pub mod claims;
+pub mod cluster;
 mod controlplane;
 pub mod driver_root;
 pub mod helm;
@@ -41,6 +42,7 @@ pub mod node_pods;
 pub mod plugin;
 pub mod pods;
 pub mod ports;
+pub mod procstat;
 pub mod prometheus;
 pub mod rbac;
 pub mod registry;
