@@ -1,7 +1,9 @@
 //! The real `gpu-kubelet-plugin` binary, for tests that must kill and restart the process.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::{Mutex, PoisonError};
 
 use crate::manifests::repo_root;
 
@@ -45,8 +47,23 @@ pub fn dractl_binary() -> Result<PathBuf, String> {
 }
 
 /// Builds `bins` of workspace package `package` with the cargo that runs the tests (release
-/// when the caller is a release build) and returns the path of executable `want`.
+/// when the caller is a release build) and returns the path of executable `want`: once per
+/// process, since a test that starts many plugins (a cluster of paper nodes) would otherwise
+/// run cargo, and wait for its build lock, once per plugin.
 fn workspace_binary(package: &str, bins: &[&str], want: &str) -> Result<PathBuf, String> {
+    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
+    // Held across the build: callers on other threads wait for it instead of starting their own.
+    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(path) = built.get(want) {
+        return Ok(path.clone());
+    }
+    let path = cargo_build(package, bins, want)?;
+    built.insert(want.to_owned(), path.clone());
+    Ok(path)
+}
+
+/// [`workspace_binary`]'s build.
+fn cargo_build(package: &str, bins: &[&str], want: &str) -> Result<PathBuf, String> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.args(["build", "-p", package]);
