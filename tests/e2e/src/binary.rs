@@ -67,6 +67,28 @@ fn cargo_build(package: &str, bins: &[&str], want: &str) -> Result<PathBuf, Stri
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.args(["build", "-p", package]);
+    // What cargo set for the test binary running us (`CARGO_PKG_NAME=drust-e2e`, ...) must not
+    // reach this cargo: build scripts that read such a variable (ring's reads CARGO_PKG_NAME and
+    // CARGO_MANIFEST_DIR) are fingerprinted with cargo's own environment, so the dependency
+    // chain up to the plugin was rebuilt here, and again by the next `cargo test`, every run.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_MANIFEST_LINKS",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "OUT_DIR",
+            ]
+            .contains(&name.as_ref())
+        {
+            cmd.env_remove(name.as_ref());
+        }
+    }
     for bin in bins {
         cmd.args(["--bin", bin]);
     }
