@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::fabric::{FabricAnswer, FabricInfo, FabricState};
 use crate::health::{HealthEvent, RecoveryProbe};
 
 /// Node-wide facts, from `nvmlSystemGetDriverVersion` and `nvmlSystemGetCudaDriverVersion_v2`.
@@ -76,10 +77,15 @@ pub struct RawGpu {
     /// `nvmlDeviceGetMigDeviceHandleByIndex`); empty unless MIG mode is enabled.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig_devices: Vec<RawMigDevice>,
-    /// Multi-node NVLink fabric membership (`nvmlDeviceGetGpuFabricInfoV`); `None` where the GPU
-    /// is not part of such a fabric or NVML does not support the query.
+    /// Multi-node NVLink fabric registration and health (`nvmlDeviceGetGpuFabricInfoV` v3, else
+    /// v2, else `nvmlDeviceGetGpuFabricInfo`: [`crate::fabric::negotiate`]); `None` where the
+    /// GPU answers NOT_SUPPORTED or the call failed (then `fabric_error` says why).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<FabricInfo>,
+    /// Why the fabric call failed (an error other than NOT_SUPPORTED, or an answer this
+    /// version cannot read); a topology file sets it to inject that failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric_error: Option<String>,
 }
 
 impl RawGpu {
@@ -90,6 +96,14 @@ impl RawGpu {
     pub fn usable_memory_bytes(&self) -> u64 {
         self.memory_total_bytes
             .saturating_sub(self.memory_reserved_bytes)
+    }
+
+    /// The fabric answer as a whole (what [`GpuBackend::fabric`] answers).
+    pub fn fabric_answer(&self) -> FabricAnswer {
+        FabricAnswer {
+            info: self.fabric.clone(),
+            error: self.fabric_error.clone(),
+        }
     }
 }
 
@@ -275,30 +289,6 @@ pub struct MigAttributes {
     pub gpu_instance_slice_count: u32,
     /// Compute slices of this compute instance (`computeInstanceSliceCount`).
     pub compute_instance_slice_count: u32,
-}
-
-/// A GPU's place in a multi-node NVLink fabric (`nvmlGpuFabricInfo_v3_t`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct FabricInfo {
-    /// The fabric's cluster UUID (16 bytes), in canonical 8-4-4-4-12 lowercase hex.
-    pub cluster_uuid: String,
-    /// The clique (set of GPUs that can reach each other over NVLink) within the cluster.
-    pub clique_id: u32,
-    /// Registration state with the fabric manager.
-    pub state: FabricState,
-}
-
-/// `nvmlGpuFabricState_t`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum FabricState {
-    /// `NVML_GPU_FABRIC_STATE_NOT_STARTED`.
-    NotStarted,
-    /// `NVML_GPU_FABRIC_STATE_IN_PROGRESS`.
-    InProgress,
-    /// `NVML_GPU_FABRIC_STATE_COMPLETED`: the only state whose clique is trustworthy.
-    Completed,
 }
 
 /// A group of active NVLinks of one GPU that lead to the same remote PCI device
@@ -514,6 +504,18 @@ pub trait GpuBackend: Send + Sync {
     /// [`BackendError`] when a query for that GPU fails.
     fn gpu_state(&self, index: u32) -> Result<GpuState, BackendError> {
         self.gpu(index).map(GpuState::from)
+    }
+
+    /// The fabric answer of the GPU at `index` now: registration state, cluster, clique and
+    /// health, or why the call failed. One NVML call, so it can be watched between discoveries
+    /// (the node plugin polls it while registration is pending). The default answers from
+    /// [`GpuBackend::gpu`].
+    ///
+    /// # Errors
+    /// [`BackendError`] when the GPU itself cannot be queried (a failing fabric call is an
+    /// answer: [`FabricAnswer::error`]).
+    fn fabric(&self, index: u32) -> Result<FabricAnswer, BackendError> {
+        self.gpu(index).map(|g| g.fabric_answer())
     }
 
     /// Sets the compute time slice of the GPU at `index` to `value`, in the encoding of

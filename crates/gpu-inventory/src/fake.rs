@@ -15,6 +15,9 @@
 //!                    placement: {start: 0, size: 1}}],
 //!      fabric: {clusterUuid: ..., cliqueId: 1, state: completed}}
 //! ```
+//! `fabric` is [`crate::fabric::FabricInfo`] (state, status, cluster, clique, `healthMask`,
+//! `healthSummary`); `fabricError: "..."` in its place makes the fabric call fail with that
+//! message.
 //! Where a MIG-capable GPU lists no `migProfiles`, the fake answers the profile queries from the
 //! built-in table of its product ([`crate::mig_tables`]); MIG devices without `attributes` report
 //! their profile's resources, as NVML does for a compute instance spanning its GPU instance.
@@ -77,8 +80,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    BackendError, ComputeMode, GpuBackend, GpuState, GpuUsage, MemoryLimits, MigAttributes,
-    MigMode, MigPlacement, RawGpu, RawMigDevice, SystemInfo,
+    BackendError, ComputeMode, FabricAnswer, GpuBackend, GpuState, GpuUsage, MemoryLimits,
+    MigAttributes, MigMode, MigPlacement, RawGpu, RawMigDevice, SystemInfo,
 };
 use crate::health::{EVENT_POLL_INTERVAL, HealthEvent, events_dir, take_event_file};
 use crate::mig_tables::builtin_profiles;
@@ -583,6 +586,20 @@ impl GpuBackend for FakeBackend {
         Ok(gpu)
     }
 
+    /// Not recorded among the calls (the plugin polls it on a timer). Re-reads a followed
+    /// topology file first, so a test that rewrites the file changes what the GPU answers, as
+    /// Fabric Manager changes what NVML answers.
+    fn fabric(&self, index: u32) -> Result<FabricAnswer, BackendError> {
+        if lock(&self.failing_gpus).contains(&index) {
+            return Err(BackendError::Injected {
+                call: "fabric",
+                index,
+            });
+        }
+        self.follow_file();
+        Ok(self.raw_gpu(index)?.fabric_answer())
+    }
+
     /// Not recorded among the calls (the plugin samples it on a timer). Answers, in order: the
     /// state dir's `usage/<index>.json` (read at each call, so a test in another process
     /// changes it at will), the in-process [`FakeBackend::set_usage`], an idle GPU.
@@ -934,6 +951,39 @@ gpus:
         assert_eq!(fake.gpu(0).expect("gpu").uuid, "GPU-a");
         assert!(fake.gpu(1).is_err());
         assert_eq!(fake.calls(), ["device_count", "gpu(0)", "gpu(1)"]);
+    }
+
+    #[test]
+    fn the_fabric_answer_follows_the_topology_file_without_a_rediscovery() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.yaml");
+        let with = |fabric: &str| format!("{}{fabric}\n", ONE_GPU.trim_end().trim_end_matches('}'));
+        std::fs::write(&path, with(", fabric: {state: inProgress}}")).expect("write");
+        let fake = FakeBackend::from_file(&path).expect("valid");
+        let state = |a: FabricAnswer| a.info.map(|i| i.state);
+        assert_eq!(
+            state(fake.fabric(0).expect("answer")),
+            Some(crate::fabric::FabricState::InProgress)
+        );
+        std::fs::write(
+            &path,
+            with(", fabric: {state: completed, clusterUuid: 5b1f2c8e-4d3a-4f7e-9a61-0c2d8e7f3b94, cliqueId: 2}}"),
+        )
+        .expect("rewrite");
+        let done = fake.fabric(0).expect("answer").info.expect("info");
+        assert_eq!(
+            done.clique().as_deref(),
+            Some("5b1f2c8e-4d3a-4f7e-9a61-0c2d8e7f3b94.2")
+        );
+        std::fs::write(&path, with(", fabricError: \"Unknown Error (999)\"}")).expect("rewrite");
+        let failed = fake.fabric(0).expect("answer");
+        assert_eq!(
+            (failed.info, failed.error.as_deref()),
+            (None, Some("Unknown Error (999)"))
+        );
+        assert!(fake.calls().is_empty(), "polls are not recorded");
+        fake.fail_gpu(0);
+        assert!(fake.fabric(0).is_err());
     }
 
     /// Prepare checks a GPU with the light query: it must tell the same identity and MIG

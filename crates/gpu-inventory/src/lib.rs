@@ -25,7 +25,7 @@
 //! | `resource.kubernetes.io/pcieRoot` | sysfs: the `pci<domain>:<bus>` the link `/sys/bus/pci/devices/<bdf>` resolves under ([`sysfs::pcie_root`]) |
 //! | `resource.kubernetes.io/numaNode` | `nvmlDeviceGetNumaNodeId`, else sysfs `numa_node` |
 //! | `nvlinkDomain` | `nvmlDeviceGetNvLinkState`, `nvmlDeviceGetNvLinkRemotePciInfo_v2`, `nvmlDeviceGetNvLinkRemoteDeviceType` per link, joined as in [`nvlink`] |
-//! | `nvlinkClique` | `nvmlDeviceGetGpuFabricInfoV`: `<clusterUuid>.<cliqueId>`, only in state COMPLETED with status SUCCESS and a non-zero cluster UUID |
+//! | `nvlinkClique` | `nvmlDeviceGetGpuFabricInfoV` (struct v3, else v2, else `nvmlDeviceGetGpuFabricInfo`; [`fabric`]): `<clusterUuid>.<cliqueId>`, only in state COMPLETED with status SUCCESS and a non-zero cluster UUID, whatever the health mask and summary |
 //! | `memory` (bytes) | `nvmlDeviceGetMemoryInfo`.total (GPU or MIG handle); placements: profile `memorySizeMB` x 2^20 |
 //! | `multiprocessors` | `nvmlDeviceGetAttributes_v2`.multiprocessorCount; placements: profile `multiprocessorCount` |
 //! | MIG `profile` | `nvmlDeviceGetGpuInstanceProfileInfo` (slice count, memory) named as in [`mig::profile_name`] |
@@ -38,9 +38,11 @@
 //!
 //! Health events (XID, ECC, GPU lost) come from [`GpuBackend::wait_health_event`] ([`health`]).
 //!
-//! Device names: [`naming`]. NVLink domains: [`nvlink`]. Partitionable MIG model: [`mig`].
+//! Device names: [`naming`]. NVLink domains: [`nvlink`]. Multi-node NVLink fabrics (registration,
+//! cliques, health mask and summary): [`fabric`]. Partitionable MIG model: [`mig`].
 
 pub mod backend;
+pub mod fabric;
 pub mod fake;
 pub mod health;
 pub mod mig;

@@ -14,7 +14,8 @@ use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, DeviceCapacity};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use tracing::warn;
 
-use crate::backend::{BackendError, FabricState, GpuBackend, MigMode, RawGpu};
+use crate::backend::{BackendError, GpuBackend, MigMode, RawGpu};
+use crate::fabric::FabricInfo;
 use crate::mig::{self, MigDevice};
 use crate::naming;
 use crate::nvlink::nvlink_domains;
@@ -100,7 +101,9 @@ pub struct Gpu {
     pub naming: naming::Naming,
     /// The NVLink domain ([`crate::nvlink`]); `None` without NVLink peers.
     pub nvlink_domain: Option<String>,
-    /// `<clusterUuid>.<cliqueId>` of a multi-node NVLink fabric whose registration completed.
+    /// `<clusterUuid>.<cliqueId>` of a multi-node NVLink fabric whose registration completed with
+    /// success ([`FabricInfo::clique`]), whatever its health: an unhealthy fabric keeps its
+    /// clique (the node plugin taints the GPU instead).
     pub nvlink_clique: Option<String>,
 }
 
@@ -167,11 +170,7 @@ pub fn discover_with(
                 second: raw.uuid,
             });
         }
-        let nvlink_clique = raw.fabric.as_ref().and_then(|f| {
-            (f.state == FabricState::Completed
-                && !f.cluster_uuid.trim_matches(['0', '-']).is_empty())
-            .then(|| format!("{}.{}", f.cluster_uuid, f.clique_id))
-        });
+        let nvlink_clique = raw.fabric.as_ref().and_then(FabricInfo::clique);
         gpus.push(Gpu {
             name,
             naming,

@@ -164,6 +164,7 @@ mod tests {
             mig_profiles: Vec::new(),
             mig_devices: Vec::new(),
             fabric: None,
+            fabric_error: None,
         }
     }
 

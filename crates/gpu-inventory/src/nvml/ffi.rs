@@ -9,17 +9,17 @@ use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try, nvml_try_count};
 use nvml_wrapper::{Device, GpmSample, Nvml};
 use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
-    NVML_GPU_FABRIC_STATE_COMPLETED, NVML_GPU_FABRIC_STATE_IN_PROGRESS,
-    NVML_GPU_FABRIC_STATE_NOT_STARTED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
-    nvmlComputeInstanceProfileInfo_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuFabricInfo_v3_t,
-    nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t,
+    nvmlEventData_t, nvmlEventSet_t, nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t,
+    nvmlGpuFabricInfo_v3_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_GPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_IBMNPU,
     nvmlIntNvLinkDeviceType_enum_NVML_NVLINK_DEVICE_TYPE_SWITCH, nvmlIntNvLinkDeviceType_t,
     nvmlReturn_t,
 };
 
-use crate::backend::{FabricInfo, FabricState, MigPlacement, NvLinkRemote};
+use crate::backend::{MigPlacement, NvLinkRemote};
+use crate::fabric::{FabricInfo, FabricQueryError, RawFabricAnswer, negotiate};
 
 /// `nvmlSetMemoryLimits_v1_t` (NVML 13.4 header, `nvml.h`): 24 bytes on x86_64.
 #[repr(C)]
@@ -272,29 +272,84 @@ pub(super) fn destroy_mig(
     Ok(true)
 }
 
-/// `nvmlDeviceGetGpuFabricInfoV` (struct version 3); `None` where unsupported, not registered
-/// with a fabric manager, or failed.
-pub(super) fn fabric_info(nvml: &Nvml, device: &Device<'_>) -> Option<FabricInfo> {
-    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuFabricInfoV.as_ref()).ok()?;
-    // SAFETY: an all-zero nvmlGpuFabricInfo_v3_t is a valid value (integers and byte arrays).
-    let mut info: nvmlGpuFabricInfo_v3_t = unsafe { mem::zeroed() };
-    // NVML_STRUCT_VERSION(GpuFabricInfo, 3): the struct size with the version in the top byte.
-    let size = u32::try_from(mem::size_of::<nvmlGpuFabricInfo_v3_t>()).ok()?;
-    info.version = size | (3 << 24);
-    // SAFETY: `device` is a live handle; `info` is a valid, versioned out-pointer.
-    nvml_try(unsafe { sym(device.handle(), &mut info) }).ok()?;
-    nvml_try(info.status).ok()?;
-    let state = match u32::from(info.state) {
-        NVML_GPU_FABRIC_STATE_NOT_STARTED => FabricState::NotStarted,
-        NVML_GPU_FABRIC_STATE_IN_PROGRESS => FabricState::InProgress,
-        NVML_GPU_FABRIC_STATE_COMPLETED => FabricState::Completed,
-        _ => return None,
-    };
-    Some(FabricInfo {
-        cluster_uuid: uuid_string(&info.clusterUuid),
-        clique_id: info.cliqueId,
-        state,
+/// The GPU's fabric answer ([`negotiate`]): `nvmlDeviceGetGpuFabricInfoV` with struct version
+/// 3, then 2, then `nvmlDeviceGetGpuFabricInfo`, each where the library has it.
+pub(super) fn fabric_info(
+    nvml: &Nvml,
+    device: &Device<'_>,
+) -> Result<Option<FabricInfo>, FabricQueryError> {
+    let lib = nvml.lib();
+    let versioned = nvml_sym(lib.nvmlDeviceGetGpuFabricInfoV.as_ref()).ok();
+    let v1 = nvml_sym(lib.nvmlDeviceGetGpuFabricInfo.as_ref()).ok();
+    // SAFETY (all three calls): `device` is a live handle of this `nvml`; each out-pointer is a
+    // zeroed, properly sized repr(C) struct we own, whose `version` (v2, v3) names that size
+    // (NVML_STRUCT_VERSION: the size, with the version in the top byte), so the driver writes
+    // within it or answers ARGUMENT_VERSION_MISMATCH.
+    negotiate(|version| match version {
+        3 => {
+            let sym = versioned?;
+            // SAFETY: an all-zero struct of integers and byte arrays is a valid value.
+            let mut s: nvmlGpuFabricInfo_v3_t = unsafe { mem::zeroed() };
+            s.version = struct_version::<nvmlGpuFabricInfo_v3_t>(3);
+            // SAFETY: see above.
+            let rc = unsafe { sym(device.handle(), &mut s) };
+            Some((
+                rc,
+                RawFabricAnswer {
+                    cluster_uuid: s.clusterUuid,
+                    status: s.status,
+                    clique_id: s.cliqueId,
+                    state: s.state,
+                    health_mask: Some(s.healthMask),
+                    health_summary: Some(s.healthSummary),
+                },
+            ))
+        }
+        2 => {
+            let sym = versioned?;
+            // SAFETY: as above.
+            let mut s: nvmlGpuFabricInfo_v2_t = unsafe { mem::zeroed() };
+            s.version = struct_version::<nvmlGpuFabricInfo_v2_t>(2);
+            // SAFETY: the v2 struct is a prefix of the v3 type the binding declares; its version
+            // tells the driver to write no more than the v2 size.
+            let rc = unsafe { sym(device.handle(), (&raw mut s).cast()) };
+            Some((
+                rc,
+                RawFabricAnswer {
+                    cluster_uuid: s.clusterUuid,
+                    status: s.status,
+                    clique_id: s.cliqueId,
+                    state: s.state,
+                    health_mask: Some(s.healthMask),
+                    health_summary: None,
+                },
+            ))
+        }
+        _ => {
+            let sym = v1?;
+            // SAFETY: as above.
+            let mut s: nvmlGpuFabricInfo_t = unsafe { mem::zeroed() };
+            // SAFETY: see above.
+            let rc = unsafe { sym(device.handle(), &mut s) };
+            Some((
+                rc,
+                RawFabricAnswer {
+                    cluster_uuid: s.clusterUuid,
+                    status: s.status,
+                    clique_id: s.cliqueId,
+                    state: s.state,
+                    health_mask: None,
+                    health_summary: None,
+                },
+            ))
+        }
     })
+}
+
+/// `NVML_STRUCT_VERSION(<T>, version)`: the struct's size with the version in the top byte.
+fn struct_version<T>(version: u32) -> u32 {
+    // Fabric structs are tens of bytes: the size always fits the low 24 bits.
+    (mem::size_of::<T>() as u32) | (version << 24)
 }
 
 /// An NVML event set with the GPUs registered on it (`nvmlEventSetCreate`,
@@ -423,30 +478,15 @@ pub(super) fn remapped_rows(nvml: &Nvml, device: &Device<'_>) -> Result<(bool, b
     Ok((pending != 0, failed != 0))
 }
 
-/// 16 bytes as `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
-fn uuid_string(b: &[u8; 16]) -> String {
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[0..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..32]
-    )
-}
-
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
-    fn fabric_cluster_uuids_are_canonical() {
-        let b = [
-            0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 0, 1, 2, 3, 4, 5, 6, 7,
-        ];
-        assert_eq!(
-            super::uuid_string(&b),
-            "12345678-9abc-def0-0001-020304050607"
-        );
+    fn fabric_struct_versions_are_the_ones_driver_580_accepts() {
+        // tests/gpu/fixtures/h100-580.159.04/fabric.json: v2 33554468, v3 50331688.
+        assert_eq!(struct_version::<nvmlGpuFabricInfo_v2_t>(2), 33_554_468);
+        assert_eq!(struct_version::<nvmlGpuFabricInfo_v3_t>(3), 50_331_688);
     }
 }
 

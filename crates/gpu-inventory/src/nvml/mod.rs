@@ -8,7 +8,8 @@
 //! lacks them or gets them wrong: `nvmlDeviceGetNvLinkRemoteDeviceType` (the wrapper returns `Unknown` always),
 //! `nvmlDeviceGetGpuInstancePossiblePlacements_v2` (the wrapper returns an empty list),
 //! `nvmlDeviceGetGpuInstanceId` + `nvmlDeviceGetGpuInstanceById` + `nvmlGpuInstanceGetInfo`
-//! (not wrapped), `nvmlDeviceGetGpuFabricInfoV` (not wrapped), and MIG creation and
+//! (not wrapped), `nvmlDeviceGetGpuFabricInfoV` and `nvmlDeviceGetGpuFabricInfo` (not wrapped;
+//! struct versions 3, 2, 1 as the driver accepts them, [`crate::fabric::negotiate`]), and MIG creation and
 //! destruction (`nvmlDeviceCreateGpuInstanceWithPlacement`,
 //! `nvmlGpuInstanceGetComputeInstanceProfileInfo`, `nvmlGpuInstanceCreateComputeInstance`,
 //! `nvmlDeviceGetGpuInstanceById`, `nvmlGpuInstanceGetComputeInstanceById`,
@@ -47,9 +48,9 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
 use crate::backend::{
-    BackendError, ComputeMode, GpuBackend, GpuState, GpuUsage, MemoryLimits, MigAttributes,
-    MigMode, MigPlacement, MigProfile, MigUsage, NvLinkGroup, ProcessUsage, RawGpu, RawMigDevice,
-    SystemInfo,
+    BackendError, ComputeMode, FabricAnswer, GpuBackend, GpuState, GpuUsage, MemoryLimits,
+    MigAttributes, MigMode, MigPlacement, MigProfile, MigUsage, NvLinkGroup, ProcessUsage, RawGpu,
+    RawMigDevice, SystemInfo,
 };
 use crate::health::{HealthEvent, HealthEventKind, RecoveryProbe};
 use crate::mig_tables::PROFILE_COUNT;
@@ -448,6 +449,14 @@ impl GpuBackend for NvmlBackend {
             .map_err(query("nvmlDeviceGetCount_v2", u32::MAX))
     }
 
+    fn fabric(&self, index: u32) -> Result<FabricAnswer, BackendError> {
+        let d = self
+            .nvml
+            .device_by_index(index)
+            .map_err(query("nvmlDeviceGetHandleByIndex_v2", index))?;
+        Ok(FabricAnswer::of(ffi::fabric_info(&self.nvml, &d)))
+    }
+
     fn gpu_state(&self, index: u32) -> Result<GpuState, BackendError> {
         let d = self
             .nvml
@@ -567,6 +576,7 @@ impl GpuBackend for NvmlBackend {
         let memory = d
             .memory_info()
             .map_err(query("nvmlDeviceGetMemoryInfo_v2", index))?;
+        let fabric = FabricAnswer::of(ffi::fabric_info(&self.nvml, &d));
         Ok(RawGpu {
             index,
             minor: d
@@ -591,7 +601,8 @@ impl GpuBackend for NvmlBackend {
             mig_mode,
             mig_profiles,
             mig_devices,
-            fabric: ffi::fabric_info(&self.nvml, &d),
+            fabric: fabric.info,
+            fabric_error: fabric.error,
         })
     }
 
