@@ -394,3 +394,183 @@ fn mig_instances_report_their_activity_through_gpm() {
     // A GPU in MIG mode with no instance: none.
     assert!(nvml.usage(1).expect("GPU 1").mig.is_empty());
 }
+
+/// Writes the mock's fabric file (replaced whole, so the mock never reads half of it).
+fn write_fabric(path: &std::path::Path, json: &serde_json::Value) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, json.to_string()).expect("write the fabric file");
+    std::fs::rename(&tmp, path).expect("rename the fabric file");
+}
+
+#[test]
+fn fabric_registration_cliques_and_health_run_through_nvml_v3_v2_and_v1() {
+    const UUID: &str = "5b1f2c8e-4d3a-4f7e-9a61-0c2d8e7f3b94";
+    let Some(lib) = std::env::var_os(CHILD) else {
+        let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("the mock");
+        let dir = tempfile::tempdir().expect("fabric dir");
+        let file = dir.path().join("fabric.json");
+        // Another node's entry: this library plays tray-3.
+        write_fabric(
+            &file,
+            &serde_json::json!({"tray-9": {"*": {"state": "completed", "clusterUuid": UUID,
+                "cliqueId": 9}}}),
+        );
+        run_in_child(
+            "fabric_registration_cliques_and_health_run_through_nvml_v3_v2_and_v1",
+            &[
+                (CHILD, lib.as_os_str()),
+                ("DRUST_MOCK_NVML_MACHINE", "dgxb200".as_ref()),
+                ("DRUST_MOCK_NVML_FABRIC", file.as_os_str()),
+                ("DRUST_MOCK_NVML_NODE", "tray-3".as_ref()),
+                ("FABRIC_FILE", file.as_os_str()),
+            ],
+        );
+        return;
+    };
+    use gpu_inventory::fabric::{FabricHealthSummary, FabricInfo, FabricState};
+    let file = std::path::PathBuf::from(std::env::var_os("FABRIC_FILE").expect("FABRIC_FILE"));
+    let nvml = NvmlBackend::load(Some(&lib), "/sys".into()).expect("load the mock");
+    let answer = |i| nvml.fabric(i).expect("the GPU answers");
+
+    // No entry for this node: NOT_SUPPORTED, no fabric, no error, no clique.
+    let gpu = nvml.gpu(0).expect("GPU 0");
+    assert_eq!((gpu.fabric, gpu.fabric_error), (None, None));
+    assert_eq!(
+        discover(&nvml).expect("discover").gpus[0].nvlink_clique,
+        None
+    );
+
+    // Fabric Manager is registering the tray: IN_PROGRESS everywhere, no clique.
+    write_fabric(
+        &file,
+        &serde_json::json!({"tray-3": {"*": {"state": "inProgress"}}}),
+    );
+    let pending = answer(1).info.expect("an answer");
+    assert_eq!(pending.state, FabricState::InProgress);
+    assert!(pending.pending() && pending.clique().is_none());
+    assert!(
+        discover(&nvml)
+            .expect("discover")
+            .gpus
+            .iter()
+            .all(|g| g.nvlink_clique.is_none())
+    );
+
+    // Registered: every GPU in the rack's clique (v3: mask and summary), GPU 2 with degraded
+    // bandwidth (mask 0x11a9: bandwidth degraded, the other flags false, configuration fine,
+    // partition assigned) and limited capacity: its clique stays.
+    write_fabric(
+        &file,
+        &serde_json::json!({"tray-3": {
+            "*": {"state": "completed", "clusterUuid": UUID, "cliqueId": 32766,
+                  "healthMask": 0x1_1aa, "healthSummary": 1},
+            "2": {"healthMask": 0x1_1a9, "healthSummary": 3}}}),
+    );
+    let inventory = discover(&nvml).expect("discover");
+    let clique = format!("{UUID}.32766");
+    assert!(
+        inventory
+            .gpus
+            .iter()
+            .all(|g| g.nvlink_clique.as_deref() == Some(clique.as_str())),
+        "{:?}",
+        inventory
+            .gpus
+            .iter()
+            .map(|g| &g.nvlink_clique)
+            .collect::<Vec<_>>()
+    );
+    let healthy = answer(0).info.expect("an answer");
+    assert_eq!(
+        healthy,
+        FabricInfo {
+            state: FabricState::Completed,
+            status: 0,
+            cluster_uuid: UUID.into(),
+            clique_id: 32766,
+            health_mask: Some(0x1_1aa),
+            health_summary: Some(FabricHealthSummary::Healthy),
+        }
+    );
+    let degraded = answer(2).info.expect("an answer");
+    assert_eq!(
+        degraded.health_summary,
+        Some(FabricHealthSummary::LimitedCapacity)
+    );
+    let health = degraded.health().expect("a mask");
+    assert_eq!(
+        (
+            health.degraded_bandwidth,
+            health.route_unhealthy,
+            health.partition_assigned
+        ),
+        (Some(true), Some(false), Some(true))
+    );
+
+    // A driver that knows struct version 2 only (v3 answers ARGUMENT_VERSION_MISMATCH): the
+    // mask, no summary. One that knows neither: the v1 call, neither.
+    write_fabric(
+        &file,
+        &serde_json::json!({"tray-3": {"*": {"state": "completed", "clusterUuid": UUID,
+            "cliqueId": 32766, "healthMask": 0x1_1aa, "healthSummary": 1, "maxVersion": 2}}}),
+    );
+    let v2 = answer(0).info.expect("an answer");
+    assert_eq!((v2.health_mask, v2.health_summary), (Some(0x1_1aa), None));
+    assert_eq!(v2.clique(), Some(clique.clone()));
+    write_fabric(
+        &file,
+        &serde_json::json!({"tray-3": {"*": {"state": "completed", "clusterUuid": UUID,
+            "cliqueId": 32766, "healthMask": 0x1_1aa, "maxVersion": 1}}}),
+    );
+    let v1 = answer(0).info.expect("an answer");
+    assert_eq!((v1.health_mask, v1.health_summary), (None, None));
+    assert_eq!(v1.clique(), Some(clique.clone()));
+
+    // Fabric Manager re-partitions: a new clique, read at the next call.
+    write_fabric(
+        &file,
+        &serde_json::json!({"tray-3": {"*": {"state": "completed", "clusterUuid": UUID,
+            "cliqueId": 7}}}),
+    );
+    assert_eq!(
+        answer(3).info.and_then(|i| i.clique()),
+        Some(format!("{UUID}.7"))
+    );
+
+    // What the real H100 VM answers (Success, state NOT_SUPPORTED, zeros), an HGX H100 that is
+    // no multi-node fabric (COMPLETED, zero UUID), a broken registration (COMPLETED with
+    // Insufficient Resources): no clique, no error.
+    for entry in [
+        serde_json::json!({"state": "notSupported"}),
+        serde_json::json!({"state": "completed", "cliqueId": 0}),
+        serde_json::json!({"state": "completed", "status": 23}),
+    ] {
+        write_fabric(&file, &serde_json::json!({"tray-3": {"*": entry}}));
+        let a = answer(0);
+        assert_eq!(a.error, None, "{entry}");
+        assert_eq!(a.info.expect("an answer").clique(), None, "{entry}");
+    }
+
+    // The call fails, or answers a state this version does not know: an error naming the
+    // call, no fabric, never a panic; discovery keeps the GPU.
+    write_fabric(
+        &file,
+        &serde_json::json!({"tray-3": {"*": {"return": 999}, "1": {"return": 0, "state": 9}}}),
+    );
+    assert_eq!(
+        answer(0).error.as_deref(),
+        Some("nvmlDeviceGetGpuFabricInfoV (v3) failed: Unknown Error (999)")
+    );
+    assert!(
+        answer(1)
+            .error
+            .is_some_and(|e| e.contains("registration state 9")),
+    );
+    let inventory = discover(&nvml).expect("discover");
+    assert!(
+        inventory.unavailable.is_empty(),
+        "{:?}",
+        inventory.unavailable
+    );
+    assert!(inventory.gpus.iter().all(|g| g.nvlink_clique.is_none()));
+}

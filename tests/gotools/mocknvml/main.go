@@ -40,8 +40,11 @@
 //   - PCI bus IDs: the mock's PciInfo carries only the device ID. The bridge gives GPU i the
 //     bus 0x18 + 0x10*i in domain 0 (devices and functions 0), like the slots of a DGX.
 //   - nvmlDeviceGetAttributes_v2 answers NOT_SUPPORTED for full GPUs, as the real library does
-//     (tests/gpu/fixtures/h200-580.159.04); nvmlDeviceGetNumGpuCores, NUMA node, NVLink and
-//     fabric queries answer NOT_SUPPORTED (the mock models none of them).
+//     (tests/gpu/fixtures/h200-580.159.04); nvmlDeviceGetNumGpuCores, NUMA node and NVLink
+//     queries answer NOT_SUPPORTED (the mock models none of them).
+//   - NVLink fabric (nvmlDeviceGetGpuFabricInfo, nvmlDeviceGetGpuFabricInfoV with struct
+//     versions 2 and 3): NOT_SUPPORTED, unless DRUST_MOCK_NVML_FABRIC names a file of answers
+//     per node (DRUST_MOCK_NVML_NODE) and GPU, read at every call; see fabric.go.
 //   - nvmlDeviceGetMemoryInfo_v2 is the mock's v1 memory info with no reserved memory.
 //   - Compute mode: the mock keeps none. The bridge keeps one per GPU (DEFAULT at init), set by
 //     nvmlDeviceSetComputeMode and read by nvmlDeviceGetComputeMode; EXCLUSIVE_THREAD (1) is
@@ -600,9 +603,6 @@ func nvmlDeviceGetNumaNodeId(h unsafe.Pointer, out *C.uint) C.int { return notSu
 
 //export nvmlDeviceGetNvLinkState
 func nvmlDeviceGetNvLinkState(h unsafe.Pointer, link C.uint, out *C.int) C.int { return notSupported }
-
-//export nvmlDeviceGetGpuFabricInfoV
-func nvmlDeviceGetGpuFabricInfoV(h unsafe.Pointer, out unsafe.Pointer) C.int { return notSupported }
 
 // MIG: GPU and compute instances of NVIDIA's mock, and MIG devices the bridge derives from them.
 
