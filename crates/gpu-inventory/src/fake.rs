@@ -21,7 +21,8 @@
 //! Where a MIG-capable GPU lists no `migProfiles`, the fake answers the profile queries from the
 //! built-in table of its product ([`crate::mig_tables`]); MIG devices without `attributes` report
 //! their profile's resources, as NVML does for a compute instance spanning its GPU instance.
-//! See `examples/topologies/` for complete files.
+//! See `examples/topologies/` for complete files, and [`rack`] for the 18 trays of a GB200
+//! NVL72 rack (one multi-node NVLink clique) made on demand.
 //!
 //! # MIG devices created and destroyed
 //! [`GpuBackend::create_mig_device`] and [`GpuBackend::destroy_mig_device`] follow NVML's rules
@@ -71,6 +72,7 @@
 //! directory every [`crate::health::EVENT_POLL_INTERVAL`].
 
 pub mod mig;
+pub mod rack;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
