@@ -15,6 +15,7 @@ use tracing::{info, warn};
 use crate::claims::{ClaimController, KubeCluster};
 use crate::config::Config;
 use crate::discovery::rediscover;
+use crate::fabric;
 use crate::hardware::BackendHardware;
 use crate::health;
 use crate::health_record;
@@ -116,7 +117,8 @@ impl Active {
         info!(lock = %self.lock.path().display(), "released the active lock");
     }
 
-    /// Publishes the slices and starts the periodic tasks (re-discovery, stale claims) and,
+    /// Publishes the slices and starts the periodic tasks (re-discovery and the NVLink fabric
+    /// watch that wakes it, stale claims) and,
     /// with health monitoring, the GPU health monitor whose taints the publisher applies.
     /// Returns once the first publication is in place (it waits out the API server as long as
     /// it takes).
@@ -203,21 +205,36 @@ impl Active {
             ))));
             clique
         });
+        // The fabric watch wakes the rediscovery when a GPU's fabric answer changes.
+        let (fabric, fabric_answers) = watch::channel(fabric::Watched::of(inventory));
+        let wake = Arc::new(tokio::sync::Notify::new());
+        self.tasks.push(AbortOnDrop(tokio::spawn(fabric::watch(
+            Arc::clone(backend),
+            fabric_answers,
+            Arc::clone(&wake),
+            config.fabric_watch,
+        ))));
         let followers = Followers {
             controller: self.controller.clone(),
             health: self.monitor.as_ref().map(health::HealthMonitor::watched),
             publishing,
             clique,
+            fabric,
         };
-        let rediscovery =
-            publisher::spawn_rediscovery(publisher.clone(), config.rediscovery_interval, pool, {
+        let rediscovery = publisher::spawn_rediscovery(
+            publisher.clone(),
+            config.rediscovery_interval,
+            wake,
+            pool,
+            {
                 let backend = Arc::clone(backend);
                 let naming = config.naming;
                 move || {
                     rediscover(backend.as_ref(), naming)
                         .map(|inventory| followers.follow(&inventory))
                 }
-            });
+            },
+        );
         self.tasks.push(AbortOnDrop(rediscovery));
         // Two loops: the stale-claim check waits on the API server (each read bounded by
         // `api_timeout`), which must never hold back the daemons' and GPUs' own checks.

@@ -55,6 +55,33 @@ impl Default for IdleThresholds {
     }
 }
 
+/// How often GPUs' NVLink fabric answers are polled between rediscoveries (`fabric`): one
+/// NVML call per GPU (`nvmlDeviceGetGpuFabricInfoV`; NVML has no event for fabric changes), so a
+/// change is published without waiting for the rediscovery interval. GPUs without a fabric
+/// (NOT_SUPPORTED) are not polled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FabricWatch {
+    /// While any GPU's registration is NOT_STARTED or IN_PROGRESS, or its fabric call fails
+    /// (default 5 s): Fabric Manager registers a tray's GPUs within seconds of starting (or of a
+    /// partition's activation), and until then the GPUs carry no clique and are tainted, so a
+    /// claim that needs the clique waits at most this long (plus one publish) once registration
+    /// completes.
+    pub pending: Duration,
+    /// Otherwise, while any GPU is in a fabric (default 15 s): health mask and summary changes
+    /// (a route recovering, bandwidth degraded) and re-partitioning are published within this.
+    pub settled: Duration,
+}
+
+impl Default for FabricWatch {
+    /// 5 s while registration is pending, 15 s once settled.
+    fn default() -> Self {
+        Self {
+            pending: Duration::from_secs(5),
+            settled: Duration::from_secs(15),
+        }
+    }
+}
+
 /// How usage is sampled.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageConfig {
@@ -168,6 +195,9 @@ pub struct Config {
     pub naming: gpu_inventory::Naming,
     /// How often GPUs are discovered again and the pool republished when it changed.
     pub rediscovery_interval: Duration,
+    /// How often GPUs' NVLink fabric answers are polled between rediscoveries; a change
+    /// triggers a rediscovery at once.
+    pub fabric_watch: FabricWatch,
     /// Print the slices and exit, contacting no API server.
     pub dry_run: Option<OutputFormat>,
     /// With `dry_run`: also write the backend's answers, as a topology file (`--fake-topology`
@@ -242,6 +272,7 @@ impl Config {
             mig_strategy: gpu_inventory::MigStrategy::Existing,
             naming: gpu_inventory::Naming::Drust,
             rediscovery_interval: Duration::from_secs(60),
+            fabric_watch: FabricWatch::default(),
             dry_run: None,
             dump_topology: None,
             instance_id: None,

@@ -16,6 +16,7 @@ pub mod claim_config;
 pub mod claims;
 pub mod config;
 pub mod driver_files;
+pub mod fabric;
 pub mod failpoint;
 pub mod hardware;
 pub mod health;

@@ -408,14 +408,16 @@ fn same_multiset<T: PartialEq>(mut a: Vec<T>, b: &[T]) -> bool {
         })
 }
 
-/// Re-discovery: every `interval`, calls `discover` (on a blocking thread; NVML calls block) and
-/// republishes when the pool differs from the last one published. Publishing compares with the
-/// API server too, so a slice edited or deleted behind our back is restored at the next tick,
-/// and an unchanged pool writes nothing. Failures are logged and retried at the next tick.
-/// Abort the returned task to stop.
+/// Re-discovery: every `interval`, and at once whenever `wake` is notified (the fabric watch,
+/// [`crate::fabric::watch`], does when a GPU's fabric answer changed), calls `discover` (on a
+/// blocking thread; NVML calls block) and republishes when the pool differs from the last one
+/// published. Publishing compares with the API server too, so a slice edited or deleted behind
+/// our back is restored at the next tick, and an unchanged pool writes nothing. Failures are
+/// logged and retried at the next tick. Abort the returned task to stop.
 pub fn spawn_rediscovery<E, F>(
     publisher: SlicePublisher,
     interval: std::time::Duration,
+    wake: Arc<tokio::sync::Notify>,
     published: Pool,
     discover: F,
 ) -> tokio::task::JoinHandle<()>
@@ -423,44 +425,72 @@ where
     E: std::fmt::Display + Send + 'static,
     F: Fn() -> Result<Pool, E> + Send + Sync + 'static,
 {
-    let discover = std::sync::Arc::new(discover);
-    tokio::spawn(async move {
-        let mut last = published;
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let d = std::sync::Arc::clone(&discover);
-            let pool = match tokio::task::spawn_blocking(move || d()).await {
-                Ok(Ok(pool)) => pool,
-                Ok(Err(e)) => {
-                    warn!(error = %e, "re-discovering GPUs failed; keeping the published pool");
-                    continue;
-                }
-                Err(e) => {
-                    warn!(error = %e, "re-discovery task failed");
-                    continue;
-                }
-            };
-            if pool != last {
-                info!(
-                    devices = pool.devices.len(),
-                    counter_sets = pool.counter_sets.len(),
-                    "GPU inventory changed"
-                );
-            }
-            match publisher.publish_pool(&pool).await {
-                Ok(PublishOutcome::Unchanged { .. }) => {}
-                Ok(outcome) => info!(?outcome, "republished ResourceSlices"),
-                Err(e) => {
-                    warn!(error = %e, "republishing ResourceSlices failed; retrying next tick");
-                    continue;
-                }
-            }
-            last = pool;
+    tokio::spawn(rediscovery(
+        interval,
+        wake,
+        published,
+        discover,
+        move |pool| {
+            let publisher = publisher.clone();
+            async move { publisher.publish_pool(&pool).await }
+        },
+    ))
+}
+
+/// The loop of [`spawn_rediscovery`], with the publish as a function (`publish`), so that it
+/// can be driven without an API server.
+pub async fn rediscovery<E, F, P, Fut, PE>(
+    interval: std::time::Duration,
+    wake: Arc<tokio::sync::Notify>,
+    published: Pool,
+    discover: F,
+    mut publish: P,
+) where
+    E: std::fmt::Display + Send + 'static,
+    F: Fn() -> Result<Pool, E> + Send + Sync + 'static,
+    P: FnMut(Pool) -> Fut,
+    Fut: Future<Output = Result<PublishOutcome, PE>>,
+    PE: Display,
+{
+    let discover = Arc::new(discover);
+    let mut last = published;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = wake.notified() => {}
         }
-    })
+        let d = Arc::clone(&discover);
+        let pool = match tokio::task::spawn_blocking(move || d()).await {
+            Ok(Ok(pool)) => pool,
+            Ok(Err(e)) => {
+                warn!(error = %e, "re-discovering GPUs failed; keeping the published pool");
+                continue;
+            }
+            Err(e) => {
+                warn!(error = %e, "re-discovery task failed");
+                continue;
+            }
+        };
+        if pool != last {
+            info!(
+                devices = pool.devices.len(),
+                counter_sets = pool.counter_sets.len(),
+                "GPU inventory changed"
+            );
+        }
+        match publish(pool.clone()).await {
+            Ok(PublishOutcome::Unchanged { .. }) => {}
+            Ok(outcome) => info!(?outcome, "republished ResourceSlices"),
+            Err(e) => {
+                warn!(error = %e, "republishing ResourceSlices failed; retrying next tick");
+                continue;
+            }
+        }
+        last = pool;
+    }
 }
 
 /// Exponential backoff: `initial`, doubling up to `max`; [`Backoff::reset`] after a success.
@@ -568,6 +598,47 @@ pub fn spawn_taint_publisher(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_wake_rediscovers_and_publishes_at_once_without_waiting_for_the_interval() {
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let discovered = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let (tx, mut published) = tokio::sync::mpsc::unbounded_channel::<Pool>();
+        let task = {
+            let discovered = Arc::clone(&discovered);
+            tokio::spawn(rediscovery(
+                Duration::from_secs(3600),
+                Arc::clone(&wake),
+                Pool::default(),
+                move || {
+                    let n = discovered.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    Ok::<_, String>(Pool::from(vec![Device {
+                        name: format!("gpu-{n}"),
+                        ..Default::default()
+                    }]))
+                },
+                move |pool| {
+                    let tx = tx.clone();
+                    async move {
+                        tx.send(pool).map_err(|e| e.to_string())?;
+                        Ok::<_, String>(PublishOutcome::Unchanged { generation: 1 })
+                    }
+                },
+            ))
+        };
+        // Nothing before a wake: the interval is an hour away.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(discovered.load(std::sync::atomic::Ordering::SeqCst), 0);
+        for n in 1..=2 {
+            wake.notify_one();
+            let pool = tokio::time::timeout(Duration::from_secs(10), published.recv())
+                .await
+                .expect("published after the wake")
+                .expect("loop alive");
+            assert_eq!(pool.devices[0].name, format!("gpu-{n}"));
+        }
+        task.abort();
+    }
 
     #[test]
     fn backoff_doubles_up_to_its_cap_and_resets() {

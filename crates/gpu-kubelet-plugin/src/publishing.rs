@@ -13,6 +13,7 @@ use tracing::{info, warn};
 use crate::claims::{ClaimController, KubeCluster};
 use crate::config::Config;
 use crate::enforcement;
+use crate::fabric::{FabricTaints, Watched};
 use crate::hardware::{self, BackendHardware};
 use crate::health;
 use crate::memory_limits::KernelMemory;
@@ -20,8 +21,10 @@ use crate::mps;
 use crate::publisher::SlicePublisher;
 
 /// How this node's inventory becomes its published pool.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Publishing {
+    /// The driver: the domain of the taint keys.
+    pub driver: String,
     /// How MIG-capable GPUs are published.
     pub strategy: gpu_inventory::MigStrategy,
     /// Whether devices are published for consumable capacity (fractional GPUs): the flag, and
@@ -30,16 +33,26 @@ pub struct Publishing {
     /// How full GPUs' shares are enforced: [`ShareEnforcement::Kernel`] where the node has the
     /// `kernel` level ([`KernelMemory::detect`]), else [`ShareEnforcement::Mps`].
     pub enforcement: ShareEnforcement,
+    /// The GPUs' NVLink fabric taints and when each condition was first seen (shared by
+    /// clones: the pool of every rediscovery keeps the times).
+    pub fabric: FabricTaints,
 }
 
 impl Publishing {
     /// The pool of `inventory`: its devices under the MIG strategy, shareable with `shares`
-    /// ([`gpu_inventory::shares`]).
+    /// ([`gpu_inventory::shares`]), each device tainted with its GPU's NVLink fabric
+    /// conditions ([`crate::fabric`]).
     pub fn pool(&self, inventory: &Inventory) -> Pool {
         let mut pool = inventory.pool(self.strategy);
         if self.shares {
             gpu_inventory::shares::publish_shares(&mut pool, self.enforcement);
         }
+        self.fabric.apply(
+            &self.driver,
+            inventory,
+            &mut pool,
+            std::time::SystemTime::now(),
+        );
         pool
     }
 
@@ -68,9 +81,11 @@ impl Publishing {
             }
         };
         Self {
+            driver: config.driver_name.clone(),
             strategy: config.mig_strategy,
             shares,
             enforcement: ShareEnforcement::Mps,
+            fabric: FabricTaints::default(),
         }
     }
 
@@ -94,7 +109,8 @@ impl Publishing {
 }
 
 /// What follows each new inventory before it is published: the claim controller (which
-/// devices prepare accepts) and the health monitor (which GPUs it watches). Publishing after
+/// devices prepare accepts), the health monitor (which GPUs it watches) and the fabric watch
+/// (which answers it compares with). Publishing after
 /// them means the scheduler never sees a device that prepare would refuse or whose faults
 /// nobody watches.
 pub(crate) struct Followers {
@@ -106,6 +122,8 @@ pub(crate) struct Followers {
     pub(crate) publishing: Publishing,
     /// Told the node's NVLink clique, with `--node-clique-label`.
     pub(crate) clique: Option<tokio::sync::watch::Sender<crate::node_label::NodeClique>>,
+    /// Told the GPUs' fabric answers, which the fabric watch compares with.
+    pub(crate) fabric: tokio::sync::watch::Sender<Watched>,
 }
 
 impl Followers {
@@ -125,6 +143,7 @@ impl Followers {
         if let Some(health) = &self.health {
             health.set(inventory.gpus.iter().map(|g| g.raw.uuid.clone()).collect());
         }
+        Watched::follow(&self.fabric, inventory);
         if let Some(clique) = &self.clique {
             let now = crate::node_label::NodeClique::of(inventory);
             clique.send_if_modified(|c| {

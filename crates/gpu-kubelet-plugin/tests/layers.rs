@@ -11,7 +11,8 @@
 //! 1. the hardware and the node's files: `hardware`, `driver_files`, `mps`;
 //! 2. what is recorded and enforced per claim: `checkpoint`, `memory_limits`;
 //! 3. the claim controller: `claims`;
-//! 4. what watches the claims and GPUs: `usage`, `health`, `health_record`, `publisher`;
+//! 4. what watches the claims and GPUs: `usage`, `health`, `health_record`, `publisher`,
+//!    `node_label`, `fabric`;
 //! 5. `metrics`; 6. `instance` (handover); 7. `http`, with its callers' access check beneath it
 //!    (`http/auth.rs`, `http/decision_cache.rs`: modules of `http`, named by no other layer);
 //! 8. the plugin's `error` (it names the claims', the handover's and the HTTP endpoint's);
@@ -36,6 +37,7 @@ const LAYERS: [&[&str]; 14] = [
         "health_record",
         "publisher",
         "node_label",
+        "fabric",
     ],
     &["metrics"],
     &["instance"],
