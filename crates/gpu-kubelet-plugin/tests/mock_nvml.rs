@@ -171,6 +171,108 @@ fn the_nvml_backend_publishes_nvidias_mock_gpus_as_the_fake_backend_does() {
     }
 }
 
+/// NVLink fabric answers through the real NVML backend against the mock
+/// (`DRUST_MOCK_NVML_FABRIC`, this node's entry): registered GPUs publish the clique, a GPU
+/// still registering publishes none and is tainted, an unhealthy route keeps the clique with
+/// its taints, a driver that knows struct v2 only still gives the mask, a failing call is
+/// tainted; and the fake backend, given the answers NVML gave (`--dump-topology`), publishes
+/// the same slices.
+#[test]
+fn fabric_answers_through_nvml_publish_cliques_and_taints_as_the_fake_backend_does() {
+    const UUID: &str = "5b1f2c8e-4d3a-4f7e-9a61-0c2d8e7f3b94";
+    let lib = drust_gotools::go_library("mocknvml", "libnvidia-ml.so.1").expect("build the mock");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fabric = dir.path().join("fabric.json");
+    let healthy = 0xaa | (1 << 8) | (1 << 12);
+    std::fs::write(
+        &fabric,
+        serde_json::json!({
+            "mock-node": {
+                "*": {"state": "completed", "clusterUuid": UUID, "cliqueId": 4,
+                      "healthMask": healthy, "healthSummary": 1},
+                "3": {"state": "inProgress", "clusterUuid": "00000000000000000000000000000000",
+                      "cliqueId": 0},
+                "5": {"healthMask": (healthy & !0x30) | 0x10, "healthSummary": 2},
+                "6": {"maxVersion": 2, "healthMask": (healthy & !0x3) | 0x1},
+                "7": {"return": 999}
+            },
+            "other-node": {"*": {"state": "completed", "clusterUuid": UUID, "cliqueId": 9}}
+        })
+        .to_string(),
+    )
+    .expect("fabric file");
+    let topology = dir.path().join("dumped.yaml");
+    let (lib_arg, topo_arg) = (
+        lib.to_str().expect("utf-8 path"),
+        topology.to_str().expect("utf-8 path"),
+    );
+    let nvml = plugin(
+        &["--nvml-library", lib_arg, "--dump-topology", topo_arg],
+        &[
+            ("DRUST_MOCK_NVML_MACHINE", "dgxb200"),
+            (
+                "DRUST_MOCK_NVML_FABRIC",
+                fabric.to_str().expect("utf-8 path"),
+            ),
+            ("DRUST_MOCK_NVML_NODE", "mock-node"),
+        ],
+    );
+    let fake = plugin(&["--fake-topology", topo_arg], &[]);
+    // The two runs saw each condition first at their own time.
+    let untimed = |mut slices: Value| {
+        for s in slices.as_array_mut().into_iter().flatten() {
+            for d in s["spec"]["devices"].as_array_mut().into_iter().flatten() {
+                for t in d["taints"].as_array_mut().into_iter().flatten() {
+                    t.as_object_mut().map(|t| t.remove("timeAdded"));
+                }
+            }
+        }
+        slices
+    };
+    assert_eq!(
+        untimed(nvml.clone()),
+        untimed(fake),
+        "the fake backend disagrees with NVML"
+    );
+    let devices: Vec<&Value> = nvml
+        .as_array()
+        .expect("slices")
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten())
+        .collect();
+    assert_eq!(devices.len(), 8);
+    let clique = format!("{UUID}.4");
+    for (i, d) in devices.iter().enumerate() {
+        let taints: Vec<String> = d["taints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| {
+                assert_eq!(t["key"], "gpu.drust.dev/fabric");
+                assert!(t["timeAdded"].is_string(), "{t}");
+                format!(
+                    "{}:{}",
+                    t["value"].as_str().unwrap_or_default(),
+                    t["effect"].as_str().unwrap_or_default()
+                )
+            })
+            .collect();
+        let (want_clique, want_taints): (Option<&str>, &[&str]) = match i {
+            3 => (None, &["registration-in-progress:NoSchedule"]),
+            5 => (
+                Some(&clique),
+                &["route-unhealthy:NoSchedule", "unhealthy:NoSchedule"],
+            ),
+            // v2: the mask (degraded bandwidth), no summary.
+            6 => (Some(&clique), &["degraded-bandwidth:NoSchedule"]),
+            7 => (None, &["query-failed:NoSchedule"]),
+            _ => (Some(&clique), &[]),
+        };
+        assert_eq!(attr(d, "nvlinkClique").as_str(), want_clique, "GPU {i}");
+        assert_eq!(taints, want_taints, "GPU {i}");
+    }
+}
+
 /// Usage through the real NVML backend against the mock (`DRUST_MOCK_NVML_USAGE`): the
 /// utilization, memory and processes (with per-process SM utilization) its usage file gives
 /// GPU 0, each process's pod and

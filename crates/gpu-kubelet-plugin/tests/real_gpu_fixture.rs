@@ -6,7 +6,10 @@
 //! of those raw answers must publish exactly those slices through the fake backend, so the fake
 //! used by every other test is shown to agree with the NVML path on real hardware. The published
 //! `memory` is what CUDA can allocate (total less the driver's reserve), checked against what
-//! CUDA itself reported in the same run.
+//! CUDA itself reported in the same run. Where `tests/gpu/fabric.sh` recorded the driver's
+//! NVLink fabric answers (`fabric.json`: every struct version's return code and fields), they
+//! are replayed through drust's reading of them, and the GPU with that answer must publish what
+//! it published without one.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -178,4 +181,135 @@ fn the_fake_backend_publishes_what_nvml_published_on_a_real_gpu() {
             );
         }
     }
+}
+
+/// One recorded struct answer of `tests/gpu/fabric.sh` (`fabric.json`), as the driver returned
+/// it: the call's return code and, on success, the fields.
+fn recorded_answer(rec: &Value) -> (u32, gpu_inventory::fabric::RawFabricAnswer) {
+    let code = rec["return"]
+        .as_str()
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .expect("a return code");
+    let hex = rec["clusterUuid"].as_str().unwrap_or("");
+    let mut uuid = [0u8; 16];
+    for (k, b) in uuid.iter_mut().enumerate() {
+        *b = hex
+            .get(2 * k..2 * k + 2)
+            .map_or(0, |h| u8::from_str_radix(h, 16).expect("hex"));
+    }
+    let mask = rec["healthMask"]
+        .as_str()
+        .map(|m| u32::from_str_radix(m.trim_start_matches("0x"), 16).expect("a hex mask"));
+    let raw = gpu_inventory::fabric::RawFabricAnswer {
+        cluster_uuid: uuid,
+        status: rec["status"].as_u64().unwrap_or(0) as u32,
+        clique_id: rec["cliqueId"].as_u64().unwrap_or(0) as u32,
+        state: rec["state"].as_u64().unwrap_or(0) as u8,
+        health_mask: mask,
+        health_summary: rec["healthSummary"].as_u64().map(|s| s as u8),
+    };
+    (code, raw)
+}
+
+#[test]
+fn a_real_gpus_fabric_answers_replay_as_no_fabric_and_publish_no_clique_and_no_taint() {
+    use gpu_inventory::fabric::{FabricHealthSummary, FabricState, negotiate};
+    let mut replayed = 0;
+    for dir in fixtures() {
+        let Ok(text) = std::fs::read_to_string(dir.join("fabric.json")) else {
+            continue;
+        };
+        let fabric: Value = serde_json::from_str(&text).expect("fabric.json");
+        // The driver has the v1 and versioned calls; drust does not need the v4 one it lacks.
+        assert_eq!(
+            fabric["symbols"]["nvmlDeviceGetGpuFabricInfoV"],
+            true,
+            "{}",
+            dir.display()
+        );
+        let probe = read_json(&dir.join("probe.json"));
+        let mut gpus: Vec<Value> = probe["gpus"]
+            .as_array()
+            .expect("probe.json: gpus")
+            .iter()
+            .map(|g| g["gpu"].clone())
+            .collect();
+        for rec in fabric["gpus"].as_array().expect("fabric.json: gpus") {
+            let answers = |v: u8| match v {
+                3 => recorded_answer(&rec["v3"]),
+                2 => recorded_answer(&rec["v2"]),
+                _ => recorded_answer(&rec["v1"]),
+            };
+            // As the driver answered: v3, Success, state NOT_SUPPORTED, zeros.
+            let info = negotiate(|v| Some(answers(v)))
+                .expect("no error")
+                .expect("an answer, not NOT_SUPPORTED");
+            assert_eq!(info.state, FabricState::NotSupported, "{}", dir.display());
+            assert!(info.zero_uuid() && info.clique().is_none());
+            assert_eq!(info.health_mask, Some(0));
+            assert_eq!(info.health_summary, Some(FabricHealthSummary::NotSupported));
+            // The same driver, had it not known v3: what it answered an unknown version tag
+            // (25, Argument version mismatch) sends drust to v2, which reads the same.
+            let mismatch = recorded_answer(&rec["v9Tag"]).0;
+            assert_eq!(
+                mismatch,
+                gpu_inventory::fabric::NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+            );
+            let v2 = negotiate(|v| {
+                Some(if v == 3 {
+                    (mismatch, Default::default())
+                } else {
+                    answers(v)
+                })
+            })
+            .expect("no error")
+            .expect("an answer");
+            assert_eq!(
+                (v2.state, v2.health_summary),
+                (FabricState::NotSupported, None)
+            );
+            let index = rec["index"].as_u64().expect("index") as usize;
+            gpus[index]["fabric"] = serde_json::to_value(&info).expect("JSON");
+            replayed += 1;
+        }
+        // Published with and without that answer: the same slices (no clique, no taint).
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let publish = |gpus: &[Value]| {
+            let file = tmp.path().join("topology.yaml");
+            std::fs::write(
+                &file,
+                json!({"system": probe["system"], "gpus": gpus}).to_string(),
+            )
+            .expect("write topology");
+            let out = Command::new(env!("CARGO_BIN_EXE_gpu-kubelet-plugin"))
+                .args(["--dry-run", "-o", "json", "--node-name", "gpu-validation"])
+                .arg("--fake-topology")
+                .arg(&file)
+                .output()
+                .expect("run gpu-kubelet-plugin");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            serde_json::from_slice::<Value>(&out.stdout).expect("JSON slices")
+        };
+        let with = publish(&gpus);
+        let without: Vec<Value> = gpus
+            .iter()
+            .map(|g| {
+                let mut g = g.clone();
+                g.as_object_mut().map(|o| o.remove("fabric"));
+                g
+            })
+            .collect();
+        assert_eq!(with, publish(&without), "{}", dir.display());
+        let text = with.to_string();
+        assert!(
+            !text.contains("nvlinkClique") && !text.contains("taints"),
+            "{text}"
+        );
+    }
+    assert!(replayed >= 1, "no fixture has a fabric.json");
 }
