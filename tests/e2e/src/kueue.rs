@@ -35,6 +35,11 @@
 //! address and a free port, `webhook.certDir` in the temporary directory, `namespace` and
 //! `leaderElection.resourceNamespace` `kueue-system` (a pod knows it from its ServiceAccount).
 //! Everything else is the user's file.
+//!
+//! For the tests' Jobs under Kueue: [`held_job`] turns an example's Job into one that runs on the
+//! local workload image until the test releases it (or an eviction's SIGTERM ends it), and
+//! [`wait_workload`], [`job_pods`] and [`wait_job_pod_running`] follow it through Kueue and the
+//! Job controller.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -42,7 +47,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Secret;
+use anyhow::Context as _;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use serde::Deserialize as _;
@@ -748,6 +755,108 @@ pub fn resource_usage(workload: &DynamicObject) -> BTreeMap<String, BTreeMap<Str
     out
 }
 
+/// Where the containers of a [`held_job`] find the file that ends them.
+pub const RELEASE_MOUNT: &str = "/release";
+
+/// The Job of `example` (an example file's text) named `job`, renamed `name`, with every
+/// container in the local workload image ([`crate::images::WORKLOAD_IMAGE`]) running
+/// [`crate::node_pods::SCRIPT`] and then waiting until `<release>/<name>` exists (`release`: a
+/// directory of the node's host, mounted at [`RELEASE_MOUNT`]), so that the test says when the
+/// Job finishes. SIGTERM (an eviction) ends a container at once, with status 143.
+///
+/// # Errors
+/// When `example` holds no such Job or its documents are not YAML.
+pub fn held_job(example: &str, job: &str, name: &str, release: &Path) -> anyhow::Result<Job> {
+    let text = crate::manifests::documents_where(example, |d| {
+        d["kind"] == "Job" && d["metadata"]["name"] == job
+    })?;
+    let mut value: serde_json::Value = serde_yaml_ng::from_str(&text)?;
+    anyhow::ensure!(value.is_object(), "no Job {job} in the example");
+    value["metadata"]["name"] = name.into();
+    let spec = &mut value["spec"]["template"]["spec"];
+    let script = format!(
+        "trap 'exit 143' TERM; {}; until [ -e {RELEASE_MOUNT}/{name} ]; do sleep 0.2; done",
+        crate::node_pods::SCRIPT
+    );
+    for container in spec["containers"].as_array_mut().into_iter().flatten() {
+        container["image"] = crate::images::WORKLOAD_IMAGE.into();
+        container["imagePullPolicy"] = "Never".into();
+        container["command"] = serde_json::json!(["/bin/sh", "-c", script]);
+        container["volumeMounts"] =
+            serde_json::json!([{"name": "release", "mountPath": RELEASE_MOUNT}]);
+    }
+    spec["volumes"] = serde_json::json!([{
+        "name": "release",
+        "hostPath": {"path": release.display().to_string(), "type": "Directory"},
+    }]);
+    Ok(serde_json::from_value(value)?)
+}
+
+/// Waits up to `timeout` until the Workload of `job` has condition `type_` matching `ok`;
+/// returns the Workload and the condition.
+///
+/// # Errors
+/// When `job` has no UID, or the wait runs out, with the last condition seen.
+pub async fn wait_workload(
+    client: &kube::Client,
+    job: &Job,
+    type_: &str,
+    timeout: Duration,
+    ok: impl Fn(&Condition) -> bool,
+) -> anyhow::Result<(DynamicObject, Condition)> {
+    let uid = job.metadata.uid.clone().context("the Job's UID")?;
+    let name = job.metadata.name.clone().unwrap_or_default();
+    let namespace = job.metadata.namespace.clone().unwrap_or_default();
+    Ok(crate::wait::until(
+        &format!("the Workload of Job {name} with a matching {type_} condition"),
+        timeout,
+        || async {
+            let workload = workload_of(client, &namespace, &uid)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "no Workload yet".to_owned())?;
+            match condition(&workload, type_) {
+                Some(c) if ok(&c) => Ok(Some((workload, c))),
+                other => Err(format!("{type_}: {other:?}")),
+            }
+        },
+    )
+    .await?)
+}
+
+/// The pods of Job `name` (by the Job controller's `batch.kubernetes.io/job-name` label).
+///
+/// # Errors
+/// The API error.
+pub async fn job_pods(pods: &Api<Pod>, name: &str) -> Result<Vec<Pod>, kube::Error> {
+    Ok(pods
+        .list(
+            &kube::api::ListParams::default()
+                .labels(&format!("batch.kubernetes.io/job-name={name}")),
+        )
+        .await?
+        .items)
+}
+
+/// Waits up to `timeout` for a pod of Job `name` to exist, then for it to run on `node`.
+///
+/// # Errors
+/// When no pod appears in time, or it does not run ([`crate::node_pods::wait_running`]).
+pub async fn wait_job_pod_running(
+    pods: &Api<Pod>,
+    name: &str,
+    node: &crate::node::Node,
+    timeout: Duration,
+) -> anyhow::Result<Pod> {
+    let pod = crate::wait::until(&format!("a pod of Job {name}"), timeout, || async {
+        let found = job_pods(pods, name).await.map_err(|e| e.to_string())?;
+        Ok(found.into_iter().next())
+    })
+    .await?;
+    let pod_name = pod.metadata.name.clone().unwrap_or_default();
+    crate::node_pods::wait_running(pods, &pod_name, node).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -812,6 +921,43 @@ mod tests {
             let err = out_of_cluster_config(config, &listeners(), Path::new("/c")).unwrap_err();
             assert!(err.contains(want), "{config}: {err}");
         }
+    }
+
+    #[test]
+    fn a_held_job_runs_every_container_of_the_example_job_until_its_release_file() {
+        let example = std::fs::read_to_string(crate::manifests::repo_path(
+            "examples/kueue/preemption.yaml",
+        ))
+        .unwrap();
+        let job = held_job(&example, "sweep", "sweep-1", Path::new("/node/release")).unwrap();
+        assert_eq!(job.metadata.name.as_deref(), Some("sweep-1"));
+        let labels = job.metadata.labels.unwrap_or_default();
+        assert_eq!(labels[QUEUE_LABEL], "dgx");
+        assert_eq!(labels["kueue.x-k8s.io/priority-class"], "low");
+        let pod = job.spec.unwrap().template.spec.unwrap();
+        assert_eq!(pod.containers.len(), 2);
+        for c in &pod.containers {
+            assert_eq!(c.image.as_deref(), Some(crate::images::WORKLOAD_IMAGE));
+            let script = &c.command.as_ref().unwrap()[2];
+            assert!(
+                script.starts_with("trap 'exit 143' TERM;")
+                    && script.ends_with("until [ -e /release/sweep-1 ]; do sleep 0.2; done"),
+                "{script}"
+            );
+            assert_eq!(
+                c.volume_mounts.as_ref().unwrap()[0].mount_path,
+                RELEASE_MOUNT
+            );
+        }
+        // The example's claims are kept.
+        assert_eq!(pod.resource_claims.unwrap().len(), 2);
+        let volume = &pod.volumes.unwrap()[0];
+        assert_eq!(
+            volume.host_path.as_ref().map(|h| h.path.as_str()),
+            Some("/node/release")
+        );
+        let err = held_job(&example, "no-such-job", "x", Path::new("/r")).unwrap_err();
+        assert!(err.to_string().contains("no Job no-such-job"), "{err}");
     }
 
     #[test]
