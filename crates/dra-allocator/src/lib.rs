@@ -38,6 +38,7 @@ mod capacity;
 mod constraints;
 mod defaults;
 pub mod explain;
+pub mod gang;
 mod model;
 mod node_selector;
 pub mod pod;

@@ -72,44 +72,58 @@ impl AllocatedState {
     ) -> Result<AllocatedState, Error> {
         let mut state = AllocatedState::default();
         for claim in claims {
-            let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
-                continue;
-            };
-            let results = allocation
-                .devices
-                .as_ref()
-                .and_then(|d| d.results.as_deref())
-                .unwrap_or_default();
-            for (i, result) in results.iter().enumerate() {
-                if result.admin_access == Some(true) {
-                    continue;
-                }
-                let id = DeviceId::new(&result.driver, &result.pool, &result.device);
-                if consumable_capacity && let Some(share) = &result.share_id {
-                    state
-                        .allocated_shared_device_ids
-                        .insert((id.clone(), share.clone()));
-                    if let Some(consumed) = &result.consumed_capacity {
-                        let mut parsed = ConsumedCapacity::new();
-                        for (name, q) in consumed {
-                            let value = parse_quantity(&q.0).map_err(|e| Error::InvalidQuantity {
-                                object: format!("ResourceClaim {}", claim_ref(claim)),
-                                field: format!(
-                                    "status.allocation.devices.results[{i}].consumedCapacity[{name}]"
-                                ),
-                                value: q.0.clone(),
-                                reason: e.to_string(),
-                            })?;
-                            parsed.insert(name.clone(), value);
-                        }
-                        insert_capacity(&mut state.aggregated_capacity, id, &parsed);
-                    }
-                    continue;
-                }
-                state.allocated_devices.insert(id);
-            }
+            state.add_claim(claim, consumable_capacity)?;
         }
         Ok(state)
+    }
+
+    /// Adds what one claim holds, as [`AllocatedState::from_claims`] counts it (nothing for a
+    /// claim without `status.allocation`): the scheduler's in-flight allocations, made for one
+    /// pod and seen by the next (`SignalClaimPendingAllocation`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidQuantity`] for a consumedCapacity that is not a quantity.
+    pub fn add_claim(
+        &mut self,
+        claim: &ResourceClaim,
+        consumable_capacity: bool,
+    ) -> Result<(), Error> {
+        let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
+            return Ok(());
+        };
+        let results = allocation
+            .devices
+            .as_ref()
+            .and_then(|d| d.results.as_deref())
+            .unwrap_or_default();
+        for (i, result) in results.iter().enumerate() {
+            if result.admin_access == Some(true) {
+                continue;
+            }
+            let id = DeviceId::new(&result.driver, &result.pool, &result.device);
+            if consumable_capacity && let Some(share) = &result.share_id {
+                self.allocated_shared_device_ids
+                    .insert((id.clone(), share.clone()));
+                if let Some(consumed) = &result.consumed_capacity {
+                    let mut parsed = ConsumedCapacity::new();
+                    for (name, q) in consumed {
+                        let value = parse_quantity(&q.0).map_err(|e| Error::InvalidQuantity {
+                            object: format!("ResourceClaim {}", claim_ref(claim)),
+                            field: format!(
+                                "status.allocation.devices.results[{i}].consumedCapacity[{name}]"
+                            ),
+                            value: q.0.clone(),
+                            reason: e.to_string(),
+                        })?;
+                        parsed.insert(name.clone(), value);
+                    }
+                    insert_capacity(&mut self.aggregated_capacity, id, &parsed);
+                }
+                continue;
+            }
+            self.allocated_devices.insert(id);
+        }
+        Ok(())
     }
 
     /// `IsDeviceAllocated`: dedicated, shared or with consumed capacity.

@@ -185,6 +185,45 @@ pub fn explain_with(
     explain_report(outcomes)
 }
 
+/// One node's verdict for a pod's claims, with an allocator built for (at least) that node's
+/// slices: PreFilter's DeviceClass check, then Filter; with `explain`, why where they do not
+/// fit. For [`crate::gang`], which keeps one allocator per node.
+pub(crate) fn node_verdict(
+    allocator: &Allocator<'_>,
+    node: &Node,
+    classes: &[DeviceClass],
+    claims: &[&ResourceClaim],
+    options: &Options,
+    explain: bool,
+) -> NodeExplanation {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let outcome = if claims.is_empty() {
+        Outcome::Fits(Vec::new())
+    } else {
+        match pre_filter(classes, claims) {
+            Verdict::Ok => filter_with(allocator, &[node], claims, options, explain)
+                .pop()
+                .map_or(Outcome::Fits(Vec::new()), |(_, o)| o),
+            Verdict::Unschedulable(reason) => Outcome::DoesNotFit {
+                reason,
+                explanation: None,
+            },
+            Verdict::Error(error) => Outcome::Error(error),
+        }
+    };
+    explain_report(vec![(name, outcome)])
+        .nodes
+        .pop()
+        .unwrap_or_else(|| NodeExplanation {
+            name: String::new(),
+            fits: false,
+            claims: Vec::new(),
+            reason: None,
+            explanation: None,
+            error: Some("no verdict".into()),
+        })
+}
+
 /// Filter for each node with a built allocator.
 fn filter_with(
     allocator: &Allocator<'_>,
