@@ -901,7 +901,7 @@ impl Placer<'_> {
                 let name = node_name(node);
                 let allocator = allocators.get(&self.base, name)?;
                 let Some((k, shared_alloc)) =
-                    self.most_on(allocator, node, &pending, n, &mut timed_out)
+                    self.most_on(allocator, &self.base, node, &pending, n, &mut timed_out)
                 else {
                     continue;
                 };
@@ -971,7 +971,7 @@ impl Placer<'_> {
             }
             let name = node_name(node);
             let allocator = allocators.get(state, name)?;
-            if let Some((k, _)) = self.most_on(allocator, node, &[], want - total, timed_out)
+            if let Some((k, _)) = self.most_on(allocator, state, node, &[], want - total, timed_out)
                 && k > 0
             {
                 per_node.insert(name.to_owned(), k);
@@ -983,9 +983,11 @@ impl Placer<'_> {
 
     /// The most pods (up to `cap`) whose claims fit on `node` together with `extra`, and
     /// `extra`'s allocations then; `None` when `extra` alone does not fit.
+    #[allow(clippy::too_many_arguments)]
     fn most_on(
         &self,
         allocator: &Allocator<'_>,
+        state: &AllocatedState,
         node: &Node,
         extra: &[&ResourceClaim],
         cap: usize,
@@ -1016,6 +1018,15 @@ impl Placer<'_> {
             }
         };
         let mut best = (0, try_k(0)?);
+        // Where the node's free devices bound the count, try that many at once: a search
+        // that fits usually takes no step back, one that does not may try every permutation.
+        let bound = self.upper_bound(state, node, extra);
+        let cap = bound.map_or(cap, |b| b.min(cap));
+        if bound.is_some() && cap > 0 {
+            if let Some(a) = try_k(cap) {
+                return Some((cap, a));
+            }
+        }
         // Gallop, then bisect: whether k pods fit together only shrinks as k grows.
         let mut hi = None;
         let mut k = 1;
@@ -1044,6 +1055,39 @@ impl Placer<'_> {
             }
         }
         Some(best)
+    }
+
+    /// At most how many pods fit on `node` besides `extra`: its free devices over the devices
+    /// a pod takes; `None` where that says nothing (shareable devices, `All`).
+    fn upper_bound(
+        &self,
+        state: &AllocatedState,
+        node: &Node,
+        extra: &[&ResourceClaim],
+    ) -> Option<usize> {
+        let per_pod = devices_needed(&self.group.pods.first()?.claims)?;
+        if per_pod == 0 {
+            return None;
+        }
+        let extra: usize = devices_needed(extra.iter().copied())?;
+        let name = node_name(node);
+        let mut free = 0usize;
+        for s in self.scopes.of(name) {
+            let on = s.spec.node_name.as_deref().filter(|n| !n.is_empty());
+            if on.is_some_and(|n| n != name) {
+                continue;
+            }
+            for d in s.spec.devices.iter().flatten() {
+                if d.allow_multiple_allocations == Some(true) {
+                    return None;
+                }
+                let id = crate::DeviceId::new(&s.spec.driver, &s.spec.pool.name, &d.name);
+                if !state.is_device_allocated(&id) {
+                    free += 1;
+                }
+            }
+        }
+        Some(free.saturating_sub(extra) / per_pod)
     }
 
     /// The scheduler's order from each node where the first pod (with the group's claims)
@@ -1112,6 +1156,42 @@ impl Placer<'_> {
         }
         Ok(answer)
     }
+}
+
+/// Devices the claims take at least (a `firstAvailable` request its smallest subrequest,
+/// admin access none); `None` for a request of `All` devices.
+fn devices_needed<'c>(claims: impl IntoIterator<Item = &'c ResourceClaim>) -> Option<usize> {
+    let count = |mode: Option<&String>, count: Option<i64>, admin: Option<bool>| {
+        if mode.is_some_and(|m| m == "All") {
+            None
+        } else if admin == Some(true) {
+            Some(0)
+        } else {
+            Some(usize::try_from(count.unwrap_or(1)).unwrap_or(0))
+        }
+    };
+    let mut total = 0;
+    for claim in claims {
+        for r in claim
+            .spec
+            .devices
+            .iter()
+            .flat_map(|d| d.requests.iter().flatten())
+        {
+            total += match (&r.exactly, &r.first_available) {
+                (Some(e), _) => count(e.allocation_mode.as_ref(), e.count, e.admin_access)?,
+                (None, Some(subs)) => subs
+                    .iter()
+                    .map(|s| count(s.allocation_mode.as_ref(), s.count, None))
+                    .collect::<Option<Vec<usize>>>()?
+                    .into_iter()
+                    .min()
+                    .unwrap_or(0),
+                (None, None) => 0,
+            };
+        }
+    }
+    Some(total)
 }
 
 /// The first claim among `bounds` (allocated) whose allocation's node selector excludes
