@@ -10,7 +10,9 @@
 //!   that fits nowhere is skipped and the next one is tried; the group succeeds when the
 //!   GangScheduling plugin's Permit sees `minCount` pods assumed
 //!   (`framework/plugins/gangscheduling/gangscheduling.go`), and then every assumed pod binds.
-//!   Otherwise every assumption is reverted: nothing is placed. [`place`] does the same, with
+//!   Otherwise every assumption is reverted: nothing is placed. The plugin's error on any node
+//!   (a CEL runtime error, the filter timeout) fails the pod's attempt and stops the cycle,
+//!   even where another node fits. [`place`] does the same, with
 //!   one difference: where the scheduler scores the feasible nodes and picks the best (for
 //!   pods that differ only in DRA claims, every feasible node scores alike and it picks at
 //!   random), [`place`] takes the first feasible node in input order. For identical pods
@@ -40,7 +42,9 @@
 //!
 //! Not modelled: other plugins (CPU, memory, node affinity, taints of Nodes), preemption
 //! (workload-aware or not), Pods already scheduled for the group, several topology levels,
-//! and the scheduler sampling a share of a large cluster's nodes (`percentageOfNodesToScore`).
+//! and the scheduler sampling a share of a large cluster's nodes (`percentageOfNodesToScore`:
+//! [`place`] filters every node, so an error on a node the scheduler would not have sampled
+//! still stops the group here).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
@@ -113,6 +117,10 @@ pub struct Blocked {
     pub pod: usize,
     /// The pod's name.
     pub name: String,
+    /// The scheduler's error that failed the pod's attempt and stopped the group's cycle
+    /// (`node NAME: ...`: a CEL runtime error, the filter timeout), where there was one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     /// Why, node by node, on the snapshot with the pods before it placed.
     pub report: ExplainReport,
 }
@@ -234,6 +242,12 @@ pub struct GroupPlacement {
     pub flags: Vec<Flag>,
 }
 
+/// How long one search for several pods' devices chosen together may take ([`Capacity`]):
+/// such a search may try every permutation of devices before it says no
+/// (kubernetes/kubernetes#131730); one that runs out of time counts as not fitting and makes
+/// the capacity inexact.
+pub const JOINT_SEARCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Places `group` on the cluster of `objects` (its Nodes, DeviceClasses, ResourceSlices and
 /// allocated ResourceClaims; claims without `status.allocation` are left out): see the module
 /// documentation for what is modelled. `options.node` is not used; `options.timeout` bounds
@@ -242,6 +256,20 @@ pub struct GroupPlacement {
 /// # Errors
 /// [`Error::InvalidQuantity`] for a slice or allocated claim with a malformed quantity.
 pub fn place(objects: &Objects, group: &Group, options: &Options) -> Result<GroupPlacement, Error> {
+    place_with(objects, group, options, JOINT_SEARCH_TIMEOUT)
+}
+
+/// [`place`], with another time limit for each search of devices chosen together (the
+/// smaller of it and `options.timeout`, where that is not zero).
+///
+/// # Errors
+/// As [`place`].
+pub fn place_with(
+    objects: &Objects,
+    group: &Group,
+    options: &Options,
+    joint_timeout: std::time::Duration,
+) -> Result<GroupPlacement, Error> {
     let features = Features {
         distinct_attribute_per_device: options.fix_distinct_attribute,
         ..Features::V1_36
@@ -268,6 +296,11 @@ pub fn place(objects: &Objects, group: &Group, options: &Options) -> Result<Grou
         features,
         base,
         scopes: &scopes,
+        joint_timeout: if options.timeout.is_zero() {
+            joint_timeout
+        } else {
+            joint_timeout.min(options.timeout)
+        },
         homogeneous: group
             .pods
             .windows(2)
@@ -430,6 +463,7 @@ struct Placer<'a> {
     features: Features,
     base: AllocatedState,
     scopes: &'a Scopes,
+    joint_timeout: std::time::Duration,
     homogeneous: bool,
 }
 
@@ -473,6 +507,16 @@ impl Placer<'_> {
         Interrupt {
             deadline: (!self.options.timeout.is_zero())
                 .then(|| Instant::now().checked_add(self.options.timeout))
+                .flatten(),
+            cancel: None,
+        }
+    }
+
+    /// For a search of devices chosen together.
+    fn joint_interrupt(&self) -> Interrupt<'static> {
+        Interrupt {
+            deadline: (!self.joint_timeout.is_zero())
+                .then(|| Instant::now().checked_add(self.joint_timeout))
                 .flatten(),
             cancel: None,
         }
@@ -701,10 +745,12 @@ impl Placer<'_> {
             unplaced: Vec::new(),
             first_node: None,
         };
-        // Claims that fit nowhere on this snapshot, and the nodes a claim set did not fit on
-        // (the snapshot of a node changes only when a pod lands in its scope).
+        // Claims that fit nowhere on this snapshot; and for the claims being placed, each
+        // node's verdict, kept until a pod lands in that node's scope (a node's snapshot
+        // changes only then).
         let mut failed: Vec<Vec<ResourceClaimSpec>> = Vec::new();
-        let mut skip: (Vec<ResourceClaimSpec>, HashSet<String>) = (Vec::new(), HashSet::new());
+        let mut known: (Vec<ResourceClaimSpec>, HashMap<String, NodeExplanation>) =
+            (Vec::new(), HashMap::new());
         for (i, pod) in self.group.pods.iter().enumerate() {
             let pending: Vec<usize> = (0..shared.len())
                 .filter(|&k| !crate::is_allocated(&shared[k]))
@@ -719,49 +765,54 @@ impl Placer<'_> {
                 run.unplaced.push(i + 1);
                 continue;
             }
-            if skip.0 != key {
-                skip = (key.clone(), HashSet::new());
+            if known.0 != key {
+                known = (key.clone(), HashMap::new());
             }
             let bounds: Vec<&ResourceClaim> =
                 shared.iter().filter(|c| crate::is_allocated(c)).collect();
+            // Every node the pod may use is filtered, as the scheduler filters them all (in a
+            // cluster small enough not to be sampled): an error on any one of them, a CEL
+            // runtime error or the filter timeout, fails the pod's attempt and stops the
+            // group's cycle, even where another node fits.
             let mut fit: Option<(&Node, Vec<ClaimAllocation>)> = None;
             let mut fatal = None;
             for &node in nodes {
                 let name = node_name(node);
-                if (i == 0 && first.is_some_and(|f| f != name)) || skip.1.contains(name) {
-                    continue;
-                }
-                if bound_excludes(&bounds, node).is_some() {
-                    continue;
-                }
-                let allocator = allocators.get(&state, name)?;
-                let verdict = node_verdict(
-                    allocator,
-                    node,
-                    &self.objects.classes,
-                    &to_allocate,
-                    self.options,
-                    false,
-                );
-                if verdict.fits {
-                    fit = Some((node, verdict.claims));
-                    break;
-                }
-                if let Some(e) = verdict.error
-                    && !e.ends_with("timed out trying to allocate devices")
+                if (i == 0 && first.is_some_and(|f| f != name))
+                    || bound_excludes(&bounds, node).is_some()
                 {
-                    // The plugin's error aborts the group's cycle (the scheduler stops
-                    // evaluating the rest of the pods).
-                    fatal = Some(e);
+                    continue;
+                }
+                if !known.1.contains_key(name) {
+                    let allocator = allocators.get(&state, name)?;
+                    let verdict = node_verdict(
+                        allocator,
+                        node,
+                        &self.objects.classes,
+                        &to_allocate,
+                        self.options,
+                        false,
+                    );
+                    known.1.insert(name.to_owned(), verdict);
+                }
+                let verdict = &known.1[name];
+                if let Some(e) = &verdict.error {
+                    fatal = Some(format!("node {name}: {e}"));
                     break;
                 }
-                skip.1.insert(name.to_owned());
+                if verdict.fits && fit.is_none() {
+                    fit = Some((node, verdict.claims.clone()));
+                }
+            }
+            if fatal.is_some() {
+                fit = None;
             }
             let Some((node, claims)) = fit else {
                 if run.blocked.is_none() && (explain || fatal.is_some()) {
                     run.blocked = Some(Blocked {
                         pod: i + 1,
                         name: pod.name.clone(),
+                        error: fatal.clone(),
                         report: self.explain(
                             &mut allocators,
                             &state,
@@ -794,10 +845,10 @@ impl Placer<'_> {
             run.shared.extend(claims.iter().skip(own).cloned());
             let own_claims: Vec<ClaimAllocation> = claims.into_iter().take(own).collect();
             if allocators.invalidate(&results) {
-                skip.1.clear();
+                known.1.clear();
             } else if let Some(touched) = self.scopes.touched(&results) {
                 for n in touched {
-                    skip.1.remove(&n);
+                    known.1.remove(&n);
                 }
             }
             if run.first_node.is_none() {
@@ -1002,7 +1053,7 @@ impl Placer<'_> {
             if claims.is_empty() {
                 return Some(Vec::new());
             }
-            match allocator.allocate(node, &claims, self.interrupt()) {
+            match allocator.allocate(node, &claims, self.joint_interrupt()) {
                 Ok(Some(a)) => Some(
                     a[a.len() - extra.len()..]
                         .iter()
