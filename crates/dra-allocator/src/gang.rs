@@ -1073,10 +1073,11 @@ impl Placer<'_> {
         // that fits usually takes no step back, one that does not may try every permutation.
         let bound = self.upper_bound(state, node, extra);
         let cap = bound.map_or(cap, |b| b.min(cap));
-        if bound.is_some() && cap > 0 {
-            if let Some(a) = try_k(cap) {
-                return Some((cap, a));
-            }
+        if bound.is_some()
+            && cap > 0
+            && let Some(a) = try_k(cap)
+        {
+            return Some((cap, a));
         }
         // Gallop, then bisect: whether k pods fit together only shrinks as k grows.
         let mut hi = None;

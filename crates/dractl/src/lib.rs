@@ -10,6 +10,7 @@ pub mod explain;
 pub mod lint;
 pub mod live;
 pub mod objects;
+pub mod podgroup;
 pub mod simulate;
 pub mod top;
 

@@ -80,11 +80,23 @@ enum Command {
         timeout: std::time::Duration,
     },
     /// How many more pods with these claim templates fit, on which nodes, and what stops the
-    /// next one.
+    /// next one; or whether a job of N pods, or a gang, fits, where, and what blocks it.
     ///
-    /// Places pods one after the other, each on the first node (input order) where its claims
-    /// fit, their devices then in use; stops when one fits nowhere (and explains why) or after
-    /// `--count`. Without `-f`, reads the live cluster (kubeconfig as kubectl; the role in
+    /// Without `--count` or a gang: places pods one after the other, each on the first node
+    /// (input order) where its claims fit, their devices then in use; stops when one fits
+    /// nowhere (and explains why). Exit status 0, 2 for bad input, 1 when the cluster cannot be
+    /// read.
+    ///
+    /// With `--count`, `--gang`, `--min-count`, `--topology-key` or `--pod-group`: a job. Its
+    /// pods are placed in order on one snapshot as kube-scheduler v1.36's PodGroup cycle does
+    /// (first feasible node in input order where the scheduler scores; device choices as the
+    /// scheduler's, never revisited, kubernetes/kubernetes#138765), all or nothing for a gang,
+    /// each domain of the topology key tried, a PodGroup's claims allocated once with the first
+    /// pod and bounding every pod (KEP-5729). Also says whether devices chosen together would
+    /// fit where the scheduler's order does not. Exit status 0 when it fits, 1 when it does not,
+    /// 2 when it cannot be answered (bad input, the cluster cannot be read).
+    ///
+    /// Without `-f`, reads the live cluster (kubeconfig as kubectl; the role in
     /// `deploy/rbac/dractl-explain.yaml` suffices).
     Simulate {
         /// Cluster file (Nodes, DeviceClasses, ResourceSlices, allocated ResourceClaims);
@@ -93,11 +105,27 @@ enum Command {
         files: Vec<String>,
         /// A ResourceClaimTemplate (or ResourceClaim) file: one claim per template per pod;
         /// repeatable.
-        #[arg(long = "claim-template", required = true)]
+        #[arg(long = "claim-template", required_unless_present = "pod_group")]
         templates: Vec<String>,
-        /// Stop after this many pods.
+        /// Pods in the job (without a job: stop after this many pods).
         #[arg(long)]
         count: Option<usize>,
+        /// A gang: all pods or none (minCount = --count).
+        #[arg(long, conflicts_with = "min_count")]
+        gang: bool,
+        /// A gang that needs at least this many pods placed (all or nothing below it).
+        #[arg(long)]
+        min_count: Option<usize>,
+        /// Keep every pod within one domain: nodes sharing this label's value (a PodGroup's
+        /// schedulingConstraints.topology[0].key, KEP-5732).
+        #[arg(long)]
+        topology_key: Option<String>,
+        /// A PodGroup manifest (scheduling.k8s.io/v1alpha2, Kubernetes 1.36, or v1beta1,
+        /// 1.37): its gang minCount, topology key and resourceClaims; the file may hold the
+        /// ResourceClaimTemplates and ResourceClaims its claims name. Repeatable (one PodGroup in
+        /// all).
+        #[arg(long = "pod-group", conflicts_with_all = ["gang", "min_count", "topology_key"])]
+        pod_group: Vec<String>,
         /// Kubeconfig file (live cluster).
         #[arg(long)]
         kubeconfig: Option<std::path::PathBuf>,
@@ -252,6 +280,10 @@ fn main() -> anyhow::Result<()> {
         files,
         templates,
         count,
+        gang,
+        min_count,
+        topology_key,
+        pod_group,
         kubeconfig,
         context,
         output,
@@ -261,7 +293,23 @@ fn main() -> anyhow::Result<()> {
             kubeconfig: kubeconfig.clone(),
             context: context.clone(),
         };
-        std::process::exit(simulate(files, templates, *count, &connection, *output));
+        let job = dractl::simulate::Job {
+            count: *count,
+            gang: *gang,
+            min_count: *min_count,
+            topology_key: topology_key.clone(),
+        };
+        let is_job = count.is_some()
+            || *gang
+            || min_count.is_some()
+            || topology_key.is_some()
+            || !pod_group.is_empty();
+        let code = if is_job {
+            simulate_job(files, templates, pod_group, &job, &connection, *output)
+        } else {
+            simulate(files, templates, *count, &connection, *output)
+        };
+        std::process::exit(code);
     }
     if let Command::Top {
         namespace,
@@ -440,6 +488,30 @@ fn explain_live(
     print("explain", dractl::explain::render(&report, output))
 }
 
+/// The cluster for `dractl simulate`: the files, or the live cluster. `Err((code,
+/// message))`: 2 for bad input, `unreadable` when the cluster cannot be read.
+fn simulate_cluster(
+    files: &[String],
+    connection: &dractl::live::Connection,
+    options: &dractl::allocate::Options,
+    unreadable: i32,
+) -> Result<dra_allocator::Objects, i32> {
+    if files.is_empty() {
+        let loaded = block_on("simulate", dractl::live::load_cluster(connection))?;
+        loaded.map_err(|e| {
+            eprintln!("dractl simulate: {e}");
+            unreadable
+        })
+    } else {
+        dractl::objects::load_files(files)
+            .and_then(|inputs| dractl::allocate::objects(inputs, options))
+            .map_err(|e| {
+                eprintln!("dractl simulate: {e}");
+                2
+            })
+    }
+}
+
 /// `dractl simulate`: 0 when simulated, 2 for bad input, 1 when the cluster cannot be read.
 fn simulate(
     files: &[String],
@@ -456,28 +528,9 @@ fn simulate(
         }
     };
     let options = dractl::allocate::Options::default();
-    let cluster = if files.is_empty() {
-        let loaded = match block_on("simulate", dractl::live::load_cluster(connection)) {
-            Ok(loaded) => loaded,
-            Err(code) => return code,
-        };
-        match loaded {
-            Ok(o) => o,
-            Err(e) => {
-                eprintln!("dractl simulate: {e}");
-                return 1;
-            }
-        }
-    } else {
-        match dractl::objects::load_files(files)
-            .and_then(|inputs| dractl::allocate::objects(inputs, &options))
-        {
-            Ok(o) => o,
-            Err(e) => {
-                eprintln!("dractl simulate: {e}");
-                return 2;
-            }
-        }
+    let cluster = match simulate_cluster(files, connection, &options, 1) {
+        Ok(c) => c,
+        Err(code) => return code,
     };
     let simulation = dractl::simulate::simulate(cluster, &templates, count, &options);
     let rendered = match output {
@@ -488,6 +541,62 @@ fn simulate(
         dractl::explain::Format::Yaml => gpu_inventory::yaml::to_string(&simulation),
     };
     print("simulate", rendered)
+}
+
+/// `dractl simulate` for a job: 0 when it fits, 1 when it does not, 2 when it cannot be
+/// answered (bad input, the cluster cannot be read, the output cannot be written).
+fn simulate_job(
+    files: &[String],
+    templates: &[String],
+    pod_group: &[String],
+    job: &dractl::simulate::Job,
+    connection: &dractl::live::Connection,
+    output: dractl::explain::Format,
+) -> i32 {
+    let read = (|| {
+        let templates = if templates.is_empty() {
+            Vec::new()
+        } else {
+            dractl::simulate::templates(templates)?
+        };
+        let group = if pod_group.is_empty() {
+            None
+        } else {
+            Some(dractl::simulate::read_pod_group(pod_group)?)
+        };
+        Ok::<_, dractl::objects::InputError>((templates, group))
+    })();
+    let (templates, group) = match read {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("dractl simulate: {e}");
+            return 2;
+        }
+    };
+    let options = dractl::allocate::Options::default();
+    let cluster = match simulate_cluster(files, connection, &options, 2) {
+        Ok(c) => c,
+        Err(_) => return 2,
+    };
+    let simulation = match dractl::simulate::simulate_job(cluster, templates, group, job, &options)
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("dractl simulate: {e}");
+            return 2;
+        }
+    };
+    let rendered = match output {
+        dractl::explain::Format::Text => Ok(dractl::simulate::job_text(&simulation)),
+        dractl::explain::Format::Json => serde_json::to_string(&simulation)
+            .map(|s| s + "\n")
+            .map_err(|e| e.to_string()),
+        dractl::explain::Format::Yaml => gpu_inventory::yaml::to_string(&simulation),
+    };
+    match print("simulate", rendered) {
+        0 => i32::from(!simulation.placement.fits),
+        _ => 2,
+    }
 }
 
 /// Runs `future` on a runtime of its own (the live-cluster paths); `Err(1)` when no runtime

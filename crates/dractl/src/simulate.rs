@@ -1,5 +1,6 @@
 //! `dractl simulate`: how many more pods with the given claim templates fit, on which nodes,
-//! and what stops the next one.
+//! and what stops the next one ([`simulate`]); or whether a job of N pods, a gang, fits, where,
+//! and what blocks it ([`simulate_job`], over [`dra_allocator::gang`]).
 //!
 //! Pods are placed one after the other, each on the first node (in input order) where the
 //! allocator ([`dra_allocator::allocate`], the scheduler's own rules) fits its claims; its
@@ -11,12 +12,14 @@
 use std::collections::BTreeMap;
 
 use dra_allocator::explain::ExplainReport;
+use dra_allocator::gang::{Flag, Group, GroupPlacement, GroupPod};
 use dra_allocator::{NodeReport, Objects, Options};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimStatus};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::objects::{InputError, Reader};
+use crate::objects::{InputError, Location, Reader};
+use crate::podgroup::{ClaimSource, PodGroup};
 
 /// Most pods simulated when `--count` is not given.
 pub const MAX_PODS: usize = 10_000;
@@ -59,40 +62,51 @@ pub struct Simulation {
 /// # Errors
 /// An [`InputError`] naming the file and document, also when the files hold no template.
 pub fn templates(files: &[String]) -> Result<Vec<ResourceClaim>, InputError> {
-    let mut reader = Reader::new();
-    let mut found = 0;
+    let mut docs = Vec::new();
     for file in files {
         // Every stream kubectl reads, `List`s expanded (`crate::objects::documents`).
         let text = crate::objects::read_input(file)?;
         for (location, value) in crate::objects::documents(file, &text)? {
-            let claim = match value.get("kind").and_then(Value::as_str) {
-                Some("ResourceClaimTemplate") => serde_json::json!({
-                    "apiVersion": "resource.k8s.io/v1",
-                    "kind": "ResourceClaim",
-                    "metadata": {
-                        "name": value.pointer("/metadata/name").cloned().unwrap_or(Value::Null),
-                        "namespace": value.pointer("/metadata/namespace").cloned()
-                            .unwrap_or_else(|| Value::from("default")),
-                    },
-                    "spec": value.pointer("/spec/spec").cloned().unwrap_or(Value::Null),
-                }),
-                Some("ResourceClaim") => value,
+            match value.get("kind").and_then(Value::as_str) {
+                Some("ResourceClaimTemplate" | "ResourceClaim") => docs.push((location, value)),
                 other => {
                     return Err(InputError::general(format!(
                         "{location}: kind {other:?}: expected a ResourceClaimTemplate or ResourceClaim"
                     )));
                 }
-            };
-            found += 1;
-            reader.read_value(location, claim)?;
+            }
         }
     }
-    if found == 0 {
+    if docs.is_empty() {
         return Err(InputError::general(
             "--claim-template: no ResourceClaimTemplate or ResourceClaim in the files",
         ));
     }
-    // Defaulted as the API server stores claims (allocationMode, count, toleration operator).
+    read_claims(docs)
+}
+
+/// ResourceClaimTemplates (as the claims they make, named after the template) and
+/// ResourceClaims, read and validated as `dractl allocate` reads claims, then defaulted as the
+/// API server stores them (allocationMode, count, toleration operator).
+fn read_claims(docs: Vec<(Location, Value)>) -> Result<Vec<ResourceClaim>, InputError> {
+    let mut reader = Reader::new();
+    for (location, value) in docs {
+        let claim = if value.get("kind").and_then(Value::as_str) == Some("ResourceClaimTemplate") {
+            serde_json::json!({
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {
+                    "name": value.pointer("/metadata/name").cloned().unwrap_or(Value::Null),
+                    "namespace": value.pointer("/metadata/namespace").cloned()
+                        .unwrap_or_else(|| Value::from("default")),
+                },
+                "spec": value.pointer("/spec/spec").cloned().unwrap_or(Value::Null),
+            })
+        } else {
+            value
+        };
+        reader.read_value(location, claim)?;
+    }
     let mut objects = Objects {
         nodes: Vec::new(),
         classes: Vec::new(),
@@ -101,6 +115,429 @@ pub fn templates(files: &[String]) -> Result<Vec<ResourceClaim>, InputError> {
     };
     dra_allocator::apply_defaults(&mut objects);
     Ok(objects.claims)
+}
+
+/// What `--pod-group` files hold: the PodGroup, and the ResourceClaimTemplates and
+/// ResourceClaims beside it (its claims may name them).
+#[derive(Debug, Clone)]
+pub struct PodGroupInput {
+    /// The PodGroup.
+    pub pod_group: PodGroup,
+    /// ResourceClaimTemplates in the files, as the claims they make.
+    pub templates: Vec<ResourceClaim>,
+    /// ResourceClaims in the files.
+    pub claims: Vec<ResourceClaim>,
+}
+
+/// Reads `--pod-group` files: exactly one PodGroup ([`crate::podgroup`]), plus any
+/// ResourceClaimTemplates and ResourceClaims its claims name; Workloads are skipped.
+///
+/// # Errors
+/// An [`InputError`] naming the file, document, object and field.
+pub fn read_pod_group(files: &[String]) -> Result<PodGroupInput, InputError> {
+    let mut groups = Vec::new();
+    let mut templates = Vec::new();
+    let mut claims = Vec::new();
+    for file in files {
+        let text = crate::objects::read_input(file)?;
+        for (location, value) in crate::objects::documents(file, &text)? {
+            match value.get("kind").and_then(Value::as_str) {
+                Some("PodGroup") => groups.push(crate::podgroup::parse(location, &value)?),
+                Some("ResourceClaimTemplate") => templates.push((location, value)),
+                Some("ResourceClaim") => claims.push((location, value)),
+                Some("Workload") => {}
+                other => {
+                    return Err(InputError::general(format!(
+                        "{location}: kind {other:?}: expected a PodGroup, or the \
+                         ResourceClaimTemplates and ResourceClaims it names"
+                    )));
+                }
+            }
+        }
+    }
+    let pod_group = match groups.len() {
+        1 => groups.remove(0),
+        0 => return Err(InputError::general("--pod-group: no PodGroup in the files")),
+        n => {
+            return Err(InputError::general(format!(
+                "--pod-group: {n} PodGroups in the files ({}): simulate one at a time",
+                groups
+                    .iter()
+                    .map(PodGroup::object)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    };
+    Ok(PodGroupInput {
+        pod_group,
+        templates: read_claims(templates)?,
+        claims: read_claims(claims)?,
+    })
+}
+
+/// A job to place: its pods, and whether they are a gang.
+#[derive(Debug, Clone, Default)]
+pub struct Job {
+    /// Pods (`--count`); without it, the gang's `minCount`.
+    pub count: Option<usize>,
+    /// `--gang`: all or nothing, `minCount` = the pods.
+    pub gang: bool,
+    /// `--min-count`: a gang of this `minCount`.
+    pub min_count: Option<usize>,
+    /// `--topology-key`.
+    pub topology_key: Option<String>,
+}
+
+/// [`simulate_job`]'s answer.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct JobSimulation {
+    /// The PodGroup, `namespace/name`, when one was given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_group: Option<String>,
+    /// Where the pods go, or why not ([`dra_allocator::gang`]).
+    #[serde(flatten)]
+    pub placement: GroupPlacement,
+    /// Unallocated claims in the cluster input, left out (they belong to other pending pods).
+    pub ignored_pending_claims: usize,
+}
+
+/// Places a job's pods on the cluster ([`dra_allocator::gang::place`]): `job.count` pods (or
+/// the gang's `minCount`), each with one claim per template of `templates`, plus the claims
+/// of `pod_group` shared by all. A PodGroup claim naming a template is made from a template
+/// of the PodGroup's files or of `templates` (which then is no pod's own); one naming a
+/// ResourceClaim finds it in the PodGroup's files or the cluster's claims.
+///
+/// # Errors
+/// An [`InputError`]: no pod count, no claims at all, a PodGroup claim whose template or
+/// claim is nowhere, or a slice or claim with a malformed quantity.
+pub fn simulate_job(
+    mut cluster: Objects,
+    mut templates: Vec<ResourceClaim>,
+    pod_group: Option<PodGroupInput>,
+    job: &Job,
+    options: &Options,
+) -> Result<JobSimulation, InputError> {
+    let mut shared: Vec<ResourceClaim> = Vec::new();
+    let (mut min_count, mut topology_key) = (job.min_count, job.topology_key.clone());
+    let mut pod_prefix = "pod".to_owned();
+    let mut group_name = None;
+    if let Some(input) = &pod_group {
+        let pg = &input.pod_group;
+        min_count = min_count.or(pg.min_count);
+        topology_key = topology_key.or_else(|| pg.topology_key.clone());
+        pod_prefix.clone_from(&pg.name);
+        group_name = Some(format!("{}/{}", pg.namespace, pg.name));
+        let same = |c: &ResourceClaim, name: &str| {
+            c.metadata.name.as_deref() == Some(name)
+                && c.metadata.namespace.as_deref().unwrap_or("default") == pg.namespace
+        };
+        for claim in &pg.claims {
+            match &claim.source {
+                ClaimSource::Template(t) => {
+                    let from_group = input.templates.iter().find(|c| same(c, t)).cloned();
+                    let template = match from_group {
+                        Some(c) => c,
+                        None => match templates.iter().position(|c| same(c, t)) {
+                            Some(i) => templates.remove(i),
+                            None => {
+                                return Err(pg.error(
+                                    &format!("{}.resourceClaimTemplateName", claim.field),
+                                    format!(
+                                        "ResourceClaimTemplate {}/{t} is in neither the \
+                                         --pod-group nor the --claim-template files",
+                                        pg.namespace
+                                    ),
+                                ));
+                            }
+                        },
+                    };
+                    let mut c = template;
+                    c.metadata.name = Some(format!("{}-{}-simulated", pg.name, claim.name));
+                    shared.push(c);
+                }
+                ClaimSource::Claim(n) => {
+                    let found = input
+                        .claims
+                        .iter()
+                        .find(|c| same(c, n))
+                        .cloned()
+                        .or_else(|| {
+                            let i = cluster.claims.iter().position(|c| same(c, n))?;
+                            Some(cluster.claims.remove(i))
+                        });
+                    match found {
+                        Some(c) => shared.push(c),
+                        None => {
+                            return Err(pg.error(
+                                &format!("{}.resourceClaimName", claim.field),
+                                format!(
+                                    "ResourceClaim {}/{n} is in neither the --pod-group files \
+                                     nor the cluster (a live cluster's unallocated claims are \
+                                     not read: put it in the --pod-group files)",
+                                    pg.namespace
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if job.gang && min_count.is_none() {
+        min_count = job.count;
+    }
+    let count = job.count.or(min_count).ok_or_else(|| {
+        InputError::general(
+            "--count: how many pods? (or a gang's minCount: --min-count, --pod-group)",
+        )
+    })?;
+    if templates.is_empty() && shared.is_empty() {
+        return Err(InputError::general(
+            "--claim-template: the pods have no claims (every template is the PodGroup's)",
+        ));
+    }
+    let before = cluster.claims.len();
+    cluster.claims.retain(dra_allocator::is_allocated);
+    let ignored_pending_claims = before - cluster.claims.len();
+    let pods = (1..=count)
+        .map(|i| GroupPod {
+            name: format!("{pod_prefix}-{i}"),
+            claims: templates
+                .iter()
+                .map(|t| {
+                    let mut claim = t.clone();
+                    let name = t.metadata.name.as_deref().unwrap_or("claim");
+                    claim.metadata.name = Some(format!("simulated-{i}-{name}"));
+                    claim
+                })
+                .collect(),
+        })
+        .collect();
+    let group = Group {
+        pods,
+        shared,
+        min_count,
+        topology_key,
+    };
+    let placement = dra_allocator::gang::place(&cluster, &group, options)
+        .map_err(|e| InputError::general(e.to_string()))?;
+    Ok(JobSimulation {
+        pod_group: group_name,
+        placement,
+        ignored_pending_claims,
+    })
+}
+
+/// A device for text: `device` where its pool is named after the node (as drust's are),
+/// else `pool/device`.
+fn short_device(node: &str, id: &str) -> String {
+    let mut parts = id.splitn(3, '/');
+    let (_, pool, device) = (parts.next(), parts.next(), parts.next());
+    match (pool, device) {
+        (Some(p), Some(d)) if p == node => d.to_owned(),
+        (Some(p), Some(d)) => format!("{p}/{d}"),
+        _ => id.to_owned(),
+    }
+}
+
+fn plural(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
+}
+
+/// The grouped reasons of an explanation, one line each, indented.
+fn reasons(out: &mut String, report: &ExplainReport, indent: &str) {
+    use std::fmt::Write as _;
+    for group in report.groups() {
+        if let Some(reason) = group.reason {
+            let nodes = if group.nodes.len() <= 3 {
+                format!(
+                    "{} ({})",
+                    plural(group.nodes.len(), "node"),
+                    group.nodes.join(", ")
+                )
+            } else {
+                plural(group.nodes.len(), "node")
+            };
+            let what = if group.error { "error" } else { "does not fit" };
+            let _ = writeln!(out, "{indent}{nodes}, {what}: {reason}");
+        }
+    }
+}
+
+/// The human report of a job.
+pub fn job_text(s: &JobSimulation) -> String {
+    use std::fmt::Write as _;
+    let p = &s.placement;
+    let mut out = String::new();
+    let mut what = if p.gang {
+        format!(
+            "A gang of {} (minCount {})",
+            plural(p.pods, "pod"),
+            p.required
+        )
+    } else {
+        format!("A job of {}", plural(p.pods, "pod"))
+    };
+    if let Some(g) = &s.pod_group {
+        what = format!("PodGroup {g}: {}", what.replacen('A', "a", 1));
+    }
+    if let Some(key) = &p.topology_key {
+        let _ = write!(what, " in one domain of {key}");
+    }
+    let headline = if p.waiting_for_pods {
+        format!(
+            "{what}: does not fit: the scheduler waits for {} to exist and tries nothing.",
+            plural(p.required, "pod")
+        )
+    } else if p.fits {
+        match &p.domain {
+            Some(d) => format!("{what}: fits, in {d}."),
+            None => format!("{what}: fits."),
+        }
+    } else if p.gang {
+        format!("{what}: does not fit; nothing is placed.")
+    } else {
+        format!(
+            "{what}: does not fit: {} of {} fit{}.",
+            p.placed.len(),
+            plural(p.pods, "pod"),
+            p.domain
+                .as_ref()
+                .map(|d| format!(" (in {d})"))
+                .unwrap_or_default()
+        )
+    };
+    let _ = writeln!(out, "{headline}");
+    for pod in &p.placed {
+        let devices: Vec<String> = pod
+            .devices
+            .iter()
+            .map(|d| short_device(&pod.node, d))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {} on {}: {}",
+            pod.name,
+            pod.node,
+            if devices.is_empty() {
+                "no devices".to_owned()
+            } else {
+                devices.join(", ")
+            }
+        );
+    }
+    for c in &p.shared_claims {
+        let results: Vec<String> = c
+            .allocation
+            .devices
+            .iter()
+            .flat_map(|d| d.results.iter().flatten())
+            .map(|r| format!("{}/{}/{}", r.driver, r.pool, r.device))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  the group's claim {}/{}: {}",
+            c.namespace,
+            c.name,
+            results.join(", ")
+        );
+    }
+    if !p.placed.is_empty() {
+        let mut per_node: BTreeMap<&str, usize> = BTreeMap::new();
+        for pod in &p.placed {
+            *per_node.entry(pod.node.as_str()).or_default() += 1;
+        }
+        let per: Vec<String> = per_node.iter().map(|(n, k)| format!("{n}: {k}")).collect();
+        let _ = writeln!(out, "Per node: {}.", per.join(", "));
+    }
+    if !p.unlabeled_nodes.is_empty() {
+        let names = if p.unlabeled_nodes.len() <= 5 {
+            format!(" ({})", p.unlabeled_nodes.join(", "))
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            out,
+            "{} without the label {} in no domain{names}.",
+            plural(p.unlabeled_nodes.len(), "node"),
+            p.topology_key.as_deref().unwrap_or("")
+        );
+    }
+    // Where the scheduler's order stopped, per domain (every domain but the chosen one when
+    // the job fits).
+    for d in &p.domains {
+        let chosen = p.fits && d.name == p.domain;
+        let Some(b) = &d.blocked else { continue };
+        if chosen && !p.gang && d.placed == p.pods {
+            continue;
+        }
+        let place = match &d.name {
+            Some(n) => format!(
+                "In {n} ({}): {} of {} fit; ",
+                plural(d.nodes.len(), "node"),
+                d.placed,
+                plural(p.pods, "pod")
+            ),
+            None => String::new(),
+        };
+        let _ = writeln!(out);
+        match &b.error {
+            Some(e) => {
+                let _ = writeln!(
+                    out,
+                    "{place}{}'s attempt fails with the scheduler's error, which stops the group: {e}",
+                    b.name
+                );
+            }
+            None => {
+                let _ = writeln!(out, "{place}{} fits on no node:", b.name);
+                reasons(&mut out, &b.report, "  ");
+            }
+        }
+    }
+    if p.placement_exists == Some(false) && !p.waiting_for_pods {
+        let most: Vec<String> = p
+            .domains
+            .iter()
+            .filter_map(|d| {
+                let c = d.capacity.as_ref()?;
+                Some(match &d.name {
+                    Some(n) => format!("{} in {n}", c.pods),
+                    None => c.pods.to_string(),
+                })
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "\nNo choice of devices does better: with devices chosen together, at most {} fit.",
+            most.join(", ")
+        );
+    }
+    let notes: Vec<&Flag> = p
+        .flags
+        .iter()
+        .filter(|f| f.code != "waitingForPods")
+        .collect();
+    if !notes.is_empty() {
+        let _ = writeln!(out);
+        for f in notes {
+            let _ = writeln!(out, "Note ({}): {}.", f.code, f.message);
+        }
+    }
+    if s.ignored_pending_claims > 0 {
+        let _ = writeln!(
+            out,
+            "({} unallocated claims in the input were left out: they belong to other pending pods.)",
+            s.ignored_pending_claims
+        );
+    }
+    out
 }
 
 /// Places pods with one claim per template until one does not fit, `count` fit, or

@@ -13,7 +13,7 @@
 //! The test oracle (`tests/gotools/cmd/allocoracle`) runs the API server's own code on the same
 //! input; both must refuse the same objects.
 
-mod names;
+pub(crate) mod names;
 mod strict;
 pub mod validate;
 
