@@ -7,6 +7,7 @@ use std::io::{BufRead, Write};
 
 pub mod allocate;
 pub mod explain;
+pub mod kueue;
 pub mod lint;
 pub mod live;
 pub mod objects;

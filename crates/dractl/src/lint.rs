@@ -22,7 +22,16 @@
 //! - `examples` (a warning, exit status 0): a claim that fits only a machine of a known model,
 //!   none of the example machines: valid, but nothing in this repository shows it running.
 //!
-//! Other kinds in the files (Pods, Namespaces, ...) are skipped and counted.
+//! - `kueue` (warnings): for a workload queued by Kueue (a Job, JobSet, Pod, ... labelled
+//!   `kueue.x-k8s.io/queue-name`), what Kueue refuses or does not check in the claims its pods
+//!   use ([`crate::kueue`]): a claim named directly, `firstAvailable`, `allocationMode: All`, a
+//!   DeviceClass that the Kueue Configuration given with `--kueue-config` does not map, and a
+//!   claim (or its `matchAttribute` constraint) that no node of the slices given with
+//!   `--slices` can satisfy. Each names the workload, the template and its field, and what to
+//!   do instead.
+//!
+//! Other kinds in the files (Namespaces, workloads that are not queued, ...) are skipped and
+//! counted.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -164,8 +173,8 @@ pub struct Finding {
     pub object: String,
     /// The field path.
     pub field: String,
-    /// `cel`, `attribute`, `config`, `unsatisfiable`, `decode` (errors) or `examples` (a
-    /// warning).
+    /// `cel`, `attribute`, `config`, `unsatisfiable`, `decode` (errors), `examples` or
+    /// `kueue` (warnings).
     pub check: &'static str,
     /// Error or warning.
     pub severity: Severity,
@@ -413,11 +422,34 @@ enum Object {
     Template(Box<ResourceClaimTemplate>),
 }
 
+/// What queued workloads are checked against, beyond the files themselves.
+#[derive(Debug, Clone, Default)]
+pub struct Context {
+    /// The cluster's published slices (`--slices`): a queued job's claim that no node of them
+    /// can satisfy gets a warning.
+    pub cluster: Option<crate::kueue::Cluster>,
+    /// Kueue's Configuration (`--kueue-config`): a queued job's DeviceClass it does not map
+    /// gets a warning.
+    pub kueue: Option<crate::kueue::Mappings>,
+}
+
 /// Lints `paths` (`-` for stdin) for `driver`.
 ///
 /// # Errors
 /// An unreadable file or a document that is not YAML or JSON ([`InputError`], exit status 2).
 pub fn lint_files(paths: &[String], driver: &str) -> Result<Report, InputError> {
+    lint_files_with(paths, driver, &Context::default())
+}
+
+/// [`lint_files`], with queued workloads checked against `context`.
+///
+/// # Errors
+/// As [`lint_files`].
+pub fn lint_files_with(
+    paths: &[String],
+    driver: &str,
+    context: &Context,
+) -> Result<Report, InputError> {
     let mut docs = Vec::new();
     for path in paths {
         docs.extend(crate::objects::documents(
@@ -425,7 +457,7 @@ pub fn lint_files(paths: &[String], driver: &str) -> Result<Report, InputError> 
             &crate::objects::read_input(path)?,
         )?);
     }
-    lint_values(docs, driver)
+    lint_values_with(docs, driver, context)
 }
 
 /// [`lint_files`] on decoded documents.
@@ -433,7 +465,20 @@ pub fn lint_files(paths: &[String], driver: &str) -> Result<Report, InputError> 
 /// # Errors
 /// When the built-in topologies cannot be published (a defect of this build).
 pub fn lint_values(docs: Vec<(Location, Value)>, driver: &str) -> Result<Report, InputError> {
+    lint_values_with(docs, driver, &Context::default())
+}
+
+/// [`lint_files_with`] on decoded documents.
+///
+/// # Errors
+/// As [`lint_values`].
+pub fn lint_values_with(
+    docs: Vec<(Location, Value)>,
+    driver: &str,
+    context: &Context,
+) -> Result<Report, InputError> {
     let known = Known::new(driver)?;
+    let mut queued: Vec<(Location, String, Value)> = Vec::new();
     let mut report = Report {
         driver: driver.to_owned(),
         ..Report::default()
@@ -464,7 +509,14 @@ pub fn lint_values(docs: Vec<(Location, Value)>, driver: &str) -> Result<Report,
                 serde_json::from_value(value).map(|c| Object::Template(Box::new(c)))
             }
             _ => {
-                report.skipped += 1;
+                if crate::kueue::queue_name(&value).is_some()
+                    && !crate::kueue::pod_specs(&value).is_empty()
+                {
+                    report.checked += 1;
+                    queued.push((location, object, value));
+                } else {
+                    report.skipped += 1;
+                }
                 continue;
             }
         };
@@ -539,7 +591,75 @@ pub fn lint_values(docs: Vec<(Location, Value)>, driver: &str) -> Result<Report,
             }
         }
     }
+    queued_warnings(&queued, &objects, &classes, &known, context, &mut report);
     Ok(report)
+}
+
+/// The `kueue` warnings of every queued workload, on the templates of the files that its pods
+/// name.
+fn queued_warnings(
+    queued: &[(Location, String, Value)],
+    objects: &[(Location, String, Object)],
+    files: &[DeviceClass],
+    known: &Known,
+    context: &Context,
+    report: &mut Report,
+) {
+    // The classes a claim may use: the files', the --slices files', the chart's.
+    let mut classes: Vec<DeviceClass> = files.to_vec();
+    let extra = context
+        .cluster
+        .iter()
+        .flat_map(|c| &c.classes)
+        .chain(&known.classes);
+    for c in extra {
+        if !classes.iter().any(|f| f.metadata.name == c.metadata.name) {
+            classes.push(c.clone());
+        }
+    }
+    for (location, object, value) in queued {
+        let queue = crate::kueue::queue_name(value).unwrap_or("");
+        let namespace = value["metadata"]["namespace"].as_str().unwrap_or("default");
+        let mut warn = |field: String, message: String| {
+            report.findings.push(Finding {
+                location: location.to_string(),
+                object: object.clone(),
+                field,
+                check: "kueue",
+                severity: Severity::Warning,
+                message: format!("queued in {queue}: {message}"),
+            });
+        };
+        for (prefix, spec) in crate::kueue::pod_specs(value) {
+            for (field, message) in crate::kueue::direct_claims(&prefix, spec) {
+                warn(field, message);
+            }
+            for (field, name) in crate::kueue::template_refs(&prefix, spec) {
+                let template = objects.iter().find_map(|(_, _, o)| match o {
+                    Object::Template(t)
+                        if t.metadata.name.as_deref() == Some(name.as_str())
+                            && t.metadata.namespace.as_deref().unwrap_or("default")
+                                == namespace =>
+                    {
+                        Some(t)
+                    }
+                    _ => None,
+                });
+                let Some(template) = template else { continue };
+                for (inner, message) in crate::kueue::template_warnings(
+                    template,
+                    context.kueue.as_ref(),
+                    context.cluster.as_ref(),
+                    &classes,
+                ) {
+                    warn(
+                        format!("{field} (ResourceClaimTemplate {namespace}/{name}: {inner})"),
+                        message,
+                    );
+                }
+            }
+        }
+    }
 }
 
 struct Lint<'a> {

@@ -181,8 +181,12 @@ enum Command {
     /// Selectors compiled with the API server's rules (syntax, types, length, cost), attribute
     /// and capacity names checked against what the driver publishes (a typo gets the nearest
     /// name), opaque configs for the driver decoded strictly (ours and NVIDIA's
-    /// resource.nvidia.com/v1beta1), and claims no known topology could satisfy. Other kinds in
-    /// the files are skipped. Exit status 0 when clean, 1 with findings, 2 for unreadable input.
+    /// resource.nvidia.com/v1beta1), and claims no known topology could satisfy. Workloads queued
+    /// by Kueue (label kueue.x-k8s.io/queue-name) get warnings where Kueue refuses or does not
+    /// check their claims (a claim named directly, firstAvailable, allocationMode All, a
+    /// DeviceClass outside --kueue-config's mappings, a claim or constraint no node of --slices
+    /// can satisfy). Other kinds in the files are skipped. Exit status 0 when clean or with
+    /// warnings only, 1 with findings, 2 for unreadable input.
     Lint {
         /// Input file (`-` for stdin); repeatable.
         #[arg(short = 'f', long = "filename", required = true)]
@@ -191,6 +195,16 @@ enum Command {
         /// device names and spellings).
         #[arg(long, default_value = "gpu.drust.dev")]
         driver_name: String,
+        /// The cluster's published ResourceSlices (with its Nodes and DeviceClasses, as
+        /// `kubectl get resourceslices,nodes,deviceclasses -o yaml` prints them); repeatable. A
+        /// job queued by Kueue whose claim no node of them can satisfy (its NVLink
+        /// matchAttribute, say) gets a warning: Kueue admits it anyway.
+        #[arg(long = "slices")]
+        slices: Vec<String>,
+        /// Kueue's Configuration (or the ConfigMap holding it): a queued job's DeviceClass it
+        /// does not map in deviceClassMappings gets a warning.
+        #[arg(long = "kueue-config")]
+        kueue_config: Option<String>,
         /// Output format.
         #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
         output: LintFormat,
@@ -360,10 +374,27 @@ fn main() -> anyhow::Result<()> {
     if let Command::Lint {
         files,
         driver_name,
+        slices,
+        kueue_config,
         output,
     } = &cli.command
     {
-        let code = match dractl::lint::lint_files(files, driver_name) {
+        let context = (|| {
+            Ok::<_, dractl::objects::InputError>(dractl::lint::Context {
+                cluster: if slices.is_empty() {
+                    None
+                } else {
+                    Some(dractl::kueue::Cluster::read(slices)?)
+                },
+                kueue: kueue_config
+                    .as_deref()
+                    .map(dractl::kueue::read_config)
+                    .transpose()?,
+            })
+        })();
+        let code = match context
+            .and_then(|context| dractl::lint::lint_files_with(files, driver_name, &context))
+        {
             Ok(report) => {
                 let out = match output {
                     LintFormat::Text => report.text(),

@@ -385,3 +385,206 @@ fn a_claim_of_two_shares_is_refused_by_name_before_a_pod_waits_for_it() {
         }
     }
 }
+
+/// A Job queued by Kueue, with one claim of each kind Kueue refuses or does not check
+/// (README "Queued jobs with Kueue"), and the same Job without the queue label.
+const QUEUED: &str = r#"
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: nvlink-four, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpus
+          exactly: {deviceClassName: gpu.drust.dev, count: 4}
+      constraints:
+        - {requests: [gpus], matchAttribute: gpu.drust.dev/nvlinkDomain}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: h100-else-a100, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          firstAvailable:
+            - {name: h100, deviceClassName: gpu.drust.dev}
+            - {name: a100, deviceClassName: gpu.drust.dev}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: whole-node, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpus
+          exactly: {deviceClassName: gpu.drust.dev, allocationMode: All}
+---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: hopper, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly: {deviceClassName: hopper-or-newer.drust.dev}
+---
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: train
+  namespace: default
+  labels: {kueue.x-k8s.io/queue-name: training}
+spec:
+  template:
+    spec:
+      restartPolicy: Never
+      containers: [{name: train, image: busybox}]
+      resourceClaims:
+        - {name: gpus, resourceClaimTemplateName: nvlink-four}
+        - {name: fallback, resourceClaimTemplateName: h100-else-a100}
+        - {name: all, resourceClaimTemplateName: whole-node}
+        - {name: hopper, resourceClaimTemplateName: hopper}
+        - {name: cache, resourceClaimName: team-cache}
+---
+apiVersion: batch/v1
+kind: Job
+metadata: {name: not-queued, namespace: default}
+spec:
+  template:
+    spec:
+      restartPolicy: Never
+      containers: [{name: train, image: busybox}]
+      resourceClaims:
+        - {name: gpus, resourceClaimTemplateName: nvlink-four}
+        - {name: cache, resourceClaimName: team-cache}
+"#;
+
+/// A node of four GPUs on two NVLink bridges (two per `nvlinkDomain`), as `--slices` input.
+const BRIDGED_NODE: &str = r#"
+apiVersion: resource.k8s.io/v1
+kind: ResourceSlice
+metadata: {name: bridged-gpus}
+spec:
+  driver: gpu.drust.dev
+  nodeName: bridged
+  pool: {name: bridged, generation: 1, resourceSliceCount: 1}
+  devices:
+    - {name: gpu-0, attributes: {type: {string: gpu}, nvlinkDomain: {string: "0000:18:00.0"}}}
+    - {name: gpu-1, attributes: {type: {string: gpu}, nvlinkDomain: {string: "0000:18:00.0"}}}
+    - {name: gpu-2, attributes: {type: {string: gpu}, nvlinkDomain: {string: "0000:3a:00.0"}}}
+    - {name: gpu-3, attributes: {type: {string: gpu}, nvlinkDomain: {string: "0000:3a:00.0"}}}
+"#;
+
+#[test]
+fn a_queued_job_is_warned_of_each_claim_kueue_refuses_or_does_not_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let jobs = dir.path().join("queued.yaml");
+    std::fs::write(&jobs, QUEUED).unwrap();
+    let slices = dir.path().join("slices.yaml");
+    std::fs::write(&slices, BRIDGED_NODE).unwrap();
+    let config = repo().join("examples/kueue/kueue-config.yaml");
+    let out = lint(
+        std::slice::from_ref(&jobs),
+        &[
+            "--slices",
+            slices.to_str().unwrap(),
+            "--kueue-config",
+            config.to_str().unwrap(),
+            "-o",
+            "json",
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "warnings only: {}",
+        text(&out.stderr)
+    );
+    let json: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let kueue: Vec<(&str, &str, &str)> = json["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["check"] == "kueue")
+        .map(|f| {
+            assert_eq!(f["severity"], "warning");
+            (
+                f["object"].as_str().unwrap(),
+                f["field"].as_str().unwrap(),
+                f["message"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let p = "spec.template.spec.resourceClaims";
+    let expected = [
+        (
+            format!("{p}[4].resourceClaimName"),
+            "does not support use of resource claims",
+        ),
+        (
+            format!(
+                "{p}[0].resourceClaimTemplateName (ResourceClaimTemplate default/nvlink-four: spec.spec.devices.constraints[0])"
+            ),
+            "can satisfy matchAttribute gpu.drust.dev/nvlinkDomain for these requests",
+        ),
+        (
+            format!(
+                "{p}[1].resourceClaimTemplateName (ResourceClaimTemplate default/h100-else-a100: spec.spec.devices.requests[0].firstAvailable)"
+            ),
+            "FirstAvailable device selection is not supported",
+        ),
+        (
+            format!(
+                "{p}[2].resourceClaimTemplateName (ResourceClaimTemplate default/whole-node: spec.spec.devices.requests[0].exactly.allocationMode)"
+            ),
+            "AllocationMode 'All' is not supported",
+        ),
+        (
+            format!(
+                "{p}[3].resourceClaimTemplateName (ResourceClaimTemplate default/hopper: spec.spec.devices.requests[0].exactly.deviceClassName)"
+            ),
+            "DeviceClass hopper-or-newer.drust.dev is in no deviceClassMappings",
+        ),
+    ];
+    assert_eq!(kueue.len(), expected.len(), "{kueue:#?}");
+    for ((object, field, message), (want_field, want)) in kueue.iter().zip(&expected) {
+        assert_eq!(*object, "Job default/train", "only the queued Job");
+        assert_eq!(field, want_field);
+        assert!(message.starts_with("queued in training: "), "{message}");
+        assert!(message.contains(want), "{message}\nwant: {want}");
+    }
+    // The constraint's warning says what the node has and what to do.
+    assert!(
+        kueue[1].2.contains(r#""0000:18:00.0" has 2"#),
+        "{}",
+        kueue[1].2
+    );
+    assert!(kueue[1].2.contains("waitForPodsReady"), "{}", kueue[1].2);
+
+    // Without --slices and --kueue-config, what Kueue refuses whatever the cluster.
+    let out = lint(std::slice::from_ref(&jobs), &[]);
+    assert_eq!(out.status.code(), Some(0));
+    let human = text(&out.stdout);
+    assert_eq!(human.matches("[kueue]").count(), 3, "{human}");
+    assert!(
+        human.ends_with("(1 other document skipped): 3 warnings\n"),
+        "{human}"
+    );
+
+    // An unreadable Kueue configuration is bad input.
+    let out = lint(
+        std::slice::from_ref(&jobs),
+        &["--kueue-config", slices.to_str().unwrap()],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("no Kueue Configuration"),
+        "{}",
+        text(&out.stderr)
+    );
+}
