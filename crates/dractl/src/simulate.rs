@@ -479,7 +479,8 @@ pub fn job_text(s: &JobSimulation) -> String {
         }
         let place = match &d.name {
             Some(n) => format!(
-                "In {n} ({}): {} of {} fit; ",
+                "{} {n} ({}): {} of {} fit; ",
+                if p.fits { "Also tried" } else { "In" },
                 plural(d.nodes.len(), "node"),
                 d.placed,
                 plural(p.pods, "pod")
