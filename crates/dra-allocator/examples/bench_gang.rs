@@ -71,6 +71,7 @@ fn main() {
             shared: Vec::new(),
             min_count: Some(pods),
             topology_key: topology.clone(),
+            pod_group: true,
         };
         let start = Instant::now();
         let p = place(&objects, &group, &Options::default()).expect("placed");

@@ -91,6 +91,10 @@ pub struct Group {
     pub min_count: Option<usize>,
     /// `schedulingConstraints.topology[0].key`: every pod in nodes sharing this label's value.
     pub topology_key: Option<String>,
+    /// Whether the pods belong to a PodGroup, scheduled in one cycle (a gang or a topology key
+    /// implies one); `false`: pods scheduled one at a time, each seeing the ones before bound.
+    /// The placement is the same; only what the answer says of upstream's bugs differs.
+    pub pod_group: bool,
 }
 
 /// One placed pod.
@@ -193,7 +197,7 @@ pub struct Domain {
 #[serde(rename_all = "camelCase")]
 pub struct Flag {
     /// `waitingForPods`, `greedyMissesPlacement`, `dependsOnFirstNode`, `tieBetweenDomains`,
-    /// `notExact` or `sharedClaimNodeSelector`.
+    /// `notExact` or `sharedClaimNodeSelector` (`dractl simulate` adds `workloadWithJob`).
     pub code: &'static str,
     /// What it means, in a sentence.
     pub message: String,
@@ -712,7 +716,13 @@ impl Placer<'_> {
                 ),
             });
         }
-        if self.group.pods.len() > 1 && self.group.shared.iter().any(|c| !crate::is_allocated(c)) {
+        let cycle = self.group.pod_group
+            || self.group.min_count.is_some()
+            || self.group.topology_key.is_some();
+        if cycle
+            && self.group.pods.len() > 1
+            && self.group.shared.iter().any(|c| !crate::is_allocated(c))
+        {
             answer.flags.push(Flag {
                 code: "sharedClaimNodeSelector",
                 message: "kube-scheduler v1.36.3 does not bound the later pods of a PodGroup \

@@ -14,6 +14,7 @@ pub mod objects;
 pub mod podgroup;
 pub mod simulate;
 pub mod top;
+pub mod workload;
 
 use dra_cel::{CompileError, Compiler, Device, Environment, EvalOptions, Features, MatchError};
 use serde::{Deserialize, Serialize};

@@ -87,7 +87,8 @@ enum Command {
     /// nowhere (and explains why). Exit status 0, 2 for bad input, 1 when the cluster cannot be
     /// read.
     ///
-    /// With `--count`, `--gang`, `--min-count`, `--topology-key` or `--pod-group`: a job. Its
+    /// With `--count`, `--job`, `--gang`, `--min-count`, `--topology-key` or `--pod-group`: a
+    /// job. Its
     /// pods are placed in order on one snapshot as kube-scheduler v1.36's PodGroup cycle does
     /// (first feasible node in input order where the scheduler scores; device choices as the
     /// scheduler's, never revisited, kubernetes/kubernetes#138765), all or nothing for a gang,
@@ -105,11 +106,17 @@ enum Command {
         files: Vec<String>,
         /// A ResourceClaimTemplate (or ResourceClaim) file: one claim per template per pod;
         /// repeatable.
-        #[arg(long = "claim-template", required_unless_present = "pod_group")]
+        #[arg(long = "claim-template", required_unless_present_any = ["pod_group", "job"])]
         templates: Vec<String>,
         /// Pods in the job (without a job: stop after this many pods).
         #[arg(long)]
         count: Option<usize>,
+        /// A batch/v1 Job manifest: its parallelism is the pod count (unless --count), its pod
+        /// template's resourceClaims the pods' claims (templates from this file or
+        /// --claim-template; claims it names are shared by all pods). The file may hold the
+        /// ResourceClaimTemplates and ResourceClaims. Repeatable (one Job in all).
+        #[arg(long = "job")]
+        job: Vec<String>,
         /// A gang: all pods or none (minCount = --count).
         #[arg(long, conflicts_with = "min_count")]
         gang: bool,
@@ -294,6 +301,7 @@ fn main() -> anyhow::Result<()> {
         files,
         templates,
         count,
+        job: job_files,
         gang,
         min_count,
         topology_key,
@@ -314,12 +322,21 @@ fn main() -> anyhow::Result<()> {
             topology_key: topology_key.clone(),
         };
         let is_job = count.is_some()
+            || !job_files.is_empty()
             || *gang
             || min_count.is_some()
             || topology_key.is_some()
             || !pod_group.is_empty();
         let code = if is_job {
-            simulate_job(files, templates, pod_group, &job, &connection, *output)
+            simulate_job(
+                files,
+                templates,
+                pod_group,
+                job_files,
+                &job,
+                &connection,
+                *output,
+            )
         } else {
             simulate(files, templates, *count, &connection, *output)
         };
@@ -580,6 +597,7 @@ fn simulate_job(
     files: &[String],
     templates: &[String],
     pod_group: &[String],
+    job_files: &[String],
     job: &dractl::simulate::Job,
     connection: &dractl::live::Connection,
     output: dractl::explain::Format,
@@ -595,9 +613,14 @@ fn simulate_job(
         } else {
             Some(dractl::simulate::read_pod_group(pod_group)?)
         };
-        Ok::<_, dractl::objects::InputError>((templates, group))
+        let manifest = if job_files.is_empty() {
+            None
+        } else {
+            Some(dractl::workload::read_job(job_files)?)
+        };
+        Ok::<_, dractl::objects::InputError>((templates, group, manifest))
     })();
-    let (templates, group) = match read {
+    let (templates, group, manifest) = match read {
         Ok(r) => r,
         Err(e) => {
             eprintln!("dractl simulate: {e}");
@@ -609,14 +632,14 @@ fn simulate_job(
         Ok(c) => c,
         Err(_) => return 2,
     };
-    let simulation = match dractl::simulate::simulate_job(cluster, templates, group, job, &options)
-    {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("dractl simulate: {e}");
-            return 2;
-        }
-    };
+    let simulation =
+        match dractl::simulate::simulate_job(cluster, templates, group, manifest, job, &options) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("dractl simulate: {e}");
+                return 2;
+            }
+        };
     let rendered = match output {
         dractl::explain::Format::Text => Ok(dractl::simulate::job_text(&simulation)),
         dractl::explain::Format::Json => serde_json::to_string(&simulation)

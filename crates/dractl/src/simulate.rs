@@ -20,6 +20,7 @@ use serde_json::Value;
 
 use crate::objects::{InputError, Location, Reader};
 use crate::podgroup::{ClaimSource, PodGroup};
+use crate::workload::JobManifest;
 
 /// Most pods simulated when `--count` is not given.
 pub const MAX_PODS: usize = 10_000;
@@ -88,7 +89,7 @@ pub fn templates(files: &[String]) -> Result<Vec<ResourceClaim>, InputError> {
 /// ResourceClaimTemplates (as the claims they make, named after the template) and
 /// ResourceClaims, read and validated as `dractl allocate` reads claims, then defaulted as the
 /// API server stores them (allocationMode, count, toleration operator).
-fn read_claims(docs: Vec<(Location, Value)>) -> Result<Vec<ResourceClaim>, InputError> {
+pub(crate) fn read_claims(docs: Vec<(Location, Value)>) -> Result<Vec<ResourceClaim>, InputError> {
     let mut reader = Reader::new();
     for (location, value) in docs {
         let claim = if value.get("kind").and_then(Value::as_str) == Some("ResourceClaimTemplate") {
@@ -204,18 +205,24 @@ pub struct JobSimulation {
 }
 
 /// Places a job's pods on the cluster ([`dra_allocator::gang::place`]): `job.count` pods (or
-/// the gang's `minCount`), each with one claim per template of `templates`, plus the claims
-/// of `pod_group` shared by all. A PodGroup claim naming a template is made from a template
-/// of the PodGroup's files or of `templates` (which then is no pod's own); one naming a
-/// ResourceClaim finds it in the PodGroup's files or the cluster's claims.
+/// the Job's `parallelism`, or the gang's `minCount`), each with one claim per template, plus
+/// the claims shared by all (a PodGroup's, and those the Job's pods name directly).
+///
+/// The pods' own templates are those the Job's pod template names (looked up in its files and
+/// `templates`), or without a Job every template of `templates` that the PodGroup does not
+/// claim. A PodGroup claim naming a template finds it in the PodGroup's files, the Job's or
+/// `templates`; one naming a ResourceClaim finds it in those files or the cluster's claims. A
+/// pod claim that matches a PodGroup claim (same name and source) is the PodGroup's.
 ///
 /// # Errors
-/// An [`InputError`]: no pod count, no claims at all, a PodGroup claim whose template or
-/// claim is nowhere, or a slice or claim with a malformed quantity.
+/// An [`InputError`] naming the object and field: no pod count, no claims at all, a template or
+/// claim that is nowhere, a Job whose `schedulingGroup` names another PodGroup than the one
+/// given, or a slice or claim with a malformed quantity.
 pub fn simulate_job(
     mut cluster: Objects,
     mut templates: Vec<ResourceClaim>,
     pod_group: Option<PodGroupInput>,
+    manifest: Option<JobManifest>,
     job: &Job,
     options: &Options,
 ) -> Result<JobSimulation, InputError> {
@@ -223,11 +230,102 @@ pub fn simulate_job(
     let (mut min_count, mut topology_key) = (job.min_count, job.topology_key.clone());
     let mut pod_prefix = "pod".to_owned();
     let mut group_name = None;
+    let mut count = job.count;
+    // Every template a PodGroup claim may name besides its own files'.
+    let mut store = templates.clone();
+    if let Some(m) = &manifest {
+        pod_prefix.clone_from(&m.name);
+        count = count.or(Some(m.parallelism));
+        let group = pod_group.as_ref().map(|p| &p.pod_group);
+        match (&m.pod_group, group) {
+            (Some(want), Some(g)) if *want != g.name || m.namespace != g.namespace => {
+                return Err(m.error(
+                    "spec.template.spec.schedulingGroup.podGroupName",
+                    format!(
+                        "{want:?}: the --pod-group file holds {} instead",
+                        g.object()
+                    ),
+                ));
+            }
+            (Some(want), None) => {
+                return Err(m.error(
+                    "spec.template.spec.schedulingGroup.podGroupName",
+                    format!(
+                        "{want:?}: give PodGroup {}/{want} with --pod-group",
+                        m.namespace
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        let same = |c: &ResourceClaim, name: &str| {
+            c.metadata.name.as_deref() == Some(name)
+                && c.metadata.namespace.as_deref().unwrap_or("default") == m.namespace
+        };
+        let mut per_pod = Vec::new();
+        for c in &m.claims {
+            let groups = group.is_some_and(|g| {
+                g.claims
+                    .iter()
+                    .any(|x| x.name == c.name && x.source == c.source)
+            });
+            if groups {
+                continue;
+            }
+            match &c.source {
+                ClaimSource::Template(t) => {
+                    let found = m
+                        .templates
+                        .iter()
+                        .chain(&templates)
+                        .find(|x| same(x, t))
+                        .cloned();
+                    match found {
+                        Some(x) => per_pod.push(x),
+                        None => {
+                            return Err(m.error(
+                                &format!("{}.resourceClaimTemplateName", c.field),
+                                format!(
+                                    "ResourceClaimTemplate {}/{t} is in neither the --job nor \
+                                     the --claim-template files",
+                                    m.namespace
+                                ),
+                            ));
+                        }
+                    }
+                }
+                ClaimSource::Claim(n) => {
+                    let found = m.named.iter().find(|x| same(x, n)).cloned().or_else(|| {
+                        let i = cluster.claims.iter().position(|x| same(x, n))?;
+                        Some(cluster.claims.remove(i))
+                    });
+                    match found {
+                        Some(x) => shared.push(x),
+                        None => {
+                            return Err(m.error(
+                                &format!("{}.resourceClaimName", c.field),
+                                format!(
+                                    "ResourceClaim {}/{n} is in neither the --job files nor \
+                                     the cluster (a live cluster's unallocated claims are not \
+                                     read: put it in the --job files)",
+                                    m.namespace
+                                ),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        store.extend(m.templates.iter().cloned());
+        templates = per_pod;
+    }
     if let Some(input) = &pod_group {
         let pg = &input.pod_group;
         min_count = min_count.or(pg.min_count);
         topology_key = topology_key.or_else(|| pg.topology_key.clone());
-        pod_prefix.clone_from(&pg.name);
+        if manifest.is_none() {
+            pod_prefix.clone_from(&pg.name);
+        }
         group_name = Some(format!("{}/{}", pg.namespace, pg.name));
         let same = |c: &ResourceClaim, name: &str| {
             c.metadata.name.as_deref() == Some(name)
@@ -236,23 +334,26 @@ pub fn simulate_job(
         for claim in &pg.claims {
             match &claim.source {
                 ClaimSource::Template(t) => {
-                    let from_group = input.templates.iter().find(|c| same(c, t)).cloned();
-                    let template = match from_group {
-                        Some(c) => c,
-                        None => match templates.iter().position(|c| same(c, t)) {
-                            Some(i) => templates.remove(i),
-                            None => {
-                                return Err(pg.error(
-                                    &format!("{}.resourceClaimTemplateName", claim.field),
-                                    format!(
-                                        "ResourceClaimTemplate {}/{t} is in neither the \
-                                         --pod-group nor the --claim-template files",
-                                        pg.namespace
-                                    ),
-                                ));
-                            }
-                        },
-                    };
+                    let template = input
+                        .templates
+                        .iter()
+                        .chain(&store)
+                        .find(|c| same(c, t))
+                        .cloned()
+                        .ok_or_else(|| {
+                            pg.error(
+                                &format!("{}.resourceClaimTemplateName", claim.field),
+                                format!(
+                                    "ResourceClaimTemplate {}/{t} is in neither the \
+                                     --pod-group nor the --claim-template (or --job) files",
+                                    pg.namespace
+                                ),
+                            )
+                        })?;
+                    if manifest.is_none() {
+                        // Without a Job, a template the PodGroup claims is no pod's own.
+                        templates.retain(|c| !same(c, t));
+                    }
                     let mut c = template;
                     c.metadata.name = Some(format!("{}-{}-simulated", pg.name, claim.name));
                     shared.push(c);
@@ -261,6 +362,7 @@ pub fn simulate_job(
                     let found = input
                         .claims
                         .iter()
+                        .chain(manifest.iter().flat_map(|m| &m.named))
                         .find(|c| same(c, n))
                         .cloned()
                         .or_else(|| {
@@ -286,11 +388,12 @@ pub fn simulate_job(
         }
     }
     if job.gang && min_count.is_none() {
-        min_count = job.count;
+        min_count = count;
     }
-    let count = job.count.or(min_count).ok_or_else(|| {
+    let count = count.or(min_count).ok_or_else(|| {
         InputError::general(
-            "--count: how many pods? (or a gang's minCount: --min-count, --pod-group)",
+            "--count: how many pods? (or a Job's parallelism, --job; or a gang's minCount: \
+             --min-count, --pod-group)",
         )
     })?;
     if templates.is_empty() && shared.is_empty() {
@@ -320,9 +423,24 @@ pub fn simulate_job(
         shared,
         min_count,
         topology_key,
+        pod_group: group_name.is_some(),
     };
-    let placement = dra_allocator::gang::place(&cluster, &group, options)
+    let mut placement = dra_allocator::gang::place(&cluster, &group, options)
         .map_err(|e| InputError::general(e.to_string()))?;
+    if let Some(m) = &manifest
+        && m.gang_with_gate
+        && group.min_count.is_none()
+    {
+        placement.flags.push(Flag {
+            code: "workloadWithJob",
+            message: format!(
+                "Job {}/{} is Indexed with completions = parallelism = {}: under the \
+                 WorkloadWithJob gate (alpha in Kubernetes 1.36) the Job controller makes it a \
+                 gang of minCount {}; --gang simulates that",
+                m.namespace, m.name, m.parallelism, m.parallelism
+            ),
+        });
+    }
     Ok(JobSimulation {
         pod_group: group_name,
         placement,

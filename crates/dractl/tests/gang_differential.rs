@@ -330,6 +330,7 @@ fn each_pod_of_a_gang_is_placed_as_upstream_allocates_on_its_snapshot() {
             });
         }
         group.shared = unalloc.collect();
+        group.pod_group = true;
         if rng.chance(0.6) {
             group.min_count = Some(rng.range(1, pods));
             gangs += 1;

@@ -410,3 +410,97 @@ fn a_malformed_pod_group_is_named_with_its_field_and_exits_2() {
         );
     }
 }
+
+/// A Job manifest: its parallelism and its pod template's claims; under 1.36's WorkloadWithJob
+/// gate an Indexed Job with completions = parallelism is a gang, which `--gang` simulates.
+#[test]
+fn a_job_manifest_gives_the_pods_and_their_claims_and_a_pod_group_claim_is_the_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = two_dgx(dir.path(), 0);
+    let job = dir.path().join("job.yaml");
+    std::fs::write(
+        &job,
+        "apiVersion: batch/v1\nkind: Job\nmetadata: {name: train, namespace: default}\n\
+         spec:\n  parallelism: 4\n  completions: 4\n  completionMode: Indexed\n  template:\n    spec:\n      \
+         restartPolicy: Never\n      containers: [{name: train, image: busybox}]\n      \
+         resourceClaims:\n        - {name: gpus, resourceClaimTemplateName: four-h100}\n\
+         ---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata: {name: four-h100, namespace: default}\n\
+         spec:\n  spec:\n    devices:\n      requests:\n        - name: gpus\n          exactly: {deviceClassName: gpu.drust.dev, count: 4}\n",
+    )
+    .unwrap();
+    let job = job.to_str().unwrap();
+    let out = simulate(&cluster, &["--job", job, "-o", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let answer = json(&out);
+    assert_eq!(
+        (answer["pods"].clone(), answer["gang"].clone()),
+        (4.into(), false.into())
+    );
+    assert_eq!(
+        nodes(&answer),
+        ["gpu-node-0", "gpu-node-0", "gpu-node-1", "gpu-node-1"]
+    );
+    assert!(
+        answer["flags"].to_string().contains("workloadWithJob"),
+        "{}",
+        answer["flags"]
+    );
+    let out = simulate(&cluster, &["--job", job, "--gang", "--count", "5"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stdout)
+            .starts_with("A gang of 5 pods (minCount 5): does not fit; nothing is placed.\n"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    // The same Job in a PodGroup whose claim (one GPU) its pods also name: the group's claim.
+    let grouped = dir.path().join("grouped.yaml");
+    std::fs::write(
+        &grouped,
+        "apiVersion: batch/v1\nkind: Job\nmetadata: {name: train, namespace: default}\n\
+         spec:\n  parallelism: 2\n  template:\n    spec:\n      schedulingGroup: {podGroupName: train}\n      \
+         restartPolicy: Never\n      containers: [{name: train, image: busybox}]\n      \
+         resourceClaims:\n        - {name: gpus, resourceClaimTemplateName: four-h100}\n        \
+         - {name: shared, resourceClaimTemplateName: one-h100}\n\
+         ---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata: {name: four-h100, namespace: default}\n\
+         spec:\n  spec:\n    devices:\n      requests:\n        - name: gpus\n          exactly: {deviceClassName: gpu.drust.dev, count: 4}\n\
+         ---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata: {name: one-h100, namespace: default}\n\
+         spec:\n  spec:\n    devices:\n      requests:\n        - name: gpu\n          exactly: {deviceClassName: gpu.drust.dev}\n",
+    )
+    .unwrap();
+    let podgroup = dir.path().join("podgroup.yaml");
+    std::fs::write(
+        &podgroup,
+        "apiVersion: scheduling.k8s.io/v1alpha2\nkind: PodGroup\nmetadata: {name: train, namespace: default}\n\
+         spec:\n  schedulingPolicy: {gang: {minCount: 2}}\n  resourceClaims:\n    - {name: shared, resourceClaimTemplateName: one-h100}\n",
+    )
+    .unwrap();
+    let (grouped, podgroup) = (grouped.to_str().unwrap(), podgroup.to_str().unwrap());
+    let out = simulate(
+        &cluster,
+        &["--job", grouped, "--pod-group", podgroup, "-o", "json"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "1 + 2 × 4 GPUs on one node: {}",
+        text(&out.stderr)
+    );
+    let answer = json(&out);
+    assert_eq!(answer["domains"][0]["placed"], 1);
+    assert_eq!(
+        answer["domains"][0]["sharedClaims"][0]["name"],
+        "train-shared-simulated"
+    );
+    assert_eq!(answer["placementExists"], false);
+
+    // Its pods name a PodGroup that is not given.
+    let out = simulate(&cluster, &["--job", grouped]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("(Job default/train): spec.template.spec.schedulingGroup.podGroupName: \"train\": give PodGroup default/train with --pod-group"),
+        "{stderr}"
+    );
+}

@@ -125,6 +125,7 @@ fn gang(pods: Vec<GroupPod>, min_count: usize) -> Group {
         shared: Vec::new(),
         min_count: Some(min_count),
         topology_key: None,
+        pod_group: true,
     }
 }
 
