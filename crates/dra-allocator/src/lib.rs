@@ -12,6 +12,9 @@
 //!   It answers with [`Allocation`]s that borrow from the inputs; [`Allocation::to_api`] builds
 //!   the claim's `status.allocation`.
 //! - [`apply_defaults`] applies the API server's defaults to objects given without them.
+//! - [`gang::place`] places a group of pods on one snapshot as the scheduler's PodGroup cycle
+//!   does (a Job's pods, a gang's `minCount`, topology domains, PodGroup claims), and checks
+//!   whether devices chosen together would fit where that order does not.
 //!
 //! ```
 //! use dra_allocator::{allocate, apply_defaults, NodeReport, Objects, Options};
