@@ -2,9 +2,10 @@
 //!
 //! Kueue (v0.19, `KueueDRAIntegration`) admits a Workload by its pods' ResourceClaimTemplates
 //! (`pkg/controller/core/workload_controller.go` `handleDRA`, `pkg/dra/claims.go`): a claim
-//! named directly in a pod, `firstAvailable`, `allocationMode: All` and a DeviceClass missing
-//! from its Configuration's `resources.deviceClassMappings` make the Workload inadmissible (the
-//! Job stays suspended); device `constraints` are ignored, and only selectors are checked, cluster
+//! named directly in a pod, `firstAvailable`, `allocationMode: All`, a DeviceClass missing
+//! from its Configuration's `resources.deviceClassMappings` and one whose selectors test
+//! `allowMultipleAllocations` (Kueue's devices lack it: no device matches) make the Workload
+//! inadmissible (the Job stays suspended); device `constraints` are ignored, and only selectors are checked, cluster
 //! wide. So a job whose claim no node can satisfy (an NVLink `matchAttribute`, more GPUs than a
 //! node has) is admitted and charged, and its pods stay Pending holding the quota. README
 //! "Queued jobs with Kueue" has the messages; `tests/e2e/tests/kueue.rs` backs each case.
@@ -267,6 +268,29 @@ pub fn template_warnings(
                     ),
                 ));
             }
+            let class = classes
+                .iter()
+                .find(|c| c.metadata.name.as_deref() == Some(e.device_class_name.as_str()));
+            let tests_sharing = class.is_some_and(|c| {
+                c.spec.selectors.iter().flatten().any(|s| {
+                    s.cel
+                        .as_ref()
+                        .is_some_and(|cel| cel.expression.contains("allowMultipleAllocations"))
+                })
+            });
+            if tests_sharing {
+                out.push((
+                    format!("{field}.exactly.deviceClassName"),
+                    format!(
+                        "DeviceClass {} selects devices by allowMultipleAllocations, which \
+                         Kueue's copies of the devices lack (v0.19 pkg/dra/claims.go): it finds \
+                         no device (\"insufficient matching devices for CEL selector in \
+                         DeviceClass {}\") and the job stays suspended; use a class without that \
+                         test, gpu-share-kueue.drust.dev (examples/kueue/shares.yaml)",
+                        e.device_class_name, e.device_class_name
+                    ),
+                ));
+            }
             if let Some(m) = mappings
                 && !m.classes.contains(&e.device_class_name)
             {
@@ -283,7 +307,10 @@ pub fn template_warnings(
             }
         }
     }
-    let Some(cluster) = cluster else { return out };
+    // Kueue refuses the template already: whether a node could hold it comes after that.
+    let Some(cluster) = cluster.filter(|_| out.is_empty()) else {
+        return out;
+    };
     let claim = ResourceClaim {
         metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
             name: template.metadata.name.clone(),

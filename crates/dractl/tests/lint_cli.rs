@@ -433,6 +433,18 @@ spec:
         - name: gpu
           exactly: {deviceClassName: hopper-or-newer.drust.dev}
 ---
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: share, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly:
+            deviceClassName: gpu-share.drust.dev
+            capacity: {requests: {memory: 20Gi}}
+---
 apiVersion: batch/v1
 kind: Job
 metadata:
@@ -450,6 +462,7 @@ spec:
         - {name: all, resourceClaimTemplateName: whole-node}
         - {name: hopper, resourceClaimTemplateName: hopper}
         - {name: cache, resourceClaimName: team-cache}
+        - {name: share, resourceClaimTemplateName: share}
 ---
 apiVersion: batch/v1
 kind: Job
@@ -550,6 +563,12 @@ fn a_queued_job_is_warned_of_each_claim_kueue_refuses_or_does_not_check() {
             ),
             "DeviceClass hopper-or-newer.drust.dev is in no deviceClassMappings",
         ),
+        (
+            format!(
+                "{p}[5].resourceClaimTemplateName (ResourceClaimTemplate default/share: spec.spec.devices.requests[0].exactly.deviceClassName)"
+            ),
+            "insufficient matching devices for CEL selector in DeviceClass gpu-share.drust.dev",
+        ),
     ];
     assert_eq!(kueue.len(), expected.len(), "{kueue:#?}");
     for ((object, field, message), (want_field, want)) in kueue.iter().zip(&expected) {
@@ -570,9 +589,9 @@ fn a_queued_job_is_warned_of_each_claim_kueue_refuses_or_does_not_check() {
     let out = lint(std::slice::from_ref(&jobs), &[]);
     assert_eq!(out.status.code(), Some(0));
     let human = text(&out.stdout);
-    assert_eq!(human.matches("[kueue]").count(), 3, "{human}");
+    assert_eq!(human.matches("[kueue]").count(), 4, "{human}");
     assert!(
-        human.ends_with("(1 other document skipped): 3 warnings\n"),
+        human.ends_with("(1 other document skipped): 4 warnings\n"),
         "{human}"
     );
 
