@@ -857,6 +857,31 @@ pub async fn wait_job_pod_running(
     crate::node_pods::wait_running(pods, &pod_name, node).await
 }
 
+/// Waits until ClusterQueue `name` is `Active` (its flavors and quotas accepted by Kueue),
+/// within `timeout`.
+///
+/// # Errors
+/// Not Active within `timeout`; the last condition seen is in the error.
+pub async fn wait_cluster_queue_active(
+    client: &kube::Client,
+    name: &str,
+    timeout: std::time::Duration,
+) -> anyhow::Result<()> {
+    let queues: kube::Api<DynamicObject> = kube::Api::all_with(
+        client.clone(),
+        &kueue_resource("ClusterQueue", "clusterqueues"),
+    );
+    crate::wait::until(&format!("ClusterQueue {name} Active"), timeout, || async {
+        let cq = queues.get(name).await.map_err(|e| e.to_string())?;
+        match condition(&cq, "Active") {
+            Some(c) if c.status == "True" => Ok(Some(())),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use drust_e2e::host::{BinaryHost, PluginProcess, stop};
-use drust_e2e::kueue::{self, Kueue, condition, kueue_resource, resource_usage, workload_of};
+use drust_e2e::kueue::{self, Kueue, condition, resource_usage, workload_of};
 use drust_e2e::manifests::{apply_file, apply_yaml, documents_where, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
 use drust_e2e::node_pods::{
@@ -106,18 +106,7 @@ async fn kueue_admits_drust_gpu_jobs_within_quota_queues_the_next_and_refuses_wh
         kueue.startup()
     );
     apply_file(&client, &repo_path("examples/kueue/queues.yaml")).await?;
-    let queues: Api<DynamicObject> = Api::all_with(
-        client.clone(),
-        &kueue_resource("ClusterQueue", "clusterqueues"),
-    );
-    until("ClusterQueue training Active", TIMEOUT, || async {
-        let cq = queues.get("training").await.map_err(|e| e.to_string())?;
-        match condition(&cq, "Active") {
-            Some(c) if c.status == "True" => Ok(Some(())),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await?;
+    kueue::wait_cluster_queue_active(&client, "training", TIMEOUT).await?;
 
     let example = std::fs::read_to_string(repo_path(JOB_EXAMPLE))?;
     apply_yaml(

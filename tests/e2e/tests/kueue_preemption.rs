@@ -30,8 +30,7 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use drust_e2e::host::{BinaryHost, PluginProcess, stop};
 use drust_e2e::kueue::{
-    self, Kueue, condition, held_job, job_pods, kueue_resource, resource_usage,
-    wait_job_pod_running, wait_workload,
+    self, Kueue, condition, held_job, job_pods, resource_usage, wait_job_pod_running, wait_workload,
 };
 use drust_e2e::manifests::{apply_file, apply_yaml, documents_where, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
@@ -42,7 +41,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
-use kube::api::{DynamicObject, ListParams, PostParams};
+use kube::api::{ListParams, PostParams};
 
 const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
@@ -158,18 +157,7 @@ async fn kueue_preempts_a_low_priority_job_and_drust_unprepares_its_gpus_and_sha
         &repo_path(EXAMPLE),
     )
     .await?;
-    let queues: Api<DynamicObject> = Api::all_with(
-        client.clone(),
-        &kueue_resource("ClusterQueue", "clusterqueues"),
-    );
-    until("ClusterQueue dgx Active", TIMEOUT, || async {
-        let cq = queues.get("dgx").await.map_err(|e| e.to_string())?;
-        match condition(&cq, "Active") {
-            Some(c) if c.status == "True" => Ok(Some(())),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await?;
+    drust_e2e::kueue::wait_cluster_queue_active(&client, "dgx", TIMEOUT).await?;
 
     let release = host.root().join("release");
     std::fs::create_dir_all(&release)?;
