@@ -183,6 +183,12 @@ pub struct Kueue {
     log: PathBuf,
     version: String,
     startup: Duration,
+    /// How the manager is run: kept so that [`Kueue::restart`] runs it again the same way.
+    binary: PathBuf,
+    manager_config: PathBuf,
+    kubeconfig: PathBuf,
+    listeners: Listeners,
+    cert_dir: PathBuf,
 }
 
 impl std::fmt::Debug for Kueue {
@@ -274,31 +280,20 @@ impl Kueue {
         cp.write_kubeconfig(&kubeconfig, &token)?;
 
         let log = dir.path().join("kueue.log");
-        let out = std::fs::File::create(&log).map_err(io_err("creating kueue.log"))?;
-        let err = out.try_clone().map_err(io_err("creating kueue.log"))?;
-        let mut command = tokio::process::Command::new(&binary);
-        command
-            .arg(format!("--config={}", manager_config.display()))
-            .arg(format!("--kubeconfig={}", kubeconfig.display()))
-            // The chart's default log level (controllerManager.manager.logLevel).
-            .arg("--zap-log-level=2")
-            .current_dir(dir.path())
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .kill_on_drop(true);
-        crate::die_with_parent(command.as_std_mut());
-        let child = command
-            .spawn()
-            .map_err(io_err(format!("starting {}", binary.display())))?;
+        let child = spawn_manager(&binary, &manager_config, &kubeconfig, &log, dir.path())?;
         let mut kueue = Self {
             child,
             dir,
             log,
             version,
             startup: Duration::ZERO,
+            binary,
+            manager_config,
+            kubeconfig,
+            listeners,
+            cert_dir,
         };
-        kueue.wait_ready(&client, &listeners, &cert_dir).await?;
+        kueue.wait_ready(&client).await?;
         kueue.startup = began.elapsed();
         eprintln!(
             "kueue {} ready in {} ms (build check, chart, certificates, webhooks)",
@@ -333,6 +328,17 @@ impl Kueue {
     /// # Errors
     /// [`KueueError::Io`] when it cannot be signalled or waited for.
     pub async fn stop(mut self) -> Result<(), KueueError> {
+        self.stop_manager().await
+    }
+
+    /// Stops the manager as [`Kueue::stop`] does, leaving everything installed (CRDs, webhook
+    /// configurations, Workloads): Kueue is down, as when its pod is gone. Then its webhooks
+    /// refuse every object they are registered for ("failed calling webhook"), and nothing
+    /// is admitted, until [`Kueue::restart`].
+    ///
+    /// # Errors
+    /// As [`Kueue::stop`].
+    pub async fn stop_manager(&mut self) -> Result<(), KueueError> {
         if let Some(pid) = self.child.id() {
             // Linux pids fit in i32.
             let _ = nix::sys::signal::kill(
@@ -352,15 +358,28 @@ impl Kueue {
         }
     }
 
+    /// Starts the manager again, as [`Kueue::start`] ran it (same configuration, ports and
+    /// ServiceAccount token; its log appended to), after [`Kueue::stop_manager`]; returns once it
+    /// is ready as [`Kueue::start`] defines it.
+    ///
+    /// # Errors
+    /// [`KueueError`] as from [`Kueue::start`]'s spawn and readiness wait.
+    pub async fn restart(&mut self, cp: &ControlPlane) -> Result<(), KueueError> {
+        self.child = spawn_manager(
+            &self.binary,
+            &self.manager_config,
+            &self.kubeconfig,
+            &self.log,
+            self.dir.path(),
+        )?;
+        let client = cp.client().await?;
+        self.wait_ready(&client).await
+    }
+
     /// Polls until the manager's `/readyz` passes (certificates in place, webhook server
     /// started) and its webhooks answer through the API server, copying the certificate Secret
     /// into `cert_dir` once Kueue has filled it.
-    async fn wait_ready(
-        &mut self,
-        client: &kube::Client,
-        listeners: &Listeners,
-        cert_dir: &Path,
-    ) -> Result<(), KueueError> {
+    async fn wait_ready(&mut self, client: &kube::Client) -> Result<(), KueueError> {
         let secrets: Api<Secret> = Api::namespaced(client.clone(), NAMESPACE);
         let flavors = resource_flavors(client);
         let probe_flavor: DynamicObject = serde_json::from_value(serde_json::json!({
@@ -392,7 +411,7 @@ impl Kueue {
             }
             let last_probe = if !mounted {
                 match secrets.get_opt(CERT_SECRET).await {
-                    Ok(secret) => match mount_certificates(secret.as_ref(), cert_dir)? {
+                    Ok(secret) => match mount_certificates(secret.as_ref(), &self.cert_dir)? {
                         true => {
                             mounted = true;
                             "certificates copied from the Secret".to_owned()
@@ -402,7 +421,7 @@ impl Kueue {
                     Err(e) => format!("reading Secret {NAMESPACE}/{CERT_SECRET}: {e}"),
                 }
             } else {
-                match crate::http::get(listeners.health, "/readyz").await {
+                match crate::http::get(self.listeners.health, "/readyz").await {
                     Ok((200, _)) => match flavors.create(&dry_run, &probe_flavor).await {
                         Ok(_) => return Ok(()),
                         Err(e) => format!("a dry-run ResourceFlavor: {e}"),
@@ -421,6 +440,38 @@ impl Kueue {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+/// Runs Kueue's manager `binary` with `config` as `kubeconfig`'s user, in `dir`, its output
+/// appended to `log`; killed with the test (see [`crate::die_with_parent`]).
+fn spawn_manager(
+    binary: &Path,
+    config: &Path,
+    kubeconfig: &Path,
+    log: &Path,
+    dir: &Path,
+) -> Result<tokio::process::Child, KueueError> {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(io_err("opening kueue.log"))?;
+    let err = out.try_clone().map_err(io_err("opening kueue.log"))?;
+    let mut command = tokio::process::Command::new(binary);
+    command
+        .arg(format!("--config={}", config.display()))
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        // The chart's default log level (controllerManager.manager.logLevel).
+        .arg("--zap-log-level=2")
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .kill_on_drop(true);
+    crate::die_with_parent(command.as_std_mut());
+    command
+        .spawn()
+        .map_err(io_err(format!("starting {}", binary.display())))
 }
 
 /// A port for one of the manager's servers ([`crate::ports`]).

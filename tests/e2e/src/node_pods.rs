@@ -169,6 +169,46 @@ pub fn seen(log: &str) -> (Vec<String>, Vec<String>) {
     (pick("node "), pick("env "))
 }
 
+/// The control device nodes every GPU container gets (`nvidia-uvm`, `nvidia-uvm-tools`,
+/// `nvidiactl`), as [`SCRIPT`] prints them.
+pub const CONTROL_NODES: [&str; 3] = [
+    "/dev/nvidia-uvm ec:0",
+    "/dev/nvidia-uvm-tools ec:1",
+    "/dev/nvidiactl c3:ff",
+];
+
+/// What [`seen`] returns for a container holding exactly the whole GPUs `devices` (device names)
+/// of `gpus` (as [`crate::plugin::fake_gpus`] lists a node's): their device nodes and the
+/// control nodes, their variables and `NVIDIA_VISIBLE_DEVICES=void`, each sorted.
+///
+/// # Errors
+/// A device not in `gpus`.
+pub fn whole_gpus_view(
+    gpus: &[gpu_inventory::Gpu],
+    devices: impl IntoIterator<Item = impl AsRef<str>>,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let mut nodes: Vec<String> = CONTROL_NODES.iter().map(|n| (*n).to_owned()).collect();
+    let mut env = vec!["NVIDIA_VISIBLE_DEVICES=void".to_owned()];
+    for device in devices {
+        let device = device.as_ref();
+        let gpu = gpus
+            .iter()
+            .find(|g| g.name == device)
+            .with_context(|| format!("GPU {device} in the node's topology"))?;
+        nodes.push(format!(
+            "/dev/nvidia{} c3:{:x}",
+            gpu.raw.minor, gpu.raw.minor
+        ));
+        env.push(gpu_kubelet_plugin::claims::device_env(
+            device,
+            &gpu.raw.uuid,
+        ));
+    }
+    nodes.sort();
+    env.sort();
+    Ok((nodes, env))
+}
+
 /// The termination message of container `name` of `pod`: what [`SCRIPT`] printed.
 pub fn terminated_message(pod: &Pod, name: &str) -> Option<String> {
     pod.status

@@ -30,15 +30,12 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use drust_e2e::host::{BinaryHost, PluginProcess, stop};
-use drust_e2e::kueue::{self, Kueue, condition, resource_usage, workload_of};
+use drust_e2e::kueue::{self, Kueue, condition, job_pods, resource_usage};
 use drust_e2e::manifests::{apply_file, apply_yaml, documents_where, repo_path};
 use drust_e2e::node::{Node, NodeOptions};
-use drust_e2e::node_pods::{
-    SCRIPT, seen, succeeded, terminated_message, wait_pod_done, wait_running,
-};
+use drust_e2e::node_pods::{seen, succeeded, terminated_message, wait_pod_done, whole_gpus_view};
 use drust_e2e::wait::until;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
-use gpu_kubelet_plugin::claims::device_env;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
@@ -54,8 +51,6 @@ const NAMESPACE: &str = "default";
 const TIMEOUT: Duration = Duration::from_secs(120);
 /// The Job example; its ResourceClaimTemplate asks for 2 H100s.
 const JOB_EXAMPLE: &str = "examples/kueue/job.yaml";
-/// Where each container waits for the file that ends it (a hostPath volume).
-const RELEASE_MOUNT: &str = "/release";
 
 #[tokio::test]
 async fn kueue_admits_drust_gpu_jobs_within_quota_queues_the_next_and_refuses_what_it_cannot_count()
@@ -436,9 +431,8 @@ async fn kueue_admits_drust_gpu_jobs_within_quota_queues_the_next_and_refuses_wh
     Ok(())
 }
 
-/// The Job of the example named `name`, its container running [`SCRIPT`] in the local workload
-/// image and then waiting for `<release>/<name>`; with `claim`, its pod claim is that instead of
-/// the example's template.
+/// The example's Job ([`kueue::held_job`]: held until `<release>/<name>` exists) renamed
+/// `name`; with `claim`, its pod claim is that instead of the example's template.
 fn example_job(
     example: &str,
     name: &str,
@@ -446,26 +440,17 @@ fn example_job(
     claim: Option<serde_json::Value>,
 ) -> anyhow::Result<Job> {
     let text = documents_where(example, |d| d["kind"] == "Job")?;
-    let mut job: serde_json::Value = serde_yaml_ng::from_str(&text)?;
-    job["metadata"]["name"] = name.into();
+    let doc: serde_json::Value = serde_yaml_ng::from_str(&text)?;
+    let original = doc["metadata"]["name"].as_str().context("the Job's name")?;
+    let job = kueue::held_job(example, original, name, release)?;
+    let Some(claim) = claim else {
+        return Ok(job);
+    };
+    let mut job = serde_json::to_value(job)?;
     let spec = &mut job["spec"]["template"]["spec"];
-    let wait = format!("{SCRIPT}; until [ -e {RELEASE_MOUNT}/{name} ]; do sleep 0.2; done");
-    let container = &mut spec["containers"][0];
-    container["image"] = drust_e2e::images::WORKLOAD_IMAGE.into();
-    container["imagePullPolicy"] = "Never".into();
-    container["command"] = serde_json::json!(["/bin/sh", "-c", wait]);
-    container["volumeMounts"] =
-        serde_json::json!([{"name": "release", "mountPath": RELEASE_MOUNT}]);
-    spec["volumes"] = serde_json::json!([{
-        "name": "release",
-        "hostPath": {"path": release.display().to_string(), "type": "Directory"},
-    }]);
-    if let Some(claim) = claim {
-        let pod_claim_name = spec["containers"][0]["resources"]["claims"][0]["name"].clone();
-        let mut claim = claim;
-        claim["name"] = pod_claim_name;
-        spec["resourceClaims"] = serde_json::json!([claim]);
-    }
+    let mut claim = claim;
+    claim["name"] = spec["containers"][0]["resources"]["claims"][0]["name"].clone();
+    spec["resourceClaims"] = serde_json::json!([claim]);
     Ok(serde_json::from_value(job)?)
 }
 
@@ -531,53 +516,23 @@ async fn refused_cases(
     ])
 }
 
-/// Waits until the Workload of `job` has condition `type_` matching `ok`; returns it and the
-/// condition.
+fn pod_name(pod: &Pod) -> String {
+    pod.metadata.name.clone().unwrap_or_default()
+}
+
+/// Waits for Job `name`'s pod to exist, then to run on `node`.
+async fn wait_job_pod_running(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
+    kueue::wait_job_pod_running(pods, name, node, TIMEOUT).await
+}
+
+/// Waits until the Workload of `job` has condition `type_` matching `ok` ([`TIMEOUT`]).
 async fn wait_workload(
     client: &kube::Client,
     job: &Job,
     type_: &str,
     ok: impl Fn(&kueue::Condition) -> bool,
 ) -> anyhow::Result<(DynamicObject, kueue::Condition)> {
-    let uid = job.metadata.uid.clone().context("the Job's UID")?;
-    let name = job.metadata.name.clone().unwrap_or_default();
-    Ok(until(
-        &format!("the Workload of Job {name} with a matching {type_} condition"),
-        TIMEOUT,
-        || async {
-            let workload = workload_of(client, NAMESPACE, &uid)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| "no Workload yet".to_owned())?;
-            match condition(&workload, type_) {
-                Some(c) if ok(&c) => Ok(Some((workload, c))),
-                other => Err(format!("{type_}: {other:?}")),
-            }
-        },
-    )
-    .await?)
-}
-
-/// The pods of Job `name`.
-async fn job_pods(pods: &Api<Pod>, name: &str) -> anyhow::Result<Vec<Pod>> {
-    Ok(pods
-        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={name}")))
-        .await?
-        .items)
-}
-
-fn pod_name(pod: &Pod) -> String {
-    pod.metadata.name.clone().unwrap_or_default()
-}
-
-/// Waits for Job `name`'s pod to exist, then to run.
-async fn wait_job_pod_running(pods: &Api<Pod>, name: &str, node: &Node) -> anyhow::Result<Pod> {
-    let pod = until(&format!("a pod of Job {name}"), TIMEOUT, || async {
-        let found = job_pods(pods, name).await.map_err(|e| e.to_string())?;
-        Ok(found.into_iter().next())
-    })
-    .await?;
-    wait_running(pods, &pod_name(&pod), node).await
+    kueue::wait_workload(client, job, type_, TIMEOUT, ok).await
 }
 
 /// The devices allocated to `pod`'s claim, as the API server stores the allocation (all from
@@ -614,25 +569,7 @@ fn check_container_saw(
         pod.status
     );
     let gpus = drust_e2e::plugin::fake_gpus(topology).map_err(anyhow::Error::msg)?;
-    let mut want_nodes = vec![
-        "/dev/nvidia-uvm ec:0".to_owned(),
-        "/dev/nvidia-uvm-tools ec:1".to_owned(),
-        "/dev/nvidiactl c3:ff".to_owned(),
-    ];
-    let mut want_env = vec!["NVIDIA_VISIBLE_DEVICES=void".to_owned()];
-    for device in devices {
-        let gpu = gpus
-            .iter()
-            .find(|g| &g.name == device)
-            .with_context(|| format!("{device} in the topology"))?;
-        want_nodes.push(format!(
-            "/dev/nvidia{} c3:{:x}",
-            gpu.raw.minor, gpu.raw.minor
-        ));
-        want_env.push(device_env(device, &gpu.raw.uuid));
-    }
-    want_nodes.sort();
-    want_env.sort();
+    let (want_nodes, want_env) = whole_gpus_view(&gpus, devices)?;
     let (nodes, env) = seen(&log);
     eprintln!("{job} saw {nodes:?}");
     ensure!(

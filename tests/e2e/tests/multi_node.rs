@@ -15,7 +15,11 @@
 //! - eight pods of eight GPUs each spread over the eight paper DGX nodes (one fits per node),
 //!   bound by the scheduler with allocations naming that node's pool, and never run; a ninth is
 //!   unschedulable; pods pinned to one paper L40S node take its four GPUs, the fifth is
-//!   unschedulable.
+//!   unschedulable;
+//! - a seventeenth paper node is deleted while its slices exist: they go (the Node owns them;
+//!   the garbage collector deletes them), and its plugin, trying to publish again, finds no Node
+//!   and writes nothing; registered again (a new UID), the node gets its pool back, owned by the
+//!   new Node.
 //!
 //! At the end the test prints each node's resident memory and CPU time (BENCHMARKS.md quotes
 //! such a run; nothing here asserts them).
@@ -37,6 +41,8 @@ use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
 
 const DGX_H100: &str = "examples/topologies/dgx-h100.yaml";
 const L40S: &str = "examples/topologies/pcie-l40s.yaml";
+/// The paper node deleted (and registered again) at the end.
+const LEAVING: &str = "paper-leaving-";
 /// The node label this test gives each kind of node.
 const KIND: &str = "e2e.drust.dev/kind";
 /// Generous: a loaded 2-core machine runs two kubelets, two containerds and 18 plugins here.
@@ -327,12 +333,19 @@ async fn two_real_and_sixteen_paper_nodes_get_pods_placed_run_and_denied_by_the_
         ClusterOptions::default()
             .real(NodeGroup::new("real-", 2, DGX_H100).label(KIND, "real"))
             .paper(NodeGroup::new("paper-h100-", 8, DGX_H100).label(KIND, "paper"))
-            .paper(NodeGroup::new("paper-l40s-", 8, L40S).label(KIND, "paper")),
+            .paper(NodeGroup::new("paper-l40s-", 8, L40S).label(KIND, "paper"))
+            // Deleted at the end; its plugin rediscovers every second, so that it tries to
+            // publish again soon after.
+            .paper(
+                NodeGroup::new(LEAVING, 1, L40S)
+                    .label(KIND, "leaving")
+                    .plugin_args(&["--rediscovery-interval-seconds", "1"]),
+            ),
     )
     .await?;
     let startup = started.elapsed();
     let client = cluster.client().clone();
-    let all_nodes = 18;
+    let all_nodes = 19;
 
     // Every node is there, Ready, with its labels, and holds its topology's GPUs in a pool its
     // own plugin published.
@@ -347,6 +360,8 @@ async fn two_real_and_sixteen_paper_nodes_get_pods_placed_run_and_denied_by_the_
         let labels = node.metadata.labels.clone().unwrap_or_default();
         let kind = if name.starts_with("real-") {
             "real"
+        } else if name.starts_with(LEAVING) {
+            "leaving"
         } else {
             "paper"
         };
@@ -360,14 +375,15 @@ async fn two_real_and_sixteen_paper_nodes_get_pods_placed_run_and_denied_by_the_
             .and_then(|s| s.conditions.as_ref())
             .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         ensure!(ready, "{name} is not Ready");
-        let want: BTreeSet<&str> = if name.starts_with("paper-l40s-") {
-            &l40s
-        } else {
-            &h100s
-        }
-        .iter()
-        .map(|g| g.name.as_str())
-        .collect();
+        let want: BTreeSet<&str> =
+            if name.starts_with("paper-l40s-") || name.starts_with(LEAVING) {
+                &l40s
+            } else {
+                &h100s
+            }
+            .iter()
+            .map(|g| g.name.as_str())
+            .collect();
         let published: BTreeSet<String> = slices
             .list(&ListParams::default().fields(&format!("spec.nodeName={name}")))
             .await?
@@ -676,6 +692,107 @@ async fn two_real_and_sixteen_paper_nodes_get_pods_placed_run_and_denied_by_the_
             );
         }
     }
+
+    // A paper node deleted while its slices exist: the garbage collector deletes them (the Node
+    // owns them), and its plugin, trying again, finds no Node and writes nothing. The Node
+    // registered again (a new UID): the plugin publishes its pool again, owned by that Node.
+    let leaving = format!("{LEAVING}0");
+    let node_slices = || {
+        let slices = slices.clone();
+        let leaving = leaving.clone();
+        async move {
+            slices
+                .list(&ListParams::default().fields(&format!("spec.nodeName={leaving}")))
+                .await
+                .map(|l| l.items)
+        }
+    };
+    let before = node_slices().await?;
+    ensure!(!before.is_empty(), "{leaving} has slices before it goes");
+    nodes.delete(&leaving, &DeleteParams::default()).await?;
+    let gone_at = Instant::now();
+    wait_for(
+        &format!("{leaving}'s slices gone"),
+        || cluster.log_tail(),
+        || async {
+            let left = node_slices().await?;
+            Ok(if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{} slices left", left.len()))
+            })
+        },
+    )
+    .await?;
+    eprintln!(
+        "{leaving} deleted: its {} slices gone in {:.1} s",
+        before.len(),
+        gone_at.elapsed().as_secs_f64()
+    );
+    let plugin_log = cluster
+        .paper(&leaving)
+        .context("the leaving paper node")?
+        .plugin_log();
+    let refused = format!("reading Node {leaving}");
+    wait_for(
+        &format!("{leaving}'s plugin finding its Node gone"),
+        || cluster.log_tail(),
+        || async {
+            let log = std::fs::read_to_string(&plugin_log)?;
+            Ok(match log.lines().find(|l| l.contains(&refused)) {
+                Some(line) => Ok(line.to_owned()),
+                None => Err(format!("no {refused:?} in {}", plugin_log.display())),
+            })
+        },
+    )
+    .await
+    .map(|line| eprintln!("{leaving}'s plugin: {line}"))?;
+    // A write racing the delete (a create with the old owner UID) is collected too.
+    wait_for(
+        &format!("{leaving}'s slices gone after its plugin tried again"),
+        || cluster.log_tail(),
+        || async {
+            let left = node_slices().await?;
+            Ok(if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{} slices left", left.len()))
+            })
+        },
+    )
+    .await?;
+    let back = cluster
+        .cp()
+        .register_node(&leaving, &[(KIND, "leaving")])
+        .await?;
+    let uid = back.metadata.uid.clone().context("the new Node's UID")?;
+    let republished = wait_for(
+        &format!("{leaving}'s pool published again, owned by the new Node"),
+        || cluster.log_tail(),
+        || async {
+            let now = node_slices().await?;
+            let owned = now.iter().all(|s| {
+                s.metadata
+                    .owner_references
+                    .as_ref()
+                    .is_some_and(|o| o.iter().any(|o| o.uid == uid && o.kind == "Node"))
+            });
+            let devices = now
+                .iter()
+                .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+                .sum::<usize>();
+            Ok(if owned && devices == l40s.len() {
+                Ok(devices)
+            } else {
+                Err(format!(
+                    "{} slices, {devices} devices, owned: {owned}",
+                    now.len()
+                ))
+            })
+        },
+    )
+    .await?;
+    eprintln!("{leaving} registered again: {republished} devices published, owned by {uid}");
     cluster.stop().await?;
     Ok(())
 }
