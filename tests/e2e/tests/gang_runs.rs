@@ -6,6 +6,12 @@
 //! four GPUs its claim holds (device nodes from the CDI spec, in the log the API server relays
 //! from that node's kubelet).
 //!
+//! Then a PodGroup's claim (KEP-5729, `PodGroup.spec.resourceClaims`): two pods of one gang
+//! share the group's one GPU claim, reserved for the PodGroup, prepared by drust on its node,
+//! and both containers see that GPU. The gang is kept on one node by a topology constraint on
+//! the hostname: v1.36.3's scheduler may otherwise bind the second pod to a node other than the
+//! claim's (kubernetes/kubernetes#140087, fixed for 1.37), where drust refuses to prepare it.
+//!
 //! `tests/gangs.rs` checks the scheduler's verdicts on nodes without a kubelet (minCount not
 //! met, topology constraints, the stale-claim check).
 
@@ -41,7 +47,7 @@ spec:
 /// A gang `name` of `pods` pods (`minCount` all of them), each printing its devices
 /// ([`SCRIPT`]) and sleeping, each with its own claim from `four-gpus`.
 fn gang(name: &str, pods: u32) -> String {
-    let (entry, template, claims) = ("gpus", "four-gpus", "");
+    let (entry, template) = ("gpus", "four-gpus");
     let mut text = format!(
         "apiVersion: scheduling.k8s.io/v1alpha2
 kind: Workload
@@ -57,7 +63,7 @@ metadata: {{name: {name}, namespace: default}}
 spec:
   podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
   schedulingPolicy: {{gang: {{minCount: {pods}}}}}
-{claims}"
+"
     );
     let command =
         serde_json::to_string(&format!("{SCRIPT}; trap 'exit 0' TERM; sleep 3600 & wait"))
@@ -80,6 +86,69 @@ spec:
       resources: {{claims: [{{name: {entry}}}]}}
   resourceClaims:
     - {{name: {entry}, resourceClaimTemplateName: {template}}}
+"
+        ));
+    }
+    text
+}
+
+const ONE_GPU: &str = "apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: one-gpu, namespace: default}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly: {deviceClassName: gpu.drust.dev, allocationMode: ExactCount, count: 1}
+";
+
+/// A gang `name` of `pods` pods (`minCount` all of them) on one node (a topology constraint on
+/// the hostname), sharing the PodGroup's one claim from `one-gpu`, each printing its devices
+/// ([`SCRIPT`]) and sleeping.
+fn group_claim_gang(name: &str, pods: u32) -> String {
+    let command =
+        serde_json::to_string(&format!("{SCRIPT}; trap 'exit 0' TERM; sleep 3600 & wait"))
+            .unwrap_or_default();
+    let mut text = format!(
+        "apiVersion: scheduling.k8s.io/v1alpha2
+kind: Workload
+metadata: {{name: {name}, namespace: default}}
+spec:
+  podGroupTemplates:
+    - name: workers
+      schedulingPolicy: {{gang: {{minCount: {pods}}}}}
+---
+apiVersion: scheduling.k8s.io/v1alpha2
+kind: PodGroup
+metadata: {{name: {name}, namespace: default}}
+spec:
+  podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
+  schedulingPolicy: {{gang: {{minCount: {pods}}}}}
+  schedulingConstraints:
+    topology: [{{key: kubernetes.io/hostname}}]
+  resourceClaims:
+    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
+"
+    );
+    for i in 0..pods {
+        text.push_str(&format!(
+            "---
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}-{i}, namespace: default, labels: {{gang: {name}}}}}
+spec:
+  schedulingGroup: {{podGroupName: {name}}}
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 2
+  containers:
+    - name: main
+      image: {WORKLOAD_IMAGE}
+      imagePullPolicy: Never
+      command: [/bin/sh, -c, {command}]
+      resources: {{claims: [{{name: fabric}}]}}
+  resourceClaims:
+    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
 "
         ));
     }
@@ -218,6 +287,74 @@ async fn a_gang_runs_whole_on_two_real_nodes() -> anyhow::Result<()> {
     );
 
     eprintln!("gang train: {per_node:?} ({DRIVER})");
+    pods.delete_collection(
+        &Default::default(),
+        &ListParams::default().labels("gang=train"),
+    )
+    .await?;
+    until("gang train gone", TIMEOUT, || async {
+        let left = pods
+            .list(&ListParams::default().labels("gang=train"))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(left.items.is_empty().then_some(()))
+    })
+    .await?;
+
+    // A PodGroup's claim (KEP-5729) on real kubelets: one GPU for the whole group, reserved for
+    // the PodGroup, prepared once on its node, and seen by both pods. The group is kept on one
+    // node by a topology constraint on the hostname: without it, v1.36.3's scheduler may bind the
+    // second pod to another node than the claim's allocation (kubernetes/kubernetes#140087, fixed
+    // for 1.37 by #140089), where drust refuses to prepare a claim with no device in its pool.
+    apply_yaml(&client, ONE_GPU, Path::new("one-gpu")).await?;
+    apply_yaml(
+        &client,
+        &group_claim_gang("shared", 2),
+        Path::new("gang shared"),
+    )
+    .await?;
+    let shared = running(&pods, "shared", 2, &cluster).await?;
+    let mut seen_by = BTreeMap::new();
+    let mut claim_names = Vec::new();
+    for pod in &shared {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        let (claim, devices) = claim_of(&claims, pod).await?;
+        let reserved = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.reserved_for.clone())
+            .unwrap_or_default();
+        ensure!(
+            reserved.len() == 1
+                && reserved[0].resource == "podgroups"
+                && reserved[0].name == "shared",
+            "the group's claim is reserved for the PodGroup: {reserved:?}"
+        );
+        ensure!(
+            devices.len() == 1 && devices[0].0 == node,
+            "{name} on {node}: the group's GPU {devices:?} is on its node"
+        );
+        claim_names.push(claim.metadata.name.clone().unwrap_or_default());
+        seen_by.insert(name.clone(), (node, gpus_seen(&pods, &name).await?));
+    }
+    ensure!(
+        claim_names[0] == claim_names[1],
+        "both pods use the PodGroup's one claim: {claim_names:?}"
+    );
+    let views: Vec<_> = seen_by.values().collect();
+    ensure!(
+        views[0] == views[1] && views[0].1.len() == 1,
+        "both pods, on one node, see the group's one GPU: {seen_by:?}"
+    );
+    eprintln!(
+        "gang shared: one PodGroup claim {}, {seen_by:?}",
+        claim_names[0]
+    );
     cluster.stop().await?;
     Ok(())
 }
