@@ -61,13 +61,17 @@ impl Report {
     }
 }
 
-/// A pod that uses a claim (`status.reservedFor` of the claim).
+/// A pod that uses a claim: from `status.reservedFor` of the claim, or, for a claim reserved
+/// for something else (a PodGroup's claim, KEP-5729, reserved for the PodGroup), from the
+/// kubelet's PodResources API, which names the pods on this node whose containers hold it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PodRef {
     /// Its name.
     pub name: String,
-    /// Its `metadata.uid`.
+    /// Its `metadata.uid`; empty where only the PodResources API names the pod (it gives no
+    /// UIDs).
+    #[serde(default)]
     pub uid: String,
 }
 
@@ -393,6 +397,28 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
                     .or_else(|| several.first().copied()),
                 (several, None) => several.first().copied(),
             };
+            // A pod no claim's reservedFor names, on a device of one claim reserved for no pod
+            // (a PodGroup's claim): the pod the kubelet says holds it, when there is one.
+            let chosen_by_kubelet;
+            let chosen = match chosen {
+                None if d.claims.len() == 1
+                    && inputs.pods.get(&d.claims[0]).is_none_or(|p| p.is_empty()) =>
+                {
+                    let pods: BTreeSet<(&str, &str)> = d
+                        .containers
+                        .iter()
+                        .map(|c| (c.pod.as_str(), c.namespace.as_str()))
+                        .collect();
+                    match pods.into_iter().collect::<Vec<_>>().as_slice() {
+                        [(pod_name, ns)] => {
+                            chosen_by_kubelet = (d.claims[0].as_str(), *pod_name, *ns);
+                            Some(&chosen_by_kubelet)
+                        }
+                        _ => None,
+                    }
+                }
+                other => other,
+            };
             if let Some((claim, pod_name, ns)) = chosen {
                 p.claim = Some((*claim).to_owned());
                 p.pod = Some((*pod_name).to_owned());
@@ -430,6 +456,22 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
             pods: inputs.pods.get(uid).cloned().unwrap_or_default(),
             ..ClaimReport::default()
         };
+        if c.pods.is_empty() {
+            // Reserved for no pod (a PodGroup's claim): the pods the kubelet names.
+            let named: BTreeSet<&str> = r
+                .devices
+                .iter()
+                .flat_map(|rd| inputs.containers.of(r, &rd.pool_name, &rd.device_name))
+                .map(|c| c.pod.as_str())
+                .collect();
+            c.pods = named
+                .into_iter()
+                .map(|name| PodRef {
+                    name: name.to_owned(),
+                    uid: String::new(),
+                })
+                .collect();
+        }
         let mut counted = false;
         for rd in r.devices.iter().filter(|d| !d.admin_access) {
             let Some(d) = report.devices.iter().find(|d| d.device == rd.device_name) else {
@@ -1063,6 +1105,88 @@ mod tests {
         assert_eq!(r.errors, ["GPU 7: NVML: GPU is lost"]);
         assert!(claim(&r, "c").busy && !claim(&r, "c").idle);
         assert!(!r.devices.iter().any(|d| d.gpu_index == 7));
+    }
+
+    /// A PodGroup's claim (KEP-5729) is reserved for the PodGroup: its reservedFor names no pod.
+    /// Its pods are those the kubelet names; a process is credited to the one pod there is, and
+    /// with two pods of the group on the node, to the claim alone (the kubelet gives names, the
+    /// process's cgroup a UID).
+    #[test]
+    fn a_pod_groups_claim_has_the_pods_the_kubelet_names() {
+        use dra_kubelet::pod_resources::{ClaimDevice, ContainerDevices, PodDevices};
+        let devices = devices();
+        let g4 = gpu(&devices, 4);
+        let claims = vec![("g".to_owned(), record("group", vec![held(&g4, None)]))];
+        let samples = BTreeMap::from([(4, sample(Some(50), &[(1, 100, 1, None)]))]);
+        let reserved_for_no_pod = BTreeMap::from([("g".to_owned(), Vec::new())]);
+        let pod = |name: &str| PodDevices {
+            namespace: "team".into(),
+            name: name.into(),
+            containers: vec![ContainerDevices {
+                name: "main".into(),
+                devices: vec![ClaimDevice {
+                    claim_namespace: "team".into(),
+                    claim_name: "group".into(),
+                    driver: "gpu.example.com".into(),
+                    pool: "node".into(),
+                    device: g4.clone(),
+                    share_id: None,
+                }],
+            }],
+        };
+        let report = |pods: Vec<PodDevices>| {
+            let known = Containers::from_kubelet(&pods, "gpu.example.com");
+            build(
+                &Inputs {
+                    containers: &known,
+                    ..inputs(&devices, &claims, &samples, &reserved_for_no_pod)
+                },
+                &mut IdleTracker::default(),
+                Instant::now(),
+                0,
+            )
+        };
+        let one = report(vec![pod("worker-0")]);
+        let c = claim(&one, "g");
+        assert_eq!(
+            c.pods,
+            [PodRef {
+                name: "worker-0".into(),
+                uid: String::new()
+            }]
+        );
+        let p = &one
+            .devices
+            .iter()
+            .find(|d| d.device == g4)
+            .unwrap()
+            .processes[0];
+        assert_eq!(
+            (
+                p.claim.as_deref(),
+                p.pod.as_deref(),
+                p.namespace.as_deref(),
+                p.container.as_deref()
+            ),
+            (Some("g"), Some("worker-0"), Some("team"), Some("main"))
+        );
+        assert!(c.busy && c.memory_used_bytes == 100 << 20);
+
+        let two = report(vec![pod("worker-0"), pod("worker-1")]);
+        let names: Vec<&str> = claim(&two, "g")
+            .pods
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect();
+        assert_eq!(names, ["worker-0", "worker-1"]);
+        let p = &two
+            .devices
+            .iter()
+            .find(|d| d.device == g4)
+            .unwrap()
+            .processes[0];
+        assert_eq!((p.claim.as_deref(), p.pod.as_deref()), (Some("g"), None));
+        assert_eq!(p.pod_uid.as_deref(), Some(pod_uid(1).as_str()));
     }
 
     #[test]
