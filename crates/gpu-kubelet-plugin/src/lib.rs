@@ -13,6 +13,7 @@
 pub use dra_plugin::cdi;
 pub mod checkpoint;
 pub mod claim_config;
+pub mod claim_users;
 pub mod claims;
 pub mod config;
 pub mod driver_files;

@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gpu_inventory::{GpuBackend, Inventory};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::active::{AbortOnDrop, Active};
 use crate::cdi::CdiWriter;
 use crate::checkpoint::CheckpointFile;
+use crate::claim_users::ClaimUsers;
 use crate::claims::{ClaimController, ControllerConfig, KubeCluster};
 use crate::config::Config;
 use crate::discovery::driver_files;
@@ -78,6 +79,7 @@ pub(crate) async fn take_over(
         .trim()
         .to_owned();
     let driver_edits = driver_files(config, backend).await?;
+    let claim_users = claim_users(config).await;
     let fs: Arc<dyn Fs> = Arc::new(RealFs);
     let (controller, _report) = ClaimController::start(
         KubeCluster::new(client.clone(), &config.driver_name, &config.node_name)
@@ -116,6 +118,7 @@ pub(crate) async fn take_over(
             },
             driver_edits,
             kernel_memory,
+            claim_users,
         },
         hardware::node_devices(inventory, config.mig_strategy).into_values(),
         CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name)
@@ -150,6 +153,33 @@ fn daemon_binary(config: &Config) -> PathBuf {
         .filter(|relative| !relative.as_os_str().is_empty())
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("usr/bin/nvidia-cuda-mps-control"))
+}
+
+/// The claim-user hook ([`crate::claim_users`]), installed in the plugin directory; `None`, with
+/// a warning, when the hook binary cannot be installed (a claim reserved for no pod is then
+/// listed with the pods the kubelet names, without UIDs).
+async fn claim_users(config: &Config) -> Option<Arc<ClaimUsers>> {
+    let (binary, plugin_dir) = (
+        config.cdi_hook_binary.clone(),
+        config.sockets.plugin_dir.clone(),
+    );
+    let dir = plugin_dir.clone();
+    let installed = tokio::task::spawn_blocking(move || {
+        crate::memory_limits::install_hook(&binary, &dir, true)
+    })
+    .await;
+    match installed {
+        Ok(Ok(hook)) => Some(Arc::new(ClaimUsers::new(hook, &plugin_dir))),
+        Ok(Err((path, e))) => {
+            warn!(path = %path.display(), error = %e,
+                "installing the CDI hook failed: the pods of PodGroup claims are named without UIDs");
+            None
+        }
+        Err(e) => {
+            warn!(error = %e, "installing the CDI hook failed");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

@@ -27,6 +27,8 @@ struct Fixture {
     /// The MPS control tool (the fake unless a test wraps it) and its command timeout.
     mps_binary: std::path::PathBuf,
     mps_timeout: Duration,
+    /// The claim-user hook ([`gpu_kubelet_plugin::claim_users`]), when a test installs it.
+    claim_users: Option<Arc<gpu_kubelet_plugin::claim_users::ClaimUsers>>,
 }
 
 type Controller = ClaimController<Shared, ScriptedHardware>;
@@ -45,6 +47,7 @@ impl Fixture {
             timeout: Duration::from_secs(5),
             mps_binary: drust_fakes::mps_control().to_owned(),
             mps_timeout: Duration::from_secs(10),
+            claim_users: None,
         }
     }
 
@@ -62,6 +65,7 @@ impl Fixture {
             },
             driver_edits: Default::default(),
             kernel_memory: None,
+            claim_users: self.claim_users.clone(),
         }
     }
 
@@ -230,6 +234,75 @@ async fn unprepare_removes_what_prepare_made_and_unknown_claims_succeed() {
             .unwrap()
             .contains(&format!("unprepare {}", dev(2)))
     );
+}
+
+/// A PodGroup's claim (KEP-5729) is reserved for the PodGroup: its CDI spec runs the claim-user
+/// hook for every container, so that usage can name the pods; a claim reserved for a pod does
+/// not. Unprepare removes what the hook recorded.
+#[tokio::test]
+async fn a_pod_groups_claim_gets_the_claim_user_hook_and_unprepare_drops_its_records() {
+    use gpu_kubelet_plugin::claim_users::{CLAIM_USER_COMMAND, ClaimUsers};
+    use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
+    let mut group = claim("g", "ug", &[(DRIVER, NODE, dev(2))]);
+    group.status.as_mut().unwrap().reserved_for = Some(vec![ResourceClaimConsumerReference {
+        api_group: Some("scheduling.k8s.io".into()),
+        resource: "podgroups".into(),
+        name: "train".into(),
+        uid: "pg-1".into(),
+    }]);
+    let mut pod = claim("p", "up", &[(DRIVER, NODE, dev(3))]);
+    pod.status.as_mut().unwrap().reserved_for = Some(vec![ResourceClaimConsumerReference {
+        api_group: None,
+        resource: "pods".into(),
+        name: "worker".into(),
+        uid: "pod-1".into(),
+    }]);
+    let mut f = Fixture::new(vec![group, pod]);
+    let users = Arc::new(ClaimUsers::new(
+        f.dir.path().join("bin/drust-cdi-hook-x"),
+        f.dir.path(),
+    ));
+    f.claim_users = Some(Arc::clone(&users));
+    let c = f.controller().await;
+    let r = c
+        .prepare(vec![claim_ref("g", "ug"), claim_ref("p", "up")])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    let hooks = |uid: &str| -> Vec<serde_json::Value> {
+        let path = f
+            .dir
+            .path()
+            .join(format!("cdi/gpu.example.com-claim_{uid}.json"));
+        let spec: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        spec["containerEdits"]["hooks"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    let group_hooks = hooks("ug");
+    assert_eq!(group_hooks.len(), 1, "{group_hooks:?}");
+    assert_eq!(group_hooks[0]["hookName"], "createRuntime");
+    assert_eq!(group_hooks[0]["args"][1], CLAIM_USER_COMMAND);
+    assert_eq!(group_hooks[0]["args"][3], "ug");
+    assert!(hooks("up").is_empty(), "a pod's claim runs no hook");
+
+    // What the hook would record as a container of the group starts; gone after unprepare.
+    let state = serde_json::json!({"id": "c1", "annotations": {
+        "io.kubernetes.cri.sandbox-namespace": "team",
+        "io.kubernetes.cri.sandbox-name": "train-0",
+        "io.kubernetes.cri.sandbox-uid": "pod-uid-0",
+        "io.kubernetes.cri.container-name": "main",
+    }});
+    let args: Vec<String> = group_hooks[0]["args"].as_array().unwrap()[1..]
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    gpu_kubelet_plugin::claim_users::run_hook(&args, state.to_string().as_bytes()).unwrap();
+    assert_eq!(users.recorded_claims().len(), 1);
+    let r = c.unprepare(vec![claim_ref("g", "ug")]).await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    assert!(users.recorded_claims().is_empty());
 }
 
 #[tokio::test]

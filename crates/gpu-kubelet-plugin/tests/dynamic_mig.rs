@@ -105,6 +105,7 @@ impl Node {
                 mps: mps_control(&self.dir.path().join("mps")),
                 driver_edits: Default::default(),
                 kernel_memory: None,
+                claim_users: None,
             },
             devices.into_values(),
             CdiWriter::new(Arc::new(RealFs), self.dir.path().join("cdi"), DRIVER),

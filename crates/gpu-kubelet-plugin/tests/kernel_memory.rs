@@ -194,6 +194,7 @@ impl Node {
                 mps: mps_control(&root.join("mps")),
                 driver_edits: Default::default(),
                 kernel_memory: kernel.map(Arc::new),
+                claim_users: None,
             },
             node_devices(&inventory, MigStrategy::Existing).into_values(),
             CdiWriter::new(Arc::new(RealFs), root.join("cdi"), DRIVER),

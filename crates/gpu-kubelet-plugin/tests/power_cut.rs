@@ -60,6 +60,7 @@ async fn controller_reporting(
             mps: mps_control(mps),
             driver_edits: Default::default(),
             kernel_memory: None,
+            claim_users: None,
         },
         node_devices(),
         CdiWriter::new(fs.clone(), CDI, DRIVER),

@@ -15,8 +15,8 @@
 //! `tests/gangs.rs` checks the scheduler's verdicts on nodes without a kubelet (minCount not
 //! met, topology constraints, the stale-claim check).
 
-use std::collections::BTreeMap;
-use std::path::Path;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -26,6 +26,7 @@ use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::apply_yaml;
 use drust_e2e::node_pods::{SCRIPT, seen};
 use drust_e2e::wait::until;
+use gpu_kubelet_plugin::claim_users::{ClaimUsers, RECORDS_DIR};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
@@ -355,6 +356,44 @@ async fn a_gang_runs_whole_on_two_real_nodes() -> anyhow::Result<()> {
         "gang shared: one PodGroup claim {}, {seen_by:?}",
         claim_names[0]
     );
+    // The claim names no pod; the runtime ran drust's claim-user hook as each container was
+    // created, and the plugin's records name both pods with the UIDs the API server holds.
+    let (claim, _) = claim_of(&claims, &shared[0]).await?;
+    let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
+    let node = seen_by
+        .values()
+        .next()
+        .map(|(n, _)| n.clone())
+        .unwrap_or_default();
+    let plugin_dir = cluster
+        .real(&node)
+        .context("the group's node")?
+        .host()
+        .plugin_dir();
+    let users =
+        ClaimUsers::new(PathBuf::new(), &plugin_dir).users(&BTreeSet::from([claim_uid.clone()]));
+    let recorded: BTreeSet<(String, String, String)> = users
+        .get(&claim_uid)
+        .into_iter()
+        .flatten()
+        .map(|u| (u.pod.clone(), u.pod_uid.clone(), u.container.clone()))
+        .collect();
+    let want: BTreeSet<(String, String, String)> = shared
+        .iter()
+        .map(|p| {
+            (
+                p.metadata.name.clone().unwrap_or_default(),
+                p.metadata.uid.clone().unwrap_or_default(),
+                "main".to_owned(),
+            )
+        })
+        .collect();
+    ensure!(
+        recorded == want,
+        "the claim-user records under {} name the group's pods: {recorded:?}, want {want:?}",
+        plugin_dir.join(RECORDS_DIR).display()
+    );
+    eprintln!("gang shared: recorded users {recorded:?}");
     cluster.stop().await?;
     Ok(())
 }

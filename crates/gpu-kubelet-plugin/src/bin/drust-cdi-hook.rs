@@ -1,7 +1,10 @@
-//! `drust-cdi-hook`: the CDI `createRuntime` hook of the `kernel` enforcement level. The
-//! container runtime runs it on the host with the container's OCI state on stdin; it sets the
-//! share's GPU memory limit on the container's cgroup ([`gpu_kubelet_plugin::memory_limits`]).
-//! Exits 1 with the reason on stderr when it cannot, so the runtime does not start the container.
+//! `drust-cdi-hook`: the plugin's CDI `createRuntime` hooks. The container runtime runs it on the
+//! host with the container's OCI state on stdin.
+//! - `memory-limit` (the `kernel` enforcement level): sets the share's GPU memory limit on the
+//!   container's cgroup ([`gpu_kubelet_plugin::memory_limits`]). Exits 1 with the reason on
+//!   stderr when it cannot, so the runtime does not start the container.
+//! - `claim-user` (claims reserved for no pod): records the container's pod
+//!   ([`gpu_kubelet_plugin::claim_users`]); always exits 0.
 
 use std::path::Path;
 
@@ -9,6 +12,14 @@ use gpu_inventory::{FakeBackend, GpuBackend, NvmlBackend};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(gpu_kubelet_plugin::claim_users::CLAIM_USER_COMMAND)
+    {
+        // Never fails the container: a missing record only leaves a pod unnamed in /usage.
+        if let Err(e) = gpu_kubelet_plugin::claim_users::run_hook(&args, std::io::stdin().lock()) {
+            eprintln!("drust-cdi-hook: {e}");
+        }
+        return;
+    }
     let result = gpu_kubelet_plugin::memory_limits::run_hook(
         &args,
         std::io::stdin().lock(),

@@ -81,6 +81,8 @@ impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
         record: &ClaimRecord,
         two_phase: bool,
     ) -> Result<(), ClaimError> {
+        // Both paths: what the claim-user hook recorded goes with the claim.
+        ClaimController::of(lifecycle).forget_users(claim).await?;
         if !two_phase {
             // Only checks to undo: skipped unless a device says otherwise.
             let catalogue = ClaimController::of(lifecycle).catalogue();
@@ -181,6 +183,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         used: &[&NodeDevice],
         created: &BTreeMap<String, CreatedMig>,
         devices: &[RecordedDevice],
+        claim_hooks: &[crate::cdi::Hook],
     ) -> Result<Spec, ClaimError> {
         let gpu = self.gpu();
         let mps = plan::MpsEdits::of(
@@ -193,10 +196,30 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             used,
             created,
             &mps,
-            &gpu.config.driver_edits,
+            &plan::claim_edits(&gpu.config.driver_edits, claim_hooks),
             gpu.hardware.as_ref(),
             self.lifecycle.cdi(),
         )
+    }
+
+    /// Removes what the claim-user hook recorded of `claim`'s containers
+    /// ([`crate::claim_users::ClaimUsers::clear`]).
+    pub(super) async fn forget_users(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        let Some(users) = self.gpu().config.claim_users.clone() else {
+            return Ok(());
+        };
+        let uid = claim.uid.clone();
+        let removed = tokio::task::spawn_blocking(move || users.clear(&uid))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        removed.map_err(|message| {
+            ClaimError::Lifecycle(dra_plugin::lifecycle::Error::TaskFailed {
+                claim: claim.clone(),
+                action: "removing the claim's user records",
+                message,
+            })
+        })
     }
 
     /// Reads the claim from the API server and plans its devices, sharing and CDI spec.
@@ -250,7 +273,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             Some(spec) => Ok(spec),
             None => {
                 let used: Vec<&NodeDevice> = plan.used.iter().collect();
-                self.spec(claim, &used, &created, &plan.devices)
+                self.spec(claim, &used, &created, &plan.devices, &plan.claim_hooks)
             }
         };
         // The devices as prepared: a created MIG device is reached by its own UUID.

@@ -75,6 +75,9 @@ pub struct ControllerConfig {
     /// The `kernel` enforcement level's memory limits, where the node has it
     /// ([`crate::memory_limits::KernelMemory::detect`]); `None`: the `mps` level.
     pub kernel_memory: Option<Arc<crate::memory_limits::KernelMemory>>,
+    /// The hook recording the pods of claims reserved for no pod
+    /// ([`crate::claim_users::ClaimUsers`]); `None` when it could not be installed.
+    pub claim_users: Option<Arc<crate::claim_users::ClaimUsers>>,
 }
 
 /// Prepares and unprepares claims for one driver on one node: the lifecycle
@@ -446,8 +449,14 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             sharing: gpu.config.sharing,
             mps: &gpu.config.mps,
             kernel_memory: gpu.config.kernel_memory.as_deref(),
+            claim_users: gpu.config.claim_users.as_deref(),
             driver_edits: &gpu.config.driver_edits,
         }
+    }
+
+    /// The claim-user hook's records, where it is installed ([`crate::claim_users`]).
+    pub fn claim_users(&self) -> Option<Arc<crate::claim_users::ClaimUsers>> {
+        self.gpu().config.claim_users.clone()
     }
 
     /// Unprepares completed claims that no longer exist in the API server or whose UID
@@ -625,6 +634,7 @@ mod tests {
                 },
                 driver_edits: Default::default(),
                 kernel_memory: None,
+                claim_users: None,
             },
             Vec::new(),
             CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), "gpu.example.com"),

@@ -7,7 +7,7 @@ use dra_plugin::allocation;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
 use super::error::ClaimError;
-use crate::cdi::{CDI_VERSION, CdiDevice, CdiWriter, ContainerEdits, DeviceNode, Spec};
+use crate::cdi::{CDI_VERSION, CdiDevice, CdiWriter, ContainerEdits, DeviceNode, Hook, Spec};
 use crate::checkpoint::{RecordedDevice, RecordedShare};
 use crate::claim_config::{self, ConfigTarget, DeviceKind, Sharing};
 use crate::hardware::{CONTROL_DEVICE_NODES, CreatedMig, Hardware, NodeDevice};
@@ -22,6 +22,9 @@ pub(crate) struct Plan {
     /// The CDI spec; `None` when a device is a MIG placement whose device nodes and UUID are
     /// known only once prepare created it.
     pub(crate) spec: Option<Spec>,
+    /// Spec-level hooks of this claim alone: the claim-user hook of a claim reserved for no pod
+    /// ([`crate::claim_users`]).
+    pub(crate) claim_hooks: Vec<Hook>,
 }
 
 /// What a plan is made against: this driver's pool, devices and settings.
@@ -36,6 +39,8 @@ pub(crate) struct PlanContext<'a> {
     pub(crate) mps: &'a MpsControl,
     /// The `kernel` level's memory limits, if the node has them.
     pub(crate) kernel_memory: Option<&'a crate::memory_limits::KernelMemory>,
+    /// The claim-user hook, where installed.
+    pub(crate) claim_users: Option<&'a crate::claim_users::ClaimUsers>,
     /// Spec-level edits of the driver's files ([`super::ControllerConfig::driver_edits`]).
     pub(crate) driver_edits: &'a ContainerEdits,
 }
@@ -157,6 +162,12 @@ pub(crate) fn plan(
             });
         }
     }
+    let claim_hooks: Vec<Hook> = cx
+        .claim_users
+        .filter(|_| reserved_for_no_pod(rc))
+        .map(|users| users.hook(&claim.uid))
+        .into_iter()
+        .collect();
     let created_later = used
         .iter()
         .any(|d| matches!(d, NodeDevice::MigPlacement { .. }));
@@ -169,7 +180,7 @@ pub(crate) fn plan(
             &refs,
             &BTreeMap::new(),
             &MpsEdits::of(cx.mps, cx.kernel_memory, &devices),
-            cx.driver_edits,
+            &claim_edits(cx.driver_edits, &claim_hooks),
             cx.hardware,
             cx.cdi,
         )?)
@@ -178,7 +189,34 @@ pub(crate) fn plan(
         spec,
         used,
         devices,
+        claim_hooks,
     })
+}
+
+/// The spec-level edits of one claim: the driver's (`driver`), then the claim's own hooks.
+pub(crate) fn claim_edits<'e>(
+    driver: &'e ContainerEdits,
+    claim_hooks: &[Hook],
+) -> std::borrow::Cow<'e, ContainerEdits> {
+    if claim_hooks.is_empty() {
+        return std::borrow::Cow::Borrowed(driver);
+    }
+    let mut edits = driver.clone();
+    edits.hooks.extend(claim_hooks.iter().cloned());
+    std::borrow::Cow::Owned(edits)
+}
+
+/// Whether `rc` is reserved for a consumer that is not a pod (a PodGroup, KEP-5729: its
+/// `status.reservedFor` names the PodGroup, `scheduling.k8s.io` `podgroups`).
+pub(crate) fn reserved_for_no_pod(rc: &ResourceClaim) -> bool {
+    rc.status
+        .as_ref()
+        .and_then(|s| s.reserved_for.as_ref())
+        .is_some_and(|r| {
+            r.iter().any(|c| {
+                c.resource != "pods" || c.api_group.as_deref().is_some_and(|g| !g.is_empty())
+            })
+        })
 }
 
 /// The MIG devices prepare created for `devices`, by device name.

@@ -164,9 +164,41 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
+        // What the claim-user hook recorded for claims not kept.
+        if let Some(users) = &gpu.config.claim_users {
+            let recorded = {
+                let users = std::sync::Arc::clone(users);
+                tokio::task::spawn_blocking(move || users.recorded_claims())
+                    .await
+                    .unwrap_or_default()
+            };
+            for uid in recorded.into_iter().filter(|u| !kept.contains(u)) {
+                let orphan = ClaimRef {
+                    uid: uid.clone(),
+                    ..node.clone()
+                };
+                match self.forget_users(&orphan).await {
+                    Ok(()) => report.removed.push(format!("user records of claim {uid}")),
+                    Err(e) => warn!(claim = %uid, error = %e,
+                        "removing an orphaned claim's user records failed; retried at the next start"),
+                }
+            }
+        }
+
         // Installed hooks neither this plugin's nor named by a kept claim's spec (a previous
         // version's, once its last claim is gone).
-        if let Some(kernel) = &gpu.config.kernel_memory {
+        let own_hook = gpu
+            .config
+            .kernel_memory
+            .as_ref()
+            .map(|k| k.hook_path().to_owned())
+            .or_else(|| {
+                gpu.config
+                    .claim_users
+                    .as_ref()
+                    .map(|u| u.hook_path().to_owned())
+            });
+        if let Some(keep) = own_hook {
             let named: BTreeSet<String> = {
                 let checkpoint = self.lifecycle.records().await;
                 checkpoint
@@ -176,7 +208,6 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     .map(|h| h.path.clone())
                     .collect()
             };
-            let keep = kernel.hook_path().to_owned();
             let removed = self
                 .lifecycle
                 .background()
@@ -357,7 +388,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .filter_map(|d| catalogue.get(&d.device_name))
             .collect();
         let created = plan::created_migs(&record.devices);
-        self.spec(claim, &used, &created, &record.devices)
+        self.spec(claim, &used, &created, &record.devices, &[])
     }
 
     /// The devices a spec exposes, for when the API server cannot say (request names unknown).

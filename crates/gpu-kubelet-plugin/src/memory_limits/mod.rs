@@ -154,21 +154,16 @@ impl KernelMemory {
         // The level's compute: the GPUs' share daemons on MPS v3, a namespace socket per share.
         crate::mps::namespace_sockets_fit(&config.mps_root, config.mps_daemon_pods.is_some())
             .map_err(Unavailable::MpsSockets)?;
-        let dir = config.sockets.plugin_dir.join("bin");
-        let name =
-            installed_hook_name(&config.cdi_hook_binary).map_err(|source| Unavailable::Hook {
-                from: config.cdi_hook_binary.clone(),
-                to: dir.clone(),
-                source,
-            })?;
-        let hook = dir.join(name);
-        if install_hook {
-            install(&config.cdi_hook_binary, &hook).map_err(|source| Unavailable::Hook {
-                from: config.cdi_hook_binary.clone(),
-                to: hook.clone(),
-                source,
-            })?;
-        }
+        let hook = self::install_hook(
+            &config.cdi_hook_binary,
+            &config.sockets.plugin_dir,
+            install_hook,
+        )
+        .map_err(|(to, source)| Unavailable::Hook {
+            from: config.cdi_hook_binary.clone(),
+            to,
+            source,
+        })?;
         Ok(Self {
             hook,
             backend_args: backend_args(config),
@@ -315,6 +310,26 @@ fn backend_args(config: &Config) -> Vec<String> {
             args
         }
     }
+}
+
+/// The hook binary `from` installed in `<plugin_dir>/bin/` under [`installed_hook_name`]
+/// (with `install`; written atomically, mode 0755, never over an installed hook): its path, a
+/// host path the container runtime runs. Blocking (reads and copies the binary).
+///
+/// # Errors
+/// The path that could not be read or written, and why.
+pub fn install_hook(
+    from: &Path,
+    plugin_dir: &Path,
+    install: bool,
+) -> Result<PathBuf, (PathBuf, std::io::Error)> {
+    let dir = plugin_dir.join("bin");
+    let name = installed_hook_name(from).map_err(|e| (from.to_owned(), e))?;
+    let hook = dir.join(name);
+    if install {
+        self::install(from, &hook).map_err(|e| (hook.clone(), e))?;
+    }
+    Ok(hook)
 }
 
 /// Copies `from` to `to` (atomically replaced, mode 0755).

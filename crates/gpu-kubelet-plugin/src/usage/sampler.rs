@@ -1,6 +1,8 @@
 //! The sampling loop: every interval, the GPUs' usage and their processes' cgroups on one
 //! blocking thread (never under a GPU lock), the pods of the prepared claims from the API
-//! server (`status.reservedFor`, cached), then a [`Report`] for `/metrics` and `/usage`.
+//! server (`status.reservedFor`, cached) or, for a claim reserved for no pod (a PodGroup's),
+//! from what the claim-user hook recorded ([`crate::claim_users`]), then a [`Report`] for
+//! `/metrics` and `/usage`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -113,13 +115,22 @@ pub async fn run<C: Cluster, H: Hardware>(
             }
         };
         debug!(elapsed = ?started.elapsed(), gpus = samples.len(), "sampled GPU usage");
-        pods.refresh(&controller, &devices, &claims, &samples, config.interval)
-            .await;
-        let pod_map: BTreeMap<String, Vec<PodRef>> = pods
+        let recorded = recorded_users(&controller, &claims).await;
+        pods.refresh(
+            &controller,
+            &devices,
+            &claims,
+            &samples,
+            config.interval,
+            &recorded,
+        )
+        .await;
+        let mut pod_map: BTreeMap<String, Vec<PodRef>> = pods
             .by_claim
             .iter()
             .map(|(uid, (p, _))| (uid.clone(), p.clone()))
             .collect();
+        add_recorded_pods(&mut pod_map, &recorded);
         let named = match &config.pod_resources_socket {
             Some(socket) => Some(containers(socket, &driver).await),
             None => None,
@@ -180,6 +191,44 @@ pub async fn run<C: Cluster, H: Hardware>(
     }
 }
 
+/// Gives each claim that `pods` lists no pod for (reserved for no pod: a PodGroup's claim) the
+/// pods its claim-user hook `recorded`, with their UIDs.
+fn add_recorded_pods(
+    pods: &mut BTreeMap<String, Vec<PodRef>>,
+    recorded: &BTreeMap<String, Vec<crate::claim_users::ClaimUser>>,
+) {
+    for (uid, users) in recorded {
+        let entry = pods.entry(uid.clone()).or_default();
+        if entry.is_empty() {
+            let mut refs: Vec<PodRef> = users
+                .iter()
+                .map(|u| PodRef {
+                    name: u.pod.clone(),
+                    uid: u.pod_uid.clone(),
+                })
+                .collect();
+            refs.sort();
+            refs.dedup();
+            *entry = refs;
+        }
+    }
+}
+
+/// What the claim-user hook recorded for the prepared `claims` ([`crate::claim_users`]), read
+/// on a blocking thread; empty when the hook is not installed.
+async fn recorded_users<C: Cluster, H: Hardware>(
+    controller: &ClaimController<C, H>,
+    claims: &[(String, crate::checkpoint::ClaimRecord)],
+) -> BTreeMap<String, Vec<crate::claim_users::ClaimUser>> {
+    let Some(users) = controller.claim_users() else {
+        return BTreeMap::new();
+    };
+    let uids: BTreeSet<String> = claims.iter().map(|(u, _)| u.clone()).collect();
+    tokio::task::spawn_blocking(move || users.users(&uids))
+        .await
+        .unwrap_or_default()
+}
+
 impl PodCache {
     /// Reads the pods of the claims that have none cached, whose entry is older than
     /// [`PODS_MAX_AGE`], or (at most once per `interval`) on whose devices a pod runs that no
@@ -191,6 +240,7 @@ impl PodCache {
         claims: &[(String, crate::checkpoint::ClaimRecord)],
         samples: &BTreeMap<u32, Result<GpuSample, String>>,
         interval: Duration,
+        recorded: &BTreeMap<String, Vec<crate::claim_users::ClaimUser>>,
     ) {
         let prepared: BTreeSet<&str> = claims.iter().map(|(u, _)| u.as_str()).collect();
         self.by_claim
@@ -199,6 +249,7 @@ impl PodCache {
             .by_claim
             .values()
             .flat_map(|(p, _)| p.iter().map(|p| p.uid.as_str()))
+            .chain(recorded.values().flatten().map(|u| u.pod_uid.as_str()))
             .collect();
         // GPUs running a pod no cached claim lists: their claims' pods may have changed.
         let unknown_on: BTreeSet<u32> = samples
@@ -262,5 +313,52 @@ impl PodCache {
                 .collect();
             self.by_claim.insert(uid.clone(), (pods, now));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::claim_users::ClaimUser;
+
+    #[test]
+    fn a_claim_reserved_for_no_pod_gets_the_pods_its_hook_recorded_and_others_keep_theirs() {
+        let user = |pod: &str, uid: &str, container: &str| ClaimUser {
+            namespace: "team".into(),
+            pod: pod.into(),
+            pod_uid: uid.into(),
+            container: container.into(),
+        };
+        let reserved = |name: &str, uid: &str| PodRef {
+            name: name.into(),
+            uid: uid.into(),
+        };
+        let mut pods = BTreeMap::from([
+            ("group".to_owned(), Vec::new()),
+            ("own".to_owned(), vec![reserved("solo", "u-solo")]),
+        ]);
+        let recorded = BTreeMap::from([
+            (
+                "group".to_owned(),
+                vec![
+                    user("w-1", "u-1", "main"),
+                    user("w-0", "u-0", "main"),
+                    user("w-0", "u-0", "sidecar"),
+                ],
+            ),
+            ("own".to_owned(), vec![user("other", "u-x", "main")]),
+            ("uncached".to_owned(), vec![user("w-2", "u-2", "main")]),
+        ]);
+        add_recorded_pods(&mut pods, &recorded);
+        assert_eq!(
+            pods["group"],
+            [reserved("w-0", "u-0"), reserved("w-1", "u-1")]
+        );
+        assert_eq!(
+            pods["own"],
+            [reserved("solo", "u-solo")],
+            "reservedFor wins"
+        );
+        assert_eq!(pods["uncached"], [reserved("w-2", "u-2")]);
     }
 }

@@ -370,6 +370,7 @@ pub async fn controller_over<C: Cluster>(
             mps: mps_control(&dir.join("mps")),
             driver_edits: Default::default(),
             kernel_memory: None,
+            claim_users: None,
         },
         devices,
         CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),
