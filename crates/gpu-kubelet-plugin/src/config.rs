@@ -227,6 +227,9 @@ pub struct Config {
     /// Honoured only where the MPS control tool is found (limits nobody can enforce are never
     /// handed out).
     pub consumable_capacity: bool,
+    /// Write device metadata files (KEP-5304) and mount them into containers
+    /// (`--device-metadata`).
+    pub device_metadata: bool,
     /// The MPS control tool (default `nvidia-cuda-mps-control`, found on `PATH`).
     pub mps_control_binary: PathBuf,
     /// Host directory of the per-claim MPS pipe and log directories (default `/run/drust/mps`);
@@ -283,6 +286,7 @@ impl Config {
             sharing: true,
             health_monitoring: true,
             consumable_capacity: false,
+            device_metadata: true,
             mps_control_binary: PathBuf::from("nvidia-cuda-mps-control"),
             mps_root: PathBuf::from("/run/drust/mps"),
             mps_start_timeout: Duration::from_secs(5),

@@ -16,6 +16,7 @@ pub mod claim_config;
 pub mod claim_users;
 pub mod claims;
 pub mod config;
+pub mod device_metadata;
 pub mod driver_files;
 pub mod fabric;
 pub mod failpoint;

@@ -167,6 +167,12 @@ struct Args {
     /// publishes exclusive devices and says why.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     consumable_capacity: bool,
+    /// Device metadata in containers (KEP-5304): for each request of a prepared claim, a JSON
+    /// file naming its devices and their attributes (UUID, NVLink clique, PCI, NUMA node, ...),
+    /// mounted read-only at `/var/run/kubernetes.io/dra-device-attributes/...` as upstream's
+    /// reader expects.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    device_metadata: bool,
     /// The MPS control tool (from the driver root).
     #[arg(long, default_value = "nvidia-cuda-mps-control")]
     mps_control_binary: PathBuf,
@@ -329,6 +335,7 @@ impl Args {
         config.sharing = self.sharing;
         config.health_monitoring = self.health_monitoring;
         config.consumable_capacity = self.consumable_capacity;
+        config.device_metadata = self.device_metadata;
         config.mps_control_binary = self.mps_control_binary;
         config.mps_root = self.mps_root;
         config.cgroup_root = self.cgroup_root;

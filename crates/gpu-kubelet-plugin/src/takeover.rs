@@ -119,6 +119,12 @@ pub(crate) async fn take_over(
             driver_edits,
             kernel_memory,
             claim_users,
+            device_metadata: config.device_metadata.then(|| {
+                Arc::new(crate::device_metadata::DeviceMetadata::new(
+                    &config.sockets.plugin_dir,
+                    &config.driver_name,
+                ))
+            }),
         },
         hardware::node_devices(inventory, config.mig_strategy).into_values(),
         CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name)

@@ -29,6 +29,8 @@ struct Fixture {
     mps_timeout: Duration,
     /// The claim-user hook ([`gpu_kubelet_plugin::claim_users`]), when a test installs it.
     claim_users: Option<Arc<gpu_kubelet_plugin::claim_users::ClaimUsers>>,
+    /// The device metadata writer, when a test turns it on.
+    device_metadata: Option<Arc<gpu_kubelet_plugin::device_metadata::DeviceMetadata>>,
 }
 
 type Controller = ClaimController<Shared, ScriptedHardware>;
@@ -48,6 +50,7 @@ impl Fixture {
             mps_binary: drust_fakes::mps_control().to_owned(),
             mps_timeout: Duration::from_secs(10),
             claim_users: None,
+            device_metadata: None,
         }
     }
 
@@ -66,6 +69,7 @@ impl Fixture {
             driver_edits: Default::default(),
             kernel_memory: None,
             claim_users: self.claim_users.clone(),
+            device_metadata: self.device_metadata.clone(),
         }
     }
 
@@ -303,6 +307,90 @@ async fn a_pod_groups_claim_gets_the_claim_user_hook_and_unprepare_drops_its_rec
     let r = c.unprepare(vec![claim_ref("g", "ug")]).await;
     assert!(r.values().all(Result::is_ok), "{r:?}");
     assert!(users.recorded_claims().is_empty());
+}
+
+/// Device metadata (KEP-5304): prepare writes one file per request naming its devices with
+/// their published attributes, and the claim's CDI spec mounts it read-only where upstream's
+/// reader looks (a generated claim: under its pod claim name); unprepare removes it.
+#[tokio::test]
+async fn prepare_writes_each_requests_device_metadata_and_mounts_it_and_unprepare_removes_it() {
+    use gpu_kubelet_plugin::device_metadata::DeviceMetadata;
+    let mut generated = claim(
+        "train-0-gpus-abcde",
+        "um",
+        &[(DRIVER, NODE, dev(2)), (DRIVER, NODE, dev(3))],
+    );
+    generated.metadata.annotations = Some(std::collections::BTreeMap::from([(
+        "resource.kubernetes.io/pod-claim-name".to_owned(),
+        "gpus".to_owned(),
+    )]));
+    let mut f = Fixture::new(vec![generated]);
+    let writer = Arc::new(DeviceMetadata::new(&f.dir.path().join("plugin"), DRIVER));
+    f.device_metadata = Some(writer);
+    let c = f.controller().await;
+    let r = c.prepare(vec![claim_ref("train-0-gpus-abcde", "um")]).await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    let host = f
+        .dir
+        .path()
+        .join("plugin/dra-device-metadata/ns_train-0-gpus-abcde/gpus/metadata.json");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&host).unwrap()).unwrap();
+    assert_eq!(doc["apiVersion"], "metadata.resource.k8s.io/v1alpha1");
+    assert_eq!(doc["metadata"]["uid"], "um");
+    assert_eq!(doc["podClaimName"], "gpus");
+    let devices = doc["requests"][0]["devices"].as_array().unwrap();
+    let names: Vec<&str> = devices
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, [dev(2), dev(3)]);
+    let gpu = &gpus()[2];
+    assert_eq!(
+        devices[0]["attributes"]["uuid"]["string"],
+        gpu.raw.uuid.as_str()
+    );
+    assert!(devices[0]["attributes"]["resource.kubernetes.io/pcieRoot"]["string"].is_string());
+
+    let spec_path = f.dir.path().join("cdi/gpu.example.com-claim_um.json");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).unwrap()).unwrap();
+    let mounts: Vec<(String, String)> = spec["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|d| {
+            d["containerEdits"]["mounts"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|m| {
+            (
+                m["hostPath"].as_str().unwrap().to_owned(),
+                m["containerPath"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        mounts,
+        [(
+            host.display().to_string(),
+            "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpus/gpus/gpu.example.com-metadata.json".to_owned()
+        )],
+        "one mount, on the request's first device"
+    );
+    let r = c
+        .unprepare(vec![claim_ref("train-0-gpus-abcde", "um")])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    assert!(
+        !host.exists()
+            && !f
+                .dir
+                .path()
+                .join("plugin/dra-device-metadata/ns_train-0-gpus-abcde")
+                .exists()
+    );
 }
 
 #[tokio::test]

@@ -106,6 +106,7 @@ impl Node {
                 driver_edits: Default::default(),
                 kernel_memory: None,
                 claim_users: None,
+                device_metadata: None,
             },
             devices.into_values(),
             CdiWriter::new(Arc::new(RealFs), self.dir.path().join("cdi"), DRIVER),

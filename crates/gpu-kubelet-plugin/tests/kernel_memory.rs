@@ -195,6 +195,7 @@ impl Node {
                 driver_edits: Default::default(),
                 kernel_memory: kernel.map(Arc::new),
                 claim_users: None,
+                device_metadata: None,
             },
             node_devices(&inventory, MigStrategy::Existing).into_values(),
             CdiWriter::new(Arc::new(RealFs), root.join("cdi"), DRIVER),

@@ -9,7 +9,8 @@
 //! 0. settings and leaf helpers: `config`, `failpoint`, `claim_config`, and `dra_plugin`'s
 //!    `cdi` and `storage` (re-exported);
 //! 1. the hardware and the node's files: `hardware`, `driver_files`, `mps`;
-//! 2. what is recorded and enforced per claim: `checkpoint`, `memory_limits`, `claim_users`;
+//! 2. what is recorded and enforced per claim: `checkpoint`, `memory_limits`, `claim_users`,
+//!    `device_metadata`;
 //! 3. the claim controller: `claims`;
 //! 4. what watches the claims and GPUs: `usage`, `health`, `health_record`, `publisher`,
 //!    `node_label`, `fabric`;
@@ -29,7 +30,12 @@ use std::path::{Path, PathBuf};
 const LAYERS: [&[&str]; 14] = [
     &["config", "failpoint", "claim_config", "cdi", "storage"],
     &["hardware", "driver_files", "mps"],
-    &["checkpoint", "memory_limits", "claim_users"],
+    &[
+        "checkpoint",
+        "memory_limits",
+        "claim_users",
+        "device_metadata",
+    ],
     &["claims"],
     &[
         "usage",

@@ -61,6 +61,7 @@ async fn controller_reporting(
             driver_edits: Default::default(),
             kernel_memory: None,
             claim_users: None,
+            device_metadata: None,
         },
         node_devices(),
         CdiWriter::new(fs.clone(), CDI, DRIVER),

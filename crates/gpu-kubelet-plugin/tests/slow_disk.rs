@@ -103,6 +103,7 @@ async fn the_liveness_probe_answers_within_a_second_while_a_checkpoint_write_tak
             driver_edits: Default::default(),
             kernel_memory: None,
             claim_users: None,
+            device_metadata: None,
         },
         node_devices(),
         CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), DRIVER),

@@ -81,8 +81,11 @@ impl<C: Cluster, H: Hardware> lifecycle::Driver for Gpu<C, H> {
         record: &ClaimRecord,
         two_phase: bool,
     ) -> Result<(), ClaimError> {
-        // Both paths: what the claim-user hook recorded goes with the claim.
-        ClaimController::of(lifecycle).forget_users(claim).await?;
+        // Both paths: what the claim-user hook recorded and the device metadata go with the
+        // claim.
+        let controller = ClaimController::of(lifecycle);
+        controller.forget_users(claim).await?;
+        controller.forget_metadata(claim).await?;
         if !two_phase {
             // Only checks to undo: skipped unless a device says otherwise.
             let catalogue = ClaimController::of(lifecycle).catalogue();
@@ -202,6 +205,53 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         )
     }
 
+    /// Writes the device metadata files of `metadata` on a blocking thread; a claim whose files
+    /// cannot be named gets none (its spec mounts none either: [`plan::add_metadata_mounts`]).
+    async fn write_metadata(
+        &self,
+        claim: &ClaimRef,
+        writer: &crate::device_metadata::DeviceMetadata,
+        metadata: &plan::MetadataPlan,
+        created: &BTreeMap<String, CreatedMig>,
+    ) -> Result<(), ClaimError> {
+        let Ok(files) = metadata.files(writer, created) else {
+            return Ok(());
+        };
+        let written = tokio::task::spawn_blocking(move || {
+            crate::device_metadata::DeviceMetadata::write(&files)
+                .map_err(|(path, e)| format!("{}: {e}", path.display()))
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        written.map_err(|message| {
+            ClaimError::Lifecycle(dra_plugin::lifecycle::Error::TaskFailed {
+                claim: claim.clone(),
+                action: "writing the claim's device metadata",
+                message,
+            })
+        })
+    }
+
+    /// Removes the device metadata files of `claim` ([`crate::device_metadata`]).
+    pub(super) async fn forget_metadata(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
+        let Some(writer) = self.gpu().config.device_metadata.clone() else {
+            return Ok(());
+        };
+        let (namespace, name) = (claim.namespace.clone(), claim.name.clone());
+        let removed = tokio::task::spawn_blocking(move || writer.clear(&namespace, &name))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        removed.map_err(|message| {
+            ClaimError::Lifecycle(dra_plugin::lifecycle::Error::TaskFailed {
+                claim: claim.clone(),
+                action: "removing the claim's device metadata",
+                message,
+            })
+        })
+    }
+
     /// Removes what the claim-user hook recorded of `claim`'s containers
     /// ([`crate::claim_users::ClaimUsers::clear`]).
     pub(super) async fn forget_users(&self, claim: &ClaimRef) -> Result<(), ClaimError> {
@@ -269,13 +319,28 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .into_iter()
             .filter_map(|(name, c)| c.map(|c| (name, c)))
             .collect();
+        let writer = self.gpu().config.device_metadata.clone();
         let spec = match plan.spec {
             Some(spec) => Ok(spec),
             None => {
                 let used: Vec<&NodeDevice> = plan.used.iter().collect();
                 self.spec(claim, &used, &created, &plan.devices, &plan.claim_hooks)
+                    .map(|mut spec| {
+                        plan::add_metadata_mounts(
+                            &mut spec,
+                            claim,
+                            writer.as_deref(),
+                            plan.metadata.as_ref(),
+                        );
+                        spec
+                    })
             }
         };
+        // The device metadata files the spec mounts, before the spec is written.
+        if let (Some(writer), Some(metadata), Ok(_)) = (&writer, &plan.metadata, &spec) {
+            self.write_metadata(claim, writer, metadata, &created)
+                .await?;
+        }
         // The devices as prepared: a created MIG device is reached by its own UUID.
         let mut devices = plan.devices;
         for d in &mut devices {

@@ -78,6 +78,9 @@ pub struct ControllerConfig {
     /// The hook recording the pods of claims reserved for no pod
     /// ([`crate::claim_users::ClaimUsers`]); `None` when it could not be installed.
     pub claim_users: Option<Arc<crate::claim_users::ClaimUsers>>,
+    /// Where device metadata files (KEP-5304) are written; `None`: none are
+    /// ([`crate::device_metadata`]).
+    pub device_metadata: Option<Arc<crate::device_metadata::DeviceMetadata>>,
 }
 
 /// Prepares and unprepares claims for one driver on one node: the lifecycle
@@ -450,6 +453,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             mps: &gpu.config.mps,
             kernel_memory: gpu.config.kernel_memory.as_deref(),
             claim_users: gpu.config.claim_users.as_deref(),
+            device_metadata: gpu.config.device_metadata.as_deref(),
             driver_edits: &gpu.config.driver_edits,
         }
     }
@@ -635,6 +639,7 @@ mod tests {
                 driver_edits: Default::default(),
                 kernel_memory: None,
                 claim_users: None,
+                device_metadata: None,
             },
             Vec::new(),
             CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), "gpu.example.com"),

@@ -10,11 +10,12 @@ use super::error::ClaimError;
 use crate::cdi::{CDI_VERSION, CdiDevice, CdiWriter, ContainerEdits, DeviceNode, Hook, Spec};
 use crate::checkpoint::{RecordedDevice, RecordedShare};
 use crate::claim_config::{self, ConfigTarget, DeviceKind, Sharing};
+use crate::device_metadata::{DeviceMetadata, MetadataDevice, MetadataFile};
 use crate::hardware::{CONTROL_DEVICE_NODES, CreatedMig, Hardware, NodeDevice};
 use crate::mps::MpsControl;
 
 /// The devices of one claim on this node, and the CDI spec that exposes them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Plan {
     pub(crate) devices: Vec<RecordedDevice>,
     /// The node devices behind `devices`, in the same order.
@@ -25,6 +26,41 @@ pub(crate) struct Plan {
     /// Spec-level hooks of this claim alone: the claim-user hook of a claim reserved for no pod
     /// ([`crate::claim_users`]).
     pub(crate) claim_hooks: Vec<Hook>,
+    /// The claim's device metadata (KEP-5304), where the plugin writes it; the spec already
+    /// mounts its files, which prepare writes ([`crate::device_metadata`]).
+    pub(crate) metadata: Option<MetadataPlan>,
+}
+
+/// What a claim's device metadata files are made of.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct MetadataPlan {
+    /// The claim's name, namespace, UID and annotations.
+    pub(crate) claim: ResourceClaim,
+    /// Its devices, each once per request it serves.
+    pub(crate) devices: Vec<MetadataDevice>,
+}
+
+impl MetadataPlan {
+    /// The files, with the UUIDs of the MIG devices prepare `created` (by device name).
+    pub(crate) fn files(
+        &self,
+        writer: &DeviceMetadata,
+        created: &BTreeMap<String, CreatedMig>,
+    ) -> Result<Vec<MetadataFile>, String> {
+        let mut devices = self.devices.clone();
+        for d in &mut devices {
+            if let Some(uuid) = created.get(&d.name).map(|m| m.uuid.clone()) {
+                d.attributes.insert(
+                    "uuid".to_owned(),
+                    k8s_openapi::api::resource::v1::DeviceAttribute {
+                        string: Some(uuid),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+        writer.files(&self.claim, &devices)
+    }
 }
 
 /// What a plan is made against: this driver's pool, devices and settings.
@@ -41,6 +77,8 @@ pub(crate) struct PlanContext<'a> {
     pub(crate) kernel_memory: Option<&'a crate::memory_limits::KernelMemory>,
     /// The claim-user hook, where installed.
     pub(crate) claim_users: Option<&'a crate::claim_users::ClaimUsers>,
+    /// The device metadata writer, where on.
+    pub(crate) device_metadata: Option<&'a DeviceMetadata>,
     /// Spec-level edits of the driver's files ([`super::ControllerConfig::driver_edits`]).
     pub(crate) driver_edits: &'a ContainerEdits,
 }
@@ -168,6 +206,25 @@ pub(crate) fn plan(
         .map(|users| users.hook(&claim.uid))
         .into_iter()
         .collect();
+    let metadata = cx.device_metadata.map(|_| MetadataPlan {
+        claim: ResourceClaim {
+            metadata: rc.metadata.clone(),
+            ..Default::default()
+        },
+        devices: devices
+            .iter()
+            .zip(&used)
+            .flat_map(|(d, node)| {
+                let attributes = crate::device_metadata::published_attributes(node, None);
+                d.request_names.iter().map(move |request| MetadataDevice {
+                    request: request.clone(),
+                    pool: d.pool_name.clone(),
+                    name: d.device_name.clone(),
+                    attributes: attributes.clone(),
+                })
+            })
+            .collect(),
+    });
     let created_later = used
         .iter()
         .any(|d| matches!(d, NodeDevice::MigPlacement { .. }));
@@ -175,7 +232,7 @@ pub(crate) fn plan(
         None
     } else {
         let refs: Vec<&NodeDevice> = used.iter().collect();
-        Some(spec(
+        let mut spec = spec(
             claim,
             &refs,
             &BTreeMap::new(),
@@ -183,14 +240,35 @@ pub(crate) fn plan(
             &claim_edits(cx.driver_edits, &claim_hooks),
             cx.hardware,
             cx.cdi,
-        )?)
+        )?;
+        add_metadata_mounts(&mut spec, claim, cx.device_metadata, metadata.as_ref());
+        Some(spec)
     };
     Ok(Plan {
         spec,
         used,
         devices,
         claim_hooks,
+        metadata,
     })
+}
+
+/// Mounts the metadata files of `metadata` into `spec` (their paths do not depend on what
+/// prepare creates). A claim whose files cannot be named gets none, with a warning.
+pub(crate) fn add_metadata_mounts(
+    spec: &mut Spec,
+    claim: &ClaimRef,
+    writer: Option<&DeviceMetadata>,
+    metadata: Option<&MetadataPlan>,
+) {
+    let (Some(writer), Some(metadata)) = (writer, metadata) else {
+        return;
+    };
+    match metadata.files(writer, &BTreeMap::new()) {
+        Ok(files) => crate::device_metadata::add_mounts(spec, &claim.uid, &files),
+        Err(e) => tracing::warn!(claim = %claim, error = %e,
+            "the claim's device metadata cannot be written; its containers get none"),
+    }
 }
 
 /// The spec-level edits of one claim: the driver's (`driver`), then the claim's own hooks.

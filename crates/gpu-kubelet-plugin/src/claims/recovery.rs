@@ -185,6 +185,40 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             }
         }
 
+        // Device metadata files of claims not kept.
+        if let Some(writer) = &gpu.config.device_metadata {
+            let keep: BTreeSet<(String, String)> = {
+                let checkpoint = self.lifecycle.records().await;
+                checkpoint
+                    .claims
+                    .iter()
+                    .filter(|(uid, _)| kept.contains(*uid))
+                    .map(|(_, r)| (r.namespace.clone(), r.name.clone()))
+                    .collect()
+            };
+            let writer = std::sync::Arc::clone(writer);
+            let removed = self
+                .lifecycle
+                .background()
+                .spawn_blocking(move || {
+                    let mut removed = Vec::new();
+                    for (namespace, name) in writer.recorded_claims() {
+                        if keep.contains(&(namespace.clone(), name.clone())) {
+                            continue;
+                        }
+                        match writer.clear(&namespace, &name) {
+                            Ok(()) => removed.push(format!("device metadata of claim {namespace}/{name}")),
+                            Err(e) => warn!(claim = %format!("{namespace}/{name}"), error = %e,
+                                "removing an orphaned claim's device metadata failed; retried at the next start"),
+                        }
+                    }
+                    removed
+                })
+                .await
+                .unwrap_or_default();
+            report.removed.extend(removed);
+        }
+
         // Installed hooks neither this plugin's nor named by a kept claim's spec (a previous
         // version's, once its last claim is gone).
         let own_hook = gpu

@@ -371,6 +371,7 @@ pub async fn controller_over<C: Cluster>(
             driver_edits: Default::default(),
             kernel_memory: None,
             claim_users: None,
+            device_metadata: None,
         },
         devices,
         CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),
