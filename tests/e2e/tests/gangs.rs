@@ -354,8 +354,18 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
     // node of its allocation; drust prepares it there, and its stale-claim check, which reads
     // claims and not pods, keeps it while the group lives: a claim of the pair, prepared and
     // then deleted with its pod, is unprepared by the check meanwhile.
+    // On one node by a topology constraint on the hostname: v1.36.3's scheduler may otherwise
+    // bind the second pod elsewhere than the claim's device (kubernetes/kubernetes#140087).
     apply_yaml(&client, ONE_GPU, Path::new("one-gpu")).await?;
-    submit(&client, "shared", 2, 2, None, Claims::OfTheGroup).await?;
+    submit(
+        &client,
+        "shared",
+        2,
+        2,
+        Some("kubernetes.io/hostname"),
+        Claims::OfTheGroup,
+    )
+    .await?;
     let nodes = bound(&pods, "shared", 2).await?;
     ensure!(nodes[0] == nodes[1], "gang shared across nodes: {nodes:?}");
     let claim = until("the PodGroup's claim allocated", TIMEOUT, || async {
