@@ -1,5 +1,5 @@
-//! A gang runs on two real nodes (issue 42): the control plane with 1.36's workload-aware
-//! scheduling ([`ControlPlaneOptions::workload_aware`]), two real nodes (kubelet with
+//! A gang runs on two real nodes (issue 42): the control plane with workload-aware scheduling
+//! (1.36's, or 1.37's with `DRUST_K8S=1.37`: [`ControlPlaneOptions::workload_aware`]), two real nodes (kubelet with
 //! `DRAWorkloadResourceClaims`, containerd and the plugin each, fake DGX H100s,
 //! [`drust_e2e::cluster`]). A Workload and PodGroup with `gang.minCount: 4`, four pods of four
 //! GPUs each: all four are bound together, two per node, and run; each container sees exactly the
@@ -17,9 +17,11 @@ use anyhow::{Context, ensure};
 use drust_e2e::ControlPlaneOptions;
 use drust_e2e::cluster::{Cluster, ClusterOptions, DRIVER, NodeGroup};
 use drust_e2e::images::WORKLOAD_IMAGE;
+use drust_e2e::kubernetes::KubernetesVersion;
 use drust_e2e::manifests::apply_yaml;
 use drust_e2e::node_pods::{SCRIPT, seen};
 use drust_e2e::wait::until;
+use drust_e2e::workloads;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
@@ -40,25 +42,9 @@ spec:
 
 /// A gang `name` of `pods` pods (`minCount` all of them), each printing its devices
 /// ([`SCRIPT`]) and sleeping, each with its own claim from `four-gpus`.
-fn gang(name: &str, pods: u32) -> String {
+fn gang(version: KubernetesVersion, name: &str, pods: u32) -> String {
     let (entry, template, claims) = ("gpus", "four-gpus", "");
-    let mut text = format!(
-        "apiVersion: scheduling.k8s.io/v1alpha2
-kind: Workload
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplates:
-    - name: workers
-      schedulingPolicy: {{gang: {{minCount: {pods}}}}}
----
-apiVersion: scheduling.k8s.io/v1alpha2
-kind: PodGroup
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
-  schedulingPolicy: {{gang: {{minCount: {pods}}}}}
-{claims}"
-    );
+    let mut text = workloads::gang(version, name, pods, claims);
     let command =
         serde_json::to_string(&format!("{SCRIPT}; trap 'exit 0' TERM; sleep 3600 & wait"))
             .unwrap_or_default();
@@ -173,6 +159,7 @@ async fn claim_of(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_gang_runs_whole_on_two_real_nodes() -> anyhow::Result<()> {
+    let version = KubernetesVersion::from_env()?;
     let cluster = Cluster::start(ClusterOptions {
         control_plane: ControlPlaneOptions::workload_aware(),
         ..ClusterOptions::default().real(
@@ -190,7 +177,7 @@ async fn a_gang_runs_whole_on_two_real_nodes() -> anyhow::Result<()> {
 
     // 4 pods × 4 GPUs on two 8-GPU nodes: all bound together, two per node, running, each
     // container with exactly its claim's four GPUs.
-    apply_yaml(&client, &gang("train", 4), Path::new("gang train")).await?;
+    apply_yaml(&client, &gang(version, "train", 4), Path::new("gang train")).await?;
     let train = running(&pods, "train", 4, &cluster).await?;
     let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
     for pod in &train {
