@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # Builds the test control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler)
-# from the Go modules pinned in tests/gotools/go.mod, into a cache outside the repository keyed by
+# from the Go modules pinned in tests/gotools/go.mod (or tests/gotools/k8s137/go.mod), into a cache outside the repository keyed by
 # the Kubernetes version and the module checksums. A warm cache makes this a no-op.
 #
 # Prints the directory holding the binaries on its last line of stdout; progress goes to stderr.
-# Environment: DRUST_CACHE_DIR (default ~/.cache/drust).
+# Environment: DRUST_CACHE_DIR (default ~/.cache/drust); DRUST_K8S selects the Kubernetes minor:
+# 1.36 (default, tests/gotools/go.mod) or 1.37 (tests/gotools/k8s137/go.mod). etcd is built from
+# tests/gotools either way.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/../gotools" && pwd)
-k8s_version=$(awk '$1=="k8s.io/kubernetes"{print $2; exit}' "$here/go.mod")
-sum=$(cat "$here/go.mod" "$here/go.sum" "$here/cmd/etcd/main.go" | sha256sum | cut -c1-12)
+case "${DRUST_K8S:-1.36}" in
+  1.36)
+    kmod=$here
+    sum=$(cat "$here/go.mod" "$here/go.sum" "$here/cmd/etcd/main.go" | sha256sum | cut -c1-12)
+    ;;
+  1.37)
+    kmod=$here/k8s137
+    sum=$(cat "$kmod/go.mod" "$kmod/go.sum" "$here/go.mod" "$here/go.sum" "$here/cmd/etcd/main.go" | sha256sum | cut -c1-12)
+    ;;
+  *) echo "DRUST_K8S=${DRUST_K8S}: expected 1.36 or 1.37" >&2; exit 2 ;;
+esac
+# The pin, whether in a require block or on a one-line require.
+k8s_version=$(awk '$1=="require"{$1=""; $0=$0} $1=="k8s.io/kubernetes"{print $2; exit}' "$kmod/go.mod")
+[[ -n "$k8s_version" ]] || { echo "no k8s.io/kubernetes pin in $kmod/go.mod" >&2; exit 1; }
 cache="${DRUST_CACHE_DIR:-$HOME/.cache/drust}/controlplane/${k8s_version}-${sum}"
 bins=(etcd kube-apiserver kube-controller-manager kube-scheduler)
 
@@ -45,14 +59,15 @@ cd "$here"
 start=$SECONDS
 echo "  downloading Go modules..." >&2
 go mod download >&2
+if [[ "$kmod" != "$here" ]]; then (cd "$kmod" && go mod download) >&2; fi
 for b in "${bins[@]}"; do
   t=$SECONDS
   case "$b" in
-    etcd) pkg=./cmd/etcd ;;
-    *) pkg=k8s.io/kubernetes/cmd/$b ;;
+    etcd) dir=$here pkg=./cmd/etcd ;;
+    *) dir=$kmod pkg=k8s.io/kubernetes/cmd/$b ;;
   esac
   echo "  building $b..." >&2
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$tmp/$b" "$pkg" >&2
+  (cd "$dir" && CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$tmp/$b" "$pkg") >&2
   echo "  built $b in $((SECONDS - t))s" >&2
 done
 mv "$tmp"/* "$cache/"

@@ -3,9 +3,10 @@
 //!
 //! Both shapes of the API are read, whose fields used here have the same names:
 //! `scheduling.k8s.io/v1alpha2` (Kubernetes 1.36: `k8s.io/api` v0.36.3
-//! `scheduling/v1alpha2/types.go`) and `scheduling.k8s.io/v1beta1` (1.37: v0.37.1
-//! `scheduling/v1beta1/types.go`; `podGroupTemplateRef` became `workloadRef`, which is not
-//! read). Read: `spec.schedulingPolicy` (exactly one of `basic` and `gang.minCount`, a positive
+//! `scheduling/v1alpha2/types.go`) and `scheduling.k8s.io/v1beta1` (1.37: v0.37.2
+//! `scheduling/v1beta1/types.go`; `podGroupTemplateRef` became `workloadRef` and
+//! `disruptionMode` a struct, neither of which is read; `tests/e2e/tests/gangs.rs` runs both on
+//! the real API server). Read: `spec.schedulingPolicy` (exactly one of `basic` and `gang.minCount`, a positive
 //! integer), `spec.schedulingConstraints.topology` (at most one `{key}`, a label key) and
 //! `spec.resourceClaims` (at most 4, each a DNS label `name` and exactly one of
 //! `resourceClaimName` and `resourceClaimTemplateName`, KEP-5729). Other fields (priority,
@@ -265,6 +266,38 @@ mod tests {
         assert_eq!(
             (beta.min_count, beta.topology_key, beta.claims),
             (alpha.min_count, alpha.topology_key, alpha.claims)
+        );
+    }
+
+    /// A PodGroup as the 1.37 API server returns it: the fields 1.37 added or reshaped
+    /// (`workloadRef`, `disruptionMode: {all: {}}`, `preemptionPolicy`, `status`) are left
+    /// alone.
+    #[test]
+    fn a_pod_group_as_1_37_stores_it_reads_the_same() {
+        let stored = json!({"apiVersion": API_VERSIONS[1], "kind": "PodGroup",
+            "metadata": {"name": "train", "namespace": "ml", "uid": "u-1",
+                "ownerReferences": [{"apiVersion": API_VERSIONS[1], "kind": "Workload",
+                    "name": "train", "uid": "u-0"}]},
+            "spec": {
+                "workloadRef": {"workloadName": "train", "templateName": "workers"},
+                "schedulingPolicy": {"gang": {"minCount": 2}},
+                "schedulingConstraints": {"topology": [{"key": "gpu.drust.dev/nvlink-clique"}]},
+                "resourceClaims": [{"name": "fabric", "resourceClaimTemplateName": "one-gpu"}],
+                "disruptionMode": {"all": {}},
+                "preemptionPolicy": "PreemptLowerPriority",
+                "priority": 0},
+            "status": {"conditions": [{"type": "PodGroupScheduled", "status": "True"}],
+                "resourceClaimStatuses": [{"name": "fabric",
+                    "resourceClaimName": "train-fabric-x7k2p"}]}});
+        let g = parse(location(), &stored).unwrap();
+        assert_eq!(g.min_count, Some(2));
+        assert_eq!(
+            g.topology_key.as_deref(),
+            Some("gpu.drust.dev/nvlink-clique")
+        );
+        assert_eq!(
+            g.claims.iter().map(|c| &c.source).collect::<Vec<_>>(),
+            [&ClaimSource::Template("one-gpu".into())]
         );
     }
 

@@ -33,6 +33,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::kubernetes::KubernetesVersion;
 use credentials::{Credentials, write_kubeconfig};
 use process::{PROBE_TIMEOUT, Processes, log_path};
 
@@ -86,6 +87,9 @@ impl fmt::Display for Component {
 /// failed component's log.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// `DRUST_K8S` names no version the harness can build.
+    #[error(transparent)]
+    KubernetesVersion(#[from] crate::kubernetes::UnknownVersion),
     /// The build script could not run or failed.
     #[error(transparent)]
     BuildScript(#[from] crate::scripts::ScriptError),
@@ -243,8 +247,9 @@ pub enum Error {
     },
 }
 
-/// How to start a [`ControlPlane`]. `Default` is a stock v1.36 control plane (DRA's
-/// `resource.k8s.io/v1` is GA and on), keeping the temporary directory when [`KEEP_ENV`] is `1`.
+/// How to start a [`ControlPlane`]. `Default` is a stock control plane of the version
+/// `DRUST_K8S` selects, v1.36 or v1.37 ([`KubernetesVersion`]; DRA's `resource.k8s.io/v1` is GA
+/// and on in both), keeping the temporary directory when [`KEEP_ENV`] is `1`.
 #[derive(Debug, Clone)]
 pub struct ControlPlaneOptions {
     /// `--feature-gates` for kube-apiserver, kube-controller-manager and kube-scheduler alike,
@@ -273,35 +278,31 @@ pub struct ControlPlaneOptions {
 }
 
 impl ControlPlaneOptions {
-    /// The defaults with Kubernetes 1.36's workload-aware scheduling on, as its blog post
-    /// "Getting started" turns it on (kubernetes/website
-    /// `content/en/blog/_posts/2026/workload-aware-scheduling-1-36.md`): the alpha gates
-    /// `GenericWorkload`, `GangScheduling`, `TopologyAwareWorkloadScheduling`,
+    /// The defaults with workload-aware scheduling on for the version `DRUST_K8S` selects
+    /// ([`KubernetesVersion::from_env`]; an unknown value gets 1.36's here, and
+    /// [`ControlPlane::start`] refuses it). 1.36, as its blog post "Getting started" turns it on
+    /// (kubernetes/website `content/en/blog/_posts/2026/workload-aware-scheduling-1-36.md`):
+    /// the alpha gates `GenericWorkload`, `GangScheduling`, `TopologyAwareWorkloadScheduling`,
     /// `DRAWorkloadResourceClaims` and `WorkloadWithJob` on every component (the blog and the
     /// issue say `EnableWorkloadWithJob`; v1.36.3's `pkg/features/kube_features.go` names it
     /// `WorkloadWithJob`, and the apiserver refuses the other name), and
-    /// `scheduling.k8s.io/v1alpha2` (Workload, PodGroup) served. A real node's kubelet needs
+    /// `scheduling.k8s.io/v1alpha2` (Workload, PodGroup) served. 1.37: the same without
+    /// `GangScheduling` (v1.37.2 has no such gate), and `scheduling.k8s.io/v1beta1` served, a
+    /// beta API off by default (`pkg/controlplane/instance.go`). The gates are
+    /// [`KubernetesVersion::workload_aware_gates`]. A real node's kubelet needs
     /// `DRAWorkloadResourceClaims` too before it runs a pod with a PodGroup's claim.
     pub fn workload_aware() -> Self {
+        let version = KubernetesVersion::from_env().unwrap_or_default();
         let mut options = Self::default();
-        for gate in WORKLOAD_AWARE_GATES {
-            options.feature_gates.insert(gate.to_owned(), true);
+        for gate in version.workload_aware_gates() {
+            options.feature_gates.insert((*gate).to_owned(), true);
         }
         options
             .runtime_config
-            .push("scheduling.k8s.io/v1alpha2=true".to_owned());
+            .push(format!("{}=true", version.scheduling_api_version()));
         options
     }
 }
-
-/// The feature gates of [`ControlPlaneOptions::workload_aware`].
-pub const WORKLOAD_AWARE_GATES: [&str; 5] = [
-    "GenericWorkload",
-    "GangScheduling",
-    "TopologyAwareWorkloadScheduling",
-    "DRAWorkloadResourceClaims",
-    "WorkloadWithJob",
-];
 
 impl Default for ControlPlaneOptions {
     fn default() -> Self {
@@ -821,7 +822,10 @@ impl ControlPlane {
 
 /// Runs the build script, streaming its progress (stderr) through, and returns the directory
 /// named on the last line of its stdout.
+/// Runs [`BUILD_SCRIPT`], which builds the version `DRUST_K8S` selects (refused here first
+/// when unknown).
 async fn build_binaries() -> Result<PathBuf, Error> {
+    KubernetesVersion::from_env()?;
     let script = PathBuf::from(BUILD_SCRIPT);
     let printed = crate::scripts::last_line(&script, &[]).await?;
     let dir = PathBuf::from(&printed);

@@ -2,8 +2,10 @@
 //! kube-scheduler on loopback, started per test and torn down with it.
 //!
 //! The binaries come from `tests/scripts/build-controlplane.sh`, which builds them once from the
-//! Go modules pinned in `tests/gotools/go.mod` (Kubernetes v1.36.3) into `~/.cache/drust`. A cold
-//! machine spends about 15-25 minutes there on the first test; later runs reuse the cache.
+//! Go modules pinned in `tests/gotools/go.mod` (Kubernetes v1.36.3), or with `DRUST_K8S=1.37`
+//! those of `tests/gotools/k8s137/go.mod` (v1.37.2; [`kubernetes::KubernetesVersion`]), into
+//! `~/.cache/drust`. A cold machine spends about 15-25 minutes there on the first test; later
+//! runs reuse the cache.
 //!
 //! A control plane is heavy (four processes, a few hundred MiB): keep one per test function and
 //! one test function per file, so cargo runs them as separate processes.
@@ -35,6 +37,7 @@ pub mod host;
 pub mod http;
 pub mod images;
 pub mod kubelet;
+pub mod kubernetes;
 pub mod kueue;
 pub mod manifests;
 pub mod node;
@@ -48,6 +51,7 @@ pub mod rbac;
 pub mod registry;
 pub mod scripts;
 pub mod wait;
+pub mod workloads;
 
 pub use controlplane::{
     CERTIFICATE_USER, Component, ControlPlane, ControlPlaneOptions, Error, KEEP_ENV, StartTimings,

@@ -1002,7 +1002,10 @@ async fn terminate(child: &mut Child, grace: Duration) {
     }
 }
 
+/// Runs `build-node.sh`, which builds the kubelet of the version `DRUST_K8S` selects (refused
+/// here first when unknown).
 async fn build_binaries() -> Result<PathBuf, NodeError> {
+    crate::kubernetes::KubernetesVersion::from_env().map_err(|e| failed("build-node.sh", e))?;
     let out = Command::new("bash")
         .arg(BUILD_SCRIPT)
         .stdin(Stdio::null())

@@ -44,6 +44,10 @@ async fn with_dra_gates_off_the_pool_is_not_republished_at_every_rediscovery() -
         feature_gates: [
             ("DRAPartitionableDevices".to_owned(), false),
             ("DRADeviceTaints".to_owned(), false),
+            // Depends on DRADeviceTaints (`pkg/features/kube_features.go`): off by default in
+            // 1.36.3, GA and on in 1.37.2, where the API server refuses it on without its
+            // dependency.
+            ("DRADeviceTaintRules".to_owned(), false),
         ]
         .into(),
         ..Default::default()

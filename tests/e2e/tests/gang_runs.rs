@@ -1,5 +1,5 @@
-//! A gang runs on two real nodes (issue 42): the control plane with 1.36's workload-aware
-//! scheduling ([`ControlPlaneOptions::workload_aware`]), two real nodes (kubelet with
+//! A gang runs on two real nodes (issue 42): the control plane with workload-aware scheduling
+//! (1.36's, or 1.37's with `DRUST_K8S=1.37`: [`ControlPlaneOptions::workload_aware`]), two real nodes (kubelet with
 //! `DRAWorkloadResourceClaims`, containerd and the plugin each, fake DGX H100s,
 //! [`drust_e2e::cluster`]). A Workload and PodGroup with `gang.minCount: 4`, four pods of four
 //! GPUs each: all four are bound together, two per node, and run; each container sees exactly the
@@ -23,9 +23,11 @@ use anyhow::{Context, ensure};
 use drust_e2e::ControlPlaneOptions;
 use drust_e2e::cluster::{Cluster, ClusterOptions, DRIVER, NodeGroup};
 use drust_e2e::images::WORKLOAD_IMAGE;
+use drust_e2e::kubernetes::KubernetesVersion;
 use drust_e2e::manifests::apply_yaml;
 use drust_e2e::node_pods::{SCRIPT, seen};
 use drust_e2e::wait::until;
+use drust_e2e::workloads;
 use gpu_kubelet_plugin::claim_users::{ClaimUsers, RECORDS_DIR};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -45,27 +47,30 @@ spec:
           exactly: {deviceClassName: gpu.drust.dev, allocationMode: ExactCount, count: 4}
 ";
 
-/// A gang `name` of `pods` pods (`minCount` all of them), each printing its devices
-/// ([`SCRIPT`]) and sleeping, each with its own claim from `four-gpus`.
-fn gang(name: &str, pods: u32) -> String {
-    let (entry, template) = ("gpus", "four-gpus");
-    let mut text = format!(
-        "apiVersion: scheduling.k8s.io/v1alpha2
-kind: Workload
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplates:
-    - name: workers
-      schedulingPolicy: {{gang: {{minCount: {pods}}}}}
----
-apiVersion: scheduling.k8s.io/v1alpha2
-kind: PodGroup
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
-  schedulingPolicy: {{gang: {{minCount: {pods}}}}}
-"
-    );
+/// How a gang's pods get their GPUs.
+#[derive(Clone, Copy)]
+enum Claims {
+    /// Each pod its own claim from `four-gpus`.
+    PerPod,
+    /// The PodGroup's one claim from `one-gpu` (KEP-5729), the group kept on one node by a
+    /// topology constraint on the hostname: v1.36.3's scheduler may otherwise bind a later pod
+    /// elsewhere than the claim's device (kubernetes/kubernetes#140087, fixed for 1.37).
+    OfTheGroup,
+}
+
+/// A gang `name` of `pods` pods (`minCount` all of them) for the running Kubernetes `version`,
+/// each printing its devices ([`SCRIPT`]) and sleeping, with GPUs as `claims` says.
+fn gang(version: KubernetesVersion, name: &str, pods: u32, claims: Claims) -> String {
+    let (entry, template, group_spec) = match claims {
+        Claims::PerPod => ("gpus", "four-gpus", ""),
+        Claims::OfTheGroup => (
+            "fabric",
+            "one-gpu",
+            "  schedulingConstraints:\n    topology: [{key: kubernetes.io/hostname}]\n  \
+             resourceClaims:\n    - {name: fabric, resourceClaimTemplateName: one-gpu}\n",
+        ),
+    };
+    let mut text = workloads::gang(version, name, pods, group_spec);
     let command =
         serde_json::to_string(&format!("{SCRIPT}; trap 'exit 0' TERM; sleep 3600 & wait"))
             .unwrap_or_default();
@@ -103,58 +108,6 @@ spec:
         - name: gpu
           exactly: {deviceClassName: gpu.drust.dev, allocationMode: ExactCount, count: 1}
 ";
-
-/// A gang `name` of `pods` pods (`minCount` all of them) on one node (a topology constraint on
-/// the hostname), sharing the PodGroup's one claim from `one-gpu`, each printing its devices
-/// ([`SCRIPT`]) and sleeping.
-fn group_claim_gang(name: &str, pods: u32) -> String {
-    let command =
-        serde_json::to_string(&format!("{SCRIPT}; trap 'exit 0' TERM; sleep 3600 & wait"))
-            .unwrap_or_default();
-    let mut text = format!(
-        "apiVersion: scheduling.k8s.io/v1alpha2
-kind: Workload
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplates:
-    - name: workers
-      schedulingPolicy: {{gang: {{minCount: {pods}}}}}
----
-apiVersion: scheduling.k8s.io/v1alpha2
-kind: PodGroup
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
-  schedulingPolicy: {{gang: {{minCount: {pods}}}}}
-  schedulingConstraints:
-    topology: [{{key: kubernetes.io/hostname}}]
-  resourceClaims:
-    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
-"
-    );
-    for i in 0..pods {
-        text.push_str(&format!(
-            "---
-apiVersion: v1
-kind: Pod
-metadata: {{name: {name}-{i}, namespace: default, labels: {{gang: {name}}}}}
-spec:
-  schedulingGroup: {{podGroupName: {name}}}
-  restartPolicy: Never
-  terminationGracePeriodSeconds: 2
-  containers:
-    - name: main
-      image: {WORKLOAD_IMAGE}
-      imagePullPolicy: Never
-      command: [/bin/sh, -c, {command}]
-      resources: {{claims: [{{name: fabric}}]}}
-  resourceClaims:
-    - {{name: fabric, resourceClaimTemplateName: one-gpu}}
-"
-        ));
-    }
-    text
-}
 
 /// Waits until the `count` pods of `gang` run; the pods.
 async fn running(
@@ -243,6 +196,7 @@ async fn claim_of(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_gang_runs_whole_on_two_real_nodes() -> anyhow::Result<()> {
+    let version = KubernetesVersion::from_env()?;
     let cluster = Cluster::start(ClusterOptions {
         control_plane: ControlPlaneOptions::workload_aware(),
         ..ClusterOptions::default().real(
@@ -260,7 +214,12 @@ async fn a_gang_runs_whole_on_two_real_nodes() -> anyhow::Result<()> {
 
     // 4 pods × 4 GPUs on two 8-GPU nodes: all bound together, two per node, running, each
     // container with exactly its claim's four GPUs.
-    apply_yaml(&client, &gang("train", 4), Path::new("gang train")).await?;
+    apply_yaml(
+        &client,
+        &gang(version, "train", 4, Claims::PerPod),
+        Path::new("gang train"),
+    )
+    .await?;
     let train = running(&pods, "train", 4, &cluster).await?;
     let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
     for pod in &train {
@@ -310,7 +269,7 @@ async fn a_gang_runs_whole_on_two_real_nodes() -> anyhow::Result<()> {
     apply_yaml(&client, ONE_GPU, Path::new("one-gpu")).await?;
     apply_yaml(
         &client,
-        &group_claim_gang("shared", 2),
+        &gang(version, "shared", 2, Claims::OfTheGroup),
         Path::new("gang shared"),
     )
     .await?;

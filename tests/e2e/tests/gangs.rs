@@ -1,7 +1,8 @@
-//! Gangs of drust claims under Kubernetes 1.36's workload-aware scheduling (issue 42): the real
-//! kube-apiserver, controller manager and scheduler with `GenericWorkload`, `GangScheduling`,
-//! `TopologyAwareWorkloadScheduling`, `DRAWorkloadResourceClaims` and `WorkloadWithJob`
-//! on and `scheduling.k8s.io/v1alpha2` served ([`ControlPlaneOptions::workload_aware`]), two
+//! Gangs of drust claims under workload-aware scheduling (issue 42): the real kube-apiserver,
+//! controller manager and scheduler of Kubernetes 1.36 (`GenericWorkload`, `GangScheduling`,
+//! `TopologyAwareWorkloadScheduling`, `DRAWorkloadResourceClaims` and `WorkloadWithJob` on,
+//! `scheduling.k8s.io/v1alpha2` served) or, with `DRUST_K8S=1.37`, of 1.37 (the same less
+//! `GangScheduling`, `v1beta1` served; [`ControlPlaneOptions::workload_aware`]), two
 //! 8-GPU nodes whose ResourceSlices the drust plugin publishes (the fake DGX H100), each node
 //! labelled with its NVLink clique as `nodeLabels.nvlinkClique` or an admin would. The nodes run
 //! no kubelet: what is checked is what the scheduler decides and the API server stores.
@@ -18,9 +19,11 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use drust_e2e::kubelet::Kubelet;
+use drust_e2e::kubernetes::KubernetesVersion;
 use drust_e2e::manifests::{apply_file, apply_yaml, repo_path};
 use drust_e2e::plugin::NodePlugin;
 use drust_e2e::wait::until;
+use drust_e2e::workloads;
 use drust_e2e::{ControlPlane, ControlPlaneOptions};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -38,13 +41,14 @@ const NODES: [(&str, &str); 2] = [
 /// Creates [`gang`]'s objects.
 async fn submit(
     client: &kube::Client,
+    version: KubernetesVersion,
     name: &str,
     min_count: u32,
     pods: u32,
     topology_key: Option<&str>,
     claims: Claims,
 ) -> anyhow::Result<()> {
-    let text = gang(name, min_count, pods, topology_key, claims);
+    let text = gang(version, name, min_count, pods, topology_key, claims);
     apply_yaml(client, &text, Path::new(&format!("gang {name}"))).await?;
     Ok(())
 }
@@ -62,6 +66,7 @@ enum Claims {
 /// A Workload with one gang template, its PodGroup (`minCount`, and a topology constraint on
 /// `topology_key` when given) and `pods` pods of the group, with GPUs as `claims` says.
 fn gang(
+    version: KubernetesVersion,
     name: &str,
     min_count: u32,
     pods: u32,
@@ -80,22 +85,11 @@ fn gang(
                 .to_owned(),
         ),
     };
-    let mut text = format!(
-        "apiVersion: scheduling.k8s.io/v1alpha2
-kind: Workload
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplates:
-    - name: workers
-      schedulingPolicy: {{gang: {{minCount: {min_count}}}}}
----
-apiVersion: scheduling.k8s.io/v1alpha2
-kind: PodGroup
-metadata: {{name: {name}, namespace: default}}
-spec:
-  podGroupTemplateRef: {{workload: {{workloadName: {name}, podGroupTemplateName: workers}}}}
-  schedulingPolicy: {{gang: {{minCount: {min_count}}}}}
-{constraints}{group_claims}"
+    let mut text = workloads::gang(
+        version,
+        name,
+        min_count,
+        &format!("{constraints}{group_claims}"),
     );
     for i in 0..pods {
         text.push_str(&format!(
@@ -256,6 +250,7 @@ async fn remove(pods: &Api<Pod>, claims: &Api<ResourceClaim>, gang: &str) -> any
 
 #[tokio::test(flavor = "multi_thread")]
 async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result<()> {
+    let version = KubernetesVersion::from_env()?;
     let cp = ControlPlane::start(ControlPlaneOptions::workload_aware()).await?;
     let client = cp.client().await?;
     let mut plugins = Vec::new();
@@ -279,7 +274,7 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
 
     // 4 × 4 GPUs on two 8-GPU nodes: bound whole, two pods per node, each claim 4 GPUs of the
     // pool of the node its pod is bound to.
-    submit(&client, "train", 4, 4, None, Claims::PerPod).await?;
+    submit(&client, version, "train", 4, 4, None, Claims::PerPod).await?;
     let nodes = bound(&pods, "train", 4).await?;
     for (node, _) in NODES {
         ensure!(
@@ -322,7 +317,7 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
 
     // 5 × 4 GPUs: 20 of 16. Nothing is bound, and nothing stays allocated once the scheduler
     // has given every pod up.
-    submit(&client, "too-big", 5, 5, None, Claims::PerPod).await?;
+    submit(&client, version, "too-big", 5, 5, None, Claims::PerPod).await?;
     let why = refused(&pods, "too-big", 5).await?;
     eprintln!("gang too-big: {why}");
     let held = allocated(&claims, "too-big").await?;
@@ -341,11 +336,29 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
 
     // One NVLink clique (node label) per gang: 4 × 4 GPUs need both cliques, so the gang is
     // refused; 2 × 4 GPUs fit in one, on one node.
-    submit(&client, "spans", 4, 4, Some(CLIQUE_LABEL), Claims::PerPod).await?;
+    submit(
+        &client,
+        version,
+        "spans",
+        4,
+        4,
+        Some(CLIQUE_LABEL),
+        Claims::PerPod,
+    )
+    .await?;
     let why = refused(&pods, "spans", 4).await?;
     eprintln!("gang spans: {why}");
     remove(&pods, &claims, "spans").await?;
-    submit(&client, "pair", 2, 2, Some(CLIQUE_LABEL), Claims::PerPod).await?;
+    submit(
+        &client,
+        version,
+        "pair",
+        2,
+        2,
+        Some(CLIQUE_LABEL),
+        Claims::PerPod,
+    )
+    .await?;
     let nodes = bound(&pods, "pair", 2).await?;
     ensure!(nodes[0] == nodes[1], "gang pair across cliques: {nodes:?}");
 
@@ -359,6 +372,7 @@ async fn gangs_of_drust_claims_are_bound_whole_or_not_at_all() -> anyhow::Result
     apply_yaml(&client, ONE_GPU, Path::new("one-gpu")).await?;
     submit(
         &client,
+        version,
         "shared",
         2,
         2,
