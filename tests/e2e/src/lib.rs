@@ -42,6 +42,7 @@ pub mod kueue;
 pub mod manifests;
 pub mod node;
 pub mod node_pods;
+pub mod paper;
 pub mod plugin;
 pub mod pods;
 pub mod ports;
