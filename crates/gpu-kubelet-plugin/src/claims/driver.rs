@@ -217,20 +217,11 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
         let Ok(files) = metadata.files(writer, created) else {
             return Ok(());
         };
-        let written = tokio::task::spawn_blocking(move || {
+        on_blocking_thread(claim, "writing the claim's device metadata", move || {
             crate::device_metadata::DeviceMetadata::write(&files)
                 .map_err(|(path, e)| format!("{}: {e}", path.display()))
         })
         .await
-        .map_err(|e| e.to_string())
-        .and_then(|r| r);
-        written.map_err(|message| {
-            ClaimError::Lifecycle(dra_plugin::lifecycle::Error::TaskFailed {
-                claim: claim.clone(),
-                action: "writing the claim's device metadata",
-                message,
-            })
-        })
     }
 
     /// Removes the device metadata files of `claim` ([`crate::device_metadata`]).
@@ -239,17 +230,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             return Ok(());
         };
         let (namespace, name) = (claim.namespace.clone(), claim.name.clone());
-        let removed = tokio::task::spawn_blocking(move || writer.clear(&namespace, &name))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
-        removed.map_err(|message| {
-            ClaimError::Lifecycle(dra_plugin::lifecycle::Error::TaskFailed {
-                claim: claim.clone(),
-                action: "removing the claim's device metadata",
-                message,
-            })
+        on_blocking_thread(claim, "removing the claim's device metadata", move || {
+            writer.clear(&namespace, &name).map_err(|e| e.to_string())
         })
+        .await
     }
 
     /// Removes what the claim-user hook recorded of `claim`'s containers
@@ -259,17 +243,10 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             return Ok(());
         };
         let uid = claim.uid.clone();
-        let removed = tokio::task::spawn_blocking(move || users.clear(&uid))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
-        removed.map_err(|message| {
-            ClaimError::Lifecycle(dra_plugin::lifecycle::Error::TaskFailed {
-                claim: claim.clone(),
-                action: "removing the claim's user records",
-                message,
-            })
+        on_blocking_thread(claim, "removing the claim's user records", move || {
+            users.clear(&uid).map_err(|e| e.to_string())
         })
+        .await
     }
 
     /// Reads the claim from the API server and plans its devices, sharing and CDI spec.
@@ -374,4 +351,24 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             spec: spec?,
         })
     }
+}
+
+/// Runs `work` (file I/O) on a blocking thread; its failure, or the task's, is `claim`'s
+/// [`dra_plugin::lifecycle::Error::TaskFailed`] naming `action`.
+async fn on_blocking_thread(
+    claim: &ClaimRef,
+    action: &'static str,
+    work: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> Result<(), ClaimError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r)
+        .map_err(|message| {
+            ClaimError::Lifecycle(dra_plugin::lifecycle::Error::TaskFailed {
+                claim: claim.clone(),
+                action,
+                message,
+            })
+        })
 }
