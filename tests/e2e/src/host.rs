@@ -170,6 +170,23 @@ impl BinaryHost {
         )
     }
 
+    /// The CDI spec the plugin writes for claim `uid`: `<cdi root>/<driver>-claim_<uid>.json`.
+    pub fn claim_spec(&self, uid: &str) -> PathBuf {
+        self.cdi_root()
+            .join(format!("{}-claim_{uid}.json", self.driver))
+    }
+
+    /// Whether the plugin's checkpoint (`<plugin dir>/checkpoint.json`) records claim `uid`; no
+    /// checkpoint yet records none.
+    ///
+    /// # Errors
+    /// The checkpoint cannot be read.
+    pub fn has_record(&self, uid: &str) -> anyhow::Result<bool> {
+        let v = crate::plugin::read_checkpoint(&self.plugin_dir().join("checkpoint.json"))
+            .map_err(anyhow::Error::msg)?;
+        Ok(v["claims"].get(uid).is_some())
+    }
+
     /// `--registrar-dir`.
     pub fn registry(&self) -> PathBuf {
         self.node_dirs

@@ -18,7 +18,6 @@
 //! Every step waits for a state the API server or the node shows; the failpoint holds until the
 //! test has seen the pod's deletion, so the kill always lands mid-prepare.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -145,7 +144,7 @@ async fn a_pod_preempted_while_its_claim_is_being_prepared_leaves_nothing_prepar
     )
     .await?;
     ensure!(
-        !cdi_spec(&host, &claim_uid).exists(),
+        !host.claim_spec(&claim_uid).exists(),
         "the held prepare has written no CDI spec yet"
     );
     eprintln!(
@@ -175,7 +174,7 @@ async fn a_pod_preempted_while_its_claim_is_being_prepared_leaves_nothing_prepar
     })
     .await?;
     ensure!(
-        !cdi_spec(&host, &claim_uid).exists(),
+        !host.claim_spec(&claim_uid).exists(),
         "the prepare is still held when the pod is deleted"
     );
     eprintln!(
@@ -197,8 +196,8 @@ async fn a_pod_preempted_while_its_claim_is_being_prepared_leaves_nothing_prepar
         let unprepared = has_line(&|l| {
             l.contains(" unprepared") && (l.contains(&claim_uid) || l.contains(&claim_name))
         })?;
-        let spec = cdi_spec(&host, &claim_uid).exists();
-        let record = checkpoint_has(&host, &claim_uid).map_err(|e| e.to_string())?;
+        let spec = host.claim_spec(&claim_uid).exists();
+        let record = host.has_record(&claim_uid).map_err(|e| e.to_string())?;
         Ok((unprepared && !spec && !record).then_some(()))
     })
     .await
@@ -259,21 +258,6 @@ async fn a_pod_preempted_while_its_claim_is_being_prepared_leaves_nothing_prepar
     node.stop().await?;
     cp.stop().await?;
     Ok(())
-}
-
-/// The CDI spec the plugin writes for claim `uid`.
-fn cdi_spec(host: &BinaryHost, uid: &str) -> PathBuf {
-    host.cdi_root().join(format!("{DRIVER}-claim_{uid}.json"))
-}
-
-/// Whether the plugin's checkpoint has a record of claim `uid` (no checkpoint yet: none).
-fn checkpoint_has(host: &BinaryHost, uid: &str) -> anyhow::Result<bool> {
-    let path = host.plugin_dir().join("checkpoint.json");
-    if !path.exists() {
-        return Ok(false);
-    }
-    let v = drust_e2e::plugin::read_checkpoint(&path).map_err(anyhow::Error::msg)?;
-    Ok(v["claims"].get(uid).is_some())
 }
 
 /// The last lines of the plugin's log, for failure messages.

@@ -24,7 +24,7 @@
 //! Containers end when the test says so (a file in a hostPath directory) or at SIGTERM.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
@@ -213,7 +213,7 @@ async fn kueue_preempts_a_low_priority_job_and_drust_unprepares_its_gpus_and_sha
     let records = host.plugin_dir().join("memory-limits");
     for c in &held {
         ensure!(
-            cdi_spec(&host, &c.uid).exists() && checkpoint_has(&host, &c.uid)?,
+            host.claim_spec(&c.uid).exists() && host.has_record(&c.uid)?,
             "claim {} is prepared: CDI spec and checkpoint record",
             c.name
         );
@@ -335,10 +335,10 @@ async fn kueue_preempts_a_low_priority_job_and_drust_unprepares_its_gpus_and_sha
     until("sweep's claims unprepared on the node", TIMEOUT, || async {
         let mut left = Vec::new();
         for c in &held {
-            if cdi_spec(&host, &c.uid).exists() {
+            if host.claim_spec(&c.uid).exists() {
                 left.push(format!("{}: CDI spec", c.name));
             }
-            if checkpoint_has(&host, &c.uid).map_err(|e| e.to_string())? {
+            if host.has_record(&c.uid).map_err(|e| e.to_string())? {
                 left.push(format!("{}: checkpoint record", c.name));
             }
         }
@@ -565,18 +565,6 @@ async fn held_claims(claims: &Api<ResourceClaim>, pod: &Pod) -> anyhow::Result<V
         });
     }
     Ok(out)
-}
-
-/// The CDI spec drust writes for claim `uid`.
-fn cdi_spec(host: &BinaryHost, uid: &str) -> PathBuf {
-    host.cdi_root().join(format!("{DRIVER}-claim_{uid}.json"))
-}
-
-/// Whether the plugin's checkpoint has a record of the claim `uid`.
-fn checkpoint_has(host: &BinaryHost, uid: &str) -> anyhow::Result<bool> {
-    let v = drust_e2e::plugin::read_checkpoint(&host.plugin_dir().join("checkpoint.json"))
-        .map_err(anyhow::Error::msg)?;
-    Ok(v["claims"].get(uid).is_some())
 }
 
 /// The MPS daemon directories under the plugin's MPS root.

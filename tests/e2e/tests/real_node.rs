@@ -42,13 +42,6 @@ const DRIVER: &str = "gpu.drust.dev";
 const NODE: &str = "gpu-node-0";
 const TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Whether the plugin's checkpoint has a record of the claim `uid`.
-fn checkpoint_has(host: &BinaryHost, uid: &str) -> anyhow::Result<bool> {
-    let v = drust_e2e::plugin::read_checkpoint(&host.plugin_dir().join("checkpoint.json"))
-        .map_err(anyhow::Error::msg)?;
-    Ok(v["claims"].get(uid).is_some())
-}
-
 /// A control plane, a real node, and the plugin binary serving its kubelet on the fake DGX
 /// H100 (`examples/topologies/dgx-h100.yaml`), with its slices published and the `gpu.drust.dev`
 /// DeviceClass applied.
@@ -288,7 +281,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         .join(format!("{DRIVER}-claim_{sleeper_uid}.json"));
     ensure!(sleeper_spec.exists(), "the sleeper's CDI spec");
     ensure!(
-        checkpoint_has(&host, &sleeper_uid)?,
+        host.has_record(&sleeper_uid)?,
         "the sleeper's checkpoint record"
     );
     node.restart_kubelet(&cp).await?;
@@ -302,7 +295,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         after.status
     );
     ensure!(
-        sleeper_spec.exists() && checkpoint_has(&host, &sleeper_uid)?,
+        sleeper_spec.exists() && host.has_record(&sleeper_uid)?,
         "nothing is unprepared by a kubelet restart"
     );
 
@@ -318,7 +311,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
             && container_started(&after) == started
             && restarts(&after) == 0
             && sleeper_spec.exists()
-            && checkpoint_has(&host, &sleeper_uid)?,
+            && host.has_record(&sleeper_uid)?,
         "the pod and its claim outlive a plugin restart: {:?}",
         after.status
     );
@@ -337,7 +330,7 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
     // Deleting the running pod makes the kubelet unprepare: spec and checkpoint record go.
     pods.delete("gpu-sleeper", &DeleteParams::default()).await?;
     let start = Instant::now();
-    while sleeper_spec.exists() || checkpoint_has(&host, &sleeper_uid)? {
+    while sleeper_spec.exists() || host.has_record(&sleeper_uid)? {
         ensure!(
             start.elapsed() < TIMEOUT,
             "the sleeper's claim is still prepared after its pod was deleted\n{}",
@@ -377,11 +370,11 @@ async fn real_kubelet_pods_see_exactly_their_gpu_and_keep_it_across_a_kubelet_re
         specs == [format!("{DRIVER}-claim_{uid}.json")],
         "exactly the pod's CDI spec, no temp files: {specs:?}"
     );
-    ensure!(checkpoint_has(&host, &uid)?, "its checkpoint record");
+    ensure!(host.has_record(&uid)?, "its checkpoint record");
     pods.delete("killed-mid-start", &DeleteParams::default())
         .await?;
     let start = Instant::now();
-    while checkpoint_has(&host, &uid)? {
+    while host.has_record(&uid)? {
         ensure!(start.elapsed() < TIMEOUT, "still prepared after deletion");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
