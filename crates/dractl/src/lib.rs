@@ -11,6 +11,7 @@ pub mod kueue;
 pub mod lint;
 pub mod live;
 pub mod objects;
+pub mod pending;
 pub mod podgroup;
 pub mod simulate;
 pub mod top;

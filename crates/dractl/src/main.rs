@@ -106,15 +106,17 @@ enum Command {
         files: Vec<String>,
         /// A ResourceClaimTemplate (or ResourceClaim) file: one claim per template per pod;
         /// repeatable.
-        #[arg(long = "claim-template", required_unless_present_any = ["pod_group", "job"])]
+        #[arg(long = "claim-template", required_unless_present_any = ["pod_group", "job", "pending"])]
         templates: Vec<String>,
         /// Pods in the job (without a job: stop after this many pods).
         #[arg(long)]
         count: Option<usize>,
         /// A batch/v1 Job manifest: its parallelism is the pod count (unless --count), its pod
         /// template's resourceClaims the pods' claims (templates from this file or
-        /// --claim-template; claims it names are shared by all pods). The file may hold the
-        /// ResourceClaimTemplates and ResourceClaims. Repeatable (one Job in all).
+        /// --claim-template; claims it names are shared by all pods); or a JobSet
+        /// (jobset.x-k8s.io/v1alpha2), each replicated job replicas x parallelism pods with
+        /// its own claims. The file may hold the ResourceClaimTemplates and ResourceClaims.
+        /// Repeatable (one Job or JobSet in all).
         #[arg(long = "job")]
         job: Vec<String>,
         /// A gang: all pods or none (minCount = --count).
@@ -133,6 +135,12 @@ enum Command {
         /// all).
         #[arg(long = "pod-group", conflicts_with_all = ["gang", "min_count", "topology_key"])]
         pod_group: Vec<String>,
+        /// What was submitted to the live cluster: `podgroup/NAMESPACE/NAME` (its pending pods,
+        /// those naming it in spec.schedulingGroup), `job/NAMESPACE/NAME` or
+        /// `jobset/NAMESPACE/NAME` (one not yet running: suspended by Kueue, or just created),
+        /// with the templates and claims its pods name, read from the cluster.
+        #[arg(long, conflicts_with_all = ["files", "job", "pod_group", "templates"])]
+        pending: Option<dractl::pending::Target>,
         /// Kubeconfig file (live cluster).
         #[arg(long)]
         kubeconfig: Option<std::path::PathBuf>,
@@ -306,6 +314,7 @@ fn main() -> anyhow::Result<()> {
         min_count,
         topology_key,
         pod_group,
+        pending,
         kubeconfig,
         context,
         output,
@@ -326,17 +335,17 @@ fn main() -> anyhow::Result<()> {
             || *gang
             || min_count.is_some()
             || topology_key.is_some()
-            || !pod_group.is_empty();
+            || !pod_group.is_empty()
+            || pending.is_some();
         let code = if is_job {
-            simulate_job(
+            let input = JobInput {
                 files,
                 templates,
                 pod_group,
                 job_files,
-                &job,
-                &connection,
-                *output,
-            )
+                pending: pending.as_ref(),
+            };
+            simulate_job(&input, &job, &connection, *output)
         } else {
             simulate(files, templates, *count, &connection, *output)
         };
@@ -591,17 +600,30 @@ fn simulate(
     print("simulate", rendered)
 }
 
+/// Where `dractl simulate` reads a job from: files, or what was submitted to the cluster.
+struct JobInput<'a> {
+    files: &'a [String],
+    templates: &'a [String],
+    pod_group: &'a [String],
+    job_files: &'a [String],
+    pending: Option<&'a dractl::pending::Target>,
+}
+
 /// `dractl simulate` for a job: 0 when it fits, 1 when it does not, 2 when it cannot be
 /// answered (bad input, the cluster cannot be read, the output cannot be written).
 fn simulate_job(
-    files: &[String],
-    templates: &[String],
-    pod_group: &[String],
-    job_files: &[String],
+    input: &JobInput<'_>,
     job: &dractl::simulate::Job,
     connection: &dractl::live::Connection,
     output: dractl::explain::Format,
 ) -> i32 {
+    let JobInput {
+        files,
+        templates,
+        pod_group,
+        job_files,
+        pending,
+    } = *input;
     let read = (|| {
         let templates = if templates.is_empty() {
             Vec::new()
@@ -620,13 +642,26 @@ fn simulate_job(
         };
         Ok::<_, dractl::objects::InputError>((templates, group, manifest))
     })();
-    let (templates, group, manifest) = match read {
+    let (templates, mut group, mut manifest) = match read {
         Ok(r) => r,
         Err(e) => {
             eprintln!("dractl simulate: {e}");
             return 2;
         }
     };
+    if let Some(target) = pending {
+        match block_on("simulate", dractl::pending::load(connection, target)) {
+            Ok(Ok(p)) => {
+                manifest = Some(p.manifest);
+                group = p.pod_group;
+            }
+            Ok(Err(e)) => {
+                eprintln!("dractl simulate: {e}");
+                return 2;
+            }
+            Err(_) => return 2,
+        }
+    }
     let options = dractl::allocate::Options::default();
     let cluster = match simulate_cluster(files, connection, &options, 2) {
         Ok(c) => c,

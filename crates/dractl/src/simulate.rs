@@ -233,9 +233,17 @@ pub fn simulate_job(
     let mut count = job.count;
     // Every template a PodGroup claim may name besides its own files'.
     let mut store = templates.clone();
+    // A Job's (or JobSet's) pods by role: name prefix, pods, their own templates.
+    let mut roles: Vec<(String, usize, Vec<ResourceClaim>, &[String])> = Vec::new();
     if let Some(m) = &manifest {
         pod_prefix.clone_from(&m.name);
-        count = count.or(Some(m.parallelism));
+        if count.is_some() && m.roles.len() > 1 {
+            return Err(m.error(
+                "spec.replicatedJobs",
+                "--count: a JobSet's pods are its replicated jobs' replicas x parallelism",
+            ));
+        }
+        count = count.or(Some(m.pods()));
         let group = pod_group.as_ref().map(|p| &p.pod_group);
         match (&m.pod_group, group) {
             (Some(want), Some(g)) if *want != g.name || m.namespace != g.namespace => {
@@ -262,62 +270,70 @@ pub fn simulate_job(
             c.metadata.name.as_deref() == Some(name)
                 && c.metadata.namespace.as_deref().unwrap_or("default") == m.namespace
         };
-        let mut per_pod = Vec::new();
-        for c in &m.claims {
-            let groups = group.is_some_and(|g| {
-                g.claims
-                    .iter()
-                    .any(|x| x.name == c.name && x.source == c.source)
-            });
-            if groups {
-                continue;
-            }
-            match &c.source {
-                ClaimSource::Template(t) => {
-                    let found = m
-                        .templates
+        for role in &m.roles {
+            let mut per_pod = Vec::new();
+            for c in &role.claims {
+                let groups = group.is_some_and(|g| {
+                    g.claims
                         .iter()
-                        .chain(&templates)
-                        .find(|x| same(x, t))
-                        .cloned();
-                    match found {
-                        Some(x) => per_pod.push(x),
-                        None => {
-                            return Err(m.error(
-                                &format!("{}.resourceClaimTemplateName", c.field),
-                                format!(
-                                    "ResourceClaimTemplate {}/{t} is in neither the --job nor \
+                        .any(|x| x.name == c.name && x.source == c.source)
+                });
+                if groups {
+                    continue;
+                }
+                match &c.source {
+                    ClaimSource::Template(t) => {
+                        let found = m
+                            .templates
+                            .iter()
+                            .chain(&templates)
+                            .find(|x| same(x, t))
+                            .cloned();
+                        match found {
+                            Some(x) => per_pod.push(x),
+                            None => {
+                                return Err(m.error(
+                                    &format!("{}.resourceClaimTemplateName", c.field),
+                                    format!(
+                                        "ResourceClaimTemplate {}/{t} is in neither the --job nor \
                                      the --claim-template files",
-                                    m.namespace
-                                ),
-                            ));
+                                        m.namespace
+                                    ),
+                                ));
+                            }
                         }
                     }
-                }
-                ClaimSource::Claim(n) => {
-                    let found = m.named.iter().find(|x| same(x, n)).cloned().or_else(|| {
-                        let i = cluster.claims.iter().position(|x| same(x, n))?;
-                        Some(cluster.claims.remove(i))
-                    });
-                    match found {
-                        Some(x) => shared.push(x),
-                        None => {
-                            return Err(m.error(
-                                &format!("{}.resourceClaimName", c.field),
-                                format!(
-                                    "ResourceClaim {}/{n} is in neither the --job files nor \
+                    ClaimSource::Claim(n) => {
+                        let found = m.named.iter().find(|x| same(x, n)).cloned().or_else(|| {
+                            let i = cluster.claims.iter().position(|x| same(x, n))?;
+                            Some(cluster.claims.remove(i))
+                        });
+                        match found {
+                            Some(x) => shared.push(x),
+                            None => {
+                                return Err(m.error(
+                                    &format!("{}.resourceClaimName", c.field),
+                                    format!(
+                                        "ResourceClaim {}/{n} is in neither the --job files nor \
                                      the cluster (a live cluster's unallocated claims are not \
                                      read: put it in the --job files)",
-                                    m.namespace
-                                ),
-                            ));
+                                        m.namespace
+                                    ),
+                                ));
+                            }
                         }
                     }
                 }
             }
+            let pods = if m.roles.len() == 1 {
+                count.unwrap_or(role.count)
+            } else {
+                role.count
+            };
+            roles.push((role.name.clone(), pods, per_pod, &role.pod_names));
         }
         store.extend(m.templates.iter().cloned());
-        templates = per_pod;
+        templates.clear();
     }
     if let Some(input) = &pod_group {
         let pg = &input.pod_group;
@@ -396,7 +412,10 @@ pub fn simulate_job(
              --min-count, --pod-group)",
         )
     })?;
-    if templates.is_empty() && shared.is_empty() {
+    if manifest.is_none() {
+        roles.push((pod_prefix, count, templates, &[]));
+    }
+    if roles.iter().all(|(_, _, t, _)| t.is_empty()) && shared.is_empty() {
         return Err(InputError::general(
             "--claim-template: the pods have no claims (every template is the PodGroup's)",
         ));
@@ -404,20 +423,27 @@ pub fn simulate_job(
     let before = cluster.claims.len();
     cluster.claims.retain(dra_allocator::is_allocated);
     let ignored_pending_claims = before - cluster.claims.len();
-    let pods = (1..=count)
-        .map(|i| GroupPod {
-            name: format!("{pod_prefix}-{i}"),
-            claims: templates
-                .iter()
-                .map(|t| {
-                    let mut claim = t.clone();
-                    let name = t.metadata.name.as_deref().unwrap_or("claim");
-                    claim.metadata.name = Some(format!("simulated-{i}-{name}"));
-                    claim
-                })
-                .collect(),
-        })
-        .collect();
+    let mut pods = Vec::new();
+    for (prefix, count, templates, names) in &roles {
+        for i in 1..=*count {
+            let n = pods.len() + 1;
+            pods.push(GroupPod {
+                name: names
+                    .get(i - 1)
+                    .cloned()
+                    .unwrap_or_else(|| format!("{prefix}-{i}")),
+                claims: templates
+                    .iter()
+                    .map(|t| {
+                        let mut claim = t.clone();
+                        let name = t.metadata.name.as_deref().unwrap_or("claim");
+                        claim.metadata.name = Some(format!("simulated-{n}-{name}"));
+                        claim
+                    })
+                    .collect(),
+            });
+        }
+    }
     let group = Group {
         pods,
         shared,
@@ -428,18 +454,33 @@ pub fn simulate_job(
     let mut placement = dra_allocator::gang::place(&cluster, &group, options)
         .map_err(|e| InputError::general(e.to_string()))?;
     if let Some(m) = &manifest
-        && m.gang_with_gate
         && group.min_count.is_none()
     {
-        placement.flags.push(Flag {
-            code: "workloadWithJob",
-            message: format!(
-                "Job {}/{} is Indexed with completions = parallelism = {}: under the \
-                 WorkloadWithJob gate (alpha in Kubernetes 1.36) the Job controller makes it a \
-                 gang of minCount {}; --gang simulates that",
-                m.namespace, m.name, m.parallelism, m.parallelism
-            ),
-        });
+        for role in m.roles.iter().filter(|r| r.gang_with_gate) {
+            let message = if m.kind == "Job" {
+                format!(
+                    "Job {}/{} is Indexed with completions = parallelism = {}: under the \
+                     WorkloadWithJob gate (alpha in Kubernetes 1.36) the Job controller makes it \
+                     a gang of minCount {}; --gang simulates that",
+                    m.namespace, m.name, role.parallelism, role.parallelism
+                )
+            } else {
+                format!(
+                    "{}: the Jobs of replicated job {:?} are Indexed with completions = \
+                     parallelism = {}: under the WorkloadWithJob gate (alpha in Kubernetes 1.36) \
+                     the Job controller makes each a gang of minCount {} of its own (not one \
+                     gang of the JobSet: for that, a PodGroup the pods name)",
+                    m.object(),
+                    role.name,
+                    role.parallelism,
+                    role.parallelism
+                )
+            };
+            placement.flags.push(Flag {
+                code: "workloadWithJob",
+                message,
+            });
+        }
     }
     Ok(JobSimulation {
         pod_group: group_name,

@@ -504,3 +504,84 @@ fn a_job_manifest_gives_the_pods_and_their_claims_and_a_pod_group_claim_is_the_g
         "{stderr}"
     );
 }
+
+/// A JobSet: a role per replicated job (`replicas` x `parallelism` pods, each with its pod
+/// template's claims); where its child Jobs are gang candidates under the WorkloadWithJob gate,
+/// each is a gang of its own, and simulate says so.
+#[test]
+fn a_jobset_places_each_replicated_jobs_pods_with_their_own_claims() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = two_dgx(dir.path(), 0);
+    let jobset = dir.path().join("jobset.yaml");
+    let write = |workers: usize| {
+        std::fs::write(
+            &jobset,
+            format!(
+                "apiVersion: jobset.x-k8s.io/v1alpha2\nkind: JobSet\nmetadata: {{name: llm, namespace: default}}\n\
+                 spec:\n  replicatedJobs:\n\
+                 \x20   - name: driver\n      template:\n        spec:\n          template:\n            spec:\n\
+                 \x20             containers: [{{name: d, image: busybox}}]\n\
+                 \x20             resourceClaims: [{{name: gpu, resourceClaimTemplateName: one-h100}}]\n\
+                 \x20   - name: workers\n      replicas: 2\n      template:\n        spec:\n\
+                 \x20         parallelism: 2\n          completions: 2\n          completionMode: Indexed\n\
+                 \x20         template:\n            spec:\n              containers: [{{name: w, image: busybox}}]\n\
+                 \x20             resourceClaims: [{{name: gpus, resourceClaimTemplateName: workers}}]\n\
+                 ---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata: {{name: one-h100, namespace: default}}\n\
+                 spec:\n  spec:\n    devices:\n      requests:\n        - name: gpu\n          exactly: {{deviceClassName: gpu.drust.dev}}\n\
+                 ---\napiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate\nmetadata: {{name: workers, namespace: default}}\n\
+                 spec:\n  spec:\n    devices:\n      requests:\n        - name: gpus\n          exactly: {{deviceClassName: gpu.drust.dev, count: {workers}}}\n"
+            ),
+        )
+        .unwrap();
+    };
+    // 1 + 4 x 3 GPUs of 16.
+    write(3);
+    let file = jobset.to_str().unwrap();
+    let out = simulate(&cluster, &["--job", file, "-o", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let answer = json(&out);
+    let pods: Vec<(&str, usize)> = answer["placed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap(),
+                p["devices"].as_array().unwrap().len(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        pods,
+        [
+            ("llm-driver-1", 1),
+            ("llm-workers-1", 3),
+            ("llm-workers-2", 3),
+            ("llm-workers-3", 3),
+            ("llm-workers-4", 3),
+        ],
+        "{answer}"
+    );
+    let flags = answer["flags"].to_string();
+    assert!(
+        flags.contains("replicated job \\\"llm-workers\\\"") && flags.contains("minCount 2"),
+        "{flags}"
+    );
+    // 1 + 4 x 4 GPUs of 16: the last worker does not fit.
+    write(4);
+    let out = simulate(&cluster, &["--job", file]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).starts_with("A job of 5 pods: does not fit: 4 of 5 pods fit.\n"),
+        "{}",
+        text(&out.stdout)
+    );
+    // --count cannot size several roles.
+    let out = simulate(&cluster, &["--job", file, "--count", "3"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("(JobSet default/llm): spec.replicatedJobs: --count"),
+        "{}",
+        text(&out.stderr)
+    );
+}
