@@ -24,7 +24,6 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
@@ -136,49 +135,35 @@ pub async fn load(connection: &Connection, target: &Target) -> Result<Pending, P
         .items;
     let mut manifest = match target.kind {
         Kind::PodGroup => group_pods(target, &all_pods)?,
-        Kind::Job => {
-            let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
-            let job = call(
-                &format!("get job {ns}/{}", target.name),
-                jobs.get(&target.name),
-            )
-            .await?;
-            let uid = job.metadata.uid.clone().unwrap_or_default();
-            let value = serde_json::to_value(&job).map_err(|e| LiveError::Api {
-                what: format!("job {ns}/{}", target.name),
+        Kind::Job | Kind::JobSet => {
+            let (gvk, plural, label) = if target.kind == Kind::Job {
+                (
+                    GroupVersionKind::gvk("batch", "v1", "Job"),
+                    "jobs",
+                    "batch.kubernetes.io/controller-uid",
+                )
+            } else {
+                (
+                    GroupVersionKind::gvk("jobset.x-k8s.io", "v1alpha2", "JobSet"),
+                    "jobsets",
+                    "jobset.sigs.k8s.io/jobset-name",
+                )
+            };
+            let resource = ApiResource::from_gvk_with_plural(&gvk, plural);
+            let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &resource);
+            let what = format!("get {} {ns}/{}", gvk.kind.to_ascii_lowercase(), target.name);
+            let object = call(&what, api.get(&target.name)).await?;
+            // A Job's pods carry its UID, a JobSet's its name.
+            let owner = match target.kind {
+                Kind::Job => object.metadata.uid.clone().unwrap_or_default(),
+                _ => target.name.clone(),
+            };
+            let value = serde_json::to_value(&object).map_err(|e| LiveError::Api {
+                what,
                 error: e.to_string(),
             })?;
             let manifest = crate::workload::parse(location(), &value)?;
-            refuse_bound(
-                &manifest,
-                &all_pods,
-                "batch.kubernetes.io/controller-uid",
-                &uid,
-            )?;
-            manifest
-        }
-        Kind::JobSet => {
-            let resource = ApiResource::from_gvk_with_plural(
-                &GroupVersionKind::gvk("jobset.x-k8s.io", "v1alpha2", "JobSet"),
-                "jobsets",
-            );
-            let sets: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &resource);
-            let set = call(
-                &format!("get jobset {ns}/{}", target.name),
-                sets.get(&target.name),
-            )
-            .await?;
-            let value = serde_json::to_value(&set).map_err(|e| LiveError::Api {
-                what: format!("jobset {ns}/{}", target.name),
-                error: e.to_string(),
-            })?;
-            let manifest = crate::workload::parse(location(), &value)?;
-            refuse_bound(
-                &manifest,
-                &all_pods,
-                "jobset.sigs.k8s.io/jobset-name",
-                &target.name,
-            )?;
+            refuse_bound(&manifest, &all_pods, label, &owner)?;
             manifest
         }
     };

@@ -57,27 +57,9 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         let slice = ResourceSlice::deserialize(doc)?;
         slices.create(&PostParams::default(), &slice).await?;
     }
-    apply_file(&client, &repo_path("deploy/rbac/dractl-explain.yaml")).await?;
-    apply_yaml(
-        &client,
-        r#"
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: explainer, namespace: default}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata: {name: dractl-explain}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: dractl-explain}
-subjects: [{kind: ServiceAccount, name: explainer, namespace: default}]
-"#,
-        Path::new("explainer identity"),
-    )
-    .await?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
-    let token = cp.service_account_token("default", "explainer").await?;
-    cp.write_kubeconfig(&kubeconfig, &token)?;
+    drust_e2e::rbac::dractl_explain_kubeconfig(cp, &client, "explainer", &kubeconfig).await?;
 
     // The README's unsatisfiable example: a GPU with 200 GiB, which no H100 of the node has.
     apply_file(

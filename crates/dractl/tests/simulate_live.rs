@@ -61,27 +61,9 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         2,
     )
     .await?;
-    apply_file(&client, &repo_path("deploy/rbac/dractl-explain.yaml")).await?;
-    apply_yaml(
-        &client,
-        r#"
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: simulator, namespace: default}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata: {name: dractl-simulate}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: dractl-explain}
-subjects: [{kind: ServiceAccount, name: simulator, namespace: default}]
-"#,
-        Path::new("simulator identity"),
-    )
-    .await?;
     let dir = tempfile::tempdir()?;
     let kubeconfig = dir.path().join("kubeconfig");
-    let token = cp.service_account_token("default", "simulator").await?;
-    cp.write_kubeconfig(&kubeconfig, &token)?;
+    drust_e2e::rbac::dractl_explain_kubeconfig(cp, &client, "simulator", &kubeconfig).await?;
     let templates = "
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate

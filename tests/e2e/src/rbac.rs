@@ -34,6 +34,35 @@ pub async fn dractl_top_kubeconfig(
     Ok(())
 }
 
+/// Writes to `path` a kubeconfig for ServiceAccount `default/<account>`, bound to the
+/// ClusterRole of `deploy/rbac/dractl-explain.yaml` (what `dractl explain` and a live `dractl
+/// simulate` read) and to nothing else, applying it with `client` (an admin).
+///
+/// # Errors
+/// Applying the role or the binding, minting the token or writing the file failed.
+pub async fn dractl_explain_kubeconfig(
+    cp: &ControlPlane,
+    client: &kube::Client,
+    account: &str,
+    path: &Path,
+) -> anyhow::Result<()> {
+    apply_file(client, &repo_path("deploy/rbac/dractl-explain.yaml")).await?;
+    apply_yaml(
+        client,
+        &format!(
+            "apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: {account}, namespace: default}}\n\
+             ---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\n\
+             metadata: {{name: dractl-explain-{account}}}\n\
+             roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: dractl-explain}}\n\
+             subjects: [{{kind: ServiceAccount, name: {account}, namespace: default}}]\n"
+        ),
+        Path::new("dractl explain identity"),
+    )
+    .await?;
+    cp.write_kubeconfig(path, &cp.service_account_token("default", account).await?)?;
+    Ok(())
+}
+
 /// Applies `deploy/rbac/dractl-top.yaml` and binds its Role (reach the node plugins) to
 /// `subject` (an RBAC subject as a YAML flow mapping), and with `every_namespace` its ClusterRole
 /// (`get /usage`) too; the bindings are named `dractl-top-<name>`.
