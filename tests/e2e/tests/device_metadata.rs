@@ -12,6 +12,11 @@
 //! the attributes a workload needs: its UUID (the fake GPU's), PCI bus ID and root, NUMA node.
 //! The file is read-only in the container. Once the pod is deleted, the files are gone from the
 //! node.
+//!
+//! A MIG device created at prepare (partitionable MIG, the fake PCIe A100 node): the reader finds
+//! the allocated placement with the new MIG device's UUID, its profile and its parent's UUID. A
+//! share's file is a whole GPU's (KEP-5304's `Device` has no share ID; the unit tests of
+//! `gpu_kubelet_plugin::device_metadata` cover it).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -29,6 +34,7 @@ use kube::Api;
 use kube::api::{DeleteParams, LogParams, PostParams};
 
 const DGX_H100: &str = "examples/topologies/dgx-h100.yaml";
+const A100_MIG: &str = "examples/topologies/pcie-a100-mig.yaml";
 const TIMEOUT: Duration = Duration::from_secs(180);
 
 const CLAIMS: &str = "apiVersion: resource.k8s.io/v1
@@ -62,79 +68,21 @@ async fn upstreams_reader_finds_each_claims_device_metadata_inside_the_container
     let client = cluster.client().clone();
     let node = cluster.real_nodes()[0].name().to_owned();
     apply_yaml(&client, CLAIMS, Path::new("claims")).await?;
-    let read = |args: &str| {
-        format!(
-            "/tools/devicemetadata -driver {DRIVER} {args}; \
-             for f in $(find /var/run/kubernetes.io/dra-device-attributes -name '*.json'); do \
-             {{ echo test >> $f; }} 2>/dev/null && echo \"$f writable\"; done; \
-             echo done; trap 'exit 0' TERM; sleep 3600 & wait"
-        )
-    };
-    let pod: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "reader", "namespace": "default"},
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 2,
-            "containers": [
-                {
-                    "name": "template",
-                    "image": WORKLOAD_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c", read("-pod-claim gpus -request gpus")],
-                    "resources": {"claims": [{"name": "gpus"}]},
-                    "volumeMounts": [{"name": "tools", "mountPath": "/tools", "readOnly": true}],
-                },
-                {
-                    "name": "named",
-                    "image": WORKLOAD_IMAGE,
-                    "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c", read("-claim one-gpu -request gpu")],
-                    "resources": {"claims": [{"name": "single"}]},
-                    "volumeMounts": [{"name": "tools", "mountPath": "/tools", "readOnly": true}],
-                },
-            ],
-            "volumes": [{"name": "tools", "hostPath": {"path": tool_dir.display().to_string(), "type": "Directory"}}],
-            "resourceClaims": [
-                {"name": "gpus", "resourceClaimTemplateName": "two-gpus"},
-                {"name": "single", "resourceClaimName": "one-gpu"},
-            ],
-        },
-    }))?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    pods.create(&PostParams::default(), &pod).await?;
-    // Both containers have read (and stay, so the generated claim stays too).
-    let logs = until("both containers' reads", TIMEOUT, || async {
-        let p = pods.get("reader").await.map_err(|e| e.to_string())?;
-        if matches!(
-            p.status.as_ref().and_then(|s| s.phase.as_deref()),
-            Some("Failed" | "Succeeded")
-        ) {
-            return Err(format!("the pod ended: {:?}", p.status));
-        }
-        let mut logs = BTreeMap::new();
-        for container in ["template", "named"] {
-            let log = pods
-                .logs(
-                    "reader",
-                    &LogParams {
-                        container: Some(container.to_owned()),
-                        ..LogParams::default()
-                    },
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            if !log.lines().any(|l| l == "done") {
-                return Ok(None);
-            }
-            logs.insert(container, log);
-        }
-        Ok(Some((p, logs)))
-    })
+    let (done, logs) = run_reader(
+        &pods,
+        tool_dir,
+        &[
+            ("template", "-pod-claim gpus -request gpus", "gpus"),
+            ("named", "-claim one-gpu -request gpu", "single"),
+        ],
+        serde_json::json!([
+            {"name": "gpus", "resourceClaimTemplateName": "two-gpus"},
+            {"name": "single", "resourceClaimName": "one-gpu"},
+        ]),
+    )
     .await
     .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
-    let (done, logs) = logs;
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let gpus = fake_gpus(&repo_path(DGX_H100)).map_err(anyhow::Error::msg)?;
     let statuses = done
@@ -151,17 +99,7 @@ async fn upstreams_reader_finds_each_claims_device_metadata_inside_the_container
         ("template", generated.as_str(), Some("gpus"), "gpus", 2),
         ("named", "one-gpu", None, "gpu", 1),
     ] {
-        let log = &logs[container];
-        eprintln!("{container}: {log}");
-        let mut lines = log.lines();
-        let read: serde_json::Value =
-            serde_json::from_str(lines.next().context("the reader's answer")?)
-                .with_context(|| format!("{container}: upstream's reader failed: {log}"))?;
-        let rest: Vec<&str> = lines.filter(|l| *l != "done").collect();
-        ensure!(
-            rest.is_empty(),
-            "{container}: the metadata is read-only: {rest:?}"
-        );
+        let read = answer(container, &logs[container])?;
         let claim = claims.get(claim_name).await?;
         ensure!(
             read["name"] == claim_name
@@ -224,4 +162,171 @@ async fn upstreams_reader_finds_each_claims_device_metadata_inside_the_container
     .await?;
     cluster.stop().await?;
     Ok(())
+}
+
+/// A MIG device made at prepare (partitionable MIG on the fake PCIe A100 node): upstream's
+/// reader finds the allocated placement's device with the UUID the new MIG device got (the
+/// fake backend's state, as NVML would answer), its profile and its parent GPU's UUID.
+#[tokio::test]
+async fn a_mig_device_created_at_prepare_has_its_new_uuid_in_the_containers_metadata()
+-> anyhow::Result<()> {
+    let tool = drust_gotools::go_tool("devicemetadata").map_err(anyhow::Error::msg)?;
+    let tool_dir = tool.parent().context("the tool's directory")?;
+    let cluster = Cluster::start(ClusterOptions::default().real(
+        NodeGroup::new("meta-mig-", 1, A100_MIG).plugin_args(&["--mig-strategy", "partitionable"]),
+    ))
+    .await?;
+    let client = cluster.client().clone();
+    apply_yaml(
+        &client,
+        "apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: one-mig, namespace: default}
+spec:
+  devices:
+    requests:
+      - name: mig
+        exactly:
+          deviceClassName: mig.drust.dev
+          selectors:
+            - cel: {expression: 'device.attributes[\"gpu.drust.dev\"].profile == \"1g.10gb\"'}
+",
+        Path::new("mig claim"),
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    let (_, logs) = run_reader(
+        &pods,
+        tool_dir,
+        &[("mig", "-claim one-mig -request mig", "mig")],
+        serde_json::json!([{"name": "mig", "resourceClaimName": "one-mig"}]),
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
+    let read = answer("mig", &logs["mig"])?;
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
+    let claim = claims.get("one-mig").await?;
+    let result = drust_e2e::claims::allocation_results(&claim)
+        .and_then(|r| r.first().cloned())
+        .context("allocated")?;
+    let state = gpu_inventory::fake::mig::MigState::load(
+        &cluster.real_nodes()[0].host().state_dir().join("mig.json"),
+    )?;
+    let made: Vec<(String, String)> = state
+        .gpus
+        .iter()
+        .flat_map(|(parent, migs)| migs.iter().map(move |m| (parent.clone(), m.uuid.clone())))
+        .collect();
+    ensure!(made.len() == 1, "one MIG device made at prepare: {made:?}");
+    let (parent, uuid) = &made[0];
+    let device = &read["requests"][0]["devices"][0];
+    let attributes = &device["attributes"];
+    ensure!(
+        read["uid"].as_str() == claim.metadata.uid.as_deref()
+            && read["requests"][0]["devices"].as_array().map(Vec::len) == Some(1)
+            && device["driver"] == DRIVER
+            && device["pool"] == result.pool.as_str()
+            && device["name"] == result.device.as_str()
+            && attributes["uuid"]["string"] == uuid.as_str()
+            && attributes["profile"]["string"] == "1g.10gb"
+            && attributes["parentUUID"]["string"] == parent.as_str(),
+        "the placement {} with the new MIG device's UUID {uuid} (parent {parent}): {read}",
+        result.device
+    );
+    pods.delete("reader", &DeleteParams::default()).await?;
+    cluster.stop().await?;
+    Ok(())
+}
+
+/// Runs pod `reader` with one container per `(name, reader arguments, pod claim)`, each running
+/// upstream's reader (mounted from `tool_dir`) and then trying to write every metadata file it
+/// can see, with the pod's `resource_claims`; returns the pod and each container's log once
+/// every container has read (they stay, and so do the pod's claims).
+async fn run_reader(
+    pods: &Api<Pod>,
+    tool_dir: &Path,
+    containers: &[(&str, &str, &str)],
+    resource_claims: serde_json::Value,
+) -> anyhow::Result<(Pod, BTreeMap<String, String>)> {
+    let containers: Vec<serde_json::Value> = containers
+        .iter()
+        .map(|(name, args, claim)| {
+            let script = format!(
+                "/tools/devicemetadata -driver {DRIVER} {args}; \
+                 for f in $(find /var/run/kubernetes.io/dra-device-attributes -name '*.json'); do \
+                 {{ echo test >> $f; }} 2>/dev/null && echo \"$f writable\"; done; \
+                 echo done; trap 'exit 0' TERM; sleep 3600 & wait"
+            );
+            serde_json::json!({
+                "name": name,
+                "image": WORKLOAD_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", script],
+                "resources": {"claims": [{"name": claim}]},
+                "volumeMounts": [{"name": "tools", "mountPath": "/tools", "readOnly": true}],
+            })
+        })
+        .collect();
+    let names: Vec<String> = containers
+        .iter()
+        .filter_map(|c| c["name"].as_str().map(str::to_owned))
+        .collect();
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "reader", "namespace": "default"},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 2,
+            "containers": containers,
+            "volumes": [{"name": "tools", "hostPath": {"path": tool_dir.display().to_string(), "type": "Directory"}}],
+            "resourceClaims": resource_claims,
+        },
+    }))?;
+    pods.create(&PostParams::default(), &pod).await?;
+    let read = until("every container's read", TIMEOUT, || async {
+        let p = pods.get("reader").await.map_err(|e| e.to_string())?;
+        if matches!(
+            p.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Failed" | "Succeeded")
+        ) {
+            return Err(format!("the pod ended: {:?}", p.status));
+        }
+        let mut logs = BTreeMap::new();
+        for container in &names {
+            let log = pods
+                .logs(
+                    "reader",
+                    &LogParams {
+                        container: Some(container.clone()),
+                        ..LogParams::default()
+                    },
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            if !log.lines().any(|l| l == "done") {
+                return Ok(None);
+            }
+            logs.insert(container.clone(), log);
+        }
+        Ok(Some((p, logs)))
+    })
+    .await?;
+    Ok(read)
+}
+
+/// Upstream reader's answer in `container`'s log (its first line), with no metadata file
+/// writable there.
+fn answer(container: &str, log: &str) -> anyhow::Result<serde_json::Value> {
+    eprintln!("{container}: {log}");
+    let mut lines = log.lines();
+    let read: serde_json::Value =
+        serde_json::from_str(lines.next().context("the reader's answer")?)
+            .with_context(|| format!("{container}: upstream's reader failed: {log}"))?;
+    let rest: Vec<&str> = lines.filter(|l| *l != "done").collect();
+    ensure!(
+        rest.is_empty(),
+        "{container}: the metadata is read-only: {rest:?}"
+    );
+    Ok(read)
 }
