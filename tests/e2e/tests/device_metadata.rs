@@ -15,8 +15,7 @@
 //!
 //! A MIG device created at prepare (partitionable MIG, the fake PCIe A100 node): the reader finds
 //! the allocated placement with the new MIG device's UUID, its profile and its parent's UUID. A
-//! share's file is a whole GPU's (KEP-5304's `Device` has no share ID; the unit tests of
-//! `gpu_kubelet_plugin::device_metadata` cover it).
+//! share's file names its GPU as a whole GPU's does (KEP-5304's `Device` has no share ID).
 
 use std::collections::BTreeMap;
 use std::path::Path;
