@@ -36,12 +36,15 @@ pub struct Publishing {
     /// The GPUs' NVLink fabric taints and when each condition was first seen (shared by
     /// clones: the pool of every rediscovery keeps the times).
     pub fabric: FabricTaints,
+    /// The IMEX channels published after the GPUs ([`crate::imex::detect`]); `None`: none.
+    pub imex: Option<gpu_inventory::imex::ImexChannels>,
 }
 
 impl Publishing {
     /// The pool of `inventory`: its devices under the MIG strategy, shareable with `shares`
     /// ([`gpu_inventory::shares`]), each device tainted with its GPU's NVLink fabric
-    /// conditions ([`crate::fabric`]).
+    /// conditions ([`crate::fabric`]), then the IMEX channels, carrying the node's clique
+    /// ([`gpu_inventory::imex`]).
     pub fn pool(&self, inventory: &Inventory) -> Pool {
         let mut pool = inventory.pool(self.strategy);
         if self.shares {
@@ -53,6 +56,10 @@ impl Publishing {
             &mut pool,
             std::time::SystemTime::now(),
         );
+        if let Some(imex) = &self.imex {
+            let clique = gpu_inventory::imex::node_clique(inventory);
+            pool.devices.extend(imex.devices(clique.as_deref()));
+        }
         pool
     }
 
@@ -86,6 +93,13 @@ impl Publishing {
             shares,
             enforcement: ShareEnforcement::Mps,
             fabric: FabricTaints::default(),
+            imex: {
+                let (path, wanted) = (config.proc_devices.clone(), config.imex_channels);
+                tokio::task::spawn_blocking(move || crate::imex::detect(&path, wanted))
+                    .await
+                    .ok()
+                    .flatten()
+            },
         }
     }
 

@@ -31,6 +31,8 @@ struct Fixture {
     claim_users: Option<Arc<gpu_kubelet_plugin::claim_users::ClaimUsers>>,
     /// The device metadata writer, when a test turns it on.
     device_metadata: Option<Arc<gpu_kubelet_plugin::device_metadata::DeviceMetadata>>,
+    /// The IMEX channels, when a test publishes them.
+    imex: Option<gpu_inventory::imex::ImexChannels>,
 }
 
 type Controller = ClaimController<Shared, ScriptedHardware>;
@@ -51,6 +53,7 @@ impl Fixture {
             mps_timeout: Duration::from_secs(10),
             claim_users: None,
             device_metadata: None,
+            imex: None,
         }
     }
 
@@ -70,6 +73,7 @@ impl Fixture {
             kernel_memory: None,
             claim_users: self.claim_users.clone(),
             device_metadata: self.device_metadata.clone(),
+            imex: self.imex,
         }
     }
 

@@ -670,6 +670,7 @@ mod tests {
                 compute_percent: pct,
                 whole: false,
             }),
+            imex_channel: None,
         }
     }
 
