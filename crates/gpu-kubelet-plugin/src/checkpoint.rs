@@ -57,6 +57,9 @@
 //!   a build that finds a file too new for it rebuilds its claims the same way but takes
 //!   nothing for an orphan in that start (`claims/recovery.rs`): a reader never stops what it
 //!   does not understand. A file without shares keeps `minReaderVersion` 4.
+//! - IMEX channels (issue 43) added `devices[].imexChannel` ([`RecordedChannel`]) within version
+//!   5: an added field, so no new version. A build without it reads a channel as a device it
+//!   does not publish; a channel has no hardware step, so nothing is left undone either way.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
