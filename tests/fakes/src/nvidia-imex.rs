@@ -183,6 +183,10 @@ fn run(args: &[String]) -> Result<(), String> {
              set DAEMONIZE=0"
         ));
     }
+    // Every value checked before anything starts.
+    config.port("SERVER_PORT", 50000)?;
+    config.port("IMEX_CMD_PORT", 50005)?;
+    config.flag("IMEX_CMD_ENABLED", true)?;
     let log: Arc<Log> = Arc::new(Log(Mutex::new(match config.get("LOG_FILE_NAME") {
         None => Box::new(std::io::stderr()),
         Some(path) => Box::new(
