@@ -213,4 +213,27 @@ mod tests {
                 .contains_key("nvlinkClique")
         );
     }
+
+    fn inventory(topology: &str) -> Inventory {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/topologies")
+            .join(topology);
+        let topology = crate::Topology::from_file(path).expect("topology");
+        crate::discover(&crate::FakeBackend::new(topology)).expect("inventory")
+    }
+
+    #[test]
+    fn the_node_clique_is_the_one_all_gpus_share() {
+        let tray = inventory("gb200-nvl-tray.yaml");
+        let clique = node_clique(&tray).expect("the GB200 tray's GPUs share a clique");
+        assert_eq!(Some(clique.as_str()), tray.gpus[0].nvlink_clique.as_deref());
+        assert_eq!(node_clique(&inventory("dgx-h100.yaml")), None);
+        let mut split = tray.clone();
+        split.gpus[0].nvlink_clique = Some("other.1".into());
+        assert_eq!(node_clique(&split), None, "GPUs in two cliques");
+        split.gpus[0].nvlink_clique = None;
+        assert_eq!(node_clique(&split), None, "one GPU in none");
+        split.gpus.clear();
+        assert_eq!(node_clique(&split), None, "no GPU");
+    }
 }

@@ -197,3 +197,51 @@ pub(crate) async fn publish_with_retry(publisher: &SlicePublisher, pool: &Pool) 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tray() -> Inventory {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/topologies/gb200-nvl-tray.yaml");
+        let backend = gpu_inventory::FakeBackend::from_file(path).expect("topology");
+        gpu_inventory::discover(&backend).expect("inventory")
+    }
+
+    fn publishing(imex: Option<gpu_inventory::imex::ImexChannels>) -> Publishing {
+        Publishing {
+            driver: "gpu.drust.dev".into(),
+            strategy: gpu_inventory::MigStrategy::Existing,
+            shares: false,
+            enforcement: ShareEnforcement::Mps,
+            fabric: FabricTaints::default(),
+            imex,
+        }
+    }
+
+    #[test]
+    fn the_channels_follow_the_gpus_with_the_nodes_clique() {
+        let inventory = tray();
+        let gpus = inventory.gpus.len();
+        let without = publishing(None).pool(&inventory);
+        assert_eq!(without.devices.len(), gpus);
+        let with = publishing(Some(gpu_inventory::imex::ImexChannels {
+            major: 235,
+            count: 2,
+        }))
+        .pool(&inventory);
+        let names: Vec<&str> = with.devices[gpus..]
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        assert_eq!(names, ["imex-channel-0", "imex-channel-1"]);
+        let clique = with.devices[gpus]
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get("nvlinkClique"))
+            .and_then(|a| a.string.clone());
+        assert_eq!(clique, inventory.gpus[0].nvlink_clique);
+        assert!(clique.is_some());
+    }
+}
