@@ -1,6 +1,6 @@
 //! IMEX channels on a real node (issue 43): the plugin, given a `/proc/devices` with a
-//! `235 nvidia-caps-imex-channels` line (the host's own table plus that line: no NVIDIA driver
-//! here, and 235 is free), publishes `imex-channel-0` with the binding conditions of the
+//! `235 nvidia-caps-imex-channels` line (the harness's [`NodeGroup::imex_channels`]: the host's
+//! own table plus that line; no NVIDIA driver here, and 235 is free), publishes `imex-channel-0` with the binding conditions of the
 //! ComputeDomain contract. The test acts as the ComputeDomain controller:
 //!
 //! 1. A pod with a claim of DeviceClass `imex-channel.drust.dev` and a
@@ -23,7 +23,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use drust_e2e::cluster::{Cluster, ClusterOptions, DRIVER, NodeGroup};
+use drust_e2e::cluster::{Cluster, ClusterOptions, DRIVER, FAKE_IMEX_MAJOR, NodeGroup};
 use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::apply_yaml;
 use drust_e2e::wait::until;
@@ -159,21 +159,8 @@ async fn set_condition(
 #[tokio::test]
 async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -> anyhow::Result<()>
 {
-    let proc_dir = tempfile::tempdir()?;
-    let proc_devices = proc_dir.path().join("devices");
-    let host = std::fs::read_to_string("/proc/devices")?;
-    std::fs::write(
-        &proc_devices,
-        host.replacen(
-            "Character devices:\n",
-            "Character devices:\n235 nvidia-caps-imex-channels\n",
-            1,
-        ),
-    )?;
-    let proc_flag = format!("--proc-devices={}", proc_devices.display());
     let cluster = Cluster::start(
-        ClusterOptions::default()
-            .real(NodeGroup::new("imex-", 1, DGX_H100).plugin_args(&[proc_flag.as_str()])),
+        ClusterOptions::default().real(NodeGroup::new("imex-", 1, DGX_H100).imex_channels()),
     )
     .await?;
     let client = cluster.client().clone();
@@ -239,9 +226,11 @@ async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -
     .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
     eprintln!("imex-a: {log}");
     let mut lines = log.lines();
+    // busybox's stat prints the numbers in hex.
+    let want = format!("character special file {FAKE_IMEX_MAJOR:x} 0");
     ensure!(
-        lines.next() == Some("character special file eb 0"),
-        "channel0 is a character device, major 235 (0xeb), minor 0: {log}"
+        lines.next() == Some(want.as_str()),
+        "channel0 is a character device, major {FAKE_IMEX_MAJOR}, minor 0: {log}"
     );
     let metadata = lines.next().unwrap_or_default();
     ensure!(
