@@ -166,6 +166,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     ] {
         ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
     }
+    // IMEX channels: the plugin's own default (one where /proc/devices has the line).
+    ensure!(!a.iter().any(|x| x.starts_with("--imex-channels")), "{a:?}");
     // Usage sampling reads the host's /proc and the kubelet's PodResources socket, read-only;
     // the GPUIdle marks need the claim status rules, and no events rule.
     for mount in [
@@ -487,6 +489,14 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     );
     let message = refused(&["http.port=0"]).await?;
     ensure!(message.contains("/http/port"), "{message}");
+    let message = refused(&["features.imexChannels=many"]).await?;
+    ensure!(message.contains("/features/imexChannels"), "{message}");
+    let docs = documents(&template(RELEASE, NAMESPACE, &["features.imexChannels=2"]).await?)?;
+    ensure!(
+        args(&docs)?.iter().any(|x| x == "--imex-channels=2"),
+        "{:?}",
+        args(&docs)?
+    );
     let message = refused(&["feature.sharing=false"]).await?;
     eprintln!("misspelt key: {message}");
     ensure!(
