@@ -5,7 +5,7 @@
 //!
 //! 1. A pod with a claim of DeviceClass `imex-channel.drust.dev` and a
 //!    `ComputeDomainChannelConfig` is allocated the channel but stays unbound (the scheduler
-//!    holds it in PreBind) until the test sets `IMEXDaemonReady=True` on the claim's
+//!    holds it in PreBind and says so in a `BindingConditionsPending` event) until the test sets `IMEXDaemonReady=True` on the claim's
 //!    `status.devices` entry; then it runs, and its container sees
 //!    `/dev/nvidia-caps-imex-channels/channel0` as a character device of major 235, minor 0
 //!    (made by the runtime from the CDI spec: checked by `stat`, never opened, since no driver
@@ -27,7 +27,7 @@ use drust_e2e::cluster::{Cluster, ClusterOptions, DRIVER, FAKE_IMEX_MAJOR, NodeG
 use drust_e2e::images::WORKLOAD_IMAGE;
 use drust_e2e::manifests::apply_yaml;
 use drust_e2e::wait::until;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
@@ -87,6 +87,29 @@ fn channel_allocation(claim: &ResourceClaim) -> Option<(String, Option<String>)>
         .iter()
         .find(|r| r.device == CHANNEL && r.driver == DRIVER)
         .map(|r| (r.pool.clone(), r.share_id.clone()))
+}
+
+/// Waits for the scheduler's `BindingConditionsPending` event on `pod` (its PreBind waits for
+/// the binding conditions: v1.36.3 `dynamicresources.go`), then checks the pod is unbound.
+async fn held_in_prebind(events: &Api<Event>, pods: &Api<Pod>, pod: &str) -> anyhow::Result<()> {
+    let selector = format!("involvedObject.name={pod},reason=BindingConditionsPending");
+    until(&format!("{pod} held in PreBind"), TIMEOUT, || async {
+        let list = events
+            .list(&ListParams::default().fields(&selector))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((!list.items.is_empty()).then_some(()))
+    })
+    .await?;
+    let p = pods.get(pod).await?;
+    ensure!(
+        p.spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .is_none(),
+        "{pod} is bound while its binding conditions are pending"
+    );
+    Ok(())
 }
 
 /// Waits for the claim to be allocated the channel (with a share ID other than `not`), and
@@ -207,7 +230,10 @@ async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -
     let (pool, share) = allocated_unbound(&claims, &pods, "channel-a", "imex-a", None)
         .await
         .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
+    let events: Api<Event> = Api::namespaced(client.clone(), "default");
+    held_in_prebind(&events, &pods, "imex-a").await?;
     set_condition(&claims, "channel-a", &pool, &share, "IMEXDaemonReady").await?;
+    let ready_at = std::time::Instant::now();
     let log = until("imex-a's container ran", TIMEOUT, || async {
         let p = pods.get("imex-a").await.map_err(|e| e.to_string())?;
         if matches!(
@@ -224,7 +250,11 @@ async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -
     })
     .await
     .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
-    eprintln!("imex-a: {log}");
+    // A figure for the report, not a verdict: the scheduler polls binding conditions every 5 s.
+    eprintln!(
+        "imex-a: ran {:?} after IMEXDaemonReady: {log}",
+        ready_at.elapsed()
+    );
     let mut lines = log.lines();
     // busybox's stat prints the numbers in hex.
     let want = format!("character special file {FAKE_IMEX_MAJOR:x} 0");
@@ -259,11 +289,17 @@ async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -
     let (pool, share) = allocated_unbound(&claims, &pods, "channel-b", "imex-b", None)
         .await
         .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
+    held_in_prebind(&events, &pods, "imex-b").await?;
     set_condition(&claims, "channel-b", &pool, &share, "IMEXDaemonFailed").await?;
+    let failed_at = std::time::Instant::now();
     // The stored claim loses that allocation (a new one has another share ID).
     let (pool, again) = allocated_unbound(&claims, &pods, "channel-b", "imex-b", Some(&share))
         .await
         .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
+    eprintln!(
+        "channel-b: allocated again {:?} after IMEXDaemonFailed",
+        failed_at.elapsed()
+    );
     let c = claims.get("channel-b").await?;
     let failed_kept = c
         .status
