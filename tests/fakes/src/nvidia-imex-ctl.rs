@@ -6,7 +6,7 @@
 //!   config names answers on its command service (`IMEX_CMD_UNIX_DOMAIN_PATH` when set, else
 //!   `IMEX_CMD_BIND_INTERFACE_IP` (127.0.0.1 when empty) and `IMEX_CMD_PORT`, default 50005);
 //!   otherwise prints `NOT_READY` and exits 1. `--u=<socket>` (as NVIDIA's driver passes for a
-//!   host daemon) names the Unix socket instead of the config's.
+//!   host daemon) names the Unix socket instead of the config's, and needs no `-c`.
 //! - `-N`: prints the nodes the daemon read last, one per line, then `reads <n>` (the real
 //!   tool prints a connection table instead).
 //! - A config that cannot be read or parsed: the error on stderr, exit status 2.
@@ -79,13 +79,13 @@ fn connect(
 }
 
 fn main() -> ExitCode {
-    let mut config_path = "/etc/nvidia-imex/config.cfg".to_owned();
+    let mut config_path = None;
     let (mut query, mut nodes, mut socket) = (false, false, None);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "-c" => match args.next() {
-                Some(p) => config_path = p,
+                Some(p) => config_path = Some(p),
                 None => {
                     eprintln!("nvidia-imex-ctl (stand-in): -c needs a file");
                     return ExitCode::from(2);
@@ -100,7 +100,12 @@ fn main() -> ExitCode {
             }
         }
     }
-    let config = match read_config(&config_path) {
+    // `--u=<socket>` alone needs no config (how NVIDIA's driver asks a host daemon).
+    let config = match (&config_path, &socket) {
+        (None, Some(_)) => Ok(BTreeMap::new()),
+        (path, _) => read_config(path.as_deref().unwrap_or("/etc/nvidia-imex/config.cfg")),
+    };
+    let config = match config {
         Ok(c) => c,
         Err(e) => {
             eprintln!("nvidia-imex-ctl (stand-in): {e}");

@@ -147,6 +147,16 @@ fn the_daemon_answers_ready_rereads_its_nodes_on_sigusr1_and_is_not_ready_once_k
             b"10.0.0.1\n10.0.0.2\n10.0.0.3\nreads 2\n"
         );
 
+        if unix {
+            // NVIDIA's host-daemon probe: the socket alone, no config.
+            let sock = dir.0.join("imex.sock");
+            let out = Command::new(drust_fakes::imex_ctl())
+                .arg("-q")
+                .arg(format!("--u={}", sock.display()))
+                .output()
+                .expect("nvidia-imex-ctl runs");
+            assert_eq!(out.stdout, b"READY\n", "{out:?}");
+        }
         daemon.0.kill().expect("kill");
         daemon.0.wait().expect("wait");
         let after = ctl(&cfg, "-q");
