@@ -1571,6 +1571,16 @@ async fn channel_claims_share_the_channel_get_its_device_node_by_numbers_and_lea
         channel_claim("b", "ub", Some(channel_config("dom-1"))),
     ]);
     f.imex = Some(CHANNELS);
+    f.device_metadata = Some(Arc::new(
+        gpu_kubelet_plugin::device_metadata::DeviceMetadata::new(
+            &f.dir.path().join("plugin"),
+            DRIVER,
+        ),
+    ));
+    let metadata = f
+        .dir
+        .path()
+        .join("plugin/dra-device-metadata/ns_a/gpus/metadata.json");
     let c = f.controller().await;
     let prepared = c
         .prepare(vec![claim_ref("a", "ua"), claim_ref("b", "ub")])
@@ -1601,6 +1611,19 @@ async fn channel_claims_share_the_channel_get_its_device_node_by_numbers_and_lea
     );
     let record = serde_json::to_string(&f.checkpoint().load().expect("cp")).expect("json");
     assert!(record.contains(r#""domainId":"dom-1""#), "{record}");
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&metadata).expect("the metadata file"))
+            .expect("json");
+    let d = &doc["requests"][0]["devices"][0];
+    assert_eq!(d["name"], "imex-channel-0");
+    assert_eq!(d["attributes"]["type"]["string"], "imex-channel");
+    assert_eq!(d["attributes"]["channel"]["int"], 0);
+    assert!(
+        spec["devices"][0]["containerEdits"]["mounts"]
+            .to_string()
+            .contains("dra-device-attributes"),
+        "the metadata is mounted with the channel: {spec}"
+    );
     assert!(
         f.hardware.calls.lock().unwrap().is_empty(),
         "no hardware step"
@@ -1628,6 +1651,7 @@ async fn channel_claims_share_the_channel_get_its_device_node_by_numbers_and_lea
     assert!(done.values().all(Result::is_ok), "{done:?}");
     assert!(f.cdi_files().is_empty(), "{:?}", f.cdi_files());
     assert!(restarted.prepared_claims().await.is_empty());
+    assert!(!metadata.exists(), "the metadata went with the claim");
 }
 
 #[tokio::test]
