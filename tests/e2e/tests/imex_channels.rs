@@ -15,6 +15,9 @@
 //!    (the API server stores a claim without that allocation) and allocates again, and the pod
 //!    still waits for the new allocation's readiness.
 //!
+//! Two paper nodes of a GB200 tray (`NodeGroup::imex_channels` on paper nodes too) publish the
+//! channel with the NVLink clique their GPUs share; the DGX H100's channel has none.
+//!
 //! Binding conditions need `DRADeviceBindingConditions` and `DRAResourceClaimDeviceStatus`
 //! (both beta and on by default in v1.36.3, `pkg/features/kube_features.go`) and
 //! `allowMultipleAllocations` `DRAConsumableCapacity` (beta, on): the harness sets no gate.
@@ -33,6 +36,8 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 
 const DGX_H100: &str = "examples/topologies/dgx-h100.yaml";
+/// A GB200 tray: its four GPUs share one NVLink clique.
+const GB200_TRAY: &str = "examples/topologies/gb200-nvl-tray.yaml";
 const TIMEOUT: Duration = Duration::from_secs(180);
 const CHANNEL: &str = "imex-channel-0";
 
@@ -58,7 +63,8 @@ spec:
     )
 }
 
-fn pod(name: &str, claim: &str) -> anyhow::Result<Pod> {
+/// The pod on `node` (the real node: paper nodes publish channels too, and run nothing).
+fn pod(name: &str, claim: &str, node: &str) -> anyhow::Result<Pod> {
     let script = "stat -c '%F %t %T' /dev/nvidia-caps-imex-channels/channel0; \
         cat $(find /var/run/kubernetes.io/dra-device-attributes -name '*.json') | tr -d '\\n'; \
         echo; echo done; trap 'exit 0' TERM; sleep 3600 & wait";
@@ -69,6 +75,9 @@ fn pod(name: &str, claim: &str) -> anyhow::Result<Pod> {
         "spec": {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 2,
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
             "containers": [{
                 "name": "c",
                 "image": WORKLOAD_IMAGE,
@@ -183,7 +192,9 @@ async fn set_condition(
 async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -> anyhow::Result<()>
 {
     let cluster = Cluster::start(
-        ClusterOptions::default().real(NodeGroup::new("imex-", 1, DGX_H100).imex_channels()),
+        ClusterOptions::default()
+            .real(NodeGroup::new("imex-", 1, DGX_H100).imex_channels())
+            .paper(NodeGroup::new("imex-tray-", 2, GB200_TRAY).imex_channels()),
     )
     .await?;
     let client = cluster.client().clone();
@@ -215,6 +226,49 @@ async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -
         "published as {device:?}"
     );
 
+    ensure!(
+        !attributes.contains_key("nvlinkClique"),
+        "the DGX H100 is in no clique: {device:?}"
+    );
+    // Paper nodes of a GB200 tray publish the channel with the clique their GPUs share.
+    for tray in ["imex-tray-0", "imex-tray-1"] {
+        let slices = until(&format!("{tray}'s channel"), TIMEOUT, || async {
+            let list = slices
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let mine: Vec<ResourceSlice> = list
+                .items
+                .into_iter()
+                .filter(|s| s.spec.driver == DRIVER && s.spec.node_name.as_deref() == Some(tray))
+                .collect();
+            let has = mine
+                .iter()
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .any(|d| d.name == CHANNEL);
+            Ok(has.then_some(mine))
+        })
+        .await?;
+        let devices: Vec<_> = slices
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .collect();
+        let clique = |name: &str| {
+            devices
+                .iter()
+                .find(|d| d.name == name)
+                .and_then(|d| d.attributes.as_ref()?.get("nvlinkClique")?.string.clone())
+        };
+        let gpu_clique = devices
+            .iter()
+            .find(|d| d.name != CHANNEL)
+            .and_then(|d| clique(&d.name));
+        ensure!(
+            gpu_clique.is_some() && clique(CHANNEL) == gpu_clique,
+            "{tray}: the channel carries its GPUs' clique {gpu_clique:?}: {devices:?}"
+        );
+    }
+
     let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), "default");
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
 
@@ -225,7 +279,7 @@ async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -
         Path::new("claim a"),
     )
     .await?;
-    pods.create(&PostParams::default(), &pod("imex-a", "channel-a")?)
+    pods.create(&PostParams::default(), &pod("imex-a", "channel-a", &node)?)
         .await?;
     let (pool, share) = allocated_unbound(&claims, &pods, "channel-a", "imex-a", None)
         .await
@@ -284,7 +338,7 @@ async fn a_channel_pod_waits_for_its_imex_daemon_and_gets_the_channel_device() -
         Path::new("claim b"),
     )
     .await?;
-    pods.create(&PostParams::default(), &pod("imex-b", "channel-b")?)
+    pods.create(&PostParams::default(), &pod("imex-b", "channel-b", &node)?)
         .await?;
     let (pool, share) = allocated_unbound(&claims, &pods, "channel-b", "imex-b", None)
         .await
