@@ -175,8 +175,9 @@ struct Args {
     device_metadata: bool,
     /// How many IMEX channels to publish (imex-channel-0 .. N-1) for ComputeDomains [default:
     /// 1 where --proc-devices has a nvidia-caps-imex-channels line, else 0]. A node without
-    /// that line publishes none, whatever this says (logged, not fatal).
-    #[arg(long)]
+    /// that line publishes none, whatever this says (logged, not fatal). At most 2048, the
+    /// channels NVIDIA's driver creates.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=2048))]
     imex_channels: Option<u32>,
     /// The kernel's device table, read for the IMEX channels' major number.
     #[arg(long, env = "ALT_PROC_DEVICES_PATH", default_value = "/proc/devices")]
