@@ -115,8 +115,9 @@ pub struct Mount {
     pub options: Vec<String>,
 }
 
-/// A device node, by its path on the host (and in the container).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A device node, by its path on the host (and in the container), or by its numbers for a
+/// node the host does not have (the runtime then makes it in the container).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeviceNode {
     /// In the container, e.g. `/dev/accel0`.
@@ -125,6 +126,19 @@ pub struct DeviceNode {
     /// minor numbers there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_path: Option<String>,
+    /// `c` (character) or `b` (block); with `major` and `minor` the runtime needs no node on
+    /// the host.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// The major number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub major: Option<i64>,
+    /// The minor number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<i64>,
+    /// The cgroup device permissions, e.g. `rw` (default `rwm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permissions: Option<String>,
 }
 
 /// Writing or removing a spec failed.

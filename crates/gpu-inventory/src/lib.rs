@@ -38,6 +38,9 @@
 //!
 //! Health events (XID, ECC, GPU lost) come from [`GpuBackend::wait_health_event`] ([`health`]).
 //!
+//! IMEX channels, the device type published beside the GPUs for multi-node NVLink jobs:
+//! [`imex`].
+//!
 //! Device names: [`naming`]. NVLink domains: [`nvlink`]. Multi-node NVLink fabrics (registration,
 //! cliques, health mask and summary): [`fabric`]. Partitionable MIG model: [`mig`].
 
@@ -45,6 +48,7 @@ pub mod backend;
 pub mod fabric;
 pub mod fake;
 pub mod health;
+pub mod imex;
 pub mod mig;
 pub mod mig_tables;
 pub mod model;

@@ -323,6 +323,9 @@ pub fn validate_pool(slices: &[ResourceSlice]) -> Result<(), InvalidSlice> {
                     ));
                 }
             }
+            if let Some((sub, p)) = binding_problem(d) {
+                return Err(err(format!("{field}.{sub}"), p));
+            }
         }
     }
     // Pool-wide: every consumed counter exists in a counter set of the pool.
@@ -355,8 +358,118 @@ pub fn validate_pool(slices: &[ResourceSlice]) -> Result<(), InvalidSlice> {
     Ok(())
 }
 
+/// `BindingConditionsMaxSize` and `BindingFailureConditionsMaxSize`.
+pub const MAX_BINDING_CONDITIONS: usize = 4;
+
+/// `validateDeviceBindingParameters` (KEP-5007): at most [`MAX_BINDING_CONDITIONS`] of each,
+/// each a label name (`ValidateLabelName`), no repeats, no overlap between the two lists, and
+/// each list only with the other. The field and what is wrong.
+fn binding_problem(d: &Device) -> Option<(&'static str, String)> {
+    let ready = d.binding_conditions.as_deref().unwrap_or_default();
+    let failure = d.binding_failure_conditions.as_deref().unwrap_or_default();
+    for (field, list) in [
+        ("bindingConditions", ready),
+        ("bindingFailureConditions", failure),
+    ] {
+        if list.len() > MAX_BINDING_CONDITIONS {
+            return Some((
+                field,
+                format!("{} entries, at most {MAX_BINDING_CONDITIONS}", list.len()),
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for c in list {
+            if !label_name(c) {
+                return Some((field, format!("{c:?} is not a valid condition type")));
+            }
+            if !seen.insert(c) {
+                return Some((field, format!("{c:?} is repeated")));
+            }
+        }
+    }
+    if let Some(c) = failure.iter().find(|c| ready.contains(c)) {
+        return Some((
+            "bindingFailureConditions",
+            format!("{c:?} must not also be a binding condition"),
+        ));
+    }
+    match (ready.is_empty(), failure.is_empty()) {
+        (true, false) => Some((
+            "bindingConditions",
+            "required to use bindingFailureConditions".into(),
+        )),
+        (false, true) => Some((
+            "bindingFailureConditions",
+            "required to use bindingConditions".into(),
+        )),
+        _ => None,
+    }
+}
+
+/// A qualified name as `ValidateLabelName` takes it: an optional DNS subdomain prefix and `/`,
+/// then 1 to 63 alphanumerics, `-`, `_`, `.`, beginning and ending with an alphanumeric.
+fn label_name(s: &str) -> bool {
+    let (prefix, name) = match s.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, s),
+    };
+    let prefix_ok =
+        prefix.is_none_or(|p| !p.is_empty() && p.len() <= 253 && p.split('.').all(is_dns_label));
+    prefix_ok
+        && !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric())
+        && name
+            .bytes()
+            .last()
+            .is_some_and(|b| b.is_ascii_alphanumeric())
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn binding_conditions_follow_the_api_servers_rules() {
+        let device = |ready: &[&str], failure: &[&str]| Device {
+            name: "imex-channel-0".into(),
+            binding_conditions: (!ready.is_empty())
+                .then(|| ready.iter().map(|c| (*c).to_owned()).collect()),
+            binding_failure_conditions: (!failure.is_empty())
+                .then(|| failure.iter().map(|c| (*c).to_owned()).collect()),
+            ..Default::default()
+        };
+        assert_eq!(
+            binding_problem(&device(&["IMEXDaemonReady"], &["IMEXDaemonFailed"])),
+            None
+        );
+        assert_eq!(binding_problem(&device(&[], &[])), None);
+        let bad = [
+            device(&["IMEXDaemonReady"], &[]),
+            device(&[], &["IMEXDaemonFailed"]),
+            device(&["A", "A"], &["B"]),
+            device(&["A"], &["A"]),
+            device(&["not valid"], &["B"]),
+            device(&["A", "B", "C", "D", "E"], &["F"]),
+        ];
+        for d in bad {
+            assert!(binding_problem(&d).is_some(), "{d:?}");
+        }
+        // The channels as published pass the whole slice check.
+        let pool: crate::slices::Pool = crate::imex::ImexChannels {
+            major: 235,
+            count: 2,
+        }
+        .devices(Some("u.1"))
+        .into();
+        validate_pool(&crate::slices::pool_slices("gpu.drust.dev", "n", 1, &pool))
+            .expect("valid channels");
+    }
+
     use super::*;
     use crate::slices::{Pool, pool_slices};
     use k8s_openapi::api::resource::v1::{Counter, CounterSet, DeviceCounterConsumption};

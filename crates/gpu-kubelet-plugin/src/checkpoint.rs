@@ -57,6 +57,9 @@
 //!   a build that finds a file too new for it rebuilds its claims the same way but takes
 //!   nothing for an orphan in that start (`claims/recovery.rs`): a reader never stops what it
 //!   does not understand. A file without shares keeps `minReaderVersion` 4.
+//! - IMEX channels (issue 43) added `devices[].imexChannel` ([`RecordedChannel`]) within version
+//!   5: an added field, so no new version. A build without it reads a channel as a device it
+//!   does not publish; a channel has no hardware step, so nothing is left undone either way.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -112,6 +115,28 @@ pub struct RecordedDevice {
     /// (KEP-5075). Since version 5.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share: Option<RecordedShare>,
+    /// The IMEX channel this device is (`imex-channel-<N>`), with what its CDI spec was made
+    /// of; absent for GPUs and MIG devices. An added field within version 5: a build that does
+    /// not know it reads the device as one it does not publish, which touches no hardware
+    /// either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imex_channel: Option<RecordedChannel>,
+}
+
+/// A prepared IMEX channel ([`gpu_inventory::imex`]): no hardware is touched; the record keeps
+/// what the claim's CDI spec is rebuilt from and what the kubelet is answered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordedChannel {
+    /// The channel number: the device node's minor.
+    pub channel: u32,
+    /// The device node's major (`/proc/devices` at prepare).
+    pub major: u32,
+    /// The ComputeDomain's UID, from the claim's `ComputeDomainChannelConfig`.
+    pub domain_id: String,
+    /// The allocation's `shareID` (the device allows multiple allocations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
 }
 
 /// One allocation's share of a device (`shareID` and `consumedCapacity` of its allocation
@@ -146,7 +171,11 @@ impl From<&RecordedDevice> for PreparedDevice {
             pool_name: d.pool_name.clone(),
             device_name: d.device_name.clone(),
             cdi_device_ids: d.cdi_device_ids.clone(),
-            share_id: d.share.as_ref().map(|s| s.id.clone()),
+            share_id: d
+                .share
+                .as_ref()
+                .map(|s| s.id.clone())
+                .or_else(|| d.imex_channel.as_ref().and_then(|c| c.share_id.clone())),
         }
     }
 }
@@ -245,6 +274,7 @@ fn upgrade_v1(claims: BTreeMap<String, V1Claim>) -> Checkpoint {
                         sharing: None,
                         mig: None,
                         share: None,
+                        imex_channel: None,
                     })
                     .collect(),
                 cdi_spec_path: c.cdi_spec,
@@ -302,6 +332,7 @@ mod tests {
                     sharing: None,
                     mig: None,
                     share: None,
+                    imex_channel: None,
                 }],
                 cdi_spec_path: "/var/run/cdi/x.json".into(),
                 cdi_spec: Spec::default(),

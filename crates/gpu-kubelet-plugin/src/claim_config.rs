@@ -48,8 +48,24 @@
 //! devices the config applies to. What drust does not do is an error naming the field, never
 //! ignored: `TimeSlicing` on a MIG device (a no-op in NVIDIA's driver), an active thread
 //! percentage of 0, a pinned limit under 1 MiB (NVIDIA's own minimum), a per-device limit for a
-//! MIG device created at prepare (no UUID yet), and the kinds `VfioDeviceConfig`,
-//! `ComputeDomainChannelConfig` and `ComputeDomainDaemonConfig`.
+//! MIG device created at prepare (no UUID yet), and the kinds `VfioDeviceConfig` and
+//! `ComputeDomainDaemonConfig`.
+//!
+//! # IMEX channels
+//!
+//! An IMEX channel (`imex-channel-<N>`, [`gpu_inventory::imex`]) is prepared only with the
+//! ComputeDomain it serves, named by a `ComputeDomainChannelConfig` in either API version,
+//! with NVIDIA's field names (`api/nvidia.com/resource/v1beta1/computedomainconfig.go`):
+//!
+//! ```yaml
+//! apiVersion: gpu.drust.dev/v1alpha1      # or resource.nvidia.com/v1beta1
+//! kind: ComputeDomainChannelConfig
+//! domainID: 6f1c...                        # the ComputeDomain's UID; required
+//! allocationMode: Single                   # optional; Single is the only mode
+//! ```
+//!
+//! A channel with no such config, a `domainID` that is missing or not a label value, or the
+//! kind on a GPU or MIG device is an error naming the field ([`resolve_channels`]).
 
 use dra_cel::libs::quantity::Quantity;
 use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
@@ -61,14 +77,31 @@ pub const API_VERSION: &str = "gpu.drust.dev/v1alpha1";
 pub const KIND_GPU: &str = "GpuConfig";
 /// Kind configuring MIG devices.
 pub const KIND_MIG: &str = "MigDeviceConfig";
+/// Kind naming the ComputeDomain of an IMEX channel (both API versions, NVIDIA's fields).
+pub const KIND_CHANNEL: &str = "ComputeDomainChannelConfig";
 /// NVIDIA's configuration API version, read beside ours (same kind names).
 pub const NVIDIA_API_VERSION: &str = "resource.nvidia.com/v1beta1";
 /// Kinds of NVIDIA's API that drust does not implement.
-const NVIDIA_UNSUPPORTED_KINDS: [&str; 3] = [
-    "VfioDeviceConfig",
-    "ComputeDomainChannelConfig",
-    "ComputeDomainDaemonConfig",
-];
+const NVIDIA_UNSUPPORTED_KINDS: [&str; 2] = ["VfioDeviceConfig", "ComputeDomainDaemonConfig"];
+
+/// `kind: ComputeDomainChannelConfig`: the ComputeDomain an IMEX channel serves. The same
+/// fields in both API versions (NVIDIA's).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeDomainChannelConfig {
+    /// [`API_VERSION`] or [`NVIDIA_API_VERSION`].
+    #[serde(rename = "apiVersion")]
+    pub api_version: String,
+    /// Always [`KIND_CHANNEL`].
+    pub kind: String,
+    /// The ComputeDomain's UID; required, a label value.
+    #[serde(rename = "domainID", default)]
+    pub domain_id: Option<String>,
+    /// `Single` (the default): the claim gets the domain's one channel. NVIDIA's `All` (every
+    /// channel of the node) is refused: a node here serves one domain on channel 0.
+    #[serde(rename = "allocationMode", default)]
+    pub allocation_mode: Option<String>,
+}
 
 /// NVIDIA's `GpuConfig` (`resource.nvidia.com/v1beta1`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -264,6 +297,8 @@ pub enum DeviceKind {
     Gpu,
     /// A MIG device (existing or created at prepare).
     Mig,
+    /// An IMEX channel ([`gpu_inventory::imex`]).
+    ImexChannel,
 }
 
 /// One allocated device of the claim, as the config resolution sees it.
@@ -347,6 +382,18 @@ pub enum ConfigError {
         /// Its percentage.
         second_value: Option<u32>,
     },
+    /// An IMEX channel that no `ComputeDomainChannelConfig` names the ComputeDomain of.
+    #[error(
+        "request {request:?} (device {device}) is an IMEX channel, but no opaque config of \
+         kind {KIND_CHANNEL} applies to it: spec.devices.config[].opaque.parameters.domainID \
+         must name the ComputeDomain it serves"
+    )]
+    ChannelWithoutDomain {
+        /// The request.
+        request: String,
+        /// The device.
+        device: String,
+    },
 }
 
 /// A decoded entry: which requests it applies to and what it says.
@@ -361,6 +408,80 @@ struct Entry {
     nvidia: bool,
     /// NVIDIA's `defaultPerDevicePinnedMemoryLimit`: UUID or index -> quantity.
     per_device: std::collections::BTreeMap<String, String>,
+    /// A `ComputeDomainChannelConfig`'s `domainID`, checked.
+    domain_id: Option<String>,
+}
+
+/// The opaque configs of `driver` in `configs`, decoded, class configs before claim configs
+/// (later wins).
+fn entries(
+    configs: &[DeviceAllocationConfiguration],
+    driver: &str,
+) -> Result<Vec<Entry>, ConfigError> {
+    let mut entries = Vec::new();
+    for (index, c) in configs.iter().enumerate() {
+        let Some(opaque) = c.opaque.as_ref().filter(|o| o.driver == driver) else {
+            continue;
+        };
+        let mut entry = decode(index, &c.source, &opaque.parameters.0)?;
+        entry.requests = c.requests.clone().unwrap_or_default();
+        entries.push(entry);
+    }
+    entries.sort_by_key(|e| e.source_name != "FromClass");
+    Ok(entries)
+}
+
+/// The entry that configures `t`: the last that applies to its request (an entry in NVIDIA's
+/// API without `requests` skips devices of another kind).
+fn chosen<'e>(entries: &'e [Entry], t: &ConfigTarget<'_>) -> Option<&'e Entry> {
+    entries.iter().rev().find(|e| {
+        applies(&e.requests, t.request) && !(e.nvidia && e.requests.is_empty() && e.kind != t.kind)
+    })
+}
+
+/// What the device is, and the kind that configures it, for errors.
+fn kind_words(kind: DeviceKind) -> (&'static str, &'static str) {
+    match kind {
+        DeviceKind::Gpu => ("a whole GPU", KIND_GPU),
+        DeviceKind::Mig => ("a MIG device", KIND_MIG),
+        DeviceKind::ImexChannel => ("an IMEX channel", KIND_CHANNEL),
+    }
+}
+
+/// The ComputeDomain UID of every IMEX channel target (all of `targets` are channels), from
+/// the allocation's `configs` for `driver`.
+///
+/// # Errors
+/// [`ConfigError`] for an entry that does not decode or whose kind does not fit the channel,
+/// and [`ConfigError::ChannelWithoutDomain`] for a channel no `ComputeDomainChannelConfig`
+/// applies to.
+pub fn resolve_channels(
+    configs: &[DeviceAllocationConfiguration],
+    driver: &str,
+    targets: &[ConfigTarget<'_>],
+) -> Result<Vec<String>, ConfigError> {
+    let entries = entries(configs, driver)?;
+    targets
+        .iter()
+        .map(|t| {
+            let missing = || ConfigError::ChannelWithoutDomain {
+                request: t.request.to_owned(),
+                device: t.device.to_owned(),
+            };
+            let e = chosen(&entries, t).ok_or_else(missing)?;
+            if e.kind != DeviceKind::ImexChannel {
+                let (have, want) = kind_words(t.kind);
+                return Err(ConfigError::Mismatch {
+                    index: e.index,
+                    source_name: e.source_name.clone(),
+                    request: t.request.to_owned(),
+                    device: t.device.to_owned(),
+                    problem: format!("the device is {have}; use kind {want}"),
+                });
+            }
+            e.domain_id.clone().ok_or_else(missing)
+        })
+        .collect()
 }
 
 /// Resolves the sharing of every target from the allocation's `configs` for `driver`.
@@ -375,28 +496,10 @@ pub fn resolve(
     sharing_enabled: bool,
     targets: &[ConfigTarget<'_>],
 ) -> Result<Vec<Option<Sharing>>, ConfigError> {
-    let mut entries = Vec::new();
-    for (index, c) in configs.iter().enumerate() {
-        let Some(opaque) = c.opaque.as_ref().filter(|o| o.driver == driver) else {
-            continue;
-        };
-        let mut entry = decode(index, &c.source, &opaque.parameters.0)?;
-        entry.requests = c.requests.clone().unwrap_or_default();
-        entries.push(entry);
-    }
     // Class configs first, then claim configs, each in list order: later wins.
-    entries.sort_by_key(|e| e.source_name != "FromClass");
-
+    let entries = entries(configs, driver)?;
     // Which entry configures each target: the last that applies to its request.
-    let chosen: Vec<Option<&Entry>> = targets
-        .iter()
-        .map(|t| {
-            entries.iter().rev().find(|e| {
-                applies(&e.requests, t.request)
-                    && !(e.nvidia && e.requests.is_empty() && e.kind != t.kind)
-            })
-        })
-        .collect();
+    let chosen: Vec<Option<&Entry>> = targets.iter().map(|t| chosen(&entries, t)).collect();
     let mut out = Vec::with_capacity(targets.len());
     for (t, e) in targets.iter().zip(&chosen) {
         let Some(e) = *e else {
@@ -410,11 +513,15 @@ pub fn resolve(
             device: t.device.to_owned(),
             problem,
         };
+        if e.kind == DeviceKind::ImexChannel && t.kind != DeviceKind::ImexChannel {
+            let (have, want) = kind_words(t.kind);
+            return Err(mismatch(format!(
+                "kind {KIND_CHANNEL} configures IMEX channels only; the device is {have} (use \
+                 kind {want}, or list the channel's request in the config's requests)"
+            )));
+        }
         if e.kind != t.kind {
-            let (have, want) = match t.kind {
-                DeviceKind::Gpu => ("a whole GPU", KIND_GPU),
-                DeviceKind::Mig => ("a MIG device", KIND_MIG),
-            };
+            let (have, want) = kind_words(t.kind);
             return Err(mismatch(format!("the device is {have}; use kind {want}")));
         }
         let Some(spec) = &e.sharing else {
@@ -564,6 +671,21 @@ fn decode(
             fail(format!("opaque.parameters.{path}: {inner}"))
         }
     };
+    if kind == KIND_CHANNEL {
+        let c: ComputeDomainChannelConfig =
+            serde_path_to_error::deserialize(parameters).map_err(strict)?;
+        let domain_id = check_channel_config(&c).map_err(fail)?;
+        return Ok(Entry {
+            index,
+            source_name: source.to_owned(),
+            requests: Vec::new(),
+            kind: DeviceKind::ImexChannel,
+            sharing: None,
+            nvidia: api_version == NVIDIA_API_VERSION,
+            per_device: Default::default(),
+            domain_id: Some(domain_id),
+        });
+    }
     if api_version == NVIDIA_API_VERSION {
         return decode_nvidia(index, source, kind, parameters, &strict);
     }
@@ -580,7 +702,7 @@ fn decode(
         other => {
             return Err(fail(format!(
                 "opaque.parameters.kind {other:?} is not a kind of {API_VERSION} (expected \
-                 {KIND_GPU} or {KIND_MIG})"
+                 {KIND_GPU}, {KIND_MIG} or {KIND_CHANNEL})"
             )));
         }
     };
@@ -604,6 +726,7 @@ fn decode(
         sharing,
         nvidia: false,
         per_device: Default::default(),
+        domain_id: None,
     })
 }
 
@@ -646,13 +769,14 @@ fn decode_nvidia(
         other if NVIDIA_UNSUPPORTED_KINDS.contains(&other) => {
             return Err(fail(format!(
                 "opaque.parameters.kind {other:?} of {NVIDIA_API_VERSION} is not implemented by \
-                 this driver (it configures whole GPUs and MIG devices: {KIND_GPU}, {KIND_MIG})"
+                 this driver (it configures whole GPUs, MIG devices and IMEX channels: \
+                 {KIND_GPU}, {KIND_MIG}, {KIND_CHANNEL})"
             )));
         }
         other => {
             return Err(fail(format!(
                 "opaque.parameters.kind {other:?} is not a kind of {NVIDIA_API_VERSION} (expected \
-                 {KIND_GPU} or {KIND_MIG})"
+                 {KIND_GPU}, {KIND_MIG} or {KIND_CHANNEL})"
             )));
         }
     };
@@ -665,6 +789,7 @@ fn decode_nvidia(
             sharing: None,
             nvidia: true,
             per_device: Default::default(),
+            domain_id: None,
         });
     };
     let stray = match strategy {
@@ -726,7 +851,42 @@ fn decode_nvidia(
         }),
         nvidia: true,
         per_device,
+        domain_id: None,
     })
+}
+
+/// The checked `domainID` of `c`.
+fn check_channel_config(c: &ComputeDomainChannelConfig) -> Result<String, String> {
+    let field = "opaque.parameters.domainID";
+    let id = match c.domain_id.as_deref() {
+        None | Some("") => {
+            return Err(format!(
+                "{field} is missing: a {KIND_CHANNEL} names the ComputeDomain (its UID) the \
+                 channel serves"
+            ));
+        }
+        Some(id) => id,
+    };
+    // NVIDIA's ValidateDomainID: a label value (it names files and labels).
+    let label_value = id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && id.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && id.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric());
+    if !label_value {
+        return Err(format!(
+            "{field} {id:?} is not a valid label value (at most 63 characters: alphanumerics, \
+             '-', '_', '.', beginning and ending with an alphanumeric)"
+        ));
+    }
+    match c.allocation_mode.as_deref() {
+        None | Some("Single") => Ok(id.to_owned()),
+        Some(other) => Err(format!(
+            "opaque.parameters.allocationMode {other:?} is not supported: this driver gives a \
+             claim the one channel of its ComputeDomain on the node (Single)"
+        )),
+    }
 }
 
 /// NVIDIA's `defaultPerDevicePinnedMemoryLimit` for the device `uuid`: its key is the device's
@@ -858,6 +1018,143 @@ mod tests {
 
     fn nvidia(kind: &str, sharing: serde_json::Value) -> serde_json::Value {
         json!({"apiVersion": NVIDIA_API_VERSION, "kind": kind, "sharing": sharing})
+    }
+
+    fn channel(request: &str) -> ConfigTarget<'_> {
+        ConfigTarget {
+            request,
+            device: "imex-channel-0",
+            kind: DeviceKind::ImexChannel,
+            memory_bytes: 0,
+            uuid: None,
+        }
+    }
+
+    fn domain(api_version: &str, extra: serde_json::Value) -> serde_json::Value {
+        let mut v =
+            json!({"apiVersion": api_version, "kind": KIND_CHANNEL, "domainID": "3f6e-uid"});
+        if let (Some(o), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+            for (k, x) in extra {
+                if x.is_null() {
+                    o.remove(k);
+                } else {
+                    o.insert(k.clone(), x.clone());
+                }
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn a_channel_gets_its_domain_from_either_api_version() {
+        for api in [API_VERSION, NVIDIA_API_VERSION] {
+            let configs = [entry("FromClaim", &["channel"], domain(api, json!({})))];
+            assert_eq!(
+                resolve_channels(&configs, DRIVER, &[channel("channel")]),
+                Ok(vec!["3f6e-uid".to_owned()]),
+                "{api}"
+            );
+            let single = [entry(
+                "FromClaim",
+                &[],
+                domain(api, json!({"allocationMode": "Single"})),
+            )];
+            assert_eq!(
+                resolve_channels(&single, DRIVER, &[channel("channel")]),
+                Ok(vec!["3f6e-uid".to_owned()]),
+                "{api}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_channel_configs_are_errors_naming_the_field() {
+        let cases = [
+            (
+                domain(API_VERSION, json!({"domainID": null})),
+                "opaque.parameters.domainID is missing",
+            ),
+            (
+                domain(NVIDIA_API_VERSION, json!({"domainID": ""})),
+                "opaque.parameters.domainID is missing",
+            ),
+            (
+                domain(API_VERSION, json!({"domainID": "a/b"})),
+                "opaque.parameters.domainID \"a/b\" is not a valid label value",
+            ),
+            (
+                domain(API_VERSION, json!({"allocationMode": "All"})),
+                "opaque.parameters.allocationMode \"All\" is not supported",
+            ),
+            (
+                domain(API_VERSION, json!({"numChannels": 2})),
+                "opaque.parameters.numChannels: unknown field `numChannels`",
+            ),
+        ];
+        for (parameters, want) in cases {
+            let configs = [entry("FromClaim", &[], parameters)];
+            let err = resolve_channels(&configs, DRIVER, &[channel("c")])
+                .expect_err(want)
+                .to_string();
+            assert!(err.contains(want), "{err} should contain {want}");
+        }
+    }
+
+    #[test]
+    fn a_channel_without_a_domain_is_refused() {
+        let err = resolve_channels(&[], DRIVER, &[channel("c")]).expect_err("no config");
+        assert!(
+            matches!(err, ConfigError::ChannelWithoutDomain { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("domainID"), "{err}");
+        // A GPU config for the channel's request is no domain either.
+        let configs = [entry(
+            "FromClaim",
+            &["c"],
+            json!({"apiVersion": API_VERSION, "kind": KIND_GPU}),
+        )];
+        let err = resolve_channels(&configs, DRIVER, &[channel("c")])
+            .expect_err("gpu config")
+            .to_string();
+        assert!(
+            err.contains("the device is an IMEX channel; use kind ComputeDomainChannelConfig"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_channel_config_on_a_gpu_or_mig_device_is_refused() {
+        for api in [API_VERSION, NVIDIA_API_VERSION] {
+            let configs = [entry("FromClaim", &["gpu"], domain(api, json!({})))];
+            for target in [gpu("gpu"), mig("gpu")] {
+                let err = resolve(&configs, DRIVER, true, &[target])
+                    .expect_err("channel config on a GPU")
+                    .to_string();
+                assert!(
+                    err.contains("configures IMEX channels only"),
+                    "{api}: {err}"
+                );
+            }
+        }
+        // NVIDIA's semantics: a channel config without requests skips the GPU.
+        let configs = [entry(
+            "FromClaim",
+            &[],
+            domain(NVIDIA_API_VERSION, json!({})),
+        )];
+        assert_eq!(
+            resolve(&configs, DRIVER, true, &[gpu("gpu")]),
+            Ok(vec![None])
+        );
+    }
+
+    #[test]
+    fn lint_accepts_a_channel_config_and_names_a_missing_domain() {
+        assert_eq!(check_parameters(&domain(API_VERSION, json!({}))), Ok(()));
+        let err = check_parameters(&domain(NVIDIA_API_VERSION, json!({"domainID": null})))
+            .expect_err("missing");
+        assert!(err.contains("domainID"), "{err}");
     }
 
     #[test]

@@ -230,6 +230,12 @@ pub struct Config {
     /// Write device metadata files (KEP-5304) and mount them into containers
     /// (`--device-metadata`).
     pub device_metadata: bool,
+    /// How many IMEX channels to publish (`imex-channel-0..N`, [`gpu_inventory::imex`]);
+    /// `None`: one where `proc_devices` has a `nvidia-caps-imex-channels` line, none otherwise.
+    pub imex_channels: Option<u32>,
+    /// The kernel's device table the IMEX channels' major is read from (default
+    /// `/proc/devices`; NVIDIA's driver takes `ALT_PROC_DEVICES_PATH` for the same).
+    pub proc_devices: PathBuf,
     /// The MPS control tool (default `nvidia-cuda-mps-control`, found on `PATH`).
     pub mps_control_binary: PathBuf,
     /// Host directory of the per-claim MPS pipe and log directories (default `/run/drust/mps`);
@@ -287,6 +293,8 @@ impl Config {
             health_monitoring: true,
             consumable_capacity: false,
             device_metadata: true,
+            imex_channels: None,
+            proc_devices: PathBuf::from("/proc/devices"),
             mps_control_binary: PathBuf::from("nvidia-cuda-mps-control"),
             mps_root: PathBuf::from("/run/drust/mps"),
             mps_start_timeout: Duration::from_secs(5),

@@ -24,6 +24,7 @@ pub mod hardware;
 pub mod health;
 pub mod health_record;
 pub mod http;
+pub mod imex;
 pub mod instance;
 pub mod memory_limits;
 pub mod metrics;

@@ -173,6 +173,15 @@ struct Args {
     /// reader expects.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     device_metadata: bool,
+    /// How many IMEX channels to publish (imex-channel-0 .. N-1) for ComputeDomains [default:
+    /// 1 where --proc-devices has a nvidia-caps-imex-channels line, else 0]. A node without
+    /// that line publishes none, whatever this says (logged, not fatal). At most 2048, the
+    /// channels NVIDIA's driver creates.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=2048))]
+    imex_channels: Option<u32>,
+    /// The kernel's device table, read for the IMEX channels' major number.
+    #[arg(long, env = "ALT_PROC_DEVICES_PATH", default_value = "/proc/devices")]
+    proc_devices: PathBuf,
     /// The MPS control tool (from the driver root).
     #[arg(long, default_value = "nvidia-cuda-mps-control")]
     mps_control_binary: PathBuf,
@@ -336,6 +345,8 @@ impl Args {
         config.health_monitoring = self.health_monitoring;
         config.consumable_capacity = self.consumable_capacity;
         config.device_metadata = self.device_metadata;
+        config.imex_channels = self.imex_channels;
+        config.proc_devices = self.proc_devices;
         config.mps_control_binary = self.mps_control_binary;
         config.mps_root = self.mps_root;
         config.cgroup_root = self.cgroup_root;

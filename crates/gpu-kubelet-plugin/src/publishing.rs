@@ -36,12 +36,15 @@ pub struct Publishing {
     /// The GPUs' NVLink fabric taints and when each condition was first seen (shared by
     /// clones: the pool of every rediscovery keeps the times).
     pub fabric: FabricTaints,
+    /// The IMEX channels published after the GPUs ([`crate::imex::detect`]); `None`: none.
+    pub imex: Option<gpu_inventory::imex::ImexChannels>,
 }
 
 impl Publishing {
     /// The pool of `inventory`: its devices under the MIG strategy, shareable with `shares`
     /// ([`gpu_inventory::shares`]), each device tainted with its GPU's NVLink fabric
-    /// conditions ([`crate::fabric`]).
+    /// conditions ([`crate::fabric`]), then the IMEX channels, carrying the node's clique
+    /// ([`gpu_inventory::imex`]).
     pub fn pool(&self, inventory: &Inventory) -> Pool {
         let mut pool = inventory.pool(self.strategy);
         if self.shares {
@@ -53,6 +56,10 @@ impl Publishing {
             &mut pool,
             std::time::SystemTime::now(),
         );
+        if let Some(imex) = &self.imex {
+            let clique = gpu_inventory::imex::node_clique(inventory);
+            pool.devices.extend(imex.devices(clique.as_deref()));
+        }
         pool
     }
 
@@ -86,6 +93,13 @@ impl Publishing {
             shares,
             enforcement: ShareEnforcement::Mps,
             fabric: FabricTaints::default(),
+            imex: {
+                let (path, wanted) = (config.proc_devices.clone(), config.imex_channels);
+                tokio::task::spawn_blocking(move || crate::imex::detect(&path, wanted))
+                    .await
+                    .ok()
+                    .flatten()
+            },
         }
     }
 
@@ -181,5 +195,53 @@ pub(crate) async fn publish_with_retry(publisher: &SlicePublisher, pool: &Pool) 
                 attempt += 1;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tray() -> Inventory {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/topologies/gb200-nvl-tray.yaml");
+        let backend = gpu_inventory::FakeBackend::from_file(path).expect("topology");
+        gpu_inventory::discover(&backend).expect("inventory")
+    }
+
+    fn publishing(imex: Option<gpu_inventory::imex::ImexChannels>) -> Publishing {
+        Publishing {
+            driver: "gpu.drust.dev".into(),
+            strategy: gpu_inventory::MigStrategy::Existing,
+            shares: false,
+            enforcement: ShareEnforcement::Mps,
+            fabric: FabricTaints::default(),
+            imex,
+        }
+    }
+
+    #[test]
+    fn the_channels_follow_the_gpus_with_the_nodes_clique() {
+        let inventory = tray();
+        let gpus = inventory.gpus.len();
+        let without = publishing(None).pool(&inventory);
+        assert_eq!(without.devices.len(), gpus);
+        let with = publishing(Some(gpu_inventory::imex::ImexChannels {
+            major: 235,
+            count: 2,
+        }))
+        .pool(&inventory);
+        let names: Vec<&str> = with.devices[gpus..]
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        assert_eq!(names, ["imex-channel-0", "imex-channel-1"]);
+        let clique = with.devices[gpus]
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get("nvlinkClique"))
+            .and_then(|a| a.string.clone());
+        assert_eq!(clique, inventory.gpus[0].nvlink_clique);
+        assert!(clique.is_some());
     }
 }

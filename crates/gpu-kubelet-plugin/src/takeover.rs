@@ -49,6 +49,8 @@ pub(crate) struct Found<'a> {
     pub(crate) inventory: &'a Inventory,
     /// The `kernel` level's memory limits; `None`: the `mps` level.
     pub(crate) kernel_memory: Option<Arc<KernelMemory>>,
+    /// The IMEX channels published ([`crate::imex::detect`]).
+    pub(crate) imex: Option<gpu_inventory::imex::ImexChannels>,
 }
 
 /// Holding the lock: recovers the claims and opens the gate. On success the claims flow; the
@@ -69,6 +71,7 @@ pub(crate) async fn take_over(
         backend,
         inventory,
         kernel_memory,
+        imex,
     } = found;
     let recovering = Instant::now();
     let boot_id = std::fs::read_to_string(&config.boot_id_path)
@@ -125,6 +128,7 @@ pub(crate) async fn take_over(
                     &config.driver_name,
                 ))
             }),
+            imex,
         },
         hardware::node_devices(inventory, config.mig_strategy).into_values(),
         CdiWriter::new(Arc::clone(&fs), &config.cdi_root, &config.driver_name)

@@ -153,6 +153,7 @@ pub async fn run(
                     backend: &backend,
                     inventory: &inventory,
                     kernel_memory: kernel_memory.clone(),
+                    imex: publishing.imex,
                 },
                 &activation,
                 &metrics,

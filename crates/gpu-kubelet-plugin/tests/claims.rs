@@ -31,6 +31,8 @@ struct Fixture {
     claim_users: Option<Arc<gpu_kubelet_plugin::claim_users::ClaimUsers>>,
     /// The device metadata writer, when a test turns it on.
     device_metadata: Option<Arc<gpu_kubelet_plugin::device_metadata::DeviceMetadata>>,
+    /// The IMEX channels, when a test publishes them.
+    imex: Option<gpu_inventory::imex::ImexChannels>,
 }
 
 type Controller = ClaimController<Shared, ScriptedHardware>;
@@ -51,6 +53,7 @@ impl Fixture {
             mps_timeout: Duration::from_secs(10),
             claim_users: None,
             device_metadata: None,
+            imex: None,
         }
     }
 
@@ -70,6 +73,7 @@ impl Fixture {
             kernel_memory: None,
             claim_users: self.claim_users.clone(),
             device_metadata: self.device_metadata.clone(),
+            imex: self.imex,
         }
     }
 
@@ -1520,4 +1524,245 @@ async fn a_daemon_that_stopped_while_the_plugin_runs_is_started_again_by_the_per
             .expect("unprepared");
         assert!(!control.is_running(uid).await);
     }
+}
+
+const CHANNELS: gpu_inventory::imex::ImexChannels = gpu_inventory::imex::ImexChannels {
+    major: 235,
+    count: 1,
+};
+
+fn channel_config(domain: &str) -> serde_json::Value {
+    serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomainChannelConfig", "domainID": domain})
+}
+
+/// A channel claim as the scheduler allocates it: the device allows multiple allocations, so
+/// each result carries a share ID.
+fn channel_claim(name: &str, uid: &str, config: Option<serde_json::Value>) -> ResourceClaim {
+    let mut c = claim(name, uid, &[(DRIVER, NODE, "imex-channel-0")]);
+    if let Some(r) = c
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+        .and_then(|d| d.results.as_mut())
+    {
+        r[0].share_id = Some(format!("share-{uid}"));
+    }
+    match config {
+        Some(config) => with_configs(c, &[("FromClaim", config)]),
+        None => c,
+    }
+}
+
+fn spec_of(f: &Fixture, uid: &str) -> serde_json::Value {
+    let path = f
+        .dir
+        .path()
+        .join("cdi")
+        .join(format!("gpu.example.com-claim_{uid}.json"));
+    serde_json::from_str(&std::fs::read_to_string(path).expect("spec")).expect("json")
+}
+
+#[tokio::test]
+async fn channel_claims_share_the_channel_get_its_device_node_by_numbers_and_leave_nothing() {
+    let mut f = Fixture::new(vec![
+        channel_claim("a", "ua", Some(channel_config("dom-1"))),
+        channel_claim("b", "ub", Some(channel_config("dom-1"))),
+    ]);
+    f.imex = Some(CHANNELS);
+    f.device_metadata = Some(Arc::new(
+        gpu_kubelet_plugin::device_metadata::DeviceMetadata::new(
+            &f.dir.path().join("plugin"),
+            DRIVER,
+        ),
+    ));
+    let metadata = f
+        .dir
+        .path()
+        .join("plugin/dra-device-metadata/ns_a/gpus/metadata.json");
+    let c = f.controller().await;
+    let prepared = c
+        .prepare(vec![claim_ref("a", "ua"), claim_ref("b", "ub")])
+        .await;
+    for uid in ["ua", "ub"] {
+        let devices = prepared[uid].as_ref().expect("both claims hold channel 0");
+        assert_eq!(devices.len(), 1);
+        assert_eq!(devices[0].device_name, "imex-channel-0");
+        assert_eq!(
+            devices[0].share_id.as_deref(),
+            Some(format!("share-{uid}").as_str())
+        );
+    }
+    let spec = spec_of(&f, "ua");
+    let device = &spec["devices"][0];
+    assert_eq!(device["name"], "ua-imex-channel-0");
+    assert_eq!(
+        device["containerEdits"]["deviceNodes"],
+        serde_json::json!([{"path": "/dev/nvidia-caps-imex-channels/channel0",
+            "type": "c", "major": 235, "minor": 0, "permissions": "rw"}])
+    );
+    // No GPU in the claim: none of the GPUs' nodes, files or hooks.
+    assert!(
+        spec["containerEdits"]
+            .as_object()
+            .is_none_or(|e| e.values().all(|v| v.as_array().is_none_or(Vec::is_empty))),
+        "{spec}"
+    );
+    let record = serde_json::to_string(&f.checkpoint().load().expect("cp")).expect("json");
+    assert!(record.contains(r#""domainId":"dom-1""#), "{record}");
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&metadata).expect("the metadata file"))
+            .expect("json");
+    let d = &doc["requests"][0]["devices"][0];
+    assert_eq!(d["name"], "imex-channel-0");
+    assert_eq!(d["attributes"]["type"]["string"], "imex-channel");
+    assert_eq!(d["attributes"]["channel"]["int"], 0);
+    assert!(
+        spec["devices"][0]["containerEdits"]["mounts"]
+            .to_string()
+            .contains("dra-device-attributes"),
+        "the metadata is mounted with the channel: {spec}"
+    );
+    assert!(
+        f.hardware.calls.lock().unwrap().is_empty(),
+        "no hardware step"
+    );
+
+    // A restart answers from the record, and a lost spec is made again from it alone.
+    std::fs::remove_file(
+        f.dir
+            .path()
+            .join("cdi")
+            .join("gpu.example.com-claim_ua.json"),
+    )
+    .expect("remove the spec");
+    let restarted = f.controller().await;
+    let again = restarted.prepare(vec![claim_ref("a", "ua")]).await;
+    assert_eq!(
+        again["ua"].as_ref().expect("prepared"),
+        prepared["ua"].as_ref().unwrap()
+    );
+    assert_eq!(spec_of(&f, "ua")["devices"], spec["devices"]);
+
+    let done = restarted
+        .unprepare(vec![claim_ref("a", "ua"), claim_ref("b", "ub")])
+        .await;
+    assert!(done.values().all(Result::is_ok), "{done:?}");
+    assert!(f.cdi_files().is_empty(), "{:?}", f.cdi_files());
+    assert!(restarted.prepared_claims().await.is_empty());
+    assert!(!metadata.exists(), "the metadata went with the claim");
+}
+
+#[tokio::test]
+async fn a_channel_beside_a_gpu_gets_both_and_the_gpu_keeps_its_edits() {
+    let mut both = claim(
+        "both",
+        "u1",
+        &[(DRIVER, NODE, dev(0)), (DRIVER, NODE, "imex-channel-0")],
+    );
+    if let Some(d) = both
+        .status
+        .as_mut()
+        .and_then(|s| s.allocation.as_mut())
+        .and_then(|a| a.devices.as_mut())
+    {
+        if let Some(r) = d.results.as_mut() {
+            r[1].request = "channel".into();
+            r[1].share_id = Some("s1".into());
+        }
+        d.config = Some(vec![
+            k8s_openapi::api::resource::v1::DeviceAllocationConfiguration {
+                source: "FromClaim".into(),
+                requests: Some(vec!["channel".into()]),
+                opaque: Some(k8s_openapi::api::resource::v1::OpaqueDeviceConfiguration {
+                    driver: DRIVER.into(),
+                    parameters: k8s_openapi::apimachinery::pkg::runtime::RawExtension(
+                        serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1",
+                        "kind": "ComputeDomainChannelConfig", "domainID": "dom-2"}),
+                    ),
+                }),
+            },
+        ]);
+    }
+    let mut f = Fixture::new(vec![both]);
+    f.imex = Some(CHANNELS);
+    let c = f.controller().await;
+    let prepared = c.prepare(vec![claim_ref("both", "u1")]).await;
+    let names: Vec<_> = prepared["u1"]
+        .as_ref()
+        .expect("prepared")
+        .iter()
+        .map(|d| d.device_name.clone())
+        .collect();
+    assert_eq!(names, [dev(0).to_owned(), "imex-channel-0".to_owned()]);
+    let spec = spec_of(&f, "u1");
+    assert_eq!(spec["devices"].as_array().map(Vec::len), Some(2), "{spec}");
+    let control = spec["containerEdits"]["deviceNodes"].to_string();
+    assert!(
+        control.contains("/dev/nvidiactl"),
+        "the GPU's control nodes: {spec}"
+    );
+    assert_eq!(
+        f.hardware.calls.lock().unwrap().clone(),
+        [format!("prepare {}", dev(0))],
+        "the GPU alone has a hardware step"
+    );
+}
+
+#[tokio::test]
+async fn a_channel_without_its_domain_or_on_a_node_without_channels_is_refused() {
+    let f = Fixture::new(vec![
+        channel_claim("no-config", "u1", None),
+        channel_claim(
+            "no-domain",
+            "u2",
+            Some(serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1",
+                "kind": "ComputeDomainChannelConfig"})),
+        ),
+        // drust's API: a config without requests applies to every device (NVIDIA's would
+        // skip the GPU).
+        with_configs(
+            claim("gpu-with-channel-config", "u3", &[(DRIVER, NODE, dev(1))]),
+            &[(
+                "FromClaim",
+                serde_json::json!({"apiVersion": "gpu.drust.dev/v1alpha1",
+                    "kind": "ComputeDomainChannelConfig", "domainID": "dom-1"}),
+            )],
+        ),
+    ]);
+    let mut with_channels = Fixture {
+        imex: Some(CHANNELS),
+        ..Fixture::new(Vec::new())
+    };
+    with_channels.cluster = f.cluster.clone();
+    // The node publishes no channel: the claim names a device it does not have.
+    let without = f.controller().await;
+    let err = without.prepare(vec![claim_ref("no-config", "u1")]).await["u1"]
+        .as_ref()
+        .expect_err("no channels here")
+        .to_string();
+    assert!(err.contains("imex-channel-0"), "{err}");
+
+    let c = with_channels.controller().await;
+    let results = c
+        .prepare(vec![
+            claim_ref("no-config", "u1"),
+            claim_ref("no-domain", "u2"),
+            claim_ref("gpu-with-channel-config", "u3"),
+        ])
+        .await;
+    for (uid, needle) in [
+        (
+            "u1",
+            "no opaque config of kind ComputeDomainChannelConfig applies",
+        ),
+        ("u2", "opaque.parameters.domainID is missing"),
+        ("u3", "configures IMEX channels only"),
+    ] {
+        let e = results[uid].as_ref().expect_err(uid).to_string();
+        assert!(e.contains(needle), "{uid}: {e}");
+    }
+    assert!(with_channels.cdi_files().is_empty());
+    assert!(c.prepared_claims().await.is_empty());
 }

@@ -107,6 +107,7 @@ impl Node {
                 kernel_memory: None,
                 claim_users: None,
                 device_metadata: None,
+                imex: None,
             },
             devices.into_values(),
             CdiWriter::new(Arc::new(RealFs), self.dir.path().join("cdi"), DRIVER),

@@ -196,6 +196,7 @@ impl Node {
                 kernel_memory: kernel.map(Arc::new),
                 claim_users: None,
                 device_metadata: None,
+                imex: None,
             },
             node_devices(&inventory, MigStrategy::Existing).into_values(),
             CdiWriter::new(Arc::new(RealFs), root.join("cdi"), DRIVER),

@@ -8,7 +8,7 @@
 //! The layers, bottom up:
 //! 0. settings and leaf helpers: `config`, `failpoint`, `claim_config`, and `dra_plugin`'s
 //!    `cdi` and `storage` (re-exported);
-//! 1. the hardware and the node's files: `hardware`, `driver_files`, `mps`;
+//! 1. the hardware and the node's files: `hardware`, `driver_files`, `mps`, `imex`;
 //! 2. what is recorded and enforced per claim: `checkpoint`, `memory_limits`, `claim_users`,
 //!    `device_metadata`;
 //! 3. the claim controller: `claims`;
@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 
 const LAYERS: [&[&str]; 14] = [
     &["config", "failpoint", "claim_config", "cdi", "storage"],
-    &["hardware", "driver_files", "mps"],
+    &["hardware", "driver_files", "mps", "imex"],
     &[
         "checkpoint",
         "memory_limits",

@@ -62,6 +62,7 @@ async fn controller_reporting(
             kernel_memory: None,
             claim_users: None,
             device_metadata: None,
+            imex: None,
         },
         node_devices(),
         CdiWriter::new(fs.clone(), CDI, DRIVER),

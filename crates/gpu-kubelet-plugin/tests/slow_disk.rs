@@ -104,6 +104,7 @@ async fn the_liveness_probe_answers_within_a_second_while_a_checkpoint_write_tak
             kernel_memory: None,
             claim_users: None,
             device_metadata: None,
+            imex: None,
         },
         node_devices(),
         CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), DRIVER),

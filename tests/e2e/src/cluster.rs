@@ -129,7 +129,15 @@ pub struct NodeGroup {
     pub plugin_args: Vec<String>,
     /// The kubelet's feature gates (real nodes only).
     pub kubelet_feature_gates: BTreeMap<String, bool>,
+    /// Give each plugin a `/proc/devices` with the IMEX channels' line ([`FAKE_IMEX_MAJOR`]),
+    /// so it publishes IMEX channel 0.
+    pub imex_channels: bool,
 }
+
+/// The major of `nvidia-caps-imex-channels` in the `/proc/devices` of a group with
+/// [`NodeGroup::imex_channels`] (NVIDIA's and its test infrastructure's choice; free on hosts
+/// without the NVIDIA driver).
+pub const FAKE_IMEX_MAJOR: u32 = 235;
 
 impl NodeGroup {
     /// `count` nodes named `<prefix><i>` on `topology`, no labels, no extra flags.
@@ -141,7 +149,18 @@ impl NodeGroup {
             labels: BTreeMap::new(),
             plugin_args: Vec::new(),
             kubelet_feature_gates: BTreeMap::new(),
+            imex_channels: false,
         }
+    }
+
+    /// With IMEX channels: each plugin reads a `/proc/devices` that is the host's plus
+    /// `235 nvidia-caps-imex-channels` ([`FAKE_IMEX_MAJOR`]), and so publishes `imex-channel-0`.
+    /// On a real node the runtime makes the channel's node in containers from the CDI spec
+    /// (opening it fails with ENXIO: no driver backs the major).
+    #[must_use]
+    pub fn imex_channels(mut self) -> Self {
+        self.imex_channels = true;
+        self
     }
 
     /// With node label `key=value`.
@@ -632,9 +651,34 @@ fn spawn_plugin(host: &BinaryHost, group: &NodeGroup) -> Result<PluginProcess, C
     cmd.arg("--fake-state-dir")
         .arg(host.state_dir())
         .args(&group.plugin_args);
+    if group.imex_channels {
+        let path = host.root().join("proc-devices");
+        fake_proc_devices(&path).map_err(|source| ClusterError::SpawnPlugin {
+            node: node.clone(),
+            source,
+        })?;
+        cmd.arg(format!("--proc-devices={}", path.display()));
+    }
     cmd.spawn()
         .map(PluginProcess)
         .map_err(|source| ClusterError::SpawnPlugin { node, source })
+}
+
+/// Writes at `path` this host's `/proc/devices` with the IMEX channels' line first among its
+/// character devices (a table of that line alone where the host's cannot be read).
+fn fake_proc_devices(path: &Path) -> std::io::Result<()> {
+    let line = format!("{FAKE_IMEX_MAJOR} nvidia-caps-imex-channels\n");
+    let host = std::fs::read_to_string("/proc/devices").unwrap_or_default();
+    let text = if host.contains("Character devices:\n") {
+        host.replacen(
+            "Character devices:\n",
+            &format!("Character devices:\n{line}"),
+            1,
+        )
+    } else {
+        format!("Character devices:\n{line}")
+    };
+    std::fs::write(path, text)
 }
 
 /// Whether `node`'s pool is complete among `slices`: every slice of its newest generation is

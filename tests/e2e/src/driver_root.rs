@@ -7,7 +7,9 @@
 //!   `fake <name> V`), the installer's symlinks `libcuda.so.1` and `libcuda.so`, and a stale
 //!   `libcuda.so.535.54.03` of an older driver, which must not reach containers;
 //! - `usr/bin/`: `nvidia-smi` (a shell script printing `fake nvidia-smi V`), the MPS tools and
-//!   `nvidia-debugdump`, `nvidia-persistenced`;
+//!   `nvidia-debugdump`, `nvidia-persistenced`, and the IMEX stand-ins `nvidia-imex` and
+//!   `nvidia-imex-ctl` (static programs from `drust-fakes`, which say where they differ from
+//!   NVIDIA's);
 //! - `lib/firmware/nvidia/V/gsp_ga10x.bin` and `gsp_tu10x.bin`;
 //! - `run/nvidia-persistenced/socket`: a Unix socket;
 //! - `usr/bin/nvidia-cdi-hook`: [`HOOK_SCRIPT`], which appends each call's arguments to
@@ -110,6 +112,13 @@ impl FakeDriverRoot {
             )?;
         }
         executable(&bin.join("nvidia-cdi-hook"), HOOK_SCRIPT)?;
+        for (name, stand_in) in [
+            ("nvidia-imex", drust_fakes::imex()),
+            ("nvidia-imex-ctl", drust_fakes::imex_ctl()),
+        ] {
+            std::fs::copy(stand_in, bin.join(name))?;
+            std::fs::set_permissions(bin.join(name), std::fs::Permissions::from_mode(0o755))?;
+        }
         let firmware = root.join("lib/firmware/nvidia").join(version);
         std::fs::create_dir_all(&firmware)?;
         for name in ["gsp_ga10x.bin", "gsp_tu10x.bin"] {

@@ -118,7 +118,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         ("ClusterRole", 2),
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
-        ("DeviceClass", 3),
+        ("DeviceClass", 4),
         ("Role", 2),
         ("RoleBinding", 2),
         ("Service", 1),
@@ -134,6 +134,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         ("gpu.yaml", "gpu.drust.dev"),
         ("mig.yaml", "mig.drust.dev"),
         ("gpu-extended.yaml", "gpu-extended.drust.dev"),
+        ("imex-channel.yaml", "imex-channel.drust.dev"),
     ] {
         let text = std::fs::read_to_string(repo_path(&format!("deploy/deviceclasses/{file}")))?;
         let plain = documents(&text)?;
@@ -165,6 +166,8 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     ] {
         ensure!(a.iter().any(|x| x == flag), "{flag} not in {a:?}");
     }
+    // IMEX channels: the plugin's own default (one where /proc/devices has the line).
+    ensure!(!a.iter().any(|x| x.starts_with("--imex-channels")), "{a:?}");
     // Usage sampling reads the host's /proc and the kubelet's PodResources socket, read-only;
     // the GPUIdle marks need the claim status rules, and no events rule.
     for mount in [
@@ -403,7 +406,7 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         )
         .await?,
     )?;
-    ensure!(kinds(&docs)["DeviceClass"] == 2, "{:?}", kinds(&docs));
+    ensure!(kinds(&docs)["DeviceClass"] == 3, "{:?}", kinds(&docs));
     ensure!(!kinds(&docs).contains_key("Service"), "{:?}", kinds(&docs));
     // Without sharing, no MPS daemon Pods: no Role, no policy for Pods, no daemon flags.
     ensure!(
@@ -416,7 +419,11 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
         "{:?}",
         args(&docs)?
     );
-    for class in ["gpu.example.com", "mig.example.com"] {
+    for class in [
+        "gpu.example.com",
+        "mig.example.com",
+        "imex-channel.example.com",
+    ] {
         let expression =
             find(&docs, "DeviceClass", class)?["spec"]["selectors"][0]["cel"]["expression"]
                 .as_str()
@@ -482,6 +489,14 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     );
     let message = refused(&["http.port=0"]).await?;
     ensure!(message.contains("/http/port"), "{message}");
+    let message = refused(&["features.imexChannels=many"]).await?;
+    ensure!(message.contains("/features/imexChannels"), "{message}");
+    let docs = documents(&template(RELEASE, NAMESPACE, &["features.imexChannels=2"]).await?)?;
+    ensure!(
+        args(&docs)?.iter().any(|x| x == "--imex-channels=2"),
+        "{:?}",
+        args(&docs)?
+    );
     let message = refused(&["feature.sharing=false"]).await?;
     eprintln!("misspelt key: {message}");
     ensure!(

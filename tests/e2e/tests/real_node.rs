@@ -516,7 +516,7 @@ async fn each_container_sees_only_the_gpus_of_the_requests_it_references() -> an
 }
 
 /// What the CUDA-files container reports, one fact per line, in its termination message.
-const DRIVER_FILES_SCRIPT: &str = r#"{ cd /usr/lib/x86_64-linux-gnu && for f in *; do if [ -L "$f" ]; then echo "link $f -> $(readlink "$f")"; else echo "file $f $(cat "$f")"; fi; done; echo "smi $(nvidia-smi)"; for b in nvidia-debugdump nvidia-persistenced nvidia-cuda-mps-control nvidia-cuda-mps-server; do [ -x "/usr/bin/$b" ] && echo "bin $b"; done; for f in /lib/firmware/nvidia/*/*; do echo "firmware $f"; done; echo "socket $(stat -c %F /run/nvidia-persistenced/socket)"; echo "ldcache $(cat /etc/drust-fake-ldcache)"; } > /dev/termination-log 2>&1; cat /dev/termination-log"#;
+const DRIVER_FILES_SCRIPT: &str = r#"{ cd /usr/lib/x86_64-linux-gnu && for f in *; do if [ -L "$f" ]; then echo "link $f -> $(readlink "$f")"; else echo "file $f $(cat "$f")"; fi; done; echo "smi $(nvidia-smi)"; for b in nvidia-debugdump nvidia-persistenced nvidia-imex nvidia-imex-ctl nvidia-cuda-mps-control nvidia-cuda-mps-server; do [ -x "/usr/bin/$b" ] && echo "bin $b"; done; nvidia-imex-ctl -c /no/imexd.cfg -q >/dev/null 2>&1; echo "imex-ctl $?"; for f in /lib/firmware/nvidia/*/*; do echo "firmware $f"; done; echo "socket $(stat -c %F /run/nvidia-persistenced/socket)"; echo "ldcache $(cat /etc/drust-fake-ldcache)"; } > /dev/termination-log 2>&1; cat /dev/termination-log"#;
 
 /// A CDI spec alone is enough for a CUDA container, with no NVIDIA runtime on the node: the
 /// container sees the driver's versioned libraries (and not an older driver's, nor the host's
@@ -577,6 +577,10 @@ async fn a_cdi_spec_alone_gives_a_container_the_driver_files_and_runs_the_hooks(
         format!("smi fake nvidia-smi {VERSION}"),
         "bin nvidia-debugdump".to_owned(),
         "bin nvidia-persistenced".to_owned(),
+        // The IMEX stand-ins run in the container (static): an unreadable config is status 2.
+        "bin nvidia-imex".to_owned(),
+        "bin nvidia-imex-ctl".to_owned(),
+        "imex-ctl 2".to_owned(),
         format!("firmware /lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin"),
         format!("firmware /lib/firmware/nvidia/{VERSION}/gsp_tu10x.bin"),
         "socket socket".to_owned(),

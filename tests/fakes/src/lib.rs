@@ -9,6 +9,18 @@ pub fn mps_control() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/nvidia-cuda-mps-control"))
 }
 
+/// The stand-in for the IMEX daemon `nvidia-imex` (`src/nvidia-imex.rs` says what it does and
+/// where it differs from the real one): a static executable.
+pub fn imex() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/nvidia-imex"))
+}
+
+/// The stand-in for `nvidia-imex-ctl` (`src/nvidia-imex-ctl.rs`): `-c <cfg> -q` prints `READY`
+/// when the stand-in daemon of that config answers.
+pub fn imex_ctl() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/nvidia-imex-ctl"))
+}
+
 /// Attaches one stand-in CUDA client to the MPS daemon (or v3 namespace) whose socket
 /// directory is `pipe`, with `env` as its own variables (`CUDA_MPS_*` limits it brings), waits
 /// for the daemon's first `attached ...` line, then ends the client. The line it got.

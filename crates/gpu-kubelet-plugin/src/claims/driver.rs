@@ -194,7 +194,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             gpu.config.kernel_memory.as_deref(),
             devices,
         );
-        plan::spec(
+        let mut spec = plan::spec(
             claim,
             used,
             created,
@@ -202,7 +202,9 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             &plan::claim_edits(&gpu.config.driver_edits, claim_hooks),
             gpu.hardware.as_ref(),
             self.lifecycle.cdi(),
-        )
+        )?;
+        plan::add_channels(&mut spec, claim, devices);
+        Ok(spec)
     }
 
     /// Writes the device metadata files of `metadata` on a blocking thread; a claim whose files
@@ -265,7 +267,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             })?;
         let plan = plan::plan(claim, &rc, &self.plan_context())?;
         Ok(Planned {
-            devices: plan.devices.clone(),
+            devices: plan.all_devices(),
             spec: plan.spec.clone(),
             // Two phases only where prepare changes the hardware (creates a MIG device, sets a
             // GPU's sharing).
@@ -297,11 +299,12 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             .filter_map(|(name, c)| c.map(|c| (name, c)))
             .collect();
         let writer = self.gpu().config.device_metadata.clone();
+        let all = plan.all_devices();
         let spec = match plan.spec {
             Some(spec) => Ok(spec),
             None => {
                 let used: Vec<&NodeDevice> = plan.used.iter().collect();
-                self.spec(claim, &used, &created, &plan.devices, &plan.claim_hooks)
+                self.spec(claim, &used, &created, &all, &plan.claim_hooks)
                     .map(|mut spec| {
                         plan::add_metadata_mounts(
                             &mut spec,
@@ -319,7 +322,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                 .await?;
         }
         // The devices as prepared: a created MIG device is reached by its own UUID.
-        let mut devices = plan.devices;
+        let mut devices = all;
         for d in &mut devices {
             if let Some(m) = created.get(&d.device_name) {
                 d.uuid.clone_from(&m.uuid);

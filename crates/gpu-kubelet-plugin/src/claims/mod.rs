@@ -81,6 +81,9 @@ pub struct ControllerConfig {
     /// Where device metadata files (KEP-5304) are written; `None`: none are
     /// ([`crate::device_metadata`]).
     pub device_metadata: Option<Arc<crate::device_metadata::DeviceMetadata>>,
+    /// The IMEX channels this node publishes ([`gpu_inventory::imex`]); `None`: none, and a
+    /// claim for one is refused.
+    pub imex: Option<gpu_inventory::imex::ImexChannels>,
 }
 
 /// Prepares and unprepares claims for one driver on one node: the lifecycle
@@ -455,6 +458,7 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
             claim_users: gpu.config.claim_users.as_deref(),
             device_metadata: gpu.config.device_metadata.as_deref(),
             driver_edits: &gpu.config.driver_edits,
+            imex: gpu.config.imex,
         }
     }
 
@@ -480,7 +484,9 @@ fn check_conflicts(
     devices: &[RecordedDevice],
 ) -> Result<(), ClaimError> {
     for (index, d) in devices.iter().enumerate() {
-        if d.admin_access {
+        // An IMEX channel allows multiple allocations: every claim of the node's
+        // ComputeDomain holds it.
+        if d.admin_access || d.imex_channel.is_some() {
             continue;
         }
         let shared = d.share.is_some();
@@ -640,6 +646,7 @@ mod tests {
                 kernel_memory: None,
                 claim_users: None,
                 device_metadata: None,
+                imex: None,
             },
             Vec::new(),
             CdiWriter::new(Arc::new(RealFs), dir.path().join("cdi"), "gpu.example.com"),

@@ -29,6 +29,16 @@ pub(crate) struct Plan {
     /// The claim's device metadata (KEP-5304), where the plugin writes it; the spec already
     /// mounts its files, which prepare writes ([`crate::device_metadata`]).
     pub(crate) metadata: Option<MetadataPlan>,
+    /// The claim's IMEX channels: recorded and in the spec, but not in `devices` (no GPU
+    /// behind them, nothing for the hardware step).
+    pub(crate) channels: Vec<RecordedDevice>,
+}
+
+impl Plan {
+    /// Every device prepared for the claim: `devices`, then `channels`.
+    pub(crate) fn all_devices(&self) -> Vec<RecordedDevice> {
+        self.devices.iter().chain(&self.channels).cloned().collect()
+    }
 }
 
 /// What a claim's device metadata files are made of.
@@ -81,6 +91,8 @@ pub(crate) struct PlanContext<'a> {
     pub(crate) device_metadata: Option<&'a DeviceMetadata>,
     /// Spec-level edits of the driver's files ([`super::ControllerConfig::driver_edits`]).
     pub(crate) driver_edits: &'a ContainerEdits,
+    /// The IMEX channels the node publishes.
+    pub(crate) imex: Option<gpu_inventory::imex::ImexChannels>,
 }
 
 /// Checks `rc` against the kubelet's `claim` and builds the plan for this driver's devices in
@@ -99,8 +111,38 @@ pub(crate) fn plan(
     let mut used: Vec<NodeDevice> = Vec::new();
     // Index in `results` of each of `devices`, for errors naming the result.
     let mut result_index: Vec<usize> = Vec::new();
+    // The IMEX channels, apart: no GPU behind them, no hardware step.
+    let mut channels: Vec<RecordedDevice> = Vec::new();
     for a in &allocated.devices {
         let (index, r) = a.results[0];
+        if let Some(n) = gpu_inventory::imex::channel_of(a.device) {
+            let imex = cx
+                .imex
+                .filter(|c| c.has(n))
+                .ok_or_else(|| ClaimError::UnknownDevice {
+                    claim: claim.clone(),
+                    index,
+                    device: r.device.clone(),
+                })?;
+            channels.push(RecordedDevice {
+                request_names: a.request_names(),
+                pool_name: a.pool.to_owned(),
+                device_name: a.device.to_owned(),
+                cdi_device_ids: vec![cx.cdi.device_id(&claim.uid, a.device)],
+                uuid: String::new(),
+                admin_access: r.admin_access.unwrap_or(false),
+                sharing: None,
+                mig: None,
+                share: None,
+                imex_channel: Some(crate::checkpoint::RecordedChannel {
+                    channel: n,
+                    major: imex.major,
+                    domain_id: String::new(),
+                    share_id: r.share_id.clone(),
+                }),
+            });
+            continue;
+        }
         let Some(device) = catalogue.devices.get(a.device) else {
             return Err(if catalogue.retired.contains_key(a.device) {
                 ClaimError::DeviceGone {
@@ -147,7 +189,30 @@ pub(crate) fn plan(
             sharing: None,
             mig: None,
             share,
+            imex_channel: None,
         });
+    }
+    let channel_targets: Vec<ConfigTarget<'_>> = channels
+        .iter()
+        .map(|d| ConfigTarget {
+            request: d.request_names.first().map_or("", String::as_str),
+            device: &d.device_name,
+            kind: DeviceKind::ImexChannel,
+            memory_bytes: 0,
+            uuid: None,
+        })
+        .collect();
+    let domains =
+        claim_config::resolve_channels(configs, driver, &channel_targets).map_err(|source| {
+            ClaimError::Config {
+                claim: claim.clone(),
+                source,
+            }
+        })?;
+    for (d, domain) in channels.iter_mut().zip(domains) {
+        if let Some(c) = &mut d.imex_channel {
+            c.domain_id = domain;
+        }
     }
     let targets: Vec<ConfigTarget<'_>> = devices
         .iter()
@@ -206,6 +271,7 @@ pub(crate) fn plan(
         .map(|users| users.hook(&claim.uid))
         .into_iter()
         .collect();
+    let clique = node_clique(&catalogue.devices);
     let metadata = cx.device_metadata.map(|_| MetadataPlan {
         claim: ResourceClaim {
             metadata: rc.metadata.clone(),
@@ -214,8 +280,12 @@ pub(crate) fn plan(
         devices: devices
             .iter()
             .zip(&used)
-            .flat_map(|(d, node)| {
-                let attributes = crate::device_metadata::published_attributes(node, None);
+            .map(|(d, node)| (d, crate::device_metadata::published_attributes(node, None)))
+            .chain(channels.iter().filter_map(|d| {
+                let n = d.imex_channel.as_ref()?.channel;
+                Some((d, gpu_inventory::imex::attributes(n, clique.as_deref())))
+            }))
+            .flat_map(|(d, attributes)| {
                 d.request_names.iter().map(move |request| MetadataDevice {
                     request: request.clone(),
                     pool: d.pool_name.clone(),
@@ -241,6 +311,7 @@ pub(crate) fn plan(
             cx.hardware,
             cx.cdi,
         )?;
+        add_channels(&mut spec, claim, &channels);
         add_metadata_mounts(&mut spec, claim, cx.device_metadata, metadata.as_ref());
         Some(spec)
     };
@@ -250,7 +321,38 @@ pub(crate) fn plan(
         devices,
         claim_hooks,
         metadata,
+        channels,
     })
+}
+
+/// The NVLink clique all GPUs of `devices` share, as the channels publish it
+/// ([`gpu_inventory::imex::node_clique`]).
+fn node_clique(devices: &BTreeMap<String, NodeDevice>) -> Option<String> {
+    let mut cliques = devices.values().map(|d| d.gpu().nvlink_clique.as_deref());
+    let first = cliques.next()??;
+    cliques.all(|c| c == Some(first)).then(|| first.to_owned())
+}
+
+/// Adds a CDI device for each IMEX channel among `devices` to `spec`: its device node, made by
+/// the runtime from its numbers ([`crate::imex::device_node`]), and `DRUST_DEVICE_<NAME>=
+/// channel<N>`. Nothing else: a channel needs no driver file beyond the GPUs'.
+pub(crate) fn add_channels(spec: &mut Spec, claim: &ClaimRef, devices: &[RecordedDevice]) {
+    for d in devices {
+        let Some(c) = &d.imex_channel else {
+            continue;
+        };
+        let mut edits = ContainerEdits::default();
+        edits
+            .env
+            .push(device_env(&d.device_name, &format!("channel{}", c.channel)));
+        edits
+            .device_nodes
+            .push(crate::imex::device_node(c.major, c.channel));
+        spec.devices.push(CdiDevice {
+            name: CdiWriter::device_name(&claim.uid, &d.device_name),
+            container_edits: edits,
+        });
+    }
 }
 
 /// Mounts the metadata files of `metadata` into `spec` (their paths do not depend on what
@@ -452,6 +554,7 @@ pub(crate) fn spec(
             .map(|path| DeviceNode {
                 host_path: hardware.host_path(&path),
                 path,
+                ..Default::default()
             })
             .collect();
         cdi_devices.push(CdiDevice {
@@ -475,11 +578,16 @@ pub(crate) fn spec(
                 .map(|p| DeviceNode {
                     path: (*p).to_owned(),
                     host_path: hardware.host_path(p),
+                    ..Default::default()
                 })
                 .collect();
             edits
         },
     };
+    if used.is_empty() {
+        // IMEX channels alone: no GPU, so none of the GPUs' nodes, files or hooks.
+        spec.container_edits = ContainerEdits::default();
+    }
     // The claim's names, as the lifecycle writes them: the record keeps the spec the file has.
     cdi.stamp(&mut spec, claim);
     Ok(spec)

@@ -490,8 +490,32 @@ impl<C: Cluster, H: Hardware> ClaimController<C, H> {
                     sharing,
                     mig: None,
                     share,
+                    imex_channel: None,
                 }
             })
+            .chain(spec.devices.iter().filter_map(|d| {
+                // An IMEX channel, as its spec made it (the domain is the claim's, unknown here).
+                let name = d.name.strip_prefix(&prefix)?;
+                let channel = gpu_inventory::imex::channel_of(name)?;
+                let node = d.container_edits.device_nodes.first()?;
+                Some(crate::checkpoint::RecordedDevice {
+                    request_names: Vec::new(),
+                    pool_name: gpu.config.node_name.clone(),
+                    device_name: name.to_owned(),
+                    cdi_device_ids: vec![self.lifecycle.cdi().device_id(&claim.uid, name)],
+                    uuid: String::new(),
+                    admin_access: false,
+                    sharing: None,
+                    mig: None,
+                    share: None,
+                    imex_channel: Some(crate::checkpoint::RecordedChannel {
+                        channel,
+                        major: u32::try_from(node.major?).ok()?,
+                        domain_id: String::new(),
+                        share_id: None,
+                    }),
+                })
+            }))
             .collect()
     }
 

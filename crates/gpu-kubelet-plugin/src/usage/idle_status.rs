@@ -301,6 +301,7 @@ mod tests {
                         compute_percent: 0,
                         whole: false,
                     }),
+                    imex_channel: None,
                 }],
                 cdi_spec_path: Default::default(),
                 cdi_spec: Default::default(),

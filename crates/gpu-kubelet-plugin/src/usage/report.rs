@@ -506,9 +506,12 @@ pub fn build(inputs: &Inputs<'_>, tracker: &mut IdleTracker, now: Instant, unix:
                 c.busy |= d.busy;
             }
         }
-        // Devices not sampled (a failing GPU): in doubt, busy.
+        // Devices not sampled (a failing GPU): in doubt, busy. An IMEX channel is never
+        // sampled (no GPU behind it): its claim is judged by its GPUs alone.
         if r.devices.iter().any(|rd| {
-            !rd.admin_access && !report.devices.iter().any(|d| d.device == rd.device_name)
+            !rd.admin_access
+                && rd.imex_channel.is_none()
+                && !report.devices.iter().any(|d| d.device == rd.device_name)
         }) {
             c.busy = true;
         }
@@ -670,6 +673,7 @@ mod tests {
                 compute_percent: pct,
                 whole: false,
             }),
+            imex_channel: None,
         }
     }
 
@@ -828,6 +832,32 @@ mod tests {
         );
         assert_eq!(claim(&r, "first").memory_used_bytes, 1_024 << 20);
         assert_eq!(claim(&r, "second").memory_used_bytes, 6_144 << 20);
+    }
+
+    #[test]
+    fn an_imex_channel_beside_an_idle_gpu_leaves_its_claim_idle() {
+        let devices = devices();
+        let g5 = gpu(&devices, 5);
+        let mut channel = held("imex-channel-0", None);
+        channel.imex_channel = Some(crate::checkpoint::RecordedChannel {
+            channel: 0,
+            major: 235,
+            domain_id: "d".into(),
+            share_id: Some("s".into()),
+        });
+        let claims = vec![(
+            "idle".to_owned(),
+            record("notebook", vec![held(&g5, None), channel]),
+        )];
+        let samples = BTreeMap::from([(5, sample(Some(0), &[(200, 20_480, 2, None)]))]);
+        let pods = pods(&[("idle", 2)]);
+        let inputs = inputs(&devices, &claims, &samples, &pods);
+        let mut tracker = IdleTracker::default();
+        let t0 = Instant::now();
+        build(&inputs, &mut tracker, t0, 1);
+        let later = build(&inputs, &mut tracker, t0 + 31 * MIN, 2);
+        let c = claim(&later, "idle");
+        assert!(!c.busy && c.idle, "{c:?}");
     }
 
     #[test]

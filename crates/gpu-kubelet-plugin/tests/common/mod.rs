@@ -372,6 +372,7 @@ pub async fn controller_over<C: Cluster>(
             kernel_memory: None,
             claim_users: None,
             device_metadata: None,
+            imex: None,
         },
         devices,
         CdiWriter::new(Arc::new(RealFs), dir.join("cdi"), DRIVER),

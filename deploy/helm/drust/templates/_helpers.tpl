@@ -54,6 +54,10 @@ app.kubernetes.io/component: kubelet-plugin
 {{- default (printf "mig.%s" (include "drust.classDomain" .)) .Values.deviceClasses.mig.name -}}
 {{- end -}}
 
+{{- define "drust.imexChannelClassName" -}}
+{{- default (printf "imex-channel.%s" (include "drust.classDomain" .)) .Values.deviceClasses.imexChannel.name -}}
+{{- end -}}
+
 {{- define "drust.shareClassName" -}}
 {{- printf "gpu-share.%s" (include "drust.classDomain" .) -}}
 {{- end -}}

@@ -141,6 +141,7 @@ fn main() -> anyhow::Result<()> {
                     sharing: None,
                     mig: None,
                     share: None,
+                    imex_channel: None,
                 }],
                 cdi_spec_path: Default::default(),
                 cdi_spec: Default::default(),

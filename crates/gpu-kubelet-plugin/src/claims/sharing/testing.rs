@@ -259,6 +259,7 @@ pub(super) fn device(name: &str) -> RecordedDevice {
         sharing: None,
         mig: None,
         share: None,
+        imex_channel: None,
     }
 }
 
