@@ -826,6 +826,62 @@ async fn an_existing_mig_device_is_prepared_with_its_capability_nodes() {
     );
 }
 
+/// A share's metadata (KEP-5304) names its GPU with the GPU's attributes, as a whole GPU's
+/// does: upstream's `Device` has no share ID, and each share's claim has its own file.
+#[tokio::test]
+async fn a_shares_device_metadata_names_its_gpu_and_each_share_has_its_own_file() {
+    use gpu_kubelet_plugin::device_metadata::DeviceMetadata;
+    let mut f = Fixture::new(vec![
+        share_claim(
+            "half-a",
+            "ua",
+            dev(2),
+            "00000000-0000-4000-8000-00000000000a",
+            "20Gi",
+        ),
+        share_claim(
+            "half-b",
+            "ub",
+            dev(2),
+            "00000000-0000-4000-8000-00000000000b",
+            "20Gi",
+        ),
+    ]);
+    f.device_metadata = Some(Arc::new(DeviceMetadata::new(
+        &f.dir.path().join("plugin"),
+        DRIVER,
+    )));
+    let c = f.controller().await;
+    let r = c
+        .prepare(vec![claim_ref("half-a", "ua"), claim_ref("half-b", "ub")])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    let gpu = &gpus()[2];
+    for (name, uid) in [("half-a", "ua"), ("half-b", "ub")] {
+        let path = f.dir.path().join(format!(
+            "plugin/dra-device-metadata/ns_{name}/gpus/metadata.json"
+        ));
+        let doc: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(doc["metadata"]["uid"], uid);
+        let devices = doc["requests"][0]["devices"].as_array().unwrap();
+        assert_eq!(devices.len(), 1, "{doc}");
+        assert_eq!(devices[0]["name"], dev(2));
+        assert_eq!(
+            devices[0]["attributes"]["uuid"]["string"],
+            gpu.raw.uuid.as_str()
+        );
+    }
+    let r = c
+        .unprepare(vec![claim_ref("half-a", "ua"), claim_ref("half-b", "ub")])
+        .await;
+    assert!(r.values().all(Result::is_ok), "{r:?}");
+    let left = std::fs::read_dir(f.dir.path().join("plugin/dra-device-metadata"))
+        .map(Iterator::count)
+        .unwrap_or(0);
+    assert_eq!(left, 0, "every share's file removed");
+}
+
 /// A share of an existing MIG device (fractional GPUs): the MIG device's own nodes, and its
 /// share limits under the MIG device's own daemon (keyed by the MIG UUID).
 #[tokio::test]

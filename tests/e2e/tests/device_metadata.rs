@@ -15,7 +15,8 @@
 //!
 //! A MIG device created at prepare (partitionable MIG, the fake PCIe A100 node): the reader finds
 //! the allocated placement with the new MIG device's UUID, its profile and its parent's UUID. A
-//! share's file names its GPU as a whole GPU's does (KEP-5304's `Device` has no share ID).
+//! share's file names its GPU as a whole GPU's does (KEP-5304's `Device` has no share ID;
+//! `gpu-kubelet-plugin`'s `claims` test checks two shares of one GPU).
 
 use std::collections::BTreeMap;
 use std::path::Path;
