@@ -518,10 +518,12 @@ fn already_set(claim: &ResourceClaim, desired: &[(Channel, Binding)]) -> bool {
         .map(Vec::as_slice)
         .unwrap_or_default();
     desired.iter().all(|(ch, b)| {
-        let Some(entry) = devices
-            .iter()
-            .find(|d| d.driver == ch.driver && d.pool == ch.pool && d.device == ch.device)
-        else {
+        let Some(entry) = devices.iter().find(|d| {
+            d.driver == ch.driver
+                && d.pool == ch.pool
+                && d.device == ch.device
+                && d.share_id == ch.share_id
+        }) else {
             return false;
         };
         let (type_, reason) = match b {
@@ -823,11 +825,15 @@ impl<D: Domain> Context<D> {
                         (FAILED_CONDITION, reason.as_str(), message.clone())
                     }
                 };
-                json!({
+                let mut entry = json!({
                     "driver": ch.driver, "pool": ch.pool, "device": ch.device,
                     "conditions": [{"type": type_, "status": "True", "reason": reason,
                                     "message": message, "lastTransitionTime": time}],
-                })
+                });
+                if let Some(id) = &ch.share_id {
+                    entry["shareID"] = json!(id);
+                }
+                entry
             })
             .collect();
         let patch = json!({

@@ -32,6 +32,9 @@ pub struct Channel {
     pub pool: String,
     /// `device`.
     pub device: String,
+    /// `shareID`, set when the device allows multiple allocations (KEP-5075); part of the
+    /// status entry's key.
+    pub share_id: Option<String>,
 }
 
 /// The channel devices of an allocated claim, each with its node: the allocation's node
@@ -61,6 +64,7 @@ pub fn channels(claim: &ResourceClaim) -> Vec<Channel> {
             driver: r.driver.clone(),
             pool: r.pool.clone(),
             device: r.device.clone(),
+            share_id: r.share_id.clone(),
         })
         .collect()
 }
