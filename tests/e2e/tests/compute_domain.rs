@@ -499,3 +499,73 @@ async fn a_daemon_that_cannot_start_shows_in_status_claim_and_event() -> anyhow:
     ensure!(c0.0 == "True", "{c0:?}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nvidia_compatibility_mode_serves_resource_nvidia_com_compute_domains() -> anyhow::Result<()>
+{
+    let (cp, client) = start(ControlPlaneOptions::default()).await?;
+    let dir = tempfile::tempdir()?;
+    let nodes = names("tray", 2);
+    paper_nodes(&cp, &client, &nodes, |_| Some(CLIQUE_A)).await?;
+    let _kubelet = PaperKubelet::start(&client);
+    let controller = Controller::start(&cp, "nvidia", dir.path())?;
+    create_domain(&client, "ignored", "ignored-channel", 0).await?;
+    // NVIDIA's documented shape (numNodes omitted: deprecated and optional).
+    let api = nvidia_domain_api(&client, WORK);
+    let cd: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain",
+        "metadata": {"name": "imex-channel-injection", "namespace": WORK},
+        "spec": {"channel": {"resourceClaimTemplate": {"name": "imex-channel-0"}}},
+    }))?;
+    let cd = api.create(&PostParams::default(), &cd).await?;
+    let uid = cd.uid().unwrap_or_default();
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), WORK);
+    let t = until("template imex-channel-0", TIMEOUT, || async {
+        templates
+            .get_opt("imex-channel-0")
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await?;
+    let t = serde_json::to_value(&t)?;
+    let p = &t["spec"]["spec"]["devices"]["config"][0]["opaque"]["parameters"];
+    ensure!(p["apiVersion"] == "resource.nvidia.com/v1beta1", "{p}");
+    ensure!(
+        p["kind"] == "ComputeDomainChannelConfig" && p["domainID"] == json!(uid),
+        "{p}"
+    );
+    ensure!(
+        t["metadata"]["ownerReferences"][0]["apiVersion"] == "resource.nvidia.com/v1beta1",
+        "{t}"
+    );
+    create_pod(&client, "worker", "imex-channel-0", None).await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), WORK);
+    until("worker bound", TIMEOUT, || async {
+        let p = pods.get("worker").await.map_err(|e| e.to_string())?;
+        Ok(p.spec.and_then(|s| s.node_name))
+    })
+    .await
+    .map_err(|e| anyhow::anyhow!("{e}\ncontroller log:\n{}", controller.log_text()))?;
+    let status = until("the NVIDIA domain Ready", TIMEOUT, || async {
+        let cd = api
+            .get("imex-channel-injection")
+            .await
+            .map_err(|e| e.to_string())?;
+        let s = cd.data["status"].clone();
+        if s["status"] == "Ready" {
+            Ok(Some(s))
+        } else {
+            Err(s.to_string())
+        }
+    })
+    .await?;
+    let m = members(&status);
+    ensure!(
+        m.len() == 1 && m.values().all(|n| n.0 == 0 && n.1 == CLIQUE_A),
+        "{status}"
+    );
+    // drust's API is not served by this controller: the drust domain created before the
+    // NVIDIA one, which the controller has since served, got nothing.
+    ensure!(templates.get_opt("ignored-channel").await?.is_none());
+    Ok(())
+}

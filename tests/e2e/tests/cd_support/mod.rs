@@ -47,6 +47,12 @@ pub fn domain_api(client: &Client, ns: &str) -> Api<DynamicObject> {
     Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
 }
 
+/// NVIDIA's ComputeDomain API (compatibility mode).
+pub fn nvidia_domain_api(client: &Client, ns: &str) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk("resource.nvidia.com", "v1beta1", "ComputeDomain");
+    Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk(&gvk))
+}
+
 /// A control plane with the CRDs, the DeviceClass and the two namespaces.
 pub async fn start(options: ControlPlaneOptions) -> anyhow::Result<(ControlPlane, Client)> {
     let cp = ControlPlane::start(options).await?;
