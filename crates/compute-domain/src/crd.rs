@@ -209,7 +209,8 @@ pub fn crd_yaml<D: Domain>() -> Result<String, serde_yaml_ng::Error> {
     let body = serde_yaml_ng::to_string(&D::crd())?;
     Ok(format!(
         "# Generated from crates/compute-domain/src/crd.rs by\n\
-         # `cargo run -p compute-domain --bin drust-compute-domain-controller -- crds deploy/crds`;\n\
+         # `cargo run -p compute-domain --bin drust-compute-domain-controller -- crds <dir>`\n\
+         # into deploy/crds and deploy/helm/drust/files/crds;\n\
          # the crate's test `crd_files_are_current` fails when this file is stale.\n{body}"
     ))
 }
@@ -262,12 +263,16 @@ mod tests {
                 crd_yaml::<DrustComputeDomain>().unwrap(),
             ),
         ] {
-            let on_disk = std::fs::read_to_string(root.join(file)).unwrap_or_default();
-            assert!(
-                on_disk == yaml,
-                "deploy/crds/{file} is stale: run `cargo run -p compute-domain --bin \
-                 drust-compute-domain-controller -- crds deploy/crds`"
-            );
+            for dir in [root.clone(), root.join("../helm/drust/files/crds")] {
+                let on_disk = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+                assert!(
+                    on_disk == yaml,
+                    "{}/{file} is stale: run `cargo run -p compute-domain --bin \
+                     drust-compute-domain-controller -- crds deploy/crds` (and the same for \
+                     deploy/helm/drust/files/crds)",
+                    dir.display()
+                );
+            }
         }
     }
 }

@@ -49,6 +49,61 @@ pub struct DaemonSettings {
     pub imex_ctl_binary: String,
     /// The daemon Pods' priority class; empty: none.
     pub priority_class: String,
+    /// This binary inside the image, run by the readiness probe (`imex-ready`).
+    pub probe_binary: String,
+}
+
+/// The readiness check of a daemon: `chroot <driver_root> <ctl> -c <config> -q` answers
+/// exactly `READY` (one trailing newline allowed), within `timeout`.
+///
+/// # Errors
+/// What it answered instead, or why it did not run.
+pub fn probe_ready(
+    driver_root: &str,
+    ctl: &str,
+    config: &str,
+    timeout: std::time::Duration,
+) -> Result<(), String> {
+    let mut child = std::process::Command::new("chroot")
+        .args([driver_root, ctl, "-c", config, "-q"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("running chroot {driver_root} {ctl}: {e}"))?;
+    let mut stdout = child.stdout.take();
+    let reader = std::thread::spawn(move || {
+        let mut out = String::new();
+        if let Some(s) = stdout.as_mut() {
+            let _ = std::io::Read::read_to_string(s, &mut out);
+        }
+        out
+    });
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{ctl} -q gave no answer within {} ms",
+                    timeout.as_millis()
+                ));
+            }
+            Err(e) => return Err(format!("waiting for {ctl}: {e}")),
+        }
+    }
+    let out = reader.join().unwrap_or_default();
+    let answer = out.strip_suffix('\n').unwrap_or(&out);
+    if answer == "READY" {
+        Ok(())
+    } else {
+        Err(format!("{ctl} -q answered {answer:?}, not READY"))
+    }
 }
 
 /// A short stable hash of `parts` (hex), for object names that must fit 63 characters.
@@ -180,9 +235,18 @@ pub fn daemon_pod(
     let name = pod_name(uid, node);
     let imex = format!("/{}", settings.imex_binary.trim_start_matches('/'));
     let ctl = format!("/{}", settings.imex_ctl_binary.trim_start_matches('/'));
-    // The readiness probe: the daemon's own answer must be exactly READY.
-    let probe =
-        format!("test \"$(chroot /driver-root {ctl} -c {CONFIG_FILE} -q 2>/dev/null)\" = READY");
+    // The readiness probe: the daemon's own answer must be exactly READY. The image has no
+    // shell; the controller binary compares it ([`probe_ready`]).
+    let probe = [
+        settings.probe_binary.as_str(),
+        "imex-ready",
+        "--driver-root",
+        "/driver-root",
+        "--ctl",
+        ctl.as_str(),
+        "--config",
+        CONFIG_FILE,
+    ];
     let priority = (!settings.priority_class.is_empty()).then_some(&settings.priority_class);
     let pod = json!({
         "apiVersion": "v1",
@@ -218,7 +282,7 @@ pub fn daemon_pod(
                 "securityContext": {"privileged": true},
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
                 "readinessProbe": {
-                    "exec": {"command": ["sh", "-c", probe]},
+                    "exec": {"command": probe},
                     "periodSeconds": 2,
                     "timeoutSeconds": 5,
                 },
@@ -339,7 +403,48 @@ mod tests {
             imex_binary: "usr/bin/nvidia-imex".into(),
             imex_ctl_binary: "usr/bin/nvidia-imex-ctl".into(),
             priority_class: String::new(),
+            probe_binary: "/usr/bin/drust-compute-domain-controller".into(),
         }
+    }
+
+    #[test]
+    fn the_probe_accepts_exactly_ready() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = |name: &str, body: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+            let mut perms = std::fs::metadata(&path).unwrap().permissions();
+            std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+            std::fs::set_permissions(&path, perms).unwrap();
+            path.display().to_string()
+        };
+        let t = std::time::Duration::from_secs(5);
+        let ready = script("ready", "echo READY");
+        // chroot into / (the test's root stands in for the driver root; needs CAP_SYS_CHROOT).
+        if probe_ready("/", &ready, "/cfg", t).is_err() && !nix_root() {
+            return;
+        }
+        assert_eq!(probe_ready("/", &ready, "/cfg", t), Ok(()));
+        let starting = script("starting", "echo INITIALIZING");
+        assert!(
+            probe_ready("/", &starting, "/cfg", t)
+                .unwrap_err()
+                .contains("INITIALIZING")
+        );
+        let hung = script("hung", "sleep 30");
+        let short = std::time::Duration::from_millis(300);
+        assert!(
+            probe_ready("/", &hung, "/cfg", short)
+                .unwrap_err()
+                .contains("no answer")
+        );
+    }
+
+    fn nix_root() -> bool {
+        std::fs::read_to_string("/proc/self/status")
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //!
 //! RBAC (deploy/helm/drust/templates/compute-domain-controller.yaml): the domains and their
 //! status; ResourceClaimTemplates (create, get); ResourceClaims (list, watch) and their status
-//! (patch, with `arbitrary-node-patch` on `resourceclaims/driver` for `gpu.drust.dev`);
+//! (patch, with `arbitrary-node:patch` on `resourceclaims/driver` for `gpu.drust.dev`);
 //! ResourceSlices (list, watch); Pods and ConfigMaps in its own namespace; events.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};

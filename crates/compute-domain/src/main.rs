@@ -46,6 +46,9 @@ struct Args {
     /// The daemon Pods' priority class (empty: none).
     #[arg(long, default_value = "")]
     priority_class: String,
+    /// This binary's path inside the image (the daemon Pods' readiness probe runs it).
+    #[arg(long, default_value = "/usr/bin/drust-compute-domain-controller")]
+    probe_binary: String,
     /// Reconcile every domain again after this long.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     resync: Duration,
@@ -62,6 +65,22 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The IMEX daemon Pod's readiness probe: exit 0 when `chroot <driver-root> <ctl> -c
+    /// <config> -q` answers exactly `READY`, else 1 with the answer on stderr.
+    ImexReady {
+        /// The driver root inside the Pod.
+        #[arg(long)]
+        driver_root: String,
+        /// `nvidia-imex-ctl` inside the driver root.
+        #[arg(long)]
+        ctl: String,
+        /// The daemon's config inside the driver root.
+        #[arg(long)]
+        config: String,
+        /// How long the answer may take.
+        #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
     /// Write both CRDs (YAML) into a directory, as `deploy/crds/` holds them.
     Crds {
         /// The directory.
@@ -84,6 +103,16 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    if let Some(Command::ImexReady {
+        driver_root,
+        ctl,
+        config,
+        timeout,
+    }) = &args.command
+    {
+        return compute_domain::imex::probe_ready(driver_root, ctl, config, *timeout)
+            .map_err(anyhow::Error::msg);
+    }
     if let Some(Command::Crds { dir }) = &args.command {
         for (file, yaml) in [
             (
@@ -119,6 +148,7 @@ async fn main() -> anyhow::Result<()> {
             imex_binary: args.imex_binary,
             imex_ctl_binary: args.imex_ctl_binary,
             priority_class: args.priority_class,
+            probe_binary: args.probe_binary,
         },
         reporter: Reporter {
             controller: "drust-compute-domain-controller".into(),

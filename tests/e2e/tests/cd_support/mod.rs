@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -57,25 +57,35 @@ pub fn nvidia_domain_api(client: &Client, ns: &str) -> Api<DynamicObject> {
 pub async fn start(options: ControlPlaneOptions) -> anyhow::Result<(ControlPlane, Client)> {
     let cp = ControlPlane::start(options).await?;
     let client = cp.client().await?;
-    let crds: Api<DynamicObject> = Api::all_with(
-        client.clone(),
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "apiextensions.k8s.io",
-            "v1",
-            "CustomResourceDefinition",
-        )),
-    );
-    for file in [
-        "deploy/crds/compute.drust.dev_computedomains.yaml",
-        "deploy/crds/resource.nvidia.com_computedomains.yaml",
-    ] {
-        let text = std::fs::read_to_string(repo_path(file)).context(file)?;
-        let crd: DynamicObject = serde_yaml_ng::from_str(&text).context(file)?;
-        crds.create(&PostParams::default(), &crd)
-            .await
-            .context(file)?;
+    prepare(&client, true).await?;
+    Ok((cp, client))
+}
+
+/// The workload namespace and the DeviceClass; with `everything`, also the CRDs of
+/// `deploy/crds/` and [`SYSTEM`] (what the chart installs otherwise).
+pub async fn prepare(client: &Client, everything: bool) -> anyhow::Result<()> {
+    if everything {
+        let crds: Api<DynamicObject> = Api::all_with(
+            client.clone(),
+            &ApiResource::from_gvk(&GroupVersionKind::gvk(
+                "apiextensions.k8s.io",
+                "v1",
+                "CustomResourceDefinition",
+            )),
+        );
+        for file in [
+            "deploy/crds/compute.drust.dev_computedomains.yaml",
+            "deploy/crds/resource.nvidia.com_computedomains.yaml",
+        ] {
+            let text = std::fs::read_to_string(repo_path(file)).context(file)?;
+            let crd: DynamicObject = serde_yaml_ng::from_str(&text).context(file)?;
+            crds.create(&PostParams::default(), &crd)
+                .await
+                .context(file)?;
+        }
     }
-    for ns in [SYSTEM, WORK] {
+    let namespaces: &[&str] = if everything { &[SYSTEM, WORK] } else { &[WORK] };
+    for ns in namespaces {
         let namespace: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}}))?;
         Api::<Namespace>::all(client.clone())
             .create(&PostParams::default(), &namespace)
@@ -99,7 +109,7 @@ pub async fn start(options: ControlPlaneOptions) -> anyhow::Result<(ControlPlane
     .create(&PostParams::default(), &class)
     .await?;
     // The CRD is served once established.
-    let domains = domain_api(&client, WORK);
+    let domains = domain_api(client, WORK);
     until("the ComputeDomain CRD served", TIMEOUT, || async {
         match domains.list(&ListParams::default()).await {
             Ok(_) => Ok(Some(())),
@@ -107,7 +117,7 @@ pub async fn start(options: ControlPlaneOptions) -> anyhow::Result<(ControlPlane
         }
     })
     .await?;
-    Ok((cp, client))
+    Ok(())
 }
 
 /// Registers paper nodes `names`, each with one slice holding [`CHANNEL`] as the contract
@@ -167,6 +177,16 @@ pub struct Controller {
 impl Controller {
     /// Starts `drust-compute-domain-controller --api <api>` against `cp`, its log in `dir`.
     pub fn start(cp: &ControlPlane, api: &str, dir: &std::path::Path) -> anyhow::Result<Self> {
+        let args = ["--api", api, "--namespace", SYSTEM, "--image", "drust:test"];
+        Self::start_with(cp.kubeconfig_path(), &args, dir)
+    }
+
+    /// Starts it with `args` and `kubeconfig`.
+    pub fn start_with(
+        kubeconfig: &std::path::Path,
+        args: &[&str],
+        dir: &std::path::Path,
+    ) -> anyhow::Result<Self> {
         static RUN: AtomicU32 = AtomicU32::new(0);
         let binary = drust_e2e::binary::compute_domain_controller_binary()
             .map_err(|e| anyhow::anyhow!(e))?;
@@ -176,11 +196,11 @@ impl Controller {
         ));
         let file = std::fs::File::create(&log)?;
         let child = Command::new(binary)
-            .args(["--api", api, "--namespace", SYSTEM, "--image", "drust:test"])
+            .args(args)
             .arg("--kubeconfig")
-            .arg(cp.kubeconfig_path())
+            .arg(kubeconfig)
             .env("RUST_LOG", "info,compute_domain=debug")
-            .stdout(Stdio::null())
+            .stdout(file.try_clone()?)
             .stderr(file)
             .spawn()?;
         Ok(Controller { child, log })
