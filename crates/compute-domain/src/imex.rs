@@ -340,6 +340,10 @@ pub fn daemon_state(pod: Option<&Pod>) -> DaemonState {
     let Some(pod) = pod else {
         return DaemonState::Starting;
     };
+    // A Pod on its way out serves no new claim; its successor is made once it is gone.
+    if pod.metadata.deletion_timestamp.is_some() {
+        return DaemonState::Starting;
+    }
     let name = pod.metadata.name.as_deref().unwrap_or_default();
     let Some(status) = pod.status.as_ref() else {
         return DaemonState::Starting;
@@ -526,6 +530,13 @@ mod tests {
                 "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]})))),
             DaemonState::Failed(r, _) if r == "DaemonNotStarting"
         ));
+        let mut leaving = pod(json!({"podIP": "10.1.1.1",
+            "conditions": [{"type": "Ready", "status": "True"}]}));
+        leaving.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::now(),
+            ));
+        assert_eq!(daemon_state(Some(&leaving)), DaemonState::Starting);
         assert!(matches!(
             daemon_state(Some(&pod(json!({"phase": "Failed"})))),
             DaemonState::Failed(r, _) if r == "DaemonPodFailed"

@@ -916,6 +916,10 @@ impl<D: Domain> Context<D> {
             }
         }
         self.release(uid);
+        self.published
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(u, _, _)| u != uid);
         if domain.finalizers().iter().any(|f| f == FINALIZER) {
             let finalizers: Vec<&String> = domain
                 .finalizers()

@@ -569,3 +569,63 @@ async fn nvidia_compatibility_mode_serves_resource_nvidia_com_compute_domains() 
     ensure!(templates.get_opt("ignored-channel").await?.is_none());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_leaving_mid_job_frees_its_index_and_daemon_and_nothing_else() -> anyhow::Result<()>
+{
+    let (cp, client) = start(ControlPlaneOptions::default()).await?;
+    let dir = tempfile::tempdir()?;
+    let nodes = names("tray", 4);
+    paper_nodes(&cp, &client, &nodes, |_| Some(CLIQUE_A)).await?;
+    let _kubelet = PaperKubelet::start(&client);
+    let _controller = Controller::start(&cp, "drust", dir.path())?;
+    let cd = create_domain(&client, "job", "job-channel", 0).await?;
+    let uid = cd.uid().unwrap_or_default();
+    for i in 0..3 {
+        allocated_claim(&client, &format!("c{i}"), &uid, &nodes[i]).await?;
+    }
+    let before = members(
+        &wait_status(&client, "job", "3 members Ready", |s| {
+            members(s).len() == 3 && s["status"] == "Ready"
+        })
+        .await?,
+    );
+    // tray-1's claim goes (its pods ended, the claim was deallocated and deleted).
+    Api::<ResourceClaim>::namespaced(client.clone(), WORK)
+        .delete("c1", &DeleteParams::default())
+        .await?;
+    let after = members(
+        &wait_status(&client, "job", "tray-1 gone", |s| {
+            !members(s).contains_key("tray-1") && members(s).len() == 2
+        })
+        .await?,
+    );
+    for n in ["tray-0", "tray-2"] {
+        ensure!(after[n].0 == before[n].0, "{n}: {before:?} -> {after:?}");
+    }
+    until("tray-1's daemon deleted", TIMEOUT, || async {
+        let pods = daemon_pods(&client, &uid).await?;
+        let on_tray_1 = pods.iter().any(|p| {
+            p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("tray-1")
+                && p.metadata.deletion_timestamp.is_none()
+        });
+        Ok((!on_tray_1 && pods.len() >= 2).then_some(()))
+    })
+    .await?;
+    // A new node takes the freed index; the others keep theirs.
+    allocated_claim(&client, "c3", &uid, "tray-3").await?;
+    let last = members(
+        &wait_status(&client, "job", "tray-3 listed", |s| {
+            members(s).contains_key("tray-3") && s["status"] == "Ready"
+        })
+        .await?,
+    );
+    ensure!(
+        last["tray-3"].0 == before["tray-1"].0,
+        "{before:?} -> {last:?}"
+    );
+    for n in ["tray-0", "tray-2"] {
+        ensure!(last[n].0 == before[n].0, "{n}: {before:?} -> {last:?}");
+    }
+    Ok(())
+}
