@@ -581,8 +581,8 @@ async fn a_node_leaving_mid_job_frees_its_index_and_daemon_and_nothing_else() ->
     let _controller = Controller::start(&cp, "drust", dir.path())?;
     let cd = create_domain(&client, "job", "job-channel", 0).await?;
     let uid = cd.uid().unwrap_or_default();
-    for i in 0..3 {
-        allocated_claim(&client, &format!("c{i}"), &uid, &nodes[i]).await?;
+    for (i, node) in nodes.iter().take(3).enumerate() {
+        allocated_claim(&client, &format!("c{i}"), &uid, node).await?;
     }
     let before = members(
         &wait_status(&client, "job", "3 members Ready", |s| {
