@@ -18,9 +18,13 @@ pub const READY: &str = "Ready";
 /// `status.status` and a node's `status` otherwise.
 pub const NOT_READY: &str = "NotReady";
 
-/// The spec both APIs share.
+/// The spec both APIs share. Immutable, as NVIDIA's: a renamed template would orphan the claims
+/// made from the old one.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self == oldSelf", "message": "spec is immutable: create another ComputeDomain instead"}
+]))]
 pub struct ComputeDomainSpec {
     /// Intended number of nodes (IMEX daemons) in the domain; 0 or absent: any. Used only
     /// for `status.status`. Deprecated by NVIDIA.

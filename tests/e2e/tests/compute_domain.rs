@@ -77,6 +77,20 @@ async fn the_template_is_created_owned_and_a_foreign_one_is_never_overwritten() 
     })
     .await?;
 
+    // The spec is immutable: a renamed template would orphan the claims made from this one.
+    let rename = json!({"spec": {"channel": {"resourceClaimTemplate": {"name": "other"}}}});
+    match domain_api(&client, WORK)
+        .patch(
+            "train",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&rename),
+        )
+        .await
+    {
+        Err(kube::Error::Api(e)) if e.code == 422 && e.message.contains("immutable") => {}
+        other => anyhow::bail!("the spec changed: {other:?}"),
+    }
+
     // A template that someone else owns.
     let foreign: ResourceClaimTemplate = serde_json::from_value(json!({
         "metadata": {"name": "taken", "namespace": WORK},
