@@ -54,6 +54,7 @@ pub struct ChannelSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 pub struct ResourceClaimTemplateRef {
     /// Its name.
+    #[schemars(length(min = 1))]
     pub name: String,
 }
 

@@ -629,10 +629,11 @@ impl<D: Domain> Context<D> {
         let spec = domain.domain_spec();
         let tname = spec.channel.resource_claim_template.name.clone();
         if tname.is_empty() {
-            return Err(Error::Build {
-                domain: key.to_owned(),
-                problem: "spec.channel.resourceClaimTemplate.name is empty".to_owned(),
-            });
+            // Bad input: said in the status and an event, not retried until the spec changes.
+            let m =
+                format!("ComputeDomain {key}: spec.channel.resourceClaimTemplate.name is empty");
+            self.warn(domain, uid, "InvalidSpec", &m).await;
+            return Ok(Some(condition("InvalidSpec", "EmptyTemplateName", &m)));
         }
         let api = Api::<ResourceClaimTemplate>::namespaced(self.client.clone(), &ns);
         let object = || format!("ResourceClaimTemplate {ns}/{tname}");
