@@ -369,7 +369,7 @@ pub async fn reconcile<D: Domain>(domain: Arc<D>, ctx: Arc<Context<D>>) -> Resul
         }
     }
 
-    ctx.apply_config_map(&uid, &nodes).await?;
+    ctx.apply_config_map(&uid, &key, &nodes).await?;
     ctx.sync_pods(&uid, &key, &nodes, &pods).await?;
 
     // Domain conditions and events.
@@ -702,10 +702,15 @@ impl<D: Domain> Context<D> {
     }
 
     /// The domain's ConfigMap, applied (a no-op write when unchanged).
-    async fn apply_config_map(&self, uid: &str, nodes: &[ComputeDomainNode]) -> Result<(), Error> {
+    async fn apply_config_map(
+        &self,
+        uid: &str,
+        domain: &str,
+        nodes: &[ComputeDomainNode],
+    ) -> Result<(), Error> {
         let s = &self.settings.daemon;
         let cm = imex::config_map(s, uid, nodes).map_err(|problem| Error::Build {
-            domain: uid.to_owned(),
+            domain: domain.to_owned(),
             problem,
         })?;
         let name = imex::config_map_name(uid);
