@@ -16,8 +16,9 @@ install -D -m 0755 "$bin/gpu-kubelet-plugin" "$out/usr/bin/gpu-kubelet-plugin"
 install -D -m 0755 "$bin/drust-cdi-hook" "$out/usr/bin/drust-cdi-hook"
 install -D -m 0755 "$bin/drust-explain-controller" "$out/usr/bin/drust-explain-controller"
 # The ComputeDomain controller (the chart's Deployment with `computeDomains.enabled`); its IMEX
-# daemon Pods run this image too, `chroot /driver-root nvidia-imex`, and their readiness probe
-# is this binary's `imex-ready` (the image has no shell to compare the answer with).
+# daemon Pods run this image too: this binary's `imex-daemon` runs `chroot /driver-root
+# nvidia-imex` and restarts it when its nodes file changes, and their readiness probe is its
+# `imex-ready` (the image has no shell to compare the answer with).
 install -D -m 0755 "$bin/drust-compute-domain-controller" \
   "$out/usr/bin/drust-compute-domain-controller"
 # An MPS control daemon Pod runs `chroot /driver-root nvidia-cuda-mps-control -f` in this image.

@@ -1,8 +1,9 @@
 //! The IMEX daemon of a domain on a member node: its `imexd.cfg`, its clique's nodes file (one
 //! ConfigMap per domain), its Pod, and what the Pod's state says about the daemon.
 //!
-//! The Pod runs as drust's MPS daemons do (`gpu-kubelet-plugin/src/mps/pod.rs`): chrooted into
-//! the driver root mounted read-only, no service account token, pinned by `nodeName`, every
+//! The Pod runs as drust's MPS daemons do (`gpu-kubelet-plugin/src/mps/pod.rs`): the daemon
+//! chrooted into the driver root mounted read-only (by [`crate::supervisor`], which restarts it
+//! when the nodes file changes), no service account token, pinned by `nodeName`, every
 //! taint tolerated. It lives in the controller's namespace (an owner reference cannot cross
 //! namespaces), so the domain's finalizer deletes it.
 
@@ -24,6 +25,8 @@ pub const DOMAIN_ANNOTATION: &str = "compute.drust.dev/domain";
 pub const CONFIG_DIR: &str = "/tmp/imex";
 /// The daemon's config file, inside the chroot.
 pub const CONFIG_FILE: &str = "/tmp/imex/imexd.cfg";
+/// Its nodes file, inside the chroot.
+pub const NODES_FILE: &str = "/tmp/imex/nodes.cfg";
 /// A nodes-file line for an index with no daemon IP yet: keeps every later line in place
 /// (the line number is the IMEX node ID).
 pub const NO_ADDRESS: &str = "0.0.0.0";
@@ -49,8 +52,9 @@ pub struct DaemonSettings {
     pub imex_ctl_binary: String,
     /// The daemon Pods' priority class; empty: none.
     pub priority_class: String,
-    /// This binary inside the image, run by the readiness probe (`imex-ready`).
-    pub probe_binary: String,
+    /// This binary inside the image: the Pod's process (`imex-daemon`, which runs and restarts
+    /// `nvidia-imex`) and its readiness probe (`imex-ready`).
+    pub self_binary: String,
 }
 
 /// The readiness check of a daemon: `chroot <driver_root> <ctl> -c <config> -q` answers
@@ -154,7 +158,7 @@ pub fn imexd_cfg() -> String {
         "DAEMONIZE=0",
         "BIND_INTERFACE_IP=",
         &format!("SERVER_PORT={SERVER_PORT}"),
-        &format!("IMEX_NODE_CONFIG_FILE={CONFIG_DIR}/nodes.cfg"),
+        &format!("IMEX_NODE_CONFIG_FILE={NODES_FILE}"),
         "NETWORK_INTERFACE=",
         "IMEX_WAIT_FOR_QUORUM=RECOVERY",
         "IMEX_ENABLE_AUTH_ENCRYPTION=0",
@@ -238,7 +242,7 @@ pub fn daemon_pod(
     // The readiness probe: the daemon's own answer must be exactly READY. The image has no
     // shell; the controller binary compares it ([`probe_ready`]).
     let probe = [
-        settings.probe_binary.as_str(),
+        settings.self_binary.as_str(),
         "imex-ready",
         "--driver-root",
         "/driver-root",
@@ -277,7 +281,9 @@ pub fn daemon_pod(
                 "name": "imex",
                 "image": settings.image,
                 "imagePullPolicy": settings.pull_policy,
-                "command": ["chroot", "/driver-root", imex, "-c", CONFIG_FILE],
+                "command": [settings.self_binary, "imex-daemon", "--driver-root",
+                            "/driver-root", "--imex", imex, "--config", CONFIG_FILE,
+                            "--nodes-file", NODES_FILE],
                 // The daemon opens the GPUs' and the IMEX channels' device nodes.
                 "securityContext": {"privileged": true},
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
@@ -407,7 +413,7 @@ mod tests {
             imex_binary: "usr/bin/nvidia-imex".into(),
             imex_ctl_binary: "usr/bin/nvidia-imex-ctl".into(),
             priority_class: String::new(),
-            probe_binary: "/usr/bin/drust-compute-domain-controller".into(),
+            self_binary: "/usr/bin/drust-compute-domain-controller".into(),
         }
     }
 
@@ -479,11 +485,16 @@ mod tests {
         assert_eq!(
             c.command.as_deref().unwrap(),
             [
-                "chroot",
+                "/usr/bin/drust-compute-domain-controller",
+                "imex-daemon",
+                "--driver-root",
                 "/driver-root",
+                "--imex",
                 "/usr/bin/nvidia-imex",
-                "-c",
-                CONFIG_FILE
+                "--config",
+                CONFIG_FILE,
+                "--nodes-file",
+                NODES_FILE
             ]
         );
         let root = &c.volume_mounts.as_ref().unwrap()[0];

@@ -41,6 +41,7 @@ use serde_json::json;
 pub mod crd;
 pub mod imex;
 pub mod membership;
+pub mod supervisor;
 
 use crd::{ComputeDomainNode, ComputeDomainStatus, Condition, Domain, NOT_READY, READY};
 use imex::{DOMAIN_UID_LABEL, DaemonSettings, DaemonState};

@@ -46,9 +46,10 @@ struct Args {
     /// The daemon Pods' priority class (empty: none).
     #[arg(long, default_value = "")]
     priority_class: String,
-    /// This binary's path inside the image (the daemon Pods' readiness probe runs it).
+    /// This binary's path inside the image (the daemon Pods run it: `imex-daemon`, and their
+    /// readiness probe `imex-ready`).
     #[arg(long, default_value = "/usr/bin/drust-compute-domain-controller")]
-    probe_binary: String,
+    self_binary: String,
     /// Reconcile every domain again after this long.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     resync: Duration,
@@ -65,6 +66,26 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The IMEX daemon Pod's process: runs `chroot <driver-root> <imex> -c <config>`,
+    /// restarts it when the nodes file changes, passes SIGTERM on, and exits with the daemon
+    /// when it exits on its own.
+    ImexDaemon {
+        /// The driver root inside the Pod.
+        #[arg(long)]
+        driver_root: std::path::PathBuf,
+        /// `nvidia-imex` inside the driver root.
+        #[arg(long)]
+        imex: String,
+        /// The daemon's config inside the driver root.
+        #[arg(long)]
+        config: String,
+        /// The nodes file inside the driver root.
+        #[arg(long)]
+        nodes_file: String,
+        /// How often the nodes file is read.
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        poll: Duration,
+    },
     /// The IMEX daemon Pod's readiness probe: exit 0 when `chroot <driver-root> <ctl> -c
     /// <config> -q` answers exactly `READY`, else 1 with the answer on stderr.
     ImexReady {
@@ -103,6 +124,26 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    if let Some(Command::ImexDaemon {
+        driver_root,
+        imex,
+        config,
+        nodes_file,
+        poll,
+    }) = &args.command
+    {
+        let supervised = compute_domain::supervisor::Supervised {
+            driver_root: driver_root.clone(),
+            imex: imex.clone(),
+            config: config.clone(),
+            nodes_file: nodes_file.clone(),
+            poll: *poll,
+            stop_timeout: Duration::from_secs(4),
+        };
+        let restarts = supervised.run(terminated()).await?;
+        tracing::info!(restarts, "stopped");
+        return Ok(());
+    }
     if let Some(Command::ImexReady {
         driver_root,
         ctl,
@@ -148,7 +189,7 @@ async fn main() -> anyhow::Result<()> {
             imex_binary: args.imex_binary,
             imex_ctl_binary: args.imex_ctl_binary,
             priority_class: args.priority_class,
-            probe_binary: args.probe_binary,
+            self_binary: args.self_binary,
         },
         reporter: Reporter {
             controller: "drust-compute-domain-controller".into(),
@@ -159,17 +200,7 @@ async fn main() -> anyhow::Result<()> {
         api_timeout: args.api_timeout,
         concurrency: args.concurrency,
     };
-    let shutdown = async {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => return std::future::pending().await,
-            };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    };
+    let shutdown = terminated();
     match args.api {
         ApiKind::Nvidia => {
             compute_domain::run::<NvidiaComputeDomain>(client, settings, shutdown).await
@@ -177,5 +208,17 @@ async fn main() -> anyhow::Result<()> {
         ApiKind::Drust => {
             compute_domain::run::<DrustComputeDomain>(client, settings, shutdown).await
         }
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn terminated() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
     }
 }
