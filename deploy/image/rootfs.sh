@@ -15,6 +15,12 @@ bin=$2
 install -D -m 0755 "$bin/gpu-kubelet-plugin" "$out/usr/bin/gpu-kubelet-plugin"
 install -D -m 0755 "$bin/drust-cdi-hook" "$out/usr/bin/drust-cdi-hook"
 install -D -m 0755 "$bin/drust-explain-controller" "$out/usr/bin/drust-explain-controller"
+# The ComputeDomain controller (the chart's Deployment with `computeDomains.enabled`); its IMEX
+# daemon Pods run this image too: this binary's `imex-daemon` runs `chroot /driver-root
+# nvidia-imex` and restarts it when its nodes file changes, and their readiness probe is its
+# `imex-ready` (the image has no shell to compare the answer with).
+install -D -m 0755 "$bin/drust-compute-domain-controller" \
+  "$out/usr/bin/drust-compute-domain-controller"
 # An MPS control daemon Pod runs `chroot /driver-root nvidia-cuda-mps-control -f` in this image.
 install -D -m 0755 "$(command -v chroot)" "$out/usr/sbin/chroot"
 
@@ -22,7 +28,8 @@ install -D -m 0755 "$(command -v chroot)" "$out/usr/sbin/chroot"
 # libm, libgcc_s, the loader itself).
 libraries() {
   for binary in "$out/usr/bin/gpu-kubelet-plugin" "$out/usr/bin/drust-cdi-hook" \
-                "$out/usr/bin/drust-explain-controller" "$out/usr/sbin/chroot"; do
+                "$out/usr/bin/drust-explain-controller" \
+                "$out/usr/bin/drust-compute-domain-controller" "$out/usr/sbin/chroot"; do
     ldd "$binary" | awk '/=> \// {print $3} /^\t\// {print $1}'
   done
   # The NVIDIA driver's libnvidia-ml.so.1 (which the plugin opens from the host's driver root)

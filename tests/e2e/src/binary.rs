@@ -46,6 +46,19 @@ pub fn dractl_binary() -> Result<PathBuf, String> {
     workspace_binary("dractl", &["dractl"], "dractl")
 }
 
+/// Builds (if needed) and locates the ComputeDomain controller, `crates/compute-domain`, as
+/// [`plugin_binary`] does the GPU plugin.
+///
+/// # Errors
+/// A description of the failed build.
+pub fn compute_domain_controller_binary() -> Result<PathBuf, String> {
+    workspace_binary(
+        "compute-domain",
+        &["drust-compute-domain-controller"],
+        "drust-compute-domain-controller",
+    )
+}
+
 /// Builds `bins` of workspace package `package` with the cargo that runs the tests (release
 /// when the caller is a release build) and returns the path of executable `want`: once per
 /// process, since a test that starts many plugins (a cluster of paper nodes) would otherwise
