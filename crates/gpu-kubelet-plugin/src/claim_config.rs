@@ -61,11 +61,15 @@
 //! apiVersion: gpu.drust.dev/v1alpha1      # or resource.nvidia.com/v1beta1
 //! kind: ComputeDomainChannelConfig
 //! domainID: 6f1c...                        # the ComputeDomain's UID; required
-//! allocationMode: Single                   # optional; Single is the only mode
+//! allocationMode: Single                   # optional; or All
 //! ```
 //!
 //! A channel with no such config, a `domainID` that is missing or not a label value, or the
-//! kind on a GPU or MIG device is an error naming the field ([`resolve_channels`]).
+//! kind on a GPU or MIG device is an error naming the field ([`resolve_channels`]). The claim
+//! gets the channels it was allocated: `allocationMode: All` goes with a request for every
+//! channel the node publishes (`--imex-channels`; the ComputeDomain controller's template for a
+//! domain whose `channel.allocationMode` is `All`), where NVIDIA's driver injects all 2048
+//! channels beside the one it allocates.
 
 use dra_cel::libs::quantity::Quantity;
 use k8s_openapi::api::resource::v1::DeviceAllocationConfiguration;
@@ -881,10 +885,10 @@ fn check_channel_config(c: &ComputeDomainChannelConfig) -> Result<String, String
         ));
     }
     match c.allocation_mode.as_deref() {
-        None | Some("Single") => Ok(id.to_owned()),
+        None | Some("Single" | "All") => Ok(id.to_owned()),
         Some(other) => Err(format!(
-            "opaque.parameters.allocationMode {other:?} is not supported: this driver gives a \
-             claim the one channel of its ComputeDomain on the node (Single)"
+            "opaque.parameters.allocationMode {other:?} is not supported: Single or All \
+             (the claim gets the channels it was allocated)"
         )),
     }
 }
@@ -1064,6 +1068,17 @@ mod tests {
                 Ok(vec!["3f6e-uid".to_owned()]),
                 "{api}"
             );
+            // What the ComputeDomain controller's template for an `All` domain carries.
+            let all = [entry(
+                "FromClaim",
+                &[],
+                domain(api, json!({"allocationMode": "All"})),
+            )];
+            assert_eq!(
+                resolve_channels(&all, DRIVER, &[channel("channel")]),
+                Ok(vec!["3f6e-uid".to_owned()]),
+                "{api}"
+            );
         }
     }
 
@@ -1083,8 +1098,8 @@ mod tests {
                 "opaque.parameters.domainID \"a/b\" is not a valid label value",
             ),
             (
-                domain(API_VERSION, json!({"allocationMode": "All"})),
-                "opaque.parameters.allocationMode \"All\" is not supported",
+                domain(API_VERSION, json!({"allocationMode": "Every"})),
+                "opaque.parameters.allocationMode \"Every\" is not supported: Single or All",
             ),
             (
                 domain(API_VERSION, json!({"numChannels": 2})),

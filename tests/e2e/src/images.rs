@@ -112,7 +112,8 @@ pub fn busybox_rootfs() -> io::Result<Vec<Entry>> {
     Ok(entries)
 }
 
-/// The workload image: busybox and a stand-in MPS client, running `sh` unless the pod says
+/// The workload image: busybox (with `bash` as its `sh`) and a stand-in MPS client, running
+/// `sh` unless the pod says
 /// otherwise, with the `PATH`
 /// of Debian-based images (CUDA's among them), so binaries CDI mounts in `/usr/bin` are found.
 ///
@@ -128,6 +129,12 @@ pub fn workload() -> io::Result<Image> {
     entries.push(Entry::File {
         path: FAKE_CUDA_CLIENT.trim_start_matches('/').to_owned(),
         source: drust_fakes::mps_control().to_owned(),
+        mode: 0o755,
+    });
+    // NVIDIA's examples run `bash -c`; busybox has no bash applet, so `bash` is its `sh`.
+    entries.push(Entry::Bytes {
+        path: "bin/bash".into(),
+        data: b"#!/bin/sh\nexec /bin/sh \"$@\"\n".to_vec(),
         mode: 0o755,
     });
     Ok(Image {
