@@ -102,6 +102,9 @@ enum Command {
         #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
         timeout: Duration,
     },
+    /// Print the `imexd.cfg` the controller gives every daemon (`tests/gpu/imex.sh` runs a
+    /// real `nvidia-imex` with it).
+    ImexConfig,
     /// Write both CRDs (YAML) into a directory, as `deploy/crds/` holds them.
     Crds {
         /// The directory.
@@ -153,6 +156,10 @@ async fn main() -> anyhow::Result<()> {
     {
         return compute_domain::imex::probe_ready(driver_root, ctl, config, *timeout)
             .map_err(anyhow::Error::msg);
+    }
+    if let Some(Command::ImexConfig) = &args.command {
+        print!("{}", compute_domain::imex::imexd_cfg());
+        return Ok(());
     }
     if let Some(Command::Crds { dir }) = &args.command {
         for (file, yaml) in [
