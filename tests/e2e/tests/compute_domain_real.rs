@@ -18,7 +18,9 @@
 //! second pod of the domain, kept off the first one's node, makes the other node a member: the
 //! domain is `Ready` with both nodes, indices 0 and 1, one clique, each with a Ready daemon
 //! Pod whose IP is in the clique's nodes file. Deleting the domain's pods and the domain
-//! removes the daemons and the template.
+//! removes the daemons and the template. Then NVIDIA's `allocationMode: All` example
+//! (`negative-allocationmode-all.yaml`, which only NVIDIA's host-managed mode refuses) runs, its
+//! container listing every channel the node publishes.
 
 mod cd_support;
 
@@ -39,6 +41,7 @@ use serde_json::{Value, json};
 
 const TRAY: &str = "examples/topologies/gb200-nvl-tray.yaml";
 const EXAMPLE: &str = "examples/compute-domains/nvidia/smoke-channel-injection.yaml";
+const EXAMPLE_ALL: &str = "examples/compute-domains/nvidia/negative-allocationmode-all.yaml";
 /// The daemon Pods' image: the controller's binary and `chroot`.
 const DAEMON_IMAGE: &str = "docker.io/library/drust-compute-domain:test";
 const TIMEOUT: Duration = Duration::from_secs(240);
@@ -300,6 +303,31 @@ async fn scenario(
     )
     .await
     .map_err(|e| anyhow::anyhow!("{e}\n{}", cluster.log_tail()))?;
+
+    // NVIDIA's allocationMode All example (refused by NVIDIA's host-managed mode only): its
+    // pod gets every channel the node publishes (one here).
+    let all = std::fs::read_to_string(repo_path(EXAMPLE_ALL))?
+        .replace("image: ubuntu:22.04", &format!("image: {WORKLOAD_IMAGE}"));
+    apply_yaml(client, &all, &repo_path(EXAMPLE_ALL)).await?;
+    running(&pods, "hostmanaged-all").await?;
+    let listing = until("the All pod's listing", TIMEOUT, || async {
+        let log = pods
+            .logs("hostmanaged-all", &LogParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(log.contains("channel0").then_some(log))
+    })
+    .await?;
+    ensure!(
+        listing.lines().filter(|l| l.contains(" channel")).count() == 1,
+        "every published channel (one): {listing}"
+    );
+    let d = domains.get("hostmanaged-all").await?;
+    ensure!(
+        d.data["spec"]["channel"]["allocationMode"] == "All",
+        "the domain as applied: {:?}",
+        d.data
+    );
     Ok(())
 }
 
