@@ -6,7 +6,8 @@
 //!
 //! Shape: kube-runtime's [`Controller`] over the domains of one API ([`crd::Domain`]: NVIDIA's
 //! `resource.nvidia.com/v1beta1` or drust's `compute.drust.dev/v1alpha1`), also woken by the
-//! domains' channel claims (label [`imex::DOMAIN_UID_LABEL`]) and daemon Pods; a reconcile
+//! domains' channel claims (label [`imex::DOMAIN_UID_LABEL`]), daemon Pods, and the
+//! ResourceSlices of member nodes (a clique published, withdrawn or changed); a reconcile
 //! function and an error policy. The controller is the only writer of a domain's status
 //! (server-side apply, one field manager, reconciles of one domain never overlap), so no
 //! membership update is lost when many nodes join at once (NVIDIA #1050) and there is no
@@ -17,6 +18,12 @@
 //! allocated on a node or clique another domain holds gets `IMEXDaemonFailed`, so the
 //! scheduler places it again, and the domain a Warning event. Holdings are rebuilt from the
 //! domains' statuses at start.
+//!
+//! A member whose channel stops publishing a clique (its GPUs' fabric registration in
+//! progress again, or an unhealthy fabric: the GPU plugin withdraws the clique and taints the
+//! GPUs) keeps its clique and index, so its peers' nodes files do not change, and is not Ready,
+//! with condition and Warning event [`FABRIC_NOT_READY`], until the clique is back; a member
+//! whose channel publishes another clique moves there ([`CLIQUE_CHANGED`]).
 //!
 //! RBAC (deploy/helm/drust/templates/compute-domain-controller.yaml): the domains and their
 //! status; ResourceClaimTemplates (create, get); ResourceClaims (list, watch) and their status
@@ -64,6 +71,13 @@ pub const TEMPLATE_CONFLICT: &str = "TemplateConflict";
 pub const DAEMON_FAILED: &str = "DaemonFailed";
 /// The event reason of a claim placed on a node or clique another domain holds.
 pub const CLIQUE_IN_USE: &str = "CliqueInUse";
+/// The domain condition (and event reason) of a member whose channel publishes no clique any
+/// more (its GPUs' fabric registration went back to in progress, or failed): it keeps its
+/// clique and index, and is not Ready until the clique is back.
+pub const FABRIC_NOT_READY: &str = "FabricNotReady";
+/// The event reason of a member whose channel publishes another clique (Fabric Manager
+/// re-partitioned): it moves to that clique's nodes file with an index there.
+pub const CLIQUE_CHANGED: &str = "CliqueChanged";
 
 /// How the controller behaves.
 #[derive(Debug, Clone)]
@@ -74,7 +88,7 @@ pub struct Settings {
     pub reporter: Reporter,
     /// The server-side apply field manager.
     pub field_manager: String,
-    /// Reconcile every domain again after this long (slices change cliques without waking it).
+    /// Reconcile every domain again after this long.
     pub resync: Duration,
     /// The deadline of each API call.
     pub api_timeout: Duration,
@@ -208,6 +222,23 @@ pub async fn run<D: Domain>(
             .map(|d| ObjectRef::from_obj(d.as_ref()))
     };
     let by_uid_pods = by_uid.clone();
+    // A slice changing (a clique published, withdrawn or changed) wakes the domains with a
+    // member on its node, instead of waiting for the resync.
+    let members_store = controller.store();
+    let on_node = move |slice: ResourceSlice| -> Vec<ObjectRef<D>> {
+        let Some(node) = slice.spec.node_name.clone() else {
+            return Vec::new();
+        };
+        members_store
+            .state()
+            .iter()
+            .filter(|d| {
+                d.domain_status()
+                    .is_some_and(|s| s.nodes.iter().any(|n| n.name == node))
+            })
+            .map(|d| ObjectRef::from_obj(d.as_ref()))
+            .collect()
+    };
     tracing::info!(namespace = %ns, "ComputeDomain controller started");
     controller
         .watches(
@@ -222,6 +253,11 @@ pub async fn run<D: Domain>(
                 imex::MANAGED_BY
             )),
             move |p: Pod| by_uid_pods(p.labels().get(DOMAIN_UID_LABEL).cloned()),
+        )
+        .watches(
+            Api::<ResourceSlice>::all(context.client.clone()),
+            watcher::Config::default().fields(&format!("spec.driver={}", membership::DRIVER)),
+            on_node,
         )
         .with_config(
             kube::runtime::controller::Config::default()
@@ -340,6 +376,25 @@ pub async fn reconcile<D: Domain>(domain: Arc<D>, ctx: Arc<Context<D>>) -> Resul
             claim_channels.push((claim, channels));
         }
     }
+    // A member whose channel no longer publishes a clique (registration IN_PROGRESS again, or
+    // an unhealthy fabric) keeps the clique it had: its index and its peers' nodes files stay,
+    // and it waits, not Ready, for the clique to come back. Another clique is a real move.
+    let mut fabric_pending: BTreeMap<String, String> = BTreeMap::new();
+    let mut moved: Vec<(String, String, String)> = Vec::new();
+    for (node, clique) in &mut wanted {
+        let Some(before) = previous.nodes.iter().find(|n| &n.name == node) else {
+            continue;
+        };
+        if before.clique_id.is_empty() || *clique == before.clique_id {
+            continue;
+        }
+        if clique.is_empty() {
+            fabric_pending.insert(node.clone(), before.clique_id.clone());
+            clique.clone_from(&before.clique_id);
+        } else {
+            moved.push((node.clone(), before.clique_id.clone(), clique.clone()));
+        }
+    }
     let refused = ctx.hold(&uid, &key, &wanted);
     let members: BTreeMap<String, String> = wanted
         .iter()
@@ -367,6 +422,12 @@ pub async fn reconcile<D: Domain>(domain: Arc<D>, ctx: Arc<Context<D>>) -> Resul
                 failures.insert(node.name.clone(), (reason, message));
             }
             DaemonState::Starting => {}
+        }
+    }
+
+    for node in &mut nodes {
+        if fabric_pending.contains_key(&node.name) {
+            node.status = NOT_READY.to_owned();
         }
     }
 
@@ -403,6 +464,38 @@ pub async fn reconcile<D: Domain>(domain: Arc<D>, ctx: Arc<Context<D>>) -> Resul
             "DaemonCannotStart",
             &failed_notes.join("; "),
         ));
+    }
+    let fabric_notes: Vec<String> = fabric_pending
+        .iter()
+        .map(|(node, clique)| {
+            let index = nodes
+                .iter()
+                .find(|n| &n.name == node)
+                .map_or(-1, |n| n.index);
+            format!(
+                "node {node}: its IMEX channel publishes no NVLink clique (the GPUs' fabric \
+                 registration is in progress again, or the fabric is unhealthy: see the \
+                 devices' gpu.drust.dev/fabric taints); it keeps clique {clique} and index \
+                 {index} and is not Ready until the clique is back"
+            )
+        })
+        .collect();
+    for note in &fabric_notes {
+        ctx.warn(&domain, &uid, FABRIC_NOT_READY, note).await;
+    }
+    if !fabric_notes.is_empty() {
+        conditions.push(condition(
+            FABRIC_NOT_READY,
+            FABRIC_NOT_READY,
+            &fabric_notes.join("; "),
+        ));
+    }
+    for (node, from, to) in &moved {
+        let note = format!(
+            "node {node}: its IMEX channel now publishes clique {to} instead of {from} (the \
+             fabric was re-partitioned): it moves to that clique's nodes file"
+        );
+        ctx.warn(&domain, &uid, CLIQUE_CHANGED, &note).await;
     }
     let num_nodes = domain.domain_spec().num_nodes;
     let ready_count = nodes.iter().filter(|n| n.status == READY).count();

@@ -91,23 +91,9 @@ pub async fn prepare(client: &Client, everything: bool) -> anyhow::Result<()> {
             .create(&PostParams::default(), &namespace)
             .await?;
     }
-    // The class of the contract (deploy/deviceclasses is the GPU plugin side's).
-    let class: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-        "metadata": {"name": "imex-channel.drust.dev"},
-        "spec": {"selectors": [{"cel": {"expression":
-            "device.driver == \"gpu.drust.dev\" && device.attributes[\"gpu.drust.dev\"].type == \"imex-channel\""}}]}
-    }))?;
-    Api::<DynamicObject>::all_with(
-        client.clone(),
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(
-            "resource.k8s.io",
-            "v1",
-            "DeviceClass",
-        )),
-    )
-    .create(&PostParams::default(), &class)
-    .await?;
+    // The channels' DeviceClass as shipped (server-side apply: the chart may have made it).
+    drust_e2e::manifests::apply_file(client, &repo_path("deploy/deviceclasses/imex-channel.yaml"))
+        .await?;
     // The CRD is served once established.
     let domains = domain_api(client, WORK);
     until("the ComputeDomain CRD served", TIMEOUT, || async {
