@@ -489,6 +489,14 @@ async fn the_chart_lints_renders_its_values_and_refuses_bad_ones() -> anyhow::Re
     );
     let message = refused(&["http.port=0"]).await?;
     ensure!(message.contains("/http/port"), "{message}");
+    // The ComputeDomain controller names drust's driver and channel class: a release that
+    // publishes others (NVIDIA's names) cannot run it yet, and says so.
+    let message = refused(&["computeDomains.enabled=true", "nvidiaCompatibility=true"]).await?;
+    ensure!(
+        message.contains("computeDomains.enabled")
+            && message.contains("driver gpu.nvidia.com and DeviceClass imex-channel.nvidia.com"),
+        "{message}"
+    );
     let message = refused(&["features.imexChannels=many"]).await?;
     ensure!(message.contains("/features/imexChannels"), "{message}");
     let docs = documents(&template(RELEASE, NAMESPACE, &["features.imexChannels=2"]).await?)?;

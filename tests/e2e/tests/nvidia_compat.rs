@@ -51,7 +51,12 @@ async fn run(cp: &ControlPlane) -> anyhow::Result<()> {
         .collect();
     classes.sort_unstable();
     ensure!(
-        classes == ["gpu.nvidia.com", "mig.nvidia.com"],
+        classes
+            == [
+                "gpu.nvidia.com",
+                "imex-channel.nvidia.com",
+                "mig.nvidia.com"
+            ],
         "DeviceClasses: {classes:?}"
     );
     ensure!(
