@@ -394,9 +394,20 @@ pub async fn allocated_claim(
     uid: &str,
     node: &str,
 ) -> anyhow::Result<()> {
-    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), WORK);
+    allocated_claim_in(client, WORK, name, uid, node).await
+}
+
+/// [`allocated_claim`] in namespace `ns`.
+pub async fn allocated_claim_in(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    uid: &str,
+    node: &str,
+) -> anyhow::Result<()> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), ns);
     let claim: ResourceClaim = serde_json::from_value(json!({
-        "metadata": {"name": name, "namespace": WORK, "labels": {DOMAIN_UID_LABEL: uid}},
+        "metadata": {"name": name, "namespace": ns, "labels": {DOMAIN_UID_LABEL: uid}},
         "spec": {"devices": {"requests": [{"name": "channel", "exactly": {
             "deviceClassName": "imex-channel.drust.dev", "allocationMode": "ExactCount",
             "count": 1}}]}},
