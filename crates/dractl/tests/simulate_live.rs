@@ -335,3 +335,38 @@ async fn jobset_crd() -> anyhow::Result<std::path::PathBuf> {
     let dir = info["Dir"].as_str().context("go mod download: no Dir")?;
     Ok(Path::new(dir).join("config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml"))
 }
+
+/// An API server that accepts the connection and never answers: `--pending` gives up at its
+/// deadline (`dractl::live::CALL_TIMEOUT`, 30 s) with exit status 2 and the call it was making,
+/// instead of hanging.
+#[tokio::test]
+async fn a_silent_api_server_is_given_up_at_the_deadline_naming_the_call() -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = listener.local_addr()?.port();
+    // Accept and hold every connection, reading nothing, answering nothing.
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            open.push(socket);
+        }
+    });
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: silent\n  cluster:\n    \
+             server: https://127.0.0.1:{port}\n    insecure-skip-tls-verify: true\n\
+             users:\n- name: u\n  user: {{token: t}}\ncontexts:\n- name: c\n  context: \
+             {{cluster: silent, user: u}}\ncurrent-context: c\n"
+        ),
+    )?;
+    let (code, _, stderr) = dractl(&kubeconfig, &["--pending", "job/team-a/train"]).await?;
+    held.abort();
+    ensure!(code == Some(2), "exit {code:?}: {stderr}");
+    ensure!(
+        stderr.starts_with("dractl simulate: list pods in team-a: "),
+        "the call named: {stderr}"
+    );
+    Ok(())
+}
