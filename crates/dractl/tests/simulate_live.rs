@@ -14,6 +14,7 @@
 //!   with its own role's claim.
 //! - Bad input: a Job with a pod bound to a node is refused (exit 2), as is a PodGroup with no
 //!   pending pod, naming the object and field.
+//! - An API server that never answers: given up at the deadline (30 s), exit 2, the call named.
 
 mod cli;
 
